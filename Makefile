@@ -1,0 +1,44 @@
+# Set-up, tests and the demo. `make test` and `make demo` install first when .venv is missing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+# The pinned working set. torchrec is installed with --no-deps because it names the CUDA fbgemm-gpu as
+# a dependency; its real dependencies are listed here instead, with the fbgemm build that fits the machine.
+HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+FBGEMM   := $(if $(HAS_NVIDIA_GPU),fbgemm-gpu==1.8.0,fbgemm-gpu-cpu==1.8.0)
+PINNED   := torch==2.13.0 $(FBGEMM) triton==3.7.1 tensordict torchmetrics==1.0.3 tqdm pyre-extensions
+RUNTIME  := onnx onnxruntime onnxscript click rich
+DEV      := pytest pytest-timeout hypothesis ruff
+
+DEMO_DIR ?= out/demo
+
+.PHONY: install test test-fast demo lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(PINNED) $(RUNTIME) $(DEV)
+	$(BIN)/python -m pip install -q --no-deps torchrec==1.8.0
+	# Dependencies are all in place above; --no-deps keeps pip from pulling the CUDA fbgemm-gpu via torchrec.
+	$(BIN)/python -m pip install -q --no-deps -e '.[dev]'
+	touch $@
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+demo: $(STAMP)
+	$(BIN)/python examples/build_model.py --preset tiny -o $(DEMO_DIR)/model.pt
+	$(BIN)/hstu-export describe $(DEMO_DIR)/model.pt
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .ruff_cache
