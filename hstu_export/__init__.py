@@ -5,6 +5,14 @@ Python API (release scripts):
     import hstu_export
     bundle = hstu_export.load_bundle("model.pt")
     batch = hstu_export.generate_batch(bundle.input_schema, batch_size=8, seed=1)
+    gm = hstu_export.trace(bundle.model, bundle.example_batch, leaf_modules=["MyBlock"])
+    ctx = hstu_export.PassContext(example_inputs=bundle.example_batch, model=bundle.model)
+    result = hstu_export.run_passes(gm, ctx)      # result.sparse, .dense, .boundary, .report
+
+    settings = hstu_export.ExportSettings(backend="aoti", max_batch_size=16)
+    hstu_export.export("model.pt", "model.aoti", settings)   # verified, written atomically
+    predictor = hstu_export.load("model.aoti")               # checks checksums, versions, device
+    scores = predictor(batch)
 """
 
 from __future__ import annotations
@@ -17,16 +25,52 @@ from hstu_export.errors import HstuExportError
 from hstu_export.registry import build_model, register_model, registered_models
 from hstu_export.schema import FeatureSpec, InputSchema
 
+# Tracing and the pass pipeline import torch.fx and torchrec (seconds): loaded on first use so that
+# `hstu-export --help` and bundle handling stay fast.
+_LAZY = {
+    "trace": "hstu_export.tracer",
+    "run_passes": "hstu_export.pipeline",
+    "PassContext": "hstu_export.pipeline",
+    "PipelineResult": "hstu_export.pipeline",
+    "BoundarySchema": "hstu_export.boundary",
+    "export": "hstu_export.exporter",
+    "ExportResult": "hstu_export.exporter",
+    "ExportSettings": "hstu_export.settings",
+    "VerifySettings": "hstu_export.settings",
+    "load": "hstu_export.runtimes.predictor",
+    "Predictor": "hstu_export.runtimes.predictor",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hstu_export' has no attribute {name!r}")
+
+
 __all__ = [
+    "BoundarySchema",
+    "ExportResult",
+    "ExportSettings",
     "FeatureSpec",
     "HstuExportError",
     "InputSchema",
     "ModelBundle",
+    "PassContext",
+    "PipelineResult",
+    "Predictor",
+    "VerifySettings",
     "__version__",
     "build_model",
+    "export",
     "generate_batch",
+    "load",
     "load_bundle",
     "register_model",
     "registered_models",
+    "run_passes",
     "save_bundle",
+    "trace",
 ]

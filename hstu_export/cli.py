@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from hstu_export import __version__
@@ -76,6 +77,297 @@ def describe(model: str, allow_pickle: bool, verbose: bool) -> None:
     for name, (shape, dtype) in info["example_batch"].items():
         table.add_row(name, str(list(shape)), dtype)
     console.print(table)
+
+
+
+def _stage_progress(quiet: bool) -> Any:
+    """A progress callback for ``export``: a spinner while a stage runs, a line when it ends."""
+    import contextlib
+    import time
+
+    labels = {"load": "load bundle", "trace": "trace (FX)", "passes": "run passes", "compile": "compile backend",
+              "verify": "verify against eager", "write": "write package"}
+
+    @contextlib.contextmanager
+    def stage(name: str) -> Any:
+        start = time.perf_counter()
+        if quiet:
+            yield
+            return
+        with err_console.status(f"{labels.get(name, name)}…"):
+            yield
+        err_console.print(f"[green]✓[/green] {labels.get(name, name)} [dim]{time.perf_counter() - start:.1f}s[/dim]")
+
+    return stage
+
+
+@cli.command(EXPORT_COMMAND)
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--backend", type=click.Choice(["aoti", "torchscript", "onnx", "trt"]), default="aoti",
+              show_default=True, help="What compiles the dense graph.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16", "float32", "bfloat16", "float16"]),
+              default="fp32", show_default=True)
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Largest batch (users) the package accepts.")
+@click.option("--max-seq-len", type=click.IntRange(min=1), default=None,
+              help="Longest user history accepted [default: the model's own limit].")
+@click.option("--max-candidates", type=click.IntRange(min=1), default=None,
+              help="Most candidates per user accepted [default: the model's own limit].")
+@click.option("--op-target", type=click.Choice(["triton", "aten", "rtp", "fbgemm"]), default=None,
+              help="Operator mapping [default: triton on CUDA, aten on CPU/ONNX/TensorRT].")
+@click.option("--allow-unmapped", is_flag=True, help="Keep ops with no mapping for the target (recorded as libraries).")
+@click.option("--workspace", default=None, help="TensorRT workspace size, e.g. 4GiB, 512MiB or bytes.")
+@click.option("--min-block-size", type=click.IntRange(min=1), default=5, show_default=True,
+              help="TensorRT: smallest subgraph worth converting.")
+@click.option("--torch-executed-op", multiple=True, help="TensorRT: op kept in PyTorch (repeatable).")
+@click.option("--dryrun", is_flag=True, help="TensorRT: report which ops it would take, build nothing.")
+@click.option("-o", "--out", type=click.Path(file_okay=False), default=None,
+              help="Package directory to write [default: <model>.<backend> beside the model].")
+@click.option("--dump-graphs", type=click.Path(file_okay=False), default=None,
+              help="Write every pass's graph before/after, diffs, SVGs and report.html here.")
+@click.option("--leaf-module", multiple=True, help="Module class or path the tracer keeps opaque (repeatable).")
+@click.option("--skip-pass", multiple=True, help="Pass to leave out (repeatable).")
+@click.option("--passes", default=None, help="Comma-separated pass list to run instead of the default.")
+@click.option("--check-each-pass", is_flag=True, help="Compare the graph with eager after every pass.")
+@click.option("--force", is_flag=True, help="Replace an existing package directory.")
+@click.option("--no-verify", is_flag=True, help="Skip the parity check (the manifest records that).")
+@click.option("--verify-batches", type=click.IntRange(min=0), default=4, show_default=True,
+              help="Random batches verified besides the edge cases.")
+@click.option("--allow-pickle", is_flag=True, help="Accept a pickled nn.Module bundle (runs code from the file).")
+@click.option("-q", "--quiet", is_flag=True, help="Print only errors and the package path.")
+@_verbose_option
+def export_command(model: str, backend: str, device: str, dtype: str, max_batch_size: int,
+                   max_seq_len: int | None, max_candidates: int | None, op_target: str | None,
+                   allow_unmapped: bool, workspace: str | None, min_block_size: int,
+                   torch_executed_op: tuple[str, ...], dryrun: bool, out: str | None, dump_graphs: str | None,
+                   leaf_module: tuple[str, ...], skip_pass: tuple[str, ...], passes: str | None,
+                   check_each_pass: bool, force: bool, no_verify: bool, verify_batches: int,
+                   allow_pickle: bool, quiet: bool, verbose: bool) -> None:
+    """Export MODEL (a model bundle) to a verified package.
+
+    \b
+      hstu-export model.pt --backend aoti
+      hstu-export model.pt --backend onnx --out model.onnx.pkg --force
+      hstu-export model.pt --backend trt --device cuda --workspace 4GiB
+    """
+    from pathlib import Path
+
+    from hstu_export.exporter import export
+    from hstu_export.settings import ExportSettings, VerifySettings, parse_size
+
+    settings = ExportSettings(
+        backend=backend, device=device, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+        max_candidates=max_candidates, op_target=op_target, allow_unmapped=allow_unmapped,
+        workspace_bytes=parse_size(workspace) if workspace else None, min_block_size=min_block_size,
+        torch_executed_ops=tuple(torch_executed_op), dryrun=dryrun,
+        passes=tuple(p.strip() for p in passes.split(",") if p.strip()) if passes else None,
+        skip_passes=tuple(skip_pass), leaf_modules=tuple(leaf_module), check_each_pass=check_each_pass,
+        dump_dir=Path(dump_graphs) if dump_graphs else None,
+        verify=VerifySettings(enabled=not no_verify, num_random_batches=verify_batches), force=force,
+    )
+    target = Path(out) if out else Path(model).with_suffix(f".{backend}")
+    result = export(model, target, settings, allow_pickle=allow_pickle, progress=_stage_progress(quiet))
+    if quiet:
+        console.print(str(result.path))
+        return
+    _print_summary(result.manifest, result.path)
+
+
+def _print_summary(manifest: dict[str, Any], path: Any) -> None:
+    from pathlib import Path
+
+    root = Path(path)
+    table = Table(box=None, pad_edge=False, show_header=False)
+    table.add_row("package", str(root))
+    table.add_row("backend", f"{manifest['backend']['name']} on {manifest['device']['type']} "
+                             f"({manifest['device']['name']}), {manifest['dtype']}, ops → {manifest['op_target']}")
+    sizes = {name: (root / name).stat().st_size for name in manifest["files"]}
+    table.add_row("files", ", ".join(f"{n} {_human_bytes(s)}" for n, s in sizes.items()))
+    table.add_row("size", _human_bytes(sum(sizes.values())))
+    ranges = manifest["ranges"]
+    lengths = ", ".join(f"{k} ≤ {v}" for k, v in ranges["lengths"]["max_lengths"].items())
+    table.add_row("accepts", f"batch ≤ {ranges['max_batch_size']}, {lengths}")
+    table.add_row("timings", ", ".join(f"{k} {v:.1f}s" for k, v in manifest.get("timings", {}).items()))
+    parity = manifest["parity"]
+    if parity.get("skipped"):
+        table.add_row("parity", "[yellow]not verified (--no-verify)[/yellow]")
+    else:
+        w, tol = parity["worst"], parity["tolerances"]
+        table.add_row("parity", f"[green]passed[/green] on {len(parity['batches'])} batches: worst rel. L2 "
+                                f"{w['rel_l2']:.2e} (tol {tol['rel_l2']:.0e}), max abs {w['max_abs']:.2e} "
+                                f"(tol {tol['max_abs']:.0e})")
+    if manifest.get("op_libraries"):
+        table.add_row("load needs", ", ".join(manifest["op_libraries"]))
+    console.print(table)
+
+
+def _parity_table(parity: dict[str, Any]) -> Table:
+    table = Table("batch", "B", "worst rel. L2", "worst max abs", "ok", box=None, pad_edge=False)
+    for row in parity["batches"]:
+        rel = max(e["rel_l2"] for e in row["errors"].values())
+        mab = max(e["max_abs"] for e in row["errors"].values())
+        table.add_row(row["batch"], str(row["batch_size"]), f"{rel:.2e}", f"{mab:.2e}",
+                      "[green]yes[/green]" if row["passed"] else "[red]NO[/red]")
+    return table
+
+
+@cli.command()
+@click.argument("package", type=click.Path(file_okay=False))
+@click.option("--model", "model_path", type=click.Path(dir_okay=False), default=None,
+              help="The model bundle to compare with [default: the bundle recorded in the manifest].")
+@click.option("--batches", type=click.IntRange(min=0), default=4, show_default=True, help="Random batches besides edge cases.")
+@click.option("--seed", type=int, default=7, show_default=True)
+@click.option("--allow-pickle", is_flag=True)
+@_verbose_option
+def verify(package: str, model_path: str | None, batches: int, seed: int, allow_pickle: bool, verbose: bool) -> None:
+    """Check a package against the eager model on fresh batches (exit 1 on mismatch)."""
+    from hstu_export.errors import VerificationError
+    from hstu_export.verify import verify_package
+
+    report = verify_package(package, model_path, num_random=batches, seed=seed, allow_pickle=allow_pickle)
+    console.print(_parity_table(report))
+    if not report["passed"]:
+        raise VerificationError(f"{package} does not match the eager model (tolerances {report['tolerances']})")
+    console.print(f"[green]parity ok[/green] on {len(report['batches'])} batches")
+
+
+@cli.command()
+@click.argument("package", type=click.Path(file_okay=False))
+@click.option("--batch", "batch_path", type=click.Path(dir_okay=False), required=True,
+              help="A torch.save'd dict of named tensors, or a model bundle (its example batch is used).")
+@click.option("--output", type=click.Path(dir_okay=False), default=None, help="torch.save the outputs here.")
+@_verbose_option
+def run(package: str, batch_path: str, output: str | None, verbose: bool) -> None:
+    """Run a package on one batch and print its outputs."""
+    import torch
+
+    from hstu_export.runtimes.predictor import load
+    from hstu_export.verify import load_batch_file
+
+    predictor = load(package)
+    batch = load_batch_file(batch_path)
+    outputs = predictor(batch)
+    table = Table("output", "shape", "dtype", "first values", box=None, pad_edge=False)
+    for name, value in outputs.items():
+        head = ", ".join(f"{x:.4f}" for x in value.detach().float().cpu().flatten()[:4].tolist())
+        table.add_row(name, str(list(value.shape)), str(value.dtype).removeprefix("torch."), head)
+    console.print(table)
+    if output:
+        torch.save({k: v.detach().cpu() for k, v in outputs.items()}, output)
+        console.print(f"wrote {output}")
+
+
+@cli.command()
+@click.argument("package", type=click.Path(file_okay=False))
+@click.option("--model", "model_path", type=click.Path(dir_okay=False), default=None,
+              help="The model bundle for the eager baseline [default: the bundle recorded in the manifest].")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="[default: the package's max]")
+@click.option("--iters", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True)
+@click.option("--seed", type=int, default=11, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write results as JSON.")
+@click.option("--allow-pickle", is_flag=True)
+@_verbose_option
+def bench(package: str, model_path: str | None, batch_size: int | None, iters: int, warmup: int, seed: int,
+          json_path: str | None, allow_pickle: bool, verbose: bool) -> None:
+    """Latency p50/p99 and throughput of a package against eager, measured in the same run."""
+    import json
+
+    from hstu_export.verify import bench_package
+
+    res = bench_package(package, model_path, batch_size=batch_size, iters=iters, warmup=warmup, seed=seed,
+                        allow_pickle=allow_pickle)
+    table = Table("", "p50 ms", "p99 ms", "users/s", "candidates/s", box=None, pad_edge=False)
+    for name in ("eager", "exported"):
+        r = res[name]
+        table.add_row(name, f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", f"{r['users_per_s']:,.0f}",
+                      f"{r['candidates_per_s']:,.0f}")
+    console.print(f"{res['package']}: batch of {res['batch_size']} users, {res['num_candidates']} candidates, "
+                  f"{iters} iterations on {res['device']}")
+    console.print(table)
+    console.print(f"speed-up (p50): {res['speedup_p50']:.2f}×")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+@cli.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--dump-graphs", "dump_dir", type=click.Path(file_okay=False),
+              help="Write every pass's graph before/after, diff, SVG and report.html here.")
+@click.option("--open", "open_report", is_flag=True, help="Open report.html in a browser (a temp dir without --dump-graphs).")
+@click.option("--leaf-module", "leaf_modules", multiple=True, metavar="NAME",
+              help="Keep this module opaque while tracing: class name (bare or dotted) or submodule path. Repeatable.")
+@click.option("--skip-pass", "skip", multiple=True, metavar="NAME", help="Leave out this pass. Repeatable.")
+@click.option("--passes", "passes", metavar="A,B,C", help="Run exactly these passes, in this order.")
+@click.option("--check-each-pass", is_flag=True, help="Re-run the graph after each pass and compare with eager.")
+@click.option("--allow-pickle", is_flag=True, help="Accept a pickled nn.Module (runs code from the file).")
+@_verbose_option
+def inspect(
+    model: str,
+    dump_dir: str | None,
+    open_report: bool,
+    leaf_modules: tuple[str, ...],
+    skip: tuple[str, ...],
+    passes: str | None,
+    check_each_pass: bool,
+    allow_pickle: bool,
+    verbose: bool,
+) -> None:
+    """Trace a model bundle and run the graph passes (no compilation); print what each pass did."""
+    import logging
+    import tempfile
+    from pathlib import Path
+
+    from hstu_export.bundle import load_bundle
+    from hstu_export.pipeline import PassContext, run_passes
+    from hstu_export.tracer import trace
+
+    if verbose:
+        logging.basicConfig(level=logging.DEBUG, format="%(name)s: %(message)s")
+    else:
+        # torchrec calls torch.fx's is_fx_tracing(), which logs a notice meant for torchrec's authors.
+        logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    if open_report and dump_dir is None:
+        dump_dir = tempfile.mkdtemp(prefix="hstu-inspect-")
+    pass_list = [p.strip() for p in passes.split(",") if p.strip()] if passes is not None else None
+    bundle = load_bundle(model, allow_pickle=allow_pickle)
+    gm = trace(bundle.model, bundle.example_batch, leaf_modules=leaf_modules)
+    ctx = PassContext(
+        example_inputs=bundle.example_batch,
+        model=bundle.model,
+        dump_dir=Path(dump_dir) if dump_dir else None,
+        check_each_pass=check_each_pass,
+    )
+    result = run_passes(gm, ctx, passes=pass_list, skip=skip)
+
+    console.print(f"[bold]{escape(bundle.model_name)}[/bold]  ({escape(model)})")
+    table = Table("#", "pass", "status", "ms", "nodes", "parameters", "max rel err", box=None, pad_edge=False)
+    for r in result.report:
+        done = r.status == "ok"
+        table.add_row(
+            f"{r.index:02d}", r.name, r.status, f"{r.time_s * 1000:.1f}" if done else "",
+            f"{r.nodes_before} → {r.nodes_after}" if done else "",
+            _human_bytes(r.parameter_bytes_after) if done else "",
+            "" if r.max_rel_error is None else f"{r.max_rel_error:.2g}",
+        )
+    for column in table.columns:
+        column.no_wrap = True
+    console.print(table)
+    for r in result.report:
+        if r.stats or r.note:
+            stats = " ".join(f"{k}={len(v) if isinstance(v, (list, dict)) else v}" for k, v in r.stats.items())
+            console.print(f"  [dim]{r.index:02d} {r.name}:[/dim] {escape(stats or r.note)}", soft_wrap=True)
+    if result.boundary is not None:
+        table = Table("dense input", "dtype", "shape", "from", box=None, pad_edge=False)
+        for t in result.boundary.dense_inputs:
+            table.add_row(t.name, t.dtype, escape("[" + ", ".join(map(str, t.shape)) + "]"), t.source)
+        console.print(table)
+    if result.report_path is not None:
+        console.print(f"graphs and report: {result.report_path}")
+        if open_report:
+            click.launch(str(result.report_path))
 
 
 def _human_bytes(n: float) -> str:

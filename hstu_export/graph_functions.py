@@ -13,11 +13,13 @@ graph is scripted.
 
 from __future__ import annotations
 
-from typing import Callable, List
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from hstu_export.ops.reference import jagged_positions
 
 
 def sparse_boundary(value: Tensor, name: str, jagged_by: str = "") -> Tensor:
@@ -29,7 +31,7 @@ def sparse_boundary(value: Tensor, name: str, jagged_by: str = "") -> Tensor:
     return value
 
 
-def build_kjt(keys: List[str], values: List[Tensor], lengths: List[Tensor]) -> KeyedJaggedTensor:
+def build_kjt(keys: list[str], values: list[Tensor], lengths: list[Tensor]) -> KeyedJaggedTensor:
     """KeyedJaggedTensor from per-key values and lengths (every key has one length per user)."""
     return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
 
@@ -41,15 +43,12 @@ def per_user_as_jagged(value: Tensor) -> Tensor:
 
 def token_positions(offsets: Tensor, total_len: int) -> Tensor:
     """Position of every jagged token inside its own sequence: ``[L]`` int64 (no host sync)."""
-    tokens = torch.arange(total_len, device=offsets.device, dtype=offsets.dtype)
-    seq = torch.bucketize(tokens, offsets[1:], right=True)
-    return tokens - offsets[seq]
+    return jagged_positions(offsets, total_len)[1]
 
 
 def token_sequence_ids(offsets: Tensor, total_len: int) -> Tensor:
     """Index of the sequence each jagged token belongs to: ``[L]`` int64."""
-    tokens = torch.arange(total_len, device=offsets.device, dtype=offsets.dtype)
-    return torch.bucketize(tokens, offsets[1:], right=True)
+    return jagged_positions(offsets, total_len)[0]
 
 
 WRAPPED_FUNCTIONS: tuple[Callable[..., object], ...] = (

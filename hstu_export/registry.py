@@ -7,7 +7,8 @@ Bundles store only the registered name, the config and tensors, so loading one r
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from torch import nn
 

@@ -31,6 +31,7 @@ class FeatureSpec:
     min_value: int | None = None
     max_value: int | None = None
     # "timestamp": jagged values increase within a user; a per-user timestamp comes after them.
+    # "history_length" / "candidate_count": lengths bounded by --max-seq-len / --max-candidates.
     semantic: str = ""
 
     @property

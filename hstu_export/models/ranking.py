@@ -10,6 +10,8 @@ Output: ``{task: probability [num_candidates]}``.
 
 from __future__ import annotations
 
+from typing import Dict  # noqa: UP035  (TorchScript reads these annotations)
+
 import torch
 from torch import Tensor, nn
 from torchrec.modules.embedding_configs import EmbeddingConfig
@@ -26,8 +28,10 @@ CANDIDATE_LENGTHS = "candidate_lengths"
 
 def ranking_input_schema(config: HSTUConfig) -> InputSchema:
     features = [
-        FeatureSpec(HISTORY_LENGTHS, "int64", "lengths", max_value=config.max_history_len, min_value=1),
-        FeatureSpec(CANDIDATE_LENGTHS, "int64", "lengths", max_value=config.max_num_candidates, min_value=1),
+        FeatureSpec(HISTORY_LENGTHS, "int64", "lengths", min_value=1, max_value=config.max_history_len,
+                    semantic="history_length"),
+        FeatureSpec(CANDIDATE_LENGTHS, "int64", "lengths", min_value=1, max_value=config.max_num_candidates,
+                    semantic="candidate_count"),
         FeatureSpec("uih_item_ids", "int64", "jagged", jagged_by=HISTORY_LENGTHS, min_value=0,
                     max_value=config.item_vocab_size - 1),
         FeatureSpec("uih_action_ids", "int64", "jagged", jagged_by=HISTORY_LENGTHS, min_value=0,
@@ -66,7 +70,7 @@ class HstuSparseArch(nn.Module):
         for table in self.embedding_collection.embeddings.values():
             nn.init.normal_(table.weight, std=0.05)
 
-    def forward(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
+    def forward(self, features: Dict[str, Tensor]) -> Dict[str, Tensor]:  # noqa: UP006
         hist_len = features[HISTORY_LENGTHS]
         cand_len = features[CANDIDATE_LENGTHS]
         ctx_ids = [features[name] for name in self.contextual_features]
@@ -102,7 +106,7 @@ class MultiTaskHeads(nn.Module):
             layers.append(nn.Linear(width, 1))
             self.heads.append(nn.Sequential(*layers))
 
-    def forward(self, x: Tensor) -> dict[str, Tensor]:
+    def forward(self, x: Tensor) -> Dict[str, Tensor]:  # noqa: UP006
         return {name: torch.sigmoid(head(x).squeeze(-1)) for name, head in zip(self.task_names, self.heads)}
 
 
@@ -119,7 +123,7 @@ class HstuRankingModel(nn.Module):
     def input_schema(self) -> InputSchema:
         return ranking_input_schema(self.config)
 
-    def forward(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
+    def forward(self, features: Dict[str, Tensor]) -> Dict[str, Tensor]:  # noqa: UP006
         emb = self.sparse_arch(features)
         # Embeddings come out of torchrec in fp32; run the dense part in the model's own dtype.
         dtype = self.transducer.post_norm_weight.dtype

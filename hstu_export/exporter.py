@@ -1,0 +1,283 @@
+"""One export: bundle → trace → passes → backend → verify → package (atomic).
+
+``export()`` is the Python API behind ``hstu-export MODEL``. Progress is reported through an optional
+callback so the CLI can show stages; nothing here prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hstu_export.batch import generate_batch
+from hstu_export.bundle import ModelBundle, load_bundle
+from hstu_export.errors import ConfigError, ExportError, VerificationError
+from hstu_export.package import (
+    check_target,
+    commit,
+    device_info,
+    library_versions,
+    sha256_file,
+    staging_dir,
+    write_manifest,
+)
+from hstu_export.runtimes import get_backend
+from hstu_export.runtimes.base import CompileInputs, DimSpec
+from hstu_export.schema import InputSchema
+from hstu_export.settings import ExportSettings
+from hstu_export.verify import ExportRanges, check_parity, exported_schema, verification_batches
+
+BATCH_DIM = "batch"
+Progress = Callable[[str], Any]  # called with a stage name; may return a context manager
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    manifest: dict[str, Any]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def parity(self) -> dict[str, Any]:
+        return self.manifest["parity"]
+
+
+def export_ranges(schema: InputSchema, settings: ExportSettings) -> ExportRanges:
+    """Exported ranges from the model's schema and the settings (settings may only narrow them)."""
+    max_lengths, min_lengths = {}, {}
+    for f in schema.lengths_features():
+        model_max = f.max_value if f.max_value is not None else None
+        wanted = {"history_length": settings.max_seq_len, "candidate_count": settings.max_candidates}.get(f.semantic)
+        if model_max is None and wanted is None:
+            raise ConfigError(f"the model does not bound {f.name!r}; pass --max-seq-len / --max-candidates")
+        if wanted is not None and model_max is not None and wanted > model_max:
+            flag = "--max-seq-len" if f.semantic == "history_length" else "--max-candidates"
+            raise ConfigError(f"{flag} {wanted} exceeds the model's own limit of {model_max} for {f.name!r}")
+        max_lengths[f.name] = wanted if wanted is not None else model_max
+        min_lengths[f.name] = min(f.min_value if f.min_value is not None else 1, max_lengths[f.name])
+    return ExportRanges(settings.max_batch_size, max_lengths, min_lengths)
+
+
+def feature_dims(schema: InputSchema, ranges: ExportRanges) -> dict[str, dict[int, DimSpec]]:
+    """Named dynamic dims of every model input: [B] features share ``batch``; jagged values share
+    ``<lengths>.total``. Maxima are at least 2 so the example (all dims >= 2) fits."""
+    b_max = max(ranges.max_batch_size, 2)
+    dims: dict[str, dict[int, DimSpec]] = {}
+    for f in schema.features:
+        if f.kind == "jagged":
+            dims[f.name] = {0: total_dim(f.jagged_by or "", ranges)}
+        else:
+            dims[f.name] = {0: DimSpec(BATCH_DIM, 1, b_max)}
+    return dims
+
+
+def total_dim(lengths_name: str, ranges: ExportRanges) -> DimSpec:
+    top = max(ranges.max_batch_size, 2) * ranges.max_lengths[lengths_name]
+    return DimSpec(f"{lengths_name}.total", 1, max(top, 4))
+
+
+def export_example_batch(schema: InputSchema, ranges: ExportRanges, seed: int) -> dict[str, Tensor]:
+    """A batch whose dynamic sizes are all >= 2 and pairwise different, so torch.export neither
+    specialises a dim to 0/1 nor unifies two independent dims that happen to be equal."""
+    b = 3 if ranges.max_batch_size >= 3 else 2
+    for attempt in range(200):
+        gen = torch.Generator().manual_seed(seed + attempt)
+        chosen = {}
+        for f in schema.lengths_features():
+            lo, hi = ranges.min_lengths[f.name], ranges.max_lengths[f.name]
+            chosen[f.name] = torch.randint(lo, hi + 1, (b,), generator=gen).tolist()
+        sizes = [b] + [sum(v) for v in chosen.values()]
+        if min(sizes) >= 2 and len(set(sizes)) == len(sizes):
+            return generate_batch(schema, b, seed=seed, lengths=chosen)
+    raise ConfigError("cannot build an export example batch with distinct dynamic sizes; widen the length ranges")
+
+
+def _run_stage(progress: Progress | None, name: str) -> contextlib.AbstractContextManager[Any]:
+    if progress is None:
+        return contextlib.nullcontext()
+    result = progress(name)
+    return result if isinstance(result, contextlib.AbstractContextManager) else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], progress: Progress | None, name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    with _run_stage(progress, name):
+        yield
+    timings[name] = round(time.perf_counter() - start, 3)
+
+
+def _to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def export(
+    model: str | Path | ModelBundle,
+    out: str | Path,
+    settings: ExportSettings | None = None,
+    *,
+    allow_pickle: bool = False,
+    extra_passes: list[Any] | None = None,
+    progress: Progress | None = None,
+) -> ExportResult:
+    """Export ``model`` (a bundle path or a loaded ModelBundle) to the package directory ``out``.
+
+    ``extra_passes`` are pass objects (``name``, ``run(gm, ctx)``) appended after the default passes.
+    Raises our error types: ConfigError/BundleError (bad input, nothing done), ExportError,
+    VerificationError (nothing written)."""
+    from hstu_export.pipeline import PassContext, run_passes
+    from hstu_export.tracer import trace
+
+    settings = settings or ExportSettings()
+    out = Path(out)
+    timings: dict[str, float] = {}
+    backend = get_backend(settings.backend)
+    device = settings.torch_device
+    if device.type not in backend.devices:
+        raise ConfigError(f"the {backend.name} backend supports --device {' / '.join(backend.devices)}, not {device.type}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but this machine has no usable CUDA device")
+    backend.check_available(settings)
+    check_target(out, settings.force)
+
+    with _timed(timings, progress, "load"):
+        bundle = model if isinstance(model, ModelBundle) else load_bundle(model, allow_pickle=allow_pickle)
+        if not hasattr(bundle.model, "input_schema"):
+            raise ConfigError(f"model {bundle.model_name!r} has no input_schema(); registered models must define one")
+        schema: InputSchema = bundle.model.input_schema()
+        ranges = export_ranges(schema, settings)
+        eager = copy.deepcopy(bundle.model).to(device=device, dtype=settings.torch_dtype).eval()
+        example = _to_device(export_example_batch(schema, ranges, seed=settings.verify.seed), device)
+
+    op_target = settings.op_target or backend.default_op_target(device)
+    with _timed(timings, progress, "trace"), torch.no_grad():
+        gm = trace(eager, example, leaf_modules=settings.leaf_modules)
+    with _timed(timings, progress, "passes"), torch.no_grad():
+        ctx = PassContext(
+            example_inputs=example, model=eager, schema=schema, op_target=op_target,
+            allow_unmapped=settings.allow_unmapped, dump_dir=settings.dump_dir,
+            check_each_pass=settings.check_each_pass,
+        )
+        names = list(settings.passes) if settings.passes else None
+        if extra_passes:
+            from hstu_export.passes import default_pass_names
+
+            names = (names or default_pass_names()) + list(extra_passes)
+        result = run_passes(gm, ctx, passes=names, skip=settings.skip_passes)
+    if result.sparse is None or result.dense is None or result.boundary is None:
+        raise ConfigError("exporting needs the split_sparse_dense pass; do not skip it")
+
+    inputs = _compile_inputs(result, example, schema, ranges, settings)
+    with staging_dir(out) as staged:
+        with _timed(timings, progress, "compile"), torch.no_grad():
+            artifacts = backend.compile(inputs, staged)
+        manifest: dict[str, Any] = {
+            "model": {
+                "name": bundle.model_name,
+                "config": bundle.config.to_dict() if hasattr(bundle.config, "to_dict") else None,
+                "bundle": str(bundle.path) if bundle.path else None,
+                "bundle_sha256": sha256_file(bundle.path) if bundle.path else None,
+            },
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "versions": library_versions(),
+            "backend": {"name": backend.name, "files": artifacts.files, "meta": artifacts.meta},
+            "device": device_info(device),
+            "dtype": settings.dtype,
+            "op_target": op_target,
+            "op_libraries": artifacts.op_libraries,
+            "input_schema": exported_schema(schema, ranges).to_json(),
+            "ranges": {"max_batch_size": ranges.max_batch_size, "lengths": ranges.to_json(),
+                       "dims": {n: [d.min, d.max] for dims in inputs.dense_dynamic_dims.values() for d in dims.values()
+                                for n in [d.name]}},
+            "sparse_input_names": inputs.sparse_input_names,
+            "sparse_output_names": sorted(set(inputs.dense_input_names) - set(schema.names), key=inputs.dense_input_names.index),
+            "dense_input_names": inputs.dense_input_names,
+            "dense_passthrough_inputs": [n for n in inputs.dense_input_names if n in schema.names],
+            "output_names": inputs.output_names,
+            "boundary": result.boundary.to_json(),
+            "passes": result.report.to_json(),
+            "settings": settings.to_json(),
+            "parity": {"skipped": True},
+        }
+        write_manifest(staged, manifest)
+
+        if settings.verify.enabled:
+            with _timed(timings, progress, "verify"), torch.no_grad():
+                parity = _verify(staged, eager, schema, ranges, settings, device)
+            manifest["parity"] = parity
+            if not parity["passed"]:
+                failed = [r for r in parity["batches"] if not r["passed"]]
+                worst = parity["worst"]
+                raise VerificationError(
+                    f"exported outputs differ from eager on {len(failed)} of {len(parity['batches'])} batches "
+                    f"(first: {failed[0]['batch']}; worst rel. L2 {worst['rel_l2']:.3g}, max abs "
+                    f"{worst['max_abs']:.3g}; tolerances {parity['tolerances']}); nothing was written"
+                )
+        manifest["timings"] = timings
+        manifest = write_manifest(staged, manifest)
+        with _timed(timings, progress, "write"):
+            commit(staged, out, settings.force)
+    return ExportResult(out, manifest, timings)
+
+
+def _verify(root: Path, eager: nn.Module, schema: InputSchema, ranges: ExportRanges,
+            settings: ExportSettings, device: torch.device) -> dict[str, Any]:
+    from hstu_export.runtimes.predictor import load
+
+    predictor = load(root, verify_checksums=False)
+    batches = verification_batches(schema, ranges, settings.verify.seed, settings.verify.num_random_batches)
+    return check_parity(
+        lambda b: predictor(b),
+        lambda b: eager(_to_device(b, device)),
+        batches,
+        settings.tolerances(),
+    )
+
+
+# -- adapting the pipeline's result to the backend interface ---------------------------------------
+
+def _placeholders(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _compile_inputs(result: Any, example: dict[str, Tensor], schema: InputSchema, ranges: ExportRanges,
+                    settings: ExportSettings) -> CompileInputs:
+    from hstu_export.runtimes.graph_io import as_output_dict
+
+    sparse_names, dense_names = _placeholders(result.sparse), _placeholders(result.dense)
+    boundary_names = [n for n in dense_names if n not in schema.names]
+    with torch.no_grad():
+        sparse_out = as_output_dict(result.sparse(**{n: example[n] for n in sparse_names}), boundary_names)
+        dense_example = {n: (sparse_out[n] if n in sparse_out else example[n]) for n in dense_names}
+        outputs = result.dense(**dense_example)
+    if not isinstance(outputs, dict):
+        raise ExportError("the model must return a dict of named tensors")
+    fdims = feature_dims(schema, ranges)
+    jagged_by = _boundary_jagged_by(result)
+    dense_dims: dict[str, dict[int, DimSpec]] = {}
+    for name in dense_names:
+        if name in fdims:
+            dense_dims[name] = fdims[name]
+        else:
+            by = jagged_by.get(name, "")
+            dense_dims[name] = {0: total_dim(by, ranges) if by else DimSpec(BATCH_DIM, 1, max(ranges.max_batch_size, 2))}
+    return CompileInputs(
+        sparse=result.sparse, dense=result.dense,
+        sparse_input_names=sparse_names, dense_input_names=dense_names, output_names=list(outputs),
+        example_features=example, example_dense_inputs=dense_example,
+        sparse_dynamic_dims={n: fdims[n] for n in sparse_names}, dense_dynamic_dims=dense_dims,
+        settings=settings, combined=result.graph,
+    )
+
+
+def _boundary_jagged_by(result: Any) -> dict[str, str]:
+    """Dense input name -> the lengths feature partitioning it ("" for per-user tensors)."""
+    return {t.name: t.jagged_by or "" for t in result.boundary.dense_inputs}

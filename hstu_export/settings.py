@@ -1,0 +1,116 @@
+"""Export settings: one typed object. The CLI only builds it; the Python API takes it directly."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hstu_export.errors import ConfigError
+
+DTYPE_ALIASES = {
+    "fp32": "float32", "float32": "float32", "float": "float32",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "float16": "float16", "half": "float16",
+}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Parity tolerances by dtype: relative L2 error ‖out−ref‖/‖ref‖ and max absolute error, per output.
+DEFAULT_TOLERANCES = {
+    "float32": {"rel_l2": 1e-5, "max_abs": 1e-4},
+    "bfloat16": {"rel_l2": 2e-2, "max_abs": 5e-2},
+    "float16": {"rel_l2": 5e-3, "max_abs": 1e-2},
+}
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """``4GiB``, ``512MiB``, ``1.5GB`` or plain bytes -> bytes."""
+    if isinstance(text, int):
+        if text <= 0:
+            raise ConfigError(f"size must be positive, got {text}")
+        return text
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(f"cannot read size {text!r}: use bytes or a unit such as 512MiB, 4GiB, 2GB")
+    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    if value < 1:
+        raise ConfigError(f"size must be at least one byte, got {text!r}")
+    return int(value)
+
+
+def normalize_dtype(name: str) -> str:
+    try:
+        return DTYPE_ALIASES[str(name).lower()]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {name!r}; use fp32, bf16 or fp16") from None
+
+
+@dataclass
+class VerifySettings:
+    enabled: bool = True
+    num_random_batches: int = 4
+    seed: int = 1234
+    tolerances: dict[str, float] | None = None  # None: DEFAULT_TOLERANCES for the dtype
+
+
+@dataclass
+class ExportSettings:
+    backend: str = "aoti"
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch_size: int = 32
+    max_seq_len: int | None = None  # max history length per user; None: the model's own bound
+    max_candidates: int | None = None  # max candidates per user; None: the model's own bound
+    op_target: str | None = None  # triton | aten | fbgemm; None: the backend's default for the device
+    allow_unmapped: bool = False
+    workspace_bytes: int | None = None  # TensorRT
+    min_block_size: int = 5  # TensorRT
+    torch_executed_ops: tuple[str, ...] = ()  # TensorRT
+    dryrun: bool = False  # TensorRT: report what would run where, build nothing
+    passes: tuple[str, ...] | None = None
+    skip_passes: tuple[str, ...] = ()
+    leaf_modules: tuple[str, ...] = ()
+    check_each_pass: bool = False
+    dump_dir: Path | None = None
+    verify: VerifySettings = field(default_factory=VerifySettings)
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        self.dtype = normalize_dtype(self.dtype)
+        if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ConfigError(f"unknown device {self.device!r}; use cpu or cuda")
+        if self.max_batch_size < 1:
+            raise ConfigError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        for name in ("max_seq_len", "max_candidates"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.op_target is not None:
+            self.op_target = {"rtp": "aten"}.get(self.op_target, self.op_target)
+            if self.op_target not in ("triton", "aten", "fbgemm"):
+                raise ConfigError(f"unknown op target {self.op_target!r}; use triton, aten (alias rtp) or fbgemm")
+        if self.dump_dir is not None:
+            self.dump_dir = Path(self.dump_dir)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def tolerances(self) -> dict[str, float]:
+        return self.verify.tolerances or DEFAULT_TOLERANCES[self.dtype]
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["dump_dir"] = str(self.dump_dir) if self.dump_dir else None
+        return data

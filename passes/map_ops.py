@@ -1,0 +1,126 @@
+"""map_ops: retarget operators to ``triton`` (CUDA), ``aten`` (portable; alias ``rtp``) or ``fbgemm``.
+
+Reads ``ctx.op_target`` and ``ctx.allow_unmapped``; the table is ``hstu_export.ops.mappings.MAPPINGS``.
+An ``op:`` replacement swaps the node's target; an ``fn:`` replacement is traced into the graph in the
+node's place, so the result holds plain torch ops that torch.export, ONNX and TorchScript all read.
+Ops from a custom namespace with no entry for the target fail the pass with their list, unless
+``allow_unmapped`` keeps them (the export then records their libraries as needed at load time).
+"""
+
+from __future__ import annotations
+
+import importlib
+import operator
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx
+from torch.fx.node import map_aggregate
+
+from hstu_export.errors import ConfigError, UnmappedOpsError
+from hstu_export.ops.mappings import MAPPINGS
+
+if TYPE_CHECKING:
+    from hstu_export.pipeline import PassContext
+
+TARGETS = ("triton", "aten", "fbgemm")
+TARGET_ALIASES = {"rtp": "aten"}
+# Namespaces whose ops every backend runs natively.
+NATIVE_NAMESPACES = {"aten", "prims", "_operator", "profiler", "higher_order"}
+
+
+def op_key(target: Any) -> str | None:
+    """``ns::name`` of an op call target, or None for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}::{target._opname}"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        ns, _, name = target._qualified_op_name.partition("::")
+        return f"{ns}::{name}"
+    return None
+
+
+def resolve(spec: str) -> Any:
+    kind, _, rest = spec.partition(":")
+    if kind == "op":
+        ns, _, name = rest.partition("::")
+        if ns == "hstu" and name.endswith("_triton"):
+            importlib.import_module("hstu_export.ops._triton")  # registers the Triton ops
+        return getattr(getattr(torch.ops, ns), name).default
+    module, _, fn = rest.partition(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+class MapOps:
+    name = "map_ops"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+        target = TARGET_ALIASES.get(ctx.op_target, ctx.op_target)
+        if target not in TARGETS:
+            raise ConfigError(f"unknown op target {ctx.op_target!r}; use triton, aten (alias rtp) or fbgemm")
+        mapped: Counter[str] = Counter()
+        kept: Counter[str] = Counter()
+        unmapped: Counter[str] = Counter()
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function":
+                continue
+            key = op_key(node.target)
+            if key is None or key.partition("::")[0] in NATIVE_NAMESPACES:
+                continue
+            spec = MAPPINGS.get(key, {}).get(target)
+            if spec is None:
+                unmapped[key] += 1
+            elif spec == "keep":
+                kept[key] += 1
+            else:
+                self._replace(gm, node, spec, key)
+                mapped[f"{key} -> {spec.partition(':')[2]}"] += 1
+        if unmapped and not ctx.allow_unmapped:
+            listing = ", ".join(f"{k} (x{n})" for k, n in sorted(unmapped.items()))
+            raise UnmappedOpsError(
+                f"no {target} mapping for: {listing}; add entries to hstu_export/ops/mappings.py, pick another "
+                "--op-target, or pass --allow-unmapped to keep them (their library must then be loaded at serve time)"
+            )
+        ctx.add_stat("target", target)
+        ctx.add_stat("mapped", dict(mapped))
+        ctx.add_stat("kept", dict(kept | unmapped))
+        gm.graph.eliminate_dead_code()
+        return gm
+
+    def _replace(self, gm: torch.fx.GraphModule, node: torch.fx.Node, spec: str, key: str) -> None:
+        replacement = resolve(spec)
+        if isinstance(replacement, torch._ops.OpOverload):
+            node.target = replacement
+            return
+        normalized = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+        kwargs = normalized.kwargs if normalized is not None else dict(node.kwargs)
+        if normalized is None and node.args:
+            raise UnmappedOpsError(f"cannot match the arguments of {node.format_node()} to {key}'s schema")
+        tracer = torch.fx.proxy.GraphAppendingTracer(gm.graph)
+        proxied = map_aggregate(kwargs, lambda a: torch.fx.Proxy(a, tracer) if isinstance(a, torch.fx.Node) else a)
+        with gm.graph.inserting_before(node):
+            try:
+                result = replacement(**proxied)
+            except Exception as exc:
+                raise UnmappedOpsError(
+                    f"mapping {key} to {spec.partition(':')[2]} failed while tracing it: {exc}"
+                ) from exc
+        _replace_uses(node, result)
+        gm.graph.erase_node(node)
+
+
+def _replace_uses(node: torch.fx.Node, result: Any) -> None:
+    """Point every use of ``node`` at ``result`` (a Proxy or nested tuple/list of them); uses through
+    ``getitem(node, i)`` are resolved to the i-th element."""
+    if isinstance(result, torch.fx.Proxy):
+        node.replace_all_uses_with(result.node)
+        return
+    if not isinstance(result, (tuple, list)):
+        raise UnmappedOpsError(f"a mapping for {node.target} returned {type(result).__name__}")
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            _replace_uses(user, result[user.args[1]])
+            user.graph.erase_node(user)
+        else:
+            value = map_aggregate(result, lambda p: p.node if isinstance(p, torch.fx.Proxy) else p)
+            user.replace_input_with(node, value)  # type: ignore[arg-type]

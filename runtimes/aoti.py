@@ -1,0 +1,75 @@
+"""AOTInductor backend (the default): torch.export of the dense graph with named dynamic dims, compiled
+by ``aoti_compile_and_package`` into one ``.pt2`` (CPU or CUDA). The sparse graph is TorchScript."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hstu_export.errors import ExportError, PackageError
+from hstu_export.runtimes.base import (
+    Backend,
+    BackendArtifacts,
+    CompileInputs,
+    Features,
+    Runner,
+    torch_dynamic_shapes,
+)
+from hstu_export.runtimes.graph_io import as_output_dict, op_libraries
+from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
+
+DENSE_FILE = "dense/dense.pt2"
+
+
+def export_dense(inputs: CompileInputs) -> torch.export.ExportedProgram:
+    """torch.export of the dense graph with the shared named dynamic dims (non-strict: the graph is
+    already an FX graph of plain calls)."""
+    dynamic = torch_dynamic_shapes(inputs.dense_input_names, inputs.dense_dynamic_dims)
+    try:
+        with torch.no_grad():
+            return torch.export.export(
+                inputs.dense, args=(), kwargs=inputs.example_dense_inputs, dynamic_shapes=dynamic, strict=False
+            )
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        raise ExportError(f"torch.export of the dense graph failed: {text[0] if text else type(exc).__name__}") from exc
+
+
+class AotiBackend(Backend):
+    name = "aoti"
+    description = "AOTInductor package (.pt2), CPU or CUDA"
+
+    def compile(self, inputs: CompileInputs, out_dir: Path) -> BackendArtifacts:
+        sparse, sparse_libraries = compile_sparse(inputs, out_dir)
+        program = export_dense(inputs)
+        (out_dir / DENSE_FILE).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            torch._inductor.aoti_compile_and_package(program, package_path=str(out_dir / DENSE_FILE))
+        except Exception as exc:
+            text = str(exc).strip().splitlines()
+            raise ExportError(f"AOTInductor compilation failed: {text[0] if text else type(exc).__name__}") from exc
+        return BackendArtifacts(
+            files={"sparse": sparse, "dense": DENSE_FILE},
+            meta={"dense_exported_nodes": len(program.graph.nodes)},
+            op_libraries=sorted(set(sparse_libraries) | set(op_libraries(program.graph_module))),
+        )
+
+    def load(self, root: Path, manifest: dict[str, Any], device: torch.device) -> Runner:
+        files = manifest["backend"]["files"]
+        sparse = load_sparse(root, manifest, device)
+        try:
+            dense = torch._inductor.aoti_load_package(str(root / files["dense"]))
+        except Exception as exc:
+            raise PackageError(f"{root}: AOTInductor could not load {files['dense']}: {exc}") from exc
+        output_names = manifest["output_names"]
+        passthrough = manifest["dense_passthrough_inputs"]
+
+        def run(features: Features) -> Features:
+            with torch.no_grad():
+                dense_inputs = sparse(features)
+                dense_inputs.update({name: features[name] for name in passthrough})
+                return as_output_dict(dense(**dense_inputs), output_names)
+
+        return run

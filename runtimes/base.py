@@ -1,0 +1,105 @@
+"""The backend interface.
+
+A backend turns the dense graph (and says how the sparse graph is stored) into files inside a package,
+and loads those files back into a runner. Backends are registered by name in ``runtimes/__init__.py``;
+adding one is one file plus one line there.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.fx import GraphModule
+
+from hstu_export.settings import ExportSettings
+
+Features = dict[str, Tensor]
+Outputs = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class DimSpec:
+    """A named dynamic dimension and its range; dims with one name must be equal at run time."""
+
+    name: str
+    min: int
+    max: int
+
+
+@dataclass
+class CompileInputs:
+    """Everything a backend needs, independent of how the pipeline produced it."""
+
+    sparse: GraphModule
+    dense: GraphModule
+    sparse_input_names: list[str]
+    dense_input_names: list[str]
+    output_names: list[str]
+    example_features: Features  # on the export device; every dynamic dim >= 2
+    example_dense_inputs: Features  # sparse(example_features) plus passed-through features
+    sparse_dynamic_dims: dict[str, dict[int, DimSpec]]
+    dense_dynamic_dims: dict[str, dict[int, DimSpec]]
+    settings: ExportSettings
+    # The whole model as one GraphModule (calls ``sparse`` then ``dense``), for single-artifact backends.
+    combined: GraphModule | None = None
+
+
+@dataclass
+class BackendArtifacts:
+    """What a backend wrote: files by role (relative paths) and facts for the manifest."""
+
+    files: dict[str, str]
+    meta: dict[str, Any] = field(default_factory=dict)
+    op_libraries: list[str] = field(default_factory=list)
+
+
+Runner = Callable[[Features], Outputs]
+
+
+class Backend(abc.ABC):
+    name: str = ""
+    description: str = ""
+    devices: tuple[str, ...] = ("cpu", "cuda")
+
+    def default_op_target(self, device: torch.device) -> str:
+        """The op mapping this backend wants when the user does not choose one."""
+        return "triton" if device.type == "cuda" else "aten"
+
+    def check_available(self, settings: ExportSettings) -> None:  # noqa: B027  (optional hook)
+        """Raise BackendUnavailableError (one line: what is missing and how to get it) before any work."""
+
+    @abc.abstractmethod
+    def compile(self, inputs: CompileInputs, out_dir: Path) -> BackendArtifacts:
+        """Write this backend's files into ``out_dir`` (the package being built)."""
+
+    @abc.abstractmethod
+    def load(self, root: Path, manifest: dict[str, Any], device: torch.device) -> Runner:
+        """A callable features -> outputs over the files ``compile`` wrote."""
+
+
+def torch_dynamic_shapes(
+    names: list[str], dims: dict[str, dict[int, DimSpec]]
+) -> dict[str, dict[int, torch.export.Dim]]:
+    """torch.export dynamic_shapes for kwargs ``names``: one Dim object per dim name, so dims that share
+    a name are constrained equal."""
+    made: dict[str, torch.export.Dim] = {}
+    result: dict[str, dict[int, torch.export.Dim]] = {}
+    for input_name in names:
+        axes = {}
+        for axis, spec in dims.get(input_name, {}).items():
+            if spec.name not in made:
+                made[spec.name] = torch.export.Dim(_identifier(spec.name), min=spec.min, max=spec.max)
+            axes[axis] = made[spec.name]
+        result[input_name] = axes
+    return result
+
+
+def _identifier(name: str) -> str:
+    out = "".join(c if c.isalnum() else "_" for c in name)
+    return out if out[:1].isalpha() else f"d_{out}"

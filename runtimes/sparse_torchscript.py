@@ -1,0 +1,45 @@
+"""The sparse graph is stored as TorchScript for every backend but TensorRT's dense engine.
+
+Why TorchScript: torchrec's EmbeddingCollection and KeyedJaggedTensor are scriptable and their
+KJT→dict split uses data-dependent sizes, which torch.export (and so AOTInductor and ONNX) cannot
+represent without unbacked sizes on every feature. Scripting keeps the torchrec module as it is, runs on
+CPU or CUDA, and loads from C++ (``torch::jit::load``) too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hstu_export.runtimes.base import CompileInputs, Features, Runner
+from hstu_export.runtimes.graph_io import (
+    as_output_dict,
+    save_script,
+    script_graph_module,
+    scripted_op_libraries,
+)
+
+SPARSE_FILE = "sparse/sparse.ts"
+
+
+def compile_sparse(inputs: CompileInputs, out_dir: Path) -> tuple[str, list[str]]:
+    """Writes the scripted sparse graph; returns its path and the op libraries it needs."""
+    scripted = script_graph_module(inputs.sparse, "sparse")
+    save_script(scripted, out_dir / SPARSE_FILE)
+    return SPARSE_FILE, scripted_op_libraries(scripted)
+
+
+def load_sparse(root: Path, manifest: dict[str, Any], device: torch.device) -> Runner:
+    """Runs the scripted sparse graph on the features it takes; returns the boundary tensors by name."""
+    relpath = manifest["backend"]["files"]["sparse"]
+    input_names, output_names = manifest["sparse_input_names"], manifest["sparse_output_names"]
+    module = torch.jit.load(str(root / relpath), map_location=device)
+    module.eval()
+
+    def run(features: Features) -> Features:
+        with torch.no_grad():
+            return as_output_dict(module(**{n: features[n] for n in input_names}), output_names)
+
+    return run

@@ -1,0 +1,344 @@
+"""End-to-end exports on CPU: backends, packages, the predictor, verification and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import hstu_export
+from hstu_export import ExportSettings, VerifySettings, generate_batch, save_bundle
+from hstu_export.cli import main as cli_main
+from hstu_export.errors import ConfigError, PackageError, RequestError, VerificationError
+from hstu_export.models import build_preset
+
+pytestmark = pytest.mark.slow
+
+MAX_BATCH = 6
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("export")
+
+
+@pytest.fixture(scope="module")
+def bundle(workdir):
+    model = build_preset("tiny", seed=1)
+    return save_bundle(model, workdir / "tiny.pt", generate_batch(model.input_schema(), 4, seed=2))
+
+
+@pytest.fixture(scope="module")
+def eager(bundle):
+    return hstu_export.load_bundle(bundle).model
+
+
+@pytest.fixture(scope="module")
+def packages(workdir, bundle):
+    """One package per backend, exported once for the module."""
+    out = {}
+    for backend in ("aoti", "torchscript", "onnx"):
+        settings = ExportSettings(
+            backend=backend, max_batch_size=MAX_BATCH, verify=VerifySettings(num_random_batches=2)
+        )
+        result = hstu_export.export(bundle, workdir / f"pkg-{backend}", settings)
+        out[backend] = result
+    return out
+
+
+@pytest.mark.parametrize("backend", ["aoti", "torchscript", "onnx"])
+def test_export_passes_verification(packages, backend):
+    manifest = packages[backend].manifest
+    parity = manifest["parity"]
+    assert parity["passed"]
+    assert parity["worst"]["rel_l2"] < 1e-5
+    labels = [row["batch"] for row in parity["batches"]]
+    assert labels[0] == "batch size 1" and any("max" in label for label in labels)
+    assert any("shortest and longest" in label for label in labels)
+    # The aten target leaves nothing of ours: only fbgemm, which torchrec's scripted sparse code calls.
+    assert manifest["op_target"] == "aten" and manifest["op_libraries"] == ["fbgemm_gpu"]
+    for key in ("versions", "device", "input_schema", "ranges", "passes", "files", "boundary"):
+        assert manifest[key]
+    assert manifest["versions"]["torch"] == torch.__version__
+    on_disk = json.loads((packages[backend].path / "manifest.json").read_text())
+    assert on_disk["files"] == manifest["files"]
+
+
+FRESH_PROCESS = textwrap.dedent("""
+    import sys, torch, hstu_export
+    predictor = hstu_export.load(sys.argv[1])
+    batches = torch.load(sys.argv[2], weights_only=True)
+    outputs = [predictor(b) for b in batches]
+    torch.save(outputs, sys.argv[3])
+    leaked = [m for m in ("hstu_export.models", "hstu_export.tracer", "hstu_export.pipeline") if m in sys.modules]
+    print("LEAKED", leaked)
+""")
+
+
+@pytest.mark.parametrize("backend", ["aoti", "torchscript", "onnx"])
+def test_fresh_process_reproduces_eager(packages, backend, eager, tmp_path):
+    schema = eager.input_schema()
+    gen = torch.Generator().manual_seed(99)
+    batches = []
+    for i in range(20):
+        b = int(torch.randint(1, MAX_BATCH + 1, (1,), generator=gen))
+        batches.append(generate_batch(schema, b, seed=1000 + i))
+    torch.save(batches, tmp_path / "batches.pt")
+    script = tmp_path / "serve.py"
+    script.write_text(FRESH_PROCESS)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(packages[backend].path),
+            str(tmp_path / "batches.pt"),
+            str(tmp_path / "out.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "LEAKED []" in proc.stdout, "loading a package must not import model code"
+    outputs = torch.load(tmp_path / "out.pt", weights_only=True)
+    with torch.no_grad():
+        for batch, got in zip(batches, outputs):
+            expected = eager(batch)
+            for task in expected:
+                torch.testing.assert_close(got[task], expected[task], rtol=1e-5, atol=1e-6)
+
+
+def _user_batch(schema, hist, cand, batch_size):
+    return generate_batch(
+        schema,
+        batch_size,
+        seed=5,
+        lengths={"uih_lengths": [hist] * batch_size, "candidate_lengths": [cand] * batch_size},
+    )
+
+
+@pytest.mark.parametrize("backend", ["aoti", "onnx"])
+def test_dynamic_dims_not_specialised(packages, backend, eager):
+    predictor = hstu_export.load(packages[backend].path)
+    schema = eager.input_schema()
+    cfg = eager.config
+    for batch_size, hist, cand in [
+        (1, 1, 1),
+        (MAX_BATCH, cfg.max_history_len, cfg.max_num_candidates),
+        (1, cfg.max_history_len, 1),
+        (MAX_BATCH, 1, cfg.max_num_candidates),
+    ]:
+        batch = _user_batch(schema, hist, cand, batch_size)
+        got = predictor(batch)
+        with torch.no_grad():
+            expected = eager(batch)
+        for task in expected:
+            torch.testing.assert_close(got[task], expected[task], rtol=1e-5, atol=1e-6)
+
+
+def test_requests_outside_schema(packages, eager):
+    predictor = hstu_export.load(packages["aoti"].path)
+    schema = eager.input_schema()
+    good = generate_batch(schema, 2, seed=3)
+    with pytest.raises(RequestError, match="missing feature"):
+        predictor({k: v for k, v in good.items() if k != "query_time"})
+    with pytest.raises(RequestError, match="dtype"):
+        predictor(dict(good, uih_item_ids=good["uih_item_ids"].float()))
+    with pytest.raises(
+        RequestError, match=f"batch size {MAX_BATCH + 1} is beyond the exported maximum {MAX_BATCH}"
+    ):
+        predictor(generate_batch(schema, MAX_BATCH + 1, seed=3))
+    too_long = dict(good, uih_lengths=torch.tensor([1, 47]))
+    with pytest.raises(RequestError, match="length 47 beyond the exported maximum 46"):
+        predictor(too_long)
+
+
+def test_many_threads_match_one(packages, eager):
+    predictor = hstu_export.load(packages["aoti"].path)
+    schema = eager.input_schema()
+    batches = [generate_batch(schema, 1 + i % MAX_BATCH, seed=200 + i) for i in range(16)]
+    single = [predictor(b) for b in batches]
+    results: dict[int, dict] = {}
+    errors: list[BaseException] = []
+
+    def worker(tid: int) -> None:
+        try:
+            for i in range(tid, len(batches), 8):
+                results[i] = predictor(batches[i])
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i, expected in enumerate(single):
+        for task in expected:
+            assert torch.equal(results[i][task], expected[task])
+
+
+def test_existing_directory_untouched_without_force(bundle, tmp_path):
+    target = tmp_path / "existing"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(PackageError, match="already exists.*--force"):
+        hstu_export.export(bundle, target, ExportSettings(backend="torchscript"))
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+    assert cli_main([str(bundle), "--backend", "torchscript", "--out", str(target), "-q"]) == 2
+    assert (target / "keep.txt").read_text() == "mine"
+    # With --force the directory is replaced by a package.
+    assert (
+        cli_main(
+            [
+                str(bundle),
+                "--backend",
+                "torchscript",
+                "--out",
+                str(target),
+                "--force",
+                "-q",
+                "--max-batch-size",
+                "3",
+                "--verify-batches",
+                "1",
+            ]
+        )
+        == 0
+    )
+    assert (target / "manifest.json").exists() and not (target / "keep.txt").exists()
+
+
+def test_killed_export_leaves_no_package(bundle, tmp_path):
+    target = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("hstu-export")), str(bundle), "--out", str(target), "-q"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob(".killed.partial-*")):
+        time.sleep(0.05)
+    assert list(tmp_path.glob(".killed.partial-*")), "the export never started staging"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not target.exists()
+    # The next export removes the dead process's staging directory.
+    hstu_export.export(
+        bundle,
+        target,
+        ExportSettings(backend="torchscript", max_batch_size=2, verify=VerifySettings(num_random_batches=0)),
+    )
+    assert (target / "manifest.json").exists()
+    assert not list(tmp_path.glob(".killed.partial-*"))
+
+
+def test_flipped_byte_fails_checksum(packages, tmp_path):
+    import shutil
+
+    copy = tmp_path / "corrupt"
+    shutil.copytree(packages["torchscript"].path, copy)
+    victim = copy / packages["torchscript"].manifest["backend"]["files"]["model"]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(PackageError, match="checksum mismatch"):
+        hstu_export.load(copy)
+    assert cli_main(["run", str(copy), "--batch", str(copy.parent / "nope.pt")]) == 2
+
+
+def test_failed_parity_writes_nothing(bundle, tmp_path):
+    class Perturb:
+        name = "perturb_outputs"
+
+        def run(self, gm, ctx):
+            if ctx.current_graph != "dense":
+                return gm
+            out = next(n for n in gm.graph.nodes if n.op == "output")
+            values = dict(out.args[0])
+            with gm.graph.inserting_before(out):
+                first = next(iter(values))
+                values[first] = gm.graph.call_function(torch.mul, (values[first], 1.01))
+            out.args = (values,)
+            return gm
+
+    target = tmp_path / "bad"
+    with pytest.raises(VerificationError, match="nothing was written"):
+        hstu_export.export(
+            bundle, target, ExportSettings(backend="torchscript", max_batch_size=2), extra_passes=[Perturb()]
+        )
+    assert not target.exists() and not list(tmp_path.glob(".bad.*"))
+
+
+def test_settings_errors(bundle, tmp_path):
+    with pytest.raises(ConfigError, match="--max-seq-len 100 exceeds the model's own limit of 46"):
+        hstu_export.export(bundle, tmp_path / "x", ExportSettings(max_seq_len=100))
+    with pytest.raises(ConfigError, match="no usable CUDA"):
+        hstu_export.export(bundle, tmp_path / "x", ExportSettings(device="cuda"))
+    assert cli_main([str(bundle), "--dtype", "bf16", "--backend", "onnx", "--out", str(tmp_path / "y")]) == 2
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_cli_verify_run_bench(packages, bundle, tmp_path, capsys):
+    pkg = packages["aoti"].path
+    assert cli_main(["verify", str(pkg), "--model", str(bundle), "--batches", "2"]) == 0
+    assert "parity ok" in capsys.readouterr().out
+    batch_file = tmp_path / "batch.pt"
+    torch.save(generate_batch(build_preset("tiny").input_schema(), 3, seed=4), batch_file)
+    assert cli_main(["run", str(pkg), "--batch", str(batch_file), "--output", str(tmp_path / "o.pt")]) == 0
+    assert set(torch.load(tmp_path / "o.pt", weights_only=True)) == {"ctr", "cvr"}
+    assert (
+        cli_main(
+            [
+                "bench",
+                str(pkg),
+                "--model",
+                str(bundle),
+                "--iters",
+                "5",
+                "--warmup",
+                "1",
+                "--json",
+                str(tmp_path / "b.json"),
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "eager" in out and "exported" in out and "speed-up" in out
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert res["exported"]["p50_ms"] > 0 and res["eager"]["p99_ms"] >= res["eager"]["p50_ms"]
+
+
+def test_cli_export_summary(bundle, tmp_path, capsys):
+    target = tmp_path / "cli-pkg"
+    assert (
+        cli_main(
+            [
+                str(bundle),
+                "--backend",
+                "torchscript",
+                "--out",
+                str(target),
+                "--max-batch-size",
+                "2",
+                "--verify-batches",
+                "1",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "parity" in out and "passed" in out and str(target) in out.replace("\n", "")
+    assert os.path.exists(target / "manifest.json")

@@ -1,0 +1,201 @@
+"""Graph dumps, the HTML report (opened in a real headless Chromium) and ``hstu-export inspect``."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from hstu_export import PassContext, generate_batch, register_model, run_passes, save_bundle, trace
+from hstu_export import passes as pass_registry
+from hstu_export.cli import main
+from hstu_export.models import HSTUConfig, build_preset
+from hstu_export.models.ranking import HstuRankingModel
+
+CHROMIUM = (
+    shutil.which("chromium")
+    or shutil.which("chromium-browser")
+    or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+)
+
+
+def _tiny_config() -> HSTUConfig:
+    return build_preset("tiny").config
+
+
+class ClippedHeads(nn.Module):
+    """Clamps extreme inputs with data-dependent Python control flow (FX cannot trace it)."""
+
+    def __init__(self, heads: nn.Module) -> None:
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        if x.abs().max() > 1e3:
+            x = x.clamp(-1e3, 1e3)
+        return self.heads(x)
+
+
+@register_model("test_untraceable_ranking", HSTUConfig)
+class UntraceableRanking(HstuRankingModel):
+    def __init__(self, config: HSTUConfig) -> None:
+        super().__init__(config)
+        self.task_heads = ClippedHeads(self.task_heads)  # type: ignore[assignment]
+
+
+@pytest.fixture(scope="module")
+def dumped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = build_preset("tiny")
+    batch = generate_batch(model.input_schema(), 3, seed=0)
+    out = tmp_path_factory.mktemp("graphs")
+    run_passes(trace(model, batch), PassContext(example_inputs=batch, model=model, dump_dir=out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = build_preset("tiny")
+    path = tmp_path_factory.mktemp("bundle") / "tiny.pt"
+    return save_bundle(model, path, generate_batch(model.input_schema(), 3, seed=0))
+
+
+def _ran_passes() -> list[str]:
+    return [
+        n for n in pass_registry.known_pass_names() if n != "map_ops" or pass_registry.is_installed("map_ops")
+    ]
+
+
+def test_dump_files_for_every_pass(dumped: Path) -> None:
+    for index, name in enumerate(pass_registry.known_pass_names(), start=1):
+        stem = dumped / f"{index:02d}_{name}"
+        suffixes = (".before.py", ".after.py", ".diff", ".svg")
+        if name in _ran_passes():
+            for suffix in suffixes:
+                assert Path(f"{stem}{suffix}").is_file(), f"{stem}{suffix}"
+        else:
+            assert not any(Path(f"{stem}{s}").exists() for s in suffixes)
+    split = dumped / "02_split_sparse_dense"
+    before, after = Path(f"{split}.before.py").read_text(), Path(f"{split}.after.py").read_text()
+    # print_readable names nested graph modules by attribute: the halves appear only after the split.
+    assert "class sparse(" not in before and "class sparse(" in after and "class dense(" in after
+    diff = Path(f"{split}.diff").read_text()
+    assert diff.startswith("--- 02_split_sparse_dense.before.py\n+++ 02_split_sparse_dense.after.py\n")
+    assert "+    class sparse(torch.nn.Module):" in diff
+    svg = Path(f"{split}.svg").read_text()
+    assert "<svg" in svg and "cluster" in svg and "sparse" in svg and "dense" in svg
+    assert Path(dumped / "03_remove_boundary_marks.diff").read_text().count("-    ") >= 5  # 5 marks removed
+    html = (dumped / "report.html").read_text()
+    assert "http://" not in html and "https://" not in html  # nothing fetched from outside
+
+
+def test_without_graphviz_dot_text_is_written_once_warned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hstu_export.inspection as inspection
+
+    monkeypatch.setattr(inspection.shutil, "which", lambda name: None)
+    model = build_preset("tiny")
+    batch = generate_batch(model.input_schema(), 2, seed=0)
+    with pytest.warns(UserWarning, match="graphviz `dot` was not found") as warned:
+        result = run_passes(
+            trace(model, batch),
+            PassContext(example_inputs=batch, dump_dir=tmp_path),
+            passes=["prune_unused", "split_sparse_dense"],
+        )
+    assert sum("graphviz" in str(w.message) for w in warned) == 1
+    assert not list(tmp_path.glob("*.svg"))
+    dot = (tmp_path / "02_split_sparse_dense.dot").read_text()
+    assert dot.startswith("digraph G {") and "cluster_" in dot
+    assert result.report_path is not None and "graphviz was not installed" in result.report_path.read_text()
+
+
+@pytest.mark.browser
+def test_report_opens_in_headless_chromium(dumped: Path, tmp_path: Path) -> None:
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (CI installs it: apt-get install chromium)")
+    report = dumped / "report.html"
+    cmd = [
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
+        "--dump-dom", report.as_uri(),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    dom = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # The page's own check ran after load: no script errors, every image and link target loaded.
+    assert re.search(r'<html[^>]*data-status="ok"', dom), re.findall(r'<pre id="load-errors"[^<]*', dom)
+    console = [
+        line for line in proc.stderr.splitlines() if ":CONSOLE" in line or "ERR_FILE_NOT_FOUND" in line
+    ]
+    assert not console, console
+    rows = re.findall(r'<tr class="pass (\w+)" data-pass="(\w+)">', dom)
+    assert [name for _, name in rows] == pass_registry.known_pass_names()
+    assert all(status == "ok" for status, name in rows if name in _ran_passes())
+    assert '<table id="boundary">' in dom and "uih_lengths.total" in dom
+    assert len(re.findall(r'<img class="graph" src="\d\d_\w+\.svg"', dom)) == len(_ran_passes())
+    assert 'id="final-sparse"' in dom and 'id="final-dense"' in dom
+
+
+# ---- the CLI ------------------------------------------------------------------------------------
+
+
+def test_inspect_prints_the_pass_table(
+    tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "graphs"
+    code = main(
+        [
+            "inspect",
+            str(tiny_bundle),
+            "--dump-graphs",
+            str(out),
+            "--check-each-pass",
+            "--skip-pass",
+            "eliminate_dead_code",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    for name in _ran_passes():
+        if name != "eliminate_dead_code":
+            assert name in captured.out
+    assert "eliminate_dead_code" not in captured.out
+    assert "uih_item_emb" in captured.out  # the boundary table
+    assert (out / "report.html").is_file() and (out / "02_split_sparse_dense.svg").is_file()
+
+
+def test_inspect_with_explicit_passes(tiny_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(tiny_bundle), "--passes", "prune_unused,split_sparse_dense"]) == 0
+    table = capsys.readouterr().out
+    assert "split_sparse_dense" in table and "remove_boundary_marks" not in table
+    assert main(["inspect", str(tiny_bundle), "--passes", "prune_unused,fold"]) == 2
+    assert "unknown pass 'fold'; known passes: prune_unused" in capsys.readouterr().err
+
+
+def test_inspect_untraceable_model_fails_clearly_and_leaf_module_fixes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = UntraceableRanking(_tiny_config()).eval()
+    batch = generate_batch(model.input_schema(), 3, seed=0)
+    path = save_bundle(model, tmp_path / "untraceable.pt", batch)
+
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err
+    assert "module 'task_heads' (ClippedHeads)" in " ".join(err.split())
+    assert "--leaf-module ClippedHeads" in " ".join(err.split())
+
+    assert main(["inspect", str(path), "--leaf-module", "ClippedHeads", "--check-each-pass"]) == 0
+    assert "split_sparse_dense" in capsys.readouterr().out
+    with torch.no_grad():
+        gm = trace(model, batch, leaf_modules=["ClippedHeads"])
+        result = run_passes(gm, PassContext(example_inputs=batch, model=model))
+        assert result.dense is not None and isinstance(result.dense.get_submodule("task_heads"), ClippedHeads)
+        for key, value in model(batch).items():
+            torch.testing.assert_close(result.run(batch)[key], value, rtol=1e-6, atol=0)
