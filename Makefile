@@ -33,9 +33,13 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# Build the tiny model, export it with AOTInductor on CPU (verified against eager), print the summary.
 demo: $(STAMP)
 	$(BIN)/python examples/build_model.py --preset tiny -o $(DEMO_DIR)/model.pt
 	$(BIN)/hstu-export describe $(DEMO_DIR)/model.pt
+	$(BIN)/hstu-export $(DEMO_DIR)/model.pt --backend aoti --device cpu --max-batch-size 16 \
+		--out $(DEMO_DIR)/model.aoti --dump-graphs $(DEMO_DIR)/graphs --force
+	$(BIN)/hstu-export run $(DEMO_DIR)/model.aoti --batch $(DEMO_DIR)/model.pt
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -39,6 +39,7 @@ _LAZY = {
     "VerifySettings": "hstu_export.settings",
     "load": "hstu_export.runtimes.predictor",
     "Predictor": "hstu_export.runtimes.predictor",
+    "verify_package": "hstu_export.verify",
 }
 
 
@@ -73,4 +74,5 @@ __all__ = [
     "run_passes",
     "save_bundle",
     "trace",
+    "verify_package",
 ]

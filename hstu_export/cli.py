@@ -326,9 +326,6 @@ def inspect(
 
     if verbose:
         logging.basicConfig(level=logging.DEBUG, format="%(name)s: %(message)s")
-    else:
-        # torchrec calls torch.fx's is_fx_tracing(), which logs a notice meant for torchrec's authors.
-        logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     if open_report and dump_dir is None:
         dump_dir = tempfile.mkdtemp(prefix="hstu-inspect-")
     pass_list = [p.strip() for p in passes.split(",") if p.strip()] if passes is not None else None
@@ -378,15 +375,39 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _one_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (library errors can span pages)."""
+    from rich.markup import escape
+
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else type(exc).__name__
+    return escape(text if len(text) <= 500 else text[:497] + "...")
+
+
+def _quiet_library_noise() -> None:
+    """Without -v, hide the libraries' deprecation notices and log lines (torch.jit, torchrec calling
+    is_fx_tracing, onnx exporter renames): they are not about the user's model. Our own warnings
+    (for example the one before unpickling a file) stay visible."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"(torch|torchrec|fbgemm_gpu|onnxscript|onnx_ir|onnx|copyreg)(\.|$)")
+    warnings.filterwarnings("ignore", message=r".*TorchScript")  # raised through ast while scripting torchrec
+    for name in ("torch.fx._symbolic_trace", "torch._inductor", "torch._dynamo", "torch.export", "torch.onnx"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     verbose = "-v" in args or "--verbose" in args
+    if not verbose:
+        _quiet_library_noise()
     try:
         cli.main(args=args, prog_name="hstu-export", standalone_mode=False)
     except HstuExportError as exc:
         if verbose:
             traceback.print_exc()
-        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        err_console.print(f"[red]error:[/red] {_one_line(exc)}", soft_wrap=True, markup=True)
         return exc.exit_code
     except click.exceptions.Abort:
         err_console.print("aborted")
@@ -403,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         if verbose:
             traceback.print_exc()
         err_console.print(
-            f"[red]internal error:[/red] {type(exc).__name__}: {exc} (run with -v for the traceback and report it)",
+            f"[red]internal error:[/red] {type(exc).__name__}: {_one_line(exc)} (run with -v for the traceback and report it)",
             soft_wrap=True,
         )
         return 1

@@ -44,6 +44,7 @@ class ExportResult:
     path: Path
     manifest: dict[str, Any]
     timings: dict[str, float] = field(default_factory=dict)
+    dryrun_report: str | None = None  # set by --dryrun: the backend's report; nothing was written
 
     @property
     def parity(self) -> dict[str, Any]:
@@ -131,6 +132,8 @@ def export(
     """Export ``model`` (a bundle path or a loaded ModelBundle) to the package directory ``out``.
 
     ``extra_passes`` are pass objects (``name``, ``run(gm, ctx)``) appended after the default passes.
+    With ``settings.dryrun`` the backend's ``dryrun(inputs)`` report is returned in ``dryrun_report`` and
+    nothing is compiled or written.
     Raises our error types: ConfigError/BundleError (bad input, nothing done), ExportError,
     VerificationError (nothing written)."""
     from hstu_export.pipeline import PassContext, run_passes
@@ -141,12 +144,18 @@ def export(
     timings: dict[str, float] = {}
     backend = get_backend(settings.backend)
     device = settings.torch_device
+    # Missing libraries first: that message says what to install, whatever --device was given.
+    backend.check_available(settings)
     if device.type not in backend.devices:
         raise ConfigError(f"the {backend.name} backend supports --device {' / '.join(backend.devices)}, not {device.type}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but this machine has no usable CUDA device")
-    backend.check_available(settings)
-    check_target(out, settings.force)
+    dryrun = getattr(backend, "dryrun", None) if settings.dryrun else None
+    if settings.dryrun and dryrun is None:
+        raise ConfigError(f"--dryrun reports how a backend partitions the graph; the {backend.name} backend has no "
+                          "dry run (use --backend trt)")
+    if dryrun is None:
+        check_target(out, settings.force)
 
     with _timed(timings, progress, "load"):
         bundle = model if isinstance(model, ModelBundle) else load_bundle(model, allow_pickle=allow_pickle)
@@ -176,6 +185,10 @@ def export(
         raise ConfigError("exporting needs the split_sparse_dense pass; do not skip it")
 
     inputs = _compile_inputs(result, example, schema, ranges, settings)
+    if dryrun is not None:
+        with _timed(timings, progress, "compile"), torch.no_grad():
+            report = dryrun(inputs)
+        return ExportResult(out, {}, timings, dryrun_report=report)
     with staging_dir(out) as staged:
         with _timed(timings, progress, "compile"), torch.no_grad():
             artifacts = backend.compile(inputs, staged)

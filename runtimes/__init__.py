@@ -9,6 +9,7 @@ _BACKENDS: dict[str, str] = {
     "aoti": "hstu_export.runtimes.aoti:AotiBackend",
     "torchscript": "hstu_export.runtimes.torchscript:TorchScriptBackend",
     "onnx": "hstu_export.runtimes.onnx:OnnxBackend",
+    "trt": "hstu_export.runtimes.tensorrt:TensorRTBackend",
 }
 
 

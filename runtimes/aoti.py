@@ -13,11 +13,11 @@ from hstu_export.runtimes.base import (
     Backend,
     BackendArtifacts,
     CompileInputs,
-    Features,
     Runner,
+    SplitRunner,
     torch_dynamic_shapes,
 )
-from hstu_export.runtimes.graph_io import as_output_dict, op_libraries
+from hstu_export.runtimes.graph_io import op_libraries
 from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
 
 DENSE_FILE = "dense/dense.pt2"
@@ -63,13 +63,4 @@ class AotiBackend(Backend):
             dense = torch._inductor.aoti_load_package(str(root / files["dense"]))
         except Exception as exc:
             raise PackageError(f"{root}: AOTInductor could not load {files['dense']}: {exc}") from exc
-        output_names = manifest["output_names"]
-        passthrough = manifest["dense_passthrough_inputs"]
-
-        def run(features: Features) -> Features:
-            with torch.no_grad():
-                dense_inputs = sparse(features)
-                dense_inputs.update({name: features[name] for name in passthrough})
-                return as_output_dict(dense(**dense_inputs), output_names)
-
-        return run
+        return SplitRunner(sparse, dense, manifest["dense_passthrough_inputs"], manifest["output_names"])

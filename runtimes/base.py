@@ -62,6 +62,31 @@ class BackendArtifacts:
 Runner = Callable[[Features], Outputs]
 
 
+@dataclass
+class SplitRunner:
+    """Runs a package stored as two artifacts: the sparse graph (features -> boundary tensors), then the
+    dense one (boundary tensors + passed-through features -> outputs). ``dense`` takes keyword tensors;
+    benchmarks call it directly to time the dense part alone."""
+
+    sparse: Runner
+    dense: Callable[..., Any]
+    passthrough: list[str]
+    output_names: list[str]
+
+    def dense_inputs(self, features: Features) -> Features:
+        with torch.no_grad():
+            inputs = self.sparse(features)
+        inputs.update({name: features[name] for name in self.passthrough})
+        return inputs
+
+    def __call__(self, features: Features) -> Outputs:
+        from hstu_export.runtimes.graph_io import as_output_dict
+
+        inputs = self.dense_inputs(features)
+        with torch.no_grad():
+            return as_output_dict(self.dense(**inputs), self.output_names)
+
+
 class Backend(abc.ABC):
     name: str = ""
     description: str = ""

@@ -14,8 +14,8 @@ from hstu_export.runtimes.base import (
     Backend,
     BackendArtifacts,
     CompileInputs,
-    Features,
     Runner,
+    SplitRunner,
     torch_dynamic_shapes,
 )
 from hstu_export.runtimes.graph_io import op_namespaces
@@ -82,14 +82,10 @@ class OnnxBackend(Backend):
         session = ort.InferenceSession(str(root / files["dense"]), options, providers=["CPUExecutionProvider"])
         input_names = [i.name for i in session.get_inputs()]
         output_names = manifest["output_names"]
-        passthrough = manifest["dense_passthrough_inputs"]
 
-        def run(features: Features) -> Features:
-            with torch.no_grad():
-                dense_inputs = sparse(features)
-            dense_inputs.update({name: features[name] for name in passthrough})
-            feeds = {name: dense_inputs[name].detach().cpu().numpy() for name in input_names}
+        def dense(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+            feeds = {name: inputs[name].detach().cpu().numpy() for name in input_names}
             results = session.run(output_names, feeds)
             return {name: torch.from_numpy(value).to(device) for name, value in zip(output_names, results)}
 
-        return run
+        return SplitRunner(sparse, dense, manifest["dense_passthrough_inputs"], output_names)

@@ -18,7 +18,7 @@ from torch import Tensor
 from hstu_export.errors import PackageError
 from hstu_export.package import read_manifest
 from hstu_export.runtimes import get_backend
-from hstu_export.runtimes.base import Runner
+from hstu_export.runtimes.base import Runner, SplitRunner
 from hstu_export.schema import InputSchema
 
 
@@ -42,6 +42,11 @@ class Predictor:
         return self._runner(features)
 
     predict = __call__
+
+    @property
+    def split(self) -> SplitRunner | None:
+        """The sparse and dense halves, when the backend stores them apart (to time the dense part)."""
+        return self._runner if isinstance(self._runner, SplitRunner) else None
 
     def __repr__(self) -> str:
         b = self.manifest["backend"]["name"]

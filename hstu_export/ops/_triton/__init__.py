@@ -1,0 +1,37 @@
+"""Triton kernels of the HSTU ops, registered as ``torch.ops.hstu.*_triton`` on import.
+
+Registered with ``torch.library.triton_op`` + ``wrap_triton`` so that torch.export keeps the
+kernels visible and AOTInductor compiles them into the package (no Python or Triton at load time):
+
+- ``hstu::hstu_mha_triton``, ``hstu::cached_hstu_mha_triton`` (attention.py)
+- ``hstu::jagged_to_padded_dense_triton``, ``hstu::dense_to_jagged_triton``,
+  ``hstu::concat_2D_jagged_triton``, ``hstu::split_2D_jagged_triton`` (jagged.py)
+
+Python caches modules, so importing this package again does not register twice.
+"""
+
+from __future__ import annotations
+
+from . import jagged as _jagged  # noqa: F401  (registers the jagged ops)
+from .attention import cached_hstu_mha_triton_fwd, hstu_mha_triton_fwd
+from .configs import AttentionConfig, JaggedConfig, attention_config, chosen_configs, jagged_config
+
+OP_NAMES: tuple[str, ...] = (
+    "hstu::hstu_mha_triton",
+    "hstu::cached_hstu_mha_triton",
+    "hstu::jagged_to_padded_dense_triton",
+    "hstu::dense_to_jagged_triton",
+    "hstu::concat_2D_jagged_triton",
+    "hstu::split_2D_jagged_triton",
+)
+
+__all__ = [
+    "OP_NAMES",
+    "AttentionConfig",
+    "JaggedConfig",
+    "attention_config",
+    "cached_hstu_mha_triton_fwd",
+    "chosen_configs",
+    "hstu_mha_triton_fwd",
+    "jagged_config",
+]
