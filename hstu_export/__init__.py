@@ -25,6 +25,21 @@ from hstu_export.errors import HstuExportError
 from hstu_export.registry import build_model, register_model, registered_models
 from hstu_export.schema import FeatureSpec, InputSchema
 
+
+def _source_checkout_subpackages() -> None:
+    """Uninstalled source checkout (PYTHONPATH=repo): the top-level passes/ and runtimes/ directories are
+    the ``hstu_export.passes`` and ``hstu_export.runtimes`` subpackages, as an install maps them."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parent
+    if (root / "passes" / "__init__.py").is_file() and not (here / "passes").exists() and str(root) not in __path__:
+        __path__.append(str(root))
+
+
+_source_checkout_subpackages()
+
+
 # Tracing and the pass pipeline import torch.fx and torchrec (seconds): loaded on first use so that
 # `hstu-export --help` and bundle handling stay fast.
 _LAZY = {

@@ -168,6 +168,9 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
     )
     target = Path(out) if out else Path(model).with_suffix(f".{backend}")
     result = export(model, target, settings, allow_pickle=allow_pickle, progress=_stage_progress(quiet))
+    if result.dryrun_report is not None:
+        console.print(result.dryrun_report, markup=False, highlight=False, soft_wrap=True)
+        return
     if quiet:
         console.print(str(result.path))
         return

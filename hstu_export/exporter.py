@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -150,11 +151,10 @@ def export(
         raise ConfigError(f"the {backend.name} backend supports --device {' / '.join(backend.devices)}, not {device.type}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but this machine has no usable CUDA device")
-    dryrun = getattr(backend, "dryrun", None) if settings.dryrun else None
-    if settings.dryrun and dryrun is None:
+    if settings.dryrun and not backend.supports_dryrun:
         raise ConfigError(f"--dryrun reports how a backend partitions the graph; the {backend.name} backend has no "
                           "dry run (use --backend trt)")
-    if dryrun is None:
+    if not settings.dryrun:
         check_target(out, settings.force)
 
     with _timed(timings, progress, "load"):
@@ -185,13 +185,16 @@ def export(
         raise ConfigError("exporting needs the split_sparse_dense pass; do not skip it")
 
     inputs = _compile_inputs(result, example, schema, ranges, settings)
-    if dryrun is not None:
+    if settings.dryrun:
         with _timed(timings, progress, "compile"), torch.no_grad():
-            report = dryrun(inputs)
+            report = backend.dryrun(inputs)
         return ExportResult(out, {}, timings, dryrun_report=report)
     with staging_dir(out) as staged:
         with _timed(timings, progress, "compile"), torch.no_grad():
             artifacts = backend.compile(inputs, staged)
+        if result.report_path is not None:
+            # The graph dumps travel inside the package (graphs/report.html), so it explains itself.
+            shutil.copytree(result.report_path.parent, staged / "graphs")
         manifest: dict[str, Any] = {
             "model": {
                 "name": bundle.model_name,

@@ -99,6 +99,12 @@ class Backend(abc.ABC):
     def check_available(self, settings: ExportSettings) -> None:  # noqa: B027  (optional hook)
         """Raise BackendUnavailableError (one line: what is missing and how to get it) before any work."""
 
+    supports_dryrun: bool = False
+
+    def dryrun(self, inputs: CompileInputs) -> str:
+        """A report of how the backend would partition the dense graph, building nothing."""
+        raise NotImplementedError(f"the {self.name} backend has no dry run")
+
     @abc.abstractmethod
     def compile(self, inputs: CompileInputs, out_dir: Path) -> BackendArtifacts:
         """Write this backend's files into ``out_dir`` (the package being built)."""

@@ -38,11 +38,10 @@ from hstu_export.runtimes.base import (
     BackendArtifacts,
     CompileInputs,
     DimSpec,
-    Features,
     Runner,
+    SplitRunner,
     torch_dynamic_shapes,
 )
-from hstu_export.runtimes.graph_io import as_output_dict
 from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
 from hstu_export.settings import ExportSettings
 
@@ -197,6 +196,7 @@ def missing_requirements() -> list[str]:
 
 class TensorRTBackend(Backend):
     name = "trt"
+    supports_dryrun = True
     description = "Torch-TensorRT engines in an ExportedProgram (CUDA)"
     devices = ("cuda",)
 
@@ -321,7 +321,7 @@ class TensorRTBackend(Backend):
     def load(self, root: Path, manifest: dict[str, Any], device: torch.device) -> Runner:
         try:
             import tensorrt
-            import torch_tensorrt  # noqa: F401  (registers tensorrt::execute_engine for torch.export.load)
+            import torch_tensorrt
         except ImportError as exc:
             raise PackageError(f"{root} is a TensorRT package and loading it needs {exc.name}: {INSTALL_HINT}") from None
         meta = manifest["backend"]["meta"]
@@ -332,22 +332,19 @@ class TensorRTBackend(Backend):
         files = manifest["backend"]["files"]
         sparse = load_sparse(root, manifest, device)
         try:
-            dense = torch.export.load(str(root / files["dense"])).module()
+            # torch_tensorrt.load is torch.export.load plus the engine op registrations it needs.
+            loaded = torch_tensorrt.load(str(root / files["dense"]))
+            dense = loaded.module() if isinstance(loaded, torch.export.ExportedProgram) else loaded
         except Exception as exc:
             raise PackageError(f"{root}: could not load the TensorRT program {files['dense']}: {_first_line(exc)}") from exc
-        output_names = manifest["output_names"]
-        passthrough = manifest["dense_passthrough_inputs"]
-        # One execution context per engine: calls into it are serialized so the Predictor stays thread-safe.
+        # Calls into one engine's execution context are serialized, so the Predictor stays thread-safe.
         lock = threading.Lock()
 
-        def run(features: Features) -> Features:
-            with torch.no_grad():
-                dense_inputs = sparse(features)
-                dense_inputs.update({name: features[name] for name in passthrough})
-                with lock:
-                    return as_output_dict(dense(**dense_inputs), output_names)
+        def run_dense(**dense_inputs: Tensor) -> Any:
+            with lock:
+                return dense(**dense_inputs)
 
-        return run
+        return SplitRunner(sparse, run_dense, manifest["dense_passthrough_inputs"], manifest["output_names"])
 
 
 def _count_engines(module: torch.nn.Module) -> int:

@@ -335,6 +335,8 @@ def test_cli_export_summary(bundle, tmp_path, capsys):
                 "2",
                 "--verify-batches",
                 "1",
+                "--dump-graphs",
+                str(tmp_path / "graphs"),
             ]
         )
         == 0
@@ -342,3 +344,8 @@ def test_cli_export_summary(bundle, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "parity" in out and "passed" in out and str(target) in out.replace("\n", "")
     assert os.path.exists(target / "manifest.json")
+    # The graph dumps travel inside the package and are covered by the checksums.
+    manifest = json.loads((target / "manifest.json").read_text())
+    assert "graphs/report.html" in manifest["files"]
+    assert (target / "graphs" / "report.html").read_text() == (tmp_path / "graphs" / "report.html").read_text()
+    hstu_export.load(target)

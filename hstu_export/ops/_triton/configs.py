@@ -122,7 +122,7 @@ def _attention_config(
     d_pad = max(next_power_of_2(dqk), next_power_of_2(dv), 16)
     config = next(cfg for bound, cfg in _ATTENTION_TABLE[key] if d_pad <= bound)
     _record(
-        f"attention/{key[0]}/{key[1]}/dqk{dqk}_dv{dv}",
+        f"attention/{_key_str(key[0])}/{key[1]}/dqk{dqk}_dv{dv}",
         {
             "kernel": "hstu_attn_fwd",
             "capability": _key_str(key[0]),

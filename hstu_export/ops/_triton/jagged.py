@@ -6,6 +6,7 @@ values, so the ops trace under torch.export without data-dependent sizes.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -38,9 +39,10 @@ def _jagged_to_padded_dense_kernel(
     col_ok = cols < D
     src = values + (start + rows)[:, None] * stride_v + cols[None, :]
     x = tl.load(src, mask=(rows < n)[:, None] & col_ok[None, :], other=0.0)
-    x = tl.where((rows < n)[:, None], x.to(tl.float32), padding_value)
+    # The padding is cast once to the values' dtype: exact for integer values too.
+    x = tl.where((rows < n)[:, None], x, tl.cast(padding_value, out.dtype.element_ty))
     dst = out + (b.to(tl.int64) * max_len + rows)[:, None] * D + cols[None, :]
-    tl.store(dst, x.to(out.dtype.element_ty), mask=(rows < max_len)[:, None] & col_ok[None, :])
+    tl.store(dst, x, mask=(rows < max_len)[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -99,8 +101,8 @@ def _concat_split_2d_jagged_kernel(
     # ceil(log2(B)) steps suffice; extra steps leave lo == hi unchanged, so float rounding of
     # the log only ever adds a harmless step.
     n_iter = tl.max(tl.log2(tl.zeros([BLOCK_ROWS], dtype=tl.float32) + B).to(tl.int32), axis=0) + 2
-    lo = tl.zeros([BLOCK_ROWS], dtype=tl.int32)
-    hi = tl.zeros([BLOCK_ROWS], dtype=tl.int32) + (B - 1)
+    lo = tl.zeros([BLOCK_ROWS], dtype=tl.int64)
+    hi = lo + (B - 1)
     for _ in range(n_iter):
         mid = (lo + hi + 1) // 2
         off = tl.load(offsets_left + mid) + tl.load(offsets_right + mid)
@@ -136,10 +138,12 @@ def _config(x: torch.Tensor) -> JaggedConfig:
     )
 
 
-def _as_2d_rows(values: torch.Tensor, name: str) -> torch.Tensor:
-    if values.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [L, D], got shape {tuple(values.shape)}")
-    return values if values.stride(1) == 1 else values.contiguous()
+def _as_2d_rows(values: torch.Tensor, name: str, leading: int = 1) -> torch.Tensor:
+    """[*lead, *rest] -> [*lead, prod(rest)] with a unit stride on the last dim (rest may be empty)."""
+    if values.dim() < leading:
+        raise ValueError(f"{name} must have at least {leading} dims, got shape {tuple(values.shape)}")
+    rows = values.reshape(*values.shape[:leading], math.prod(values.shape[leading:]))
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _block_d(D: int, cfg: JaggedConfig) -> int:
@@ -150,7 +154,9 @@ def _block_d(D: int, cfg: JaggedConfig) -> int:
 def jagged_to_padded_dense_triton(
     values: torch.Tensor, offsets: torch.Tensor, max_len: int, padding_value: float
 ) -> torch.Tensor:
-    """values [L, D] with offsets [B+1] -> [B, max_len, D]; rows past a sequence's end = padding."""
+    """values [L, *rest] with offsets [B+1] -> [B, max_len, *rest]; rows past a sequence's end =
+    padding, sequences longer than max_len are truncated (fbgemm semantics)."""
+    rest = values.shape[1:]
     values = _as_2d_rows(values, "values")
     B = offsets.shape[0] - 1
     D = values.shape[1]
@@ -162,20 +168,18 @@ def jagged_to_padded_dense_triton(
         values, offsets, out, max_len, D, values.stride(0), float(padding_value),
         BLOCK_ROWS=cfg.block_rows, BLOCK_D=block_d, num_warps=cfg.num_warps,
     )  # fmt: skip
-    return out
+    return out.view(B, max_len, *rest)
 
 
 @triton_op("hstu::dense_to_jagged_triton", mutates_args=())
 def dense_to_jagged_triton(dense: torch.Tensor, offsets: torch.Tensor, total_len: int | None) -> torch.Tensor:
-    """dense [B, N, D] -> values [L, D] (L = total_len, else offsets[-1], a device sync).
+    """dense [B, N, *rest] -> values [L, *rest] (L = total_len, else offsets[-1], a device sync).
 
     Rows of a sequence past N come out as zeros. Pass ``total_len`` when exporting: without it the
     output size depends on data.
     """
-    if dense.dim() != 3:
-        raise ValueError(f"dense must be 3-D [B, N, D], got shape {tuple(dense.shape)}")
-    if dense.stride(2) != 1:
-        dense = dense.contiguous()
+    rest = dense.shape[2:]
+    dense = _as_2d_rows(dense, "dense", leading=2)
     B, N, D = dense.shape
     L = int(offsets[-1].item()) if total_len is None else total_len
     out = torch.empty((L, D), dtype=dense.dtype, device=dense.device)
@@ -186,7 +190,7 @@ def dense_to_jagged_triton(dense: torch.Tensor, offsets: torch.Tensor, total_len
         dense, offsets, out, N, D, dense.stride(0), dense.stride(1),
         BLOCK_ROWS=cfg.block_rows, BLOCK_D=block_d, num_warps=cfg.num_warps,
     )  # fmt: skip
-    return out
+    return out.view(L, *rest)
 
 
 @triton_op("hstu::concat_2D_jagged_triton", mutates_args=())
@@ -196,19 +200,20 @@ def concat_2D_jagged_triton(
     values_right: torch.Tensor,
     offsets_right: torch.Tensor,
 ) -> torch.Tensor:
-    """Per sequence b: rows of left[b] then rows of right[b] -> [La + Lb, D]."""
-    values_left = _as_2d_rows(values_left, "values_left")
-    values_right = _as_2d_rows(values_right, "values_right")
-    if values_left.shape[1] != values_right.shape[1] or values_left.dtype != values_right.dtype:
+    """Per sequence b: rows of left[b] then rows of right[b]: [La, *rest], [Lb, *rest] -> [La + Lb, *rest]."""
+    rest = values_left.shape[1:]
+    if values_right.shape[1:] != rest or values_left.dtype != values_right.dtype:
         raise ValueError(
             f"left and right values must share D and dtype, got {tuple(values_left.shape)} {values_left.dtype} "
             f"and {tuple(values_right.shape)} {values_right.dtype}"
         )
+    values_left = _as_2d_rows(values_left, "values_left")
+    values_right = _as_2d_rows(values_right, "values_right")
     total = values_left.shape[0] + values_right.shape[0]
     D = values_left.shape[1]
     out = torch.empty((total, D), dtype=values_left.dtype, device=values_left.device)
     _launch_concat_split(out, values_left, values_right, offsets_left, offsets_right, split=False)
-    return out
+    return out.view(total, *rest)
 
 
 @triton_op("hstu::split_2D_jagged_triton", mutates_args=())
@@ -219,13 +224,14 @@ def split_2D_jagged_triton(
     total_len_left: int,
     total_len_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of concat_2D_jagged: values [La + Lb, D] -> (left [La, D], right [Lb, D])."""
+    """Inverse of concat_2D_jagged: values [La + Lb, *rest] -> (left [La, *rest], right [Lb, *rest])."""
+    rest = values.shape[1:]
     values = _as_2d_rows(values, "values")
     D = values.shape[1]
     left = torch.empty((total_len_left, D), dtype=values.dtype, device=values.device)
     right = torch.empty((total_len_right, D), dtype=values.dtype, device=values.device)
     _launch_concat_split(values, left, right, offsets_left, offsets_right, split=True)
-    return left, right
+    return left.view(total_len_left, *rest), right.view(total_len_right, *rest)
 
 
 def _launch_concat_split(
