@@ -178,9 +178,6 @@ def main() -> int:
         set_kernel(triton_stack, Kernel.TRITON)
         if "eager_triton" not in args.skip:
             runs["eager_triton"] = lambda: triton_stack(**inputs)
-        if "compiled" not in args.skip:
-            compiled = torch.compile(triton_stack, dynamic=False)
-            runs["compiled"] = lambda: compiled(**inputs)
     if "exported" not in args.skip:
         pkg = args.package
         if pkg is None:
@@ -202,6 +199,9 @@ def main() -> int:
         dense_in = split.dense_inputs(features)
         runs["exported"] = lambda: split.dense(**dense_in)
 
+    if "compiled" not in args.skip:
+        compiled = torch.compile(triton_stack, dynamic=False)
+        runs["compiled"] = lambda: compiled(**inputs)
     for name, fn in runs.items():
         with torch.no_grad():
             out = fn()
@@ -219,6 +219,9 @@ def main() -> int:
               f"rel.err {stats['rel_error_vs_eager_reference']:.2e}", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if args.out:  # after every variant, so a run cut short still leaves its numbers
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "e2e.json").write_text(json.dumps(results, indent=2))
 
     if "eager_reference" in results:
         for name in runs:

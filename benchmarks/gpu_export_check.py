@@ -77,7 +77,7 @@ def check(preset: str, workdir: Path, fresh_batches: int) -> dict:
         "parity": {k: manifest["parity"][k] for k in ("passed", "worst", "tolerances")},
         "parity_batches": [(r["batch"], r["batch_size"], r["passed"]) for r in manifest["parity"]["batches"]],
         "op_libraries": manifest["op_libraries"], "device": manifest["device"],
-        "triton_configs": manifest["backend"]["meta"].get("triton_configs"),
+        "triton_configs": manifest.get("triton_configs"),
         "timings": manifest["timings"], "fresh_process": fresh,
         "package_bytes": sum(p.stat().st_size for p in pkg.rglob("*") if p.is_file()),
     }
@@ -88,16 +88,21 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--presets", nargs="+", default=["tiny", "dlrmv3"])
     parser.add_argument("--fresh-batches", type=int, default=5)
+    parser.add_argument("--keep", default=None, help="keep the packages in this directory (for benchmarks/e2e.py)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": []}
     for preset in args.presets:
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                res = check(preset, Path(tmp), args.fresh_batches)
-            except Exception as exc:  # keep going: report what failed
-                res = {"preset": preset, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+        workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="gpu-export-"))
+        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            res = check(preset, workdir, args.fresh_batches)
+        except Exception as exc:  # keep going: report what failed
+            import traceback
+
+            res = {"preset": preset, "error": f"{type(exc).__name__}: {str(exc)[:2000]}",
+                   "traceback": traceback.format_exc()[-3000:]}
         results["checks"].append(res)
         print(json.dumps(res, indent=1, default=str)[:3000], flush=True)
         (out / "gpu_export_check.json").write_text(json.dumps(results, indent=2, default=str))

@@ -209,6 +209,7 @@ def export(
             "dtype": settings.dtype,
             "op_target": op_target,
             "op_libraries": artifacts.op_libraries,
+            "triton_configs": _triton_configs() if op_target == "triton" else {},
             "input_schema": exported_schema(schema, ranges).to_json(),
             "ranges": {"max_batch_size": ranges.max_batch_size, "lengths": ranges.to_json(),
                        "dims": {n: [d.min, d.max] for dims in inputs.dense_dynamic_dims.values() for d in dims.values()
@@ -242,6 +243,13 @@ def export(
         with _timed(timings, progress, "write"):
             commit(staged, out, settings.force)
     return ExportResult(out, manifest, timings)
+
+
+def _triton_configs() -> dict[str, Any]:
+    """Block configs our Triton kernels chose while the graph was compiled (fixed per GPU arch)."""
+    from hstu_export.ops._triton.configs import chosen_configs
+
+    return chosen_configs()
 
 
 def _verify(root: Path, eager: nn.Module, schema: InputSchema, ranges: ExportRanges,
