@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 import hstu_export
-from hstu_export.models import HstuRankingModel, preset_config
+from hstu_export.models import HstuRankingModel, build_preset
 from hstu_export.ops import Kernel
 
 VARIANTS = ("eager_reference", "eager_triton", "compiled", "exported")
@@ -146,7 +146,8 @@ def main() -> int:
     parser.add_argument("--candidates", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--seed", type=int, default=2026, help="seed of the workload")
+    parser.add_argument("--model-seed", type=int, default=0, help="seed of the weights")
     parser.add_argument("--skip", nargs="*", default=[], choices=VARIANTS)
     parser.add_argument("--package", default=None, help="reuse an exported package instead of exporting")
     parser.add_argument("--out", default=None, help="directory for e2e.json")
@@ -154,8 +155,8 @@ def main() -> int:
 
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    torch.manual_seed(args.seed)
-    model = HstuRankingModel(preset_config(args.preset)).eval()
+    # Same weights as benchmarks/gpu_export_check.py (seed 0), so a package it kept can be reused.
+    model = build_preset(args.preset, seed=args.model_seed)
     batch = workload(model, args.batch_size, args.seed, args.mean_history, args.candidates)
     cfg = model.config
     work = flops(cfg, batch["uih_lengths"], batch["candidate_lengths"])

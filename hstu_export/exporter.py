@@ -228,7 +228,7 @@ def export(
 
         if settings.verify.enabled:
             with _timed(timings, progress, "verify"), torch.no_grad():
-                parity = _verify(staged, eager, schema, ranges, settings, device)
+                parity = _verify(staged, eager, schema, ranges, settings, device, op_target)
             manifest["parity"] = parity
             if not parity["passed"]:
                 failed = [r for r in parity["batches"] if not r["passed"]]
@@ -253,7 +253,7 @@ def _triton_configs() -> dict[str, Any]:
 
 
 def _verify(root: Path, eager: nn.Module, schema: InputSchema, ranges: ExportRanges,
-            settings: ExportSettings, device: torch.device) -> dict[str, Any]:
+            settings: ExportSettings, device: torch.device, op_target: str) -> dict[str, Any]:
     from hstu_export.runtimes.predictor import load
 
     predictor = load(root, verify_checksums=False)
@@ -262,7 +262,7 @@ def _verify(root: Path, eager: nn.Module, schema: InputSchema, ranges: ExportRan
         lambda b: predictor(b),
         lambda b: eager(_to_device(b, device)),
         batches,
-        settings.tolerances(),
+        settings.tolerances(op_target),
     )
 
 
