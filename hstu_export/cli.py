@@ -15,6 +15,7 @@ from rich.table import Table
 
 from hstu_export import __version__
 from hstu_export.errors import HstuExportError
+from hstu_export.inspection import human_bytes
 
 err_console = Console(stderr=True, highlight=False)
 console = Console(highlight=False)
@@ -61,7 +62,7 @@ def describe(model: str, allow_pickle: bool, verbose: bool) -> None:
     bundle = load_bundle(model, allow_pickle=allow_pickle)
     info = describe_bundle(bundle)
     console.print(f"[bold]{info['model_name']}[/bold]  ({model})")
-    console.print(f"parameters: {info['num_parameters']:,}  ({_human_bytes(info['parameter_bytes'])})")
+    console.print(f"parameters: {info['num_parameters']:,}  ({human_bytes(info['parameter_bytes'])})")
     if info["config"]:
         table = Table("config", "value", box=None, pad_edge=False)
         for k, v in info["config"].items():
@@ -71,7 +72,7 @@ def describe(model: str, allow_pickle: bool, verbose: bool) -> None:
         table = Table("sparse table", "rows", "dim", "bytes", "features", box=None, pad_edge=False)
         for t in info["sparse_tables"]:
             table.add_row(t["name"], f"{t['num_embeddings']:,}", str(t["embedding_dim"]),
-                          _human_bytes(t["bytes"]), ", ".join(t["feature_names"]))
+                          human_bytes(t["bytes"]), ", ".join(t["feature_names"]))
         console.print(table)
     table = Table("example batch", "shape", "dtype", box=None, pad_edge=False)
     for name, (shape, dtype) in info["example_batch"].items():
@@ -186,8 +187,8 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
     table.add_row("backend", f"{manifest['backend']['name']} on {manifest['device']['type']} "
                              f"({manifest['device']['name']}), {manifest['dtype']}, ops → {manifest['op_target']}")
     sizes = {name: (root / name).stat().st_size for name in manifest["files"]}
-    table.add_row("files", ", ".join(f"{n} {_human_bytes(s)}" for n, s in sizes.items()))
-    table.add_row("size", _human_bytes(sum(sizes.values())))
+    table.add_row("files", ", ".join(f"{n} {human_bytes(s)}" for n, s in sizes.items()))
+    table.add_row("size", human_bytes(sum(sizes.values())))
     ranges = manifest["ranges"]
     lengths = ", ".join(f"{k} ≤ {v}" for k, v in ranges["lengths"]["max_lengths"].items())
     table.add_row("accepts", f"batch ≤ {ranges['max_batch_size']}, {lengths}")
@@ -349,7 +350,7 @@ def inspect(
         table.add_row(
             f"{r.index:02d}", r.name, r.status, f"{r.time_s * 1000:.1f}" if done else "",
             f"{r.nodes_before} → {r.nodes_after}" if done else "",
-            _human_bytes(r.parameter_bytes_after) if done else "",
+            human_bytes(r.parameter_bytes_after) if done else "",
             "" if r.max_rel_error is None else f"{r.max_rel_error:.2g}",
         )
     for column in table.columns:
@@ -368,14 +369,6 @@ def inspect(
         console.print(f"graphs and report: {result.report_path}")
         if open_report:
             click.launch(str(result.report_path))
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def _one_line(exc: BaseException) -> str:

@@ -19,7 +19,7 @@ import torch.fx
 from torch.fx.node import map_aggregate
 
 from hstu_export.errors import ConfigError, UnmappedOpsError
-from hstu_export.ops.mappings import MAPPINGS
+from hstu_export.ops.mappings import MAPPINGS, op_key
 
 if TYPE_CHECKING:
     from hstu_export.pipeline import PassContext
@@ -28,16 +28,6 @@ TARGETS = ("triton", "aten", "fbgemm")
 TARGET_ALIASES = {"rtp": "aten"}
 # Namespaces whose ops every backend runs natively.
 NATIVE_NAMESPACES = {"aten", "prims", "_operator", "profiler", "higher_order"}
-
-
-def op_key(target: Any) -> str | None:
-    """``ns::name`` of an op call target, or None for anything else."""
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}::{target._opname}"
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        ns, _, name = target._qualified_op_name.partition("::")
-        return f"{ns}::{name}"
-    return None
 
 
 def resolve(spec: str) -> Any:

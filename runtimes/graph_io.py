@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -11,22 +12,26 @@ from torch import Tensor
 from torch.fx import GraphModule
 
 from hstu_export.errors import ExportError
+from hstu_export.ops.mappings import op_key
 
 # Namespaces of ops that need a library loaded in the serving process, and the module that loads it.
 OP_LIBRARY_MODULES = {"hstu": "hstu_export.ops", "fbgemm": "fbgemm_gpu"}
 BUILTIN_NAMESPACES = {"aten", "prims", "_assert", "higher_order", "_operator", "profiler"}
 
 
+def op_calls(module: torch.nn.Module) -> Counter[str]:
+    """``ns::op`` -> number of calls, over every FX graph in ``module`` (nested GraphModules too)."""
+    found: Counter[str] = Counter()
+    for gm in module.modules():
+        if isinstance(gm, GraphModule):
+            found.update(key for node in gm.graph.nodes
+                         if node.op == "call_function" and (key := op_key(node.target)) is not None)
+    return found
+
+
 def op_namespaces(gm: torch.nn.Module) -> set[str]:
-    """Namespaces of torch.ops called anywhere in ``gm`` (FX graph and GraphModule children)."""
-    found: set[str] = set()
-    for module in gm.modules():
-        if not isinstance(module, GraphModule):
-            continue
-        for node in module.graph.nodes:
-            if node.op == "call_function" and isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-                found.add(node.target.namespace if hasattr(node.target, "namespace") else str(node.target).split(".")[0])
-    return found - BUILTIN_NAMESPACES
+    """Namespaces of non-builtin torch.ops called anywhere in ``gm``."""
+    return {key.partition("::")[0] for key in op_calls(gm)} - BUILTIN_NAMESPACES
 
 
 def op_libraries(gm: torch.nn.Module) -> list[str]:

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.fx import GraphModule
 
 from hstu_export.errors import (
     BackendUnavailableError,
@@ -42,6 +41,7 @@ from hstu_export.runtimes.base import (
     SplitRunner,
     torch_dynamic_shapes,
 )
+from hstu_export.runtimes.graph_io import op_calls
 from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
 from hstu_export.settings import ExportSettings
 
@@ -131,23 +131,8 @@ def torch_executed_op_names(ops: tuple[str, ...] | list[str]) -> list[str]:
 
 def foreign_ops(module: torch.nn.Module) -> Counter[str]:
     """``ns::op`` -> count, for every op call outside the namespaces TensorRT handles (all nested graphs)."""
-    found: Counter[str] = Counter()
-    for gm in module.modules():
-        if not isinstance(gm, GraphModule):
-            continue
-        for node in gm.graph.nodes:
-            target = node.target
-            if node.op != "call_function":
-                continue
-            if isinstance(target, torch._ops.OpOverload):
-                key = f"{target.namespace}::{target._opname}"
-            elif isinstance(target, torch._ops.OpOverloadPacket):
-                key = target._qualified_op_name
-            else:
-                continue
-            if key.partition("::")[0] not in TENSORRT_NAMESPACES:
-                found[key] += 1
-    return found
+    return Counter({key: n for key, n in op_calls(module).items()
+                    if key.partition("::")[0] not in TENSORRT_NAMESPACES})
 
 
 def check_only_aten(module: torch.nn.Module, what: str) -> None:

@@ -10,6 +10,8 @@ Adding a mapping is one entry here.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -59,6 +61,16 @@ MAPPINGS: dict[str, dict[str, str]] = {
         "triton": _HERE + "jagged_dense_add_as_aten", "aten": _HERE + "jagged_dense_add_as_aten", "fbgemm": "keep",
     },
 }
+
+
+def op_key(target: Any) -> str | None:
+    """``ns::name`` of an op call target, or None for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}::{target._opname}"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        ns, _, name = target._qualified_op_name.partition("::")
+        return f"{ns}::{name}"
+    return None
 
 
 # -- replacement functions (argument names follow the source op's schema) ---------------------------
