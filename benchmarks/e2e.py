@@ -128,6 +128,18 @@ def time_cuda(fn: Callable[[], Any], iters: int, warmup: int, device: torch.devi
     return {"ms_median": statistics.median(samples), "ms_min": min(samples), "peak_gib": peak, "iters": iters}
 
 
+def write_profile(fn: Callable[[], Any], path: Path, iters: int = 5) -> None:
+    """GPU kernel time by kernel name over ``iters`` calls (torch.profiler), as a text table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+
+
 def rel_error(out: dict[str, Tensor], ref: dict[str, Tensor]) -> float:
     worst = 0.0
     for k, r in ref.items():
@@ -151,6 +163,8 @@ def main() -> int:
     parser.add_argument("--skip", nargs="*", default=[], choices=VARIANTS)
     parser.add_argument("--package", default=None, help="reuse an exported package instead of exporting")
     parser.add_argument("--out", default=None, help="directory for e2e.json")
+    parser.add_argument("--profile", nargs="*", default=[], choices=VARIANTS,
+                        help="also write a torch.profiler kernel table for these variants")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -218,6 +232,8 @@ def main() -> int:
         print(f"{name:16s} {stats['ms_median']:8.2f} ms  {stats['tokens_per_s'] / 1e6:7.2f} M tok/s  "
               f"{stats['tflops']:7.1f} TFLOP/s  peak {stats['peak_gib']:.2f} GiB  "
               f"rel.err {stats['rel_error_vs_eager_reference']:.2e}", flush=True)
+        if name in args.profile and args.out:
+            write_profile(fn, Path(args.out) / f"profile_{name}.txt")
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if args.out:  # after every variant, so a run cut short still leaves its numbers

@@ -24,6 +24,7 @@ def _jagged_to_padded_dense_kernel(
     values,
     offsets,
     out,
+    L,
     max_len,
     D,
     stride_v,
@@ -37,10 +38,13 @@ def _jagged_to_padded_dense_kernel(
     start = tl.load(offsets + b)
     n = tl.load(offsets + b + 1) - start
     col_ok = cols < D
+    # Rows past L are never read, even with offsets that disagree with values (Inductor runs the
+    # kernel on all-zero offsets while compiling).
+    in_seq = (rows < n) & (start + rows < L)
     src = values + (start + rows)[:, None] * stride_v + cols[None, :]
-    x = tl.load(src, mask=(rows < n)[:, None] & col_ok[None, :], other=0.0)
+    x = tl.load(src, mask=in_seq[:, None] & col_ok[None, :], other=0.0)
     # The padding is cast once to the values' dtype: exact for integer values too.
-    x = tl.where((rows < n)[:, None], x, tl.cast(padding_value, out.dtype.element_ty))
+    x = tl.where(in_seq[:, None], x, tl.cast(padding_value, out.dtype.element_ty))
     dst = out + (b.to(tl.int64) * max_len + rows)[:, None] * D + cols[None, :]
     tl.store(dst, x, mask=(rows < max_len)[:, None] & col_ok[None, :])
 
@@ -50,6 +54,7 @@ def _dense_to_jagged_kernel(
     dense,
     offsets,
     out,
+    L,
     N,
     D,
     stride_db,
@@ -70,7 +75,7 @@ def _dense_to_jagged_kernel(
         src = dense + b.to(tl.int64) * stride_db + rows[:, None].to(tl.int64) * stride_dn + cols[None, :]
         x = tl.load(src, mask=(rows < N)[:, None] & col_ok[None, :], other=0.0)
         dst = out + (start + rows)[:, None] * D + cols[None, :]
-        tl.store(dst, x, mask=(rows < n)[:, None] & col_ok[None, :])
+        tl.store(dst, x, mask=((rows < n) & (start + rows < L))[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -82,6 +87,8 @@ def _concat_split_2d_jagged_kernel(
     offsets_right,
     B,
     total_rows,
+    rows_left,
+    rows_right,
     D,
     stride_joined,
     stride_left,
@@ -116,8 +123,12 @@ def _concat_split_2d_jagged_kernel(
     is_left = k < n_l
     left_row = start_l + k
     right_row = start_r + k - n_l
-    mask_l = (row_ok & is_left)[:, None] & col_ok[None, :]
-    mask_r = (row_ok & ~is_left)[:, None] & col_ok[None, :]
+    # Bounds on the source/destination rows keep offsets that disagree with the tensors (Inductor
+    # runs the kernel on all-zero offsets while compiling) from touching memory out of range.
+    ok_l = row_ok & is_left & (left_row >= 0) & (left_row < rows_left)
+    ok_r = row_ok & ~is_left & (right_row >= 0) & (right_row < rows_right)
+    mask_l = ok_l[:, None] & col_ok[None, :]
+    mask_r = ok_r[:, None] & col_ok[None, :]
     joined_ptrs = joined + rows64[:, None] * stride_joined + cols[None, :]
     left_ptrs = left + left_row[:, None] * stride_left + cols[None, :]
     right_ptrs = right + right_row[:, None] * stride_right + cols[None, :]
@@ -165,7 +176,7 @@ def jagged_to_padded_dense_triton(
     block_d = _block_d(D, cfg)
     grid = (max(triton.cdiv(max_len, cfg.block_rows), 1), B, triton.cdiv(D, block_d))
     wrap_triton(_jagged_to_padded_dense_kernel)[grid](
-        values, offsets, out, max_len, D, values.stride(0), float(padding_value),
+        values, offsets, out, values.shape[0], max_len, D, values.stride(0), float(padding_value),
         BLOCK_ROWS=cfg.block_rows, BLOCK_D=block_d, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out.view(B, max_len, *rest)
@@ -187,7 +198,7 @@ def dense_to_jagged_triton(dense: torch.Tensor, offsets: torch.Tensor, total_len
     block_d = _block_d(D, cfg)
     grid = (max(triton.cdiv(N, cfg.block_rows), 1), B, triton.cdiv(D, block_d))
     wrap_triton(_dense_to_jagged_kernel)[grid](
-        dense, offsets, out, N, D, dense.stride(0), dense.stride(1),
+        dense, offsets, out, L, N, D, dense.stride(0), dense.stride(1),
         BLOCK_ROWS=cfg.block_rows, BLOCK_D=block_d, num_warps=cfg.num_warps,
     )  # fmt: skip
     return out.view(L, *rest)
@@ -249,7 +260,7 @@ def _launch_concat_split(
     block_d = _block_d(D, cfg)
     grid = (max(triton.cdiv(total, cfg.block_rows), 1), triton.cdiv(D, block_d))
     wrap_triton(_concat_split_2d_jagged_kernel)[grid](
-        joined, left, right, offsets_left, offsets_right, B, total, D,
+        joined, left, right, offsets_left, offsets_right, B, total, left.shape[0], right.shape[0], D,
         joined.stride(0), left.stride(0), right.stride(0),
         SPLIT=split, BLOCK_ROWS=cfg.block_rows, BLOCK_D=block_d, num_warps=cfg.num_warps,
     )  # fmt: skip
