@@ -160,7 +160,7 @@ table { border-collapse: collapse; margin: 1em 0; }
 th, td { border: 1px solid #dee2e6; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
 th { background: #f1f3f5; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
-tr.failed td { background: #f8d7da; } tr.skipped td { color: #6c757d; }
+tr.failed td { background: #f8d7da; }
 pre { background: #f8f9fa; padding: 0.8em; overflow: auto; max-height: 40em; font-size: 12px; }
 .add { color: #146c43; } .del { color: #b02a37; } .hunk { color: #6f42c1; }
 img.graph { max-width: 100%; border: 1px solid #dee2e6; }

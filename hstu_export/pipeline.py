@@ -93,7 +93,7 @@ def _accumulate(stats: dict[str, Any], key: str, value: Any) -> None:
 
 @dataclass
 class PassRecord:
-    """What one pass did. ``status`` is "ok", "skipped" (optional pass not installed) or "failed"."""
+    """What one pass did. ``status`` is "ok" or "failed"."""
 
     index: int
     name: str
@@ -192,12 +192,9 @@ def run_passes(
     report = PassReport()
     try:
         with torch.no_grad():
-            for index, (name, graph_pass, note) in enumerate(planned, start=1):
+            for index, (name, graph_pass) in enumerate(planned, start=1):
                 record = PassRecord(index=index, name=name)
                 report.records.append(record)
-                if graph_pass is None:
-                    record.status, record.note = "skipped", note
-                    continue
                 gm = _run_one(graph_pass, gm, ctx, record, reference, dumper)
     finally:
         report_path = dumper.write_report(report, gm, ctx.boundary) if dumper is not None else None
@@ -338,29 +335,26 @@ def parameter_totals(module: nn.Module) -> tuple[int, int]:
 
 def _resolve(
     passes: Sequence[str | GraphPass] | None, skip: Sequence[str]
-) -> list[tuple[str, GraphPass | None, str]]:
-    """(name, pass or None when an optional pass is not installed, note) in run order."""
+) -> list[tuple[str, GraphPass]]:
+    """(name, pass) in run order."""
     from hstu_export.passes import create_pass, known_pass_names
 
     known = known_pass_names()
     unknown_skip = [s for s in skip if s not in known]
     if unknown_skip:
         raise ConfigError(f"unknown pass(es) to skip {unknown_skip}; known passes: {', '.join(known)}")
-    # The default is the whole registry: an optional pass that is not installed shows as skipped.
     chosen: list[str | GraphPass] = list(known if passes is None else passes)
-    out: list[tuple[str, GraphPass | None, str]] = []
+    out: list[tuple[str, GraphPass]] = []
     for item in chosen:
         if isinstance(item, str):
             if item not in known:
                 raise ConfigError(f"unknown pass {item!r}; known passes: {', '.join(known)}")
             if item in skip:
                 continue
-            graph_pass = create_pass(item, required=passes is not None)
-            note = "" if graph_pass is not None else f"passes/{item}.py is not installed; skipped"
-            out.append((item, graph_pass, note))
+            out.append((item, create_pass(item)))
         elif isinstance(getattr(item, "name", None), str) and callable(getattr(item, "run", None)):
             if item.name not in skip:
-                out.append((item.name, item, ""))
+                out.append((item.name, item))
         else:
             raise ConfigError(f"{item!r} is neither a pass name nor a pass object (with .name and .run(gm, ctx))")
     return out

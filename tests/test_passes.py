@@ -171,8 +171,6 @@ def test_report_records_every_pass(split: PipelineResult) -> None:
     assert not any(n.target is sparse_boundary for n in _nodes(split.graph))
     final = report["eliminate_dead_code"]
     assert final.ops_after["module:EmbeddingCollection"] == 1
-    if not pass_registry.is_installed("map_ops"):
-        assert report["map_ops"].status == "skipped" and "not installed" in report["map_ops"].note
 
 
 # ---- prune_unused and eliminate_dead_code ---------------------------------------------------------
@@ -391,10 +389,6 @@ def test_pass_selection_errors(tiny: HstuRankingModel) -> None:
         run_passes(gm, ctx, skip=["nope"])
     with pytest.raises(ConfigError, match="neither a pass name nor a pass object"):
         run_passes(gm, ctx, passes=[42])  # type: ignore[list-item]
-    if not pass_registry.is_installed("map_ops"):
-        with pytest.raises(ConfigError, match="pass 'map_ops' is not installed"):
-            run_passes(gm, ctx, passes=["map_ops"])
-        assert "map_ops" not in pass_registry.default_pass_names()
 
 
 def test_skip_and_results_without_split(tiny: HstuRankingModel) -> None:
