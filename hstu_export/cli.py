@@ -43,6 +43,9 @@ def cli() -> None:
       hstu-export model.pt --backend aoti        export (AOTInductor; CPU or CUDA)
       hstu-export describe model.pt              what a model bundle holds
       hstu-export inspect model.pt               FX graphs before/after every pass
+      hstu-export verify model.aoti --model model.pt   parity of a package on fresh batches
+      hstu-export run model.aoti --batch batch.pt      outputs for one batch
+      hstu-export bench model.aoti --model model.pt    latency vs eager, same run
     """
 
 

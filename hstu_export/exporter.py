@@ -156,6 +156,7 @@ def export(
                           "dry run (use --backend trt)")
     if not settings.dryrun:
         check_target(out, settings.force)
+    _check_pass_names(settings)
 
     with _timed(timings, progress, "load"):
         bundle = model if isinstance(model, ModelBundle) else load_bundle(model, allow_pickle=allow_pickle)
@@ -243,6 +244,16 @@ def export(
         with _timed(timings, progress, "write"):
             commit(staged, out, settings.force)
     return ExportResult(out, manifest, timings)
+
+
+def _check_pass_names(settings: ExportSettings) -> None:
+    """Unknown pass names fail before any work (the pipeline would only notice after tracing)."""
+    from hstu_export.passes import known_pass_names
+
+    known = known_pass_names()
+    unknown = [n for n in (*(settings.passes or ()), *settings.skip_passes) if isinstance(n, str) and n not in known]
+    if unknown:
+        raise ConfigError(f"unknown pass(es) {unknown}; known passes: {', '.join(known)}")
 
 
 def _triton_configs() -> dict[str, Any]:

@@ -129,10 +129,13 @@ def _eager_for_package(predictor: Any, model_path: str | None, allow_pickle: boo
     from hstu_export.errors import ConfigError
     from hstu_export.settings import TORCH_DTYPES
 
+    if model_path is not None and not Path(model_path).exists():
+        raise ConfigError(f"--model {model_path}: no such file")
     path = model_path or predictor.manifest["model"].get("bundle")
     if not path or not Path(path).exists():
         raise ConfigError(
-            f"no model bundle to compare with (manifest records {path!r}); pass --model MODEL.pt"
+            f"no model bundle to compare with (the manifest records {path!r}, which is not here); "
+            "pass --model MODEL.pt"
         )
     bundle = load_bundle(path, allow_pickle=allow_pickle)
     dtype = TORCH_DTYPES[predictor.manifest["dtype"]]
