@@ -213,10 +213,10 @@ def export(
             "triton_configs": _triton_configs() if op_target == "triton" else {},
             "input_schema": exported_schema(schema, ranges).to_json(),
             "ranges": {"max_batch_size": ranges.max_batch_size, "lengths": ranges.to_json(),
-                       "dims": {n: [d.min, d.max] for dims in inputs.dense_dynamic_dims.values() for d in dims.values()
-                                for n in [d.name]}},
+                       "dims": {d.name: [d.min, d.max] for dims in inputs.dense_dynamic_dims.values()
+                                for d in dims.values()}},
             "sparse_input_names": inputs.sparse_input_names,
-            "sparse_output_names": sorted(set(inputs.dense_input_names) - set(schema.names), key=inputs.dense_input_names.index),
+            "sparse_output_names": [n for n in inputs.dense_input_names if n not in schema.names],
             "dense_input_names": inputs.dense_input_names,
             "dense_passthrough_inputs": [n for n in inputs.dense_input_names if n in schema.names],
             "output_names": inputs.output_names,
