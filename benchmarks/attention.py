@@ -144,19 +144,25 @@ def case_a(n: int, baselines: bool) -> dict[str, Any]:
     }
     if baselines:
         b_sub, fns = baseline_fns(x, lengths, n, None)
-        sub_flops = full_length_flops(lengths[:b_sub])
-        row["baseline_batch"] = b_sub
-        for name, fn in fns.items():
-            try:
-                bms = bench_ms(fn)
-                row[f"{name}_ms"] = bms
-                row[f"{name}_tflops"] = sub_flops / bms * 1e-9
-                row[f"speedup_vs_{name}"] = row["triton_tflops"] / row[f"{name}_tflops"]
-            except torch.OutOfMemoryError:
-                row[f"{name}_ms"] = "OOM"
-            torch.cuda.empty_cache()
+        time_baselines(row, fns, b_sub, full_length_flops(lengths[:b_sub]), row["triton_tflops"])
     print(json.dumps(row), flush=True)
     return row
+
+
+def time_baselines(row: dict[str, Any], fns: dict[str, Any], b_sub: int, sub_flops: float,
+                   triton_tflops: float) -> None:
+    """Times each baseline on the leading ``b_sub`` sequences; adds its ms, TFLOP/s and the Triton
+    kernel's speed-up (a ratio of rates) to ``row``. A baseline that runs out of memory is marked OOM."""
+    row["baseline_batch"] = b_sub
+    for name, fn in fns.items():
+        try:
+            bms = bench_ms(fn)
+            row[f"{name}_ms"] = bms
+            row[f"{name}_tflops"] = sub_flops / bms * 1e-9
+            row[f"speedup_vs_{name}"] = triton_tflops / row[f"{name}_tflops"]
+        except torch.OutOfMemoryError:
+            row[f"{name}_ms"] = "OOM"
+        torch.cuda.empty_cache()
 
 
 def dlrmv3_inputs() -> tuple[list[int], list[int], dict[str, torch.Tensor], torch.Tensor]:
@@ -181,17 +187,7 @@ def case_b(baselines: bool) -> dict[str, Any]:
     }  # fmt: skip
     if baselines:
         b_sub, fns = baseline_fns(x, lengths, 4096, targets)
-        sub_flops = target_flops(histories[:b_sub], 2048)
-        row["baseline_batch"] = b_sub
-        for name, fn in fns.items():
-            try:
-                bms = bench_ms(fn)
-                row[f"{name}_ms"] = bms
-                row[f"{name}_tflops"] = sub_flops / bms * 1e-9
-                row[f"speedup_vs_{name}"] = row["skip_on_tflops"] / row[f"{name}_tflops"]
-            except torch.OutOfMemoryError:
-                row[f"{name}_ms"] = "OOM"
-            torch.cuda.empty_cache()
+        time_baselines(row, fns, b_sub, target_flops(histories[:b_sub], 2048), row["skip_on_tflops"])
     print(json.dumps(row), flush=True)
     return row
 
