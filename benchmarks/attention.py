@@ -201,8 +201,9 @@ SWEEP: dict[int, list[tuple[int, int, int, int]]] = {
 }
 
 
-def sweep(only: set[str] | None = None) -> list[dict[str, Any]]:
-    """Block configs (and the exact-SiLU variant) on several shapes, per head dim."""
+def sweep(only: set[str] | None = None, configs: list[tuple[int, int, int, int]] | None = None) -> list[dict[str, Any]]:
+    """Block configs (and the exact-SiLU variant) on several shapes, per head dim; ``configs``
+    replaces the candidate list of head dim 128."""
     rows = []
     shapes = []  # (name, head dim, inputs, max_len, targets, flops)
     for n in (256, 1024, 4096):
@@ -227,7 +228,7 @@ def sweep(only: set[str] | None = None) -> list[dict[str, Any]]:
             continue
         variants: list[tuple[str, dict[str, Any]]] = [
             (f"{bm}x{bn}x{w}x{s}", {"config": kernels.AttentionConfig(bm, bn, w, s)})
-            for bm, bn, w, s in SWEEP[d]
+            for bm, bn, w, s in (configs if configs and d == 128 else SWEEP[d])
         ]
         if d == 128:
             variants.append(("table_exact_silu", {"fast_silu": False}))
@@ -251,6 +252,11 @@ def main() -> None:
     parser.add_argument(
         "--sweep-shapes", default="", help="comma-separated shape names to sweep (default: all)"
     )
+    parser.add_argument(
+        "--sweep-configs", default="",
+        help="comma-separated BLOCK_MxBLOCK_Nxwarpsxstages candidates for head dim 128, e.g. 64x64x4x3,128x64x8x2",
+    )
+    parser.add_argument("--sweep-only", action="store_true", help="run the sweep and nothing else")
     parser.add_argument("--no-baselines", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -263,8 +269,14 @@ def main() -> None:
     print(json.dumps(env), flush=True)
     report: dict[str, Any] = {"env": env}
     if args.sweep:
-        report["sweep"] = sweep({name for name in args.sweep_shapes.split(",") if name})
+        configs = [tuple(int(x) for x in c.split("x")) for c in args.sweep_configs.split(",") if c]
+        report["sweep"] = sweep({name for name in args.sweep_shapes.split(",") if name}, configs)  # type: ignore[arg-type]
         torch.cuda.empty_cache()
+        if args.sweep_only:
+            (args.out / "attention_sweep.json").write_text(json.dumps(report, indent=2))
+            for row in report["sweep"]:
+                print(f"  {row['shape']:18s} {row['variant']:18s} {row.get('tflops', row.get('error'))}")
+            return
     report["a"] = [case_a(n, not args.no_baselines) for n in (256, 512, 1024, 2048, 4096)]
     torch.cuda.empty_cache()
     report["b"] = case_b(not args.no_baselines)

@@ -118,6 +118,13 @@ def time_cuda(fn: Callable[[], Any], iters: int, warmup: int, device: torch.devi
             end.synchronize()
             samples.append(start.elapsed_time(end))
         peak = torch.cuda.max_memory_allocated() / 2**30
+        # Host time per call: launches queue up without a sync, so this is what the CPU spends.
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            fn()
+        host_ms = (time.perf_counter() - t) * 1e3 / 10
+        torch.cuda.synchronize()
     else:
         samples = []
         for _ in range(iters):
@@ -125,7 +132,9 @@ def time_cuda(fn: Callable[[], Any], iters: int, warmup: int, device: torch.devi
             fn()
             samples.append((time.perf_counter() - t) * 1e3)
         peak = float("nan")
-    return {"ms_median": statistics.median(samples), "ms_min": min(samples), "peak_gib": peak, "iters": iters}
+        host_ms = statistics.median(samples)
+    return {"ms_median": statistics.median(samples), "ms_min": min(samples), "peak_gib": peak, "iters": iters,
+            "host_ms_per_call": host_ms}
 
 
 def write_profile(fn: Callable[[], Any], path: Path, iters: int = 5) -> None:
@@ -230,7 +239,7 @@ def main() -> int:
         stats["rel_error_vs_eager_reference"] = rel_error(out, reference_out)
         results[name] = stats
         print(f"{name:16s} {stats['ms_median']:8.2f} ms  {stats['tokens_per_s'] / 1e6:7.2f} M tok/s  "
-              f"{stats['tflops']:7.1f} TFLOP/s  peak {stats['peak_gib']:.2f} GiB  "
+              f"{stats['tflops']:7.1f} TFLOP/s  peak {stats['peak_gib']:.2f} GiB  host {stats['host_ms_per_call']:.2f} ms  "
               f"rel.err {stats['rel_error_vs_eager_reference']:.2e}", flush=True)
         if name in args.profile and args.out:
             write_profile(fn, Path(args.out) / f"profile_{name}.txt")

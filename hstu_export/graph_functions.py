@@ -3,8 +3,11 @@
 Two kinds live here:
 - markers (``sparse_boundary``) that name the sparse→dense boundary and survive tracing as nodes the
   split pass cuts at;
-- small helpers whose bodies cannot be symbolically traced (they build a KeyedJaggedTensor, or compute
-  index tensors from sizes), so FX records a call instead of stepping into them.
+- small helpers whose bodies cannot be symbolically traced (they build a KeyedJaggedTensor), so FX
+  records a call instead of stepping into them.
+
+(Token positions inside jagged sequences are the ``hstu::jagged_positions`` op, not a helper here, so
+that the mapping pass can pick their implementation per target.)
 
 The tracer auto-wraps every function in ``WRAPPED_FUNCTIONS`` wherever a module's forward calls it, so
 models may import these by name. Keep them TorchScript-compatible (type hints, no closures): the sparse
@@ -18,8 +21,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-from hstu_export.ops.reference import jagged_positions
 
 
 def sparse_boundary(value: Tensor, name: str, jagged_by: str = "") -> Tensor:
@@ -41,22 +42,10 @@ def per_user_as_jagged(value: Tensor) -> Tensor:
     return torch.ones_like(value)
 
 
-def token_positions(offsets: Tensor, total_len: int) -> Tensor:
-    """Position of every jagged token inside its own sequence: ``[L]`` int64 (no host sync)."""
-    return jagged_positions(offsets, total_len)[1]
-
-
-def token_sequence_ids(offsets: Tensor, total_len: int) -> Tensor:
-    """Index of the sequence each jagged token belongs to: ``[L]`` int64."""
-    return jagged_positions(offsets, total_len)[0]
-
-
 WRAPPED_FUNCTIONS: tuple[Callable[..., object], ...] = (
     sparse_boundary,
     build_kjt,
     per_user_as_jagged,
-    token_positions,
-    token_sequence_ids,
 )
 
 for _fn in WRAPPED_FUNCTIONS:

@@ -16,7 +16,7 @@ from hstu_export.runtimes.graph_io import op_calls
 from hstu_export.settings import ExportSettings
 from passes.map_ops import MapOps
 
-HSTU_OPS = {"hstu::hstu_mha", "hstu::concat_2D_jagged", "hstu::split_2D_jagged"}
+HSTU_OPS = {"hstu::hstu_mha_gated", "hstu::concat_2D_jagged", "hstu::split_2D_jagged", "hstu::jagged_positions"}
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +40,10 @@ def test_aten_target_leaves_plain_ops_and_reports_mappings(tiny):
     stats = result.report["map_ops"].stats
     assert stats["target"] == "aten"
     mapped = stats["mapped"]
-    # Two STU layers -> two attention calls; the preprocessor concatenates twice; one split.
-    assert mapped["hstu::hstu_mha -> hstu_export.ops.reference:hstu_mha_reference"] == 2
+    # Two STU layers -> two attention calls; the preprocessor concatenates twice; one split; the
+    # positional encoder locates the tokens of the whole sequences and of the histories.
+    assert mapped["hstu::hstu_mha_gated -> hstu_export.ops.reference:hstu_mha_gated_reference"] == 2
+    assert mapped["hstu::jagged_positions -> hstu_export.ops.reference:jagged_positions_reference"] == 2
     assert mapped["hstu::concat_2D_jagged -> hstu_export.ops.reference:concat_2D_jagged_reference"] == 2
     assert mapped["hstu::split_2D_jagged -> hstu_export.ops.reference:split_2D_jagged_reference"] == 1
     for b in (1, 2, 7):  # any batch size, including 1
@@ -68,8 +70,10 @@ def test_triton_target_swaps_to_triton_ops(tiny):
     result = run_passes(gm, ctx, passes=["prune_unused", "split_sparse_dense", "remove_boundary_marks"])
     dense = MapOps().run(result.dense, ctx)
     calls = op_calls(dense)
-    assert calls["hstu::hstu_mha_triton"] == 2
+    assert calls["hstu::hstu_mha_gated_triton"] == 2
     assert calls["hstu::concat_2D_jagged_triton"] == 2 and calls["hstu::split_2D_jagged_triton"] == 1
+    # jagged_positions becomes a parallel search (torch.searchsorted traced into the graph).
+    assert sum(node.target is torch.searchsorted for node in dense.graph.nodes) == 2
     assert not HSTU_OPS & set(calls)
 
 

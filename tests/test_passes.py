@@ -98,7 +98,7 @@ def test_sparse_holds_every_lookup_and_dense_no_table(tiny: HstuRankingModel, sp
     assert op_histogram(split.sparse)["method:values"] == 5  # every lookup crosses the boundary
     assert EmbeddingCollection not in _module_types(split.dense)
     # Right after the split (before map_ops rewrites it), every attention call is on the dense side.
-    assert split.report["split_sparse_dense"].ops_after["hstu.hstu_mha.default"] == tiny.config.num_layers
+    assert split.report["split_sparse_dense"].ops_after["hstu.hstu_mha_gated.default"] == tiny.config.num_layers
 
     model_params = set(tiny.state_dict())
     tables = {k for k in model_params if k.startswith("sparse_arch.embedding_collection.")}

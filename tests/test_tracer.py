@@ -83,7 +83,7 @@ def test_user_leaf_by_class_name(tiny: HstuRankingModel, spec: str) -> None:
     stu_calls = [t for t, cls in _call_modules(gm).items() if cls is STULayer]
     assert stu_calls == ["transducer.stu.layers.0", "transducer.stu.layers.1"]
     ops = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
-    assert "hstu.hstu_mha.default" not in ops  # the attention now sits inside the opaque layers
+    assert "hstu.hstu_mha_gated.default" not in ops  # the attention now sits inside the opaque layers
     assert _max_abs_diff(gm(**batch), tiny(batch)) == 0.0
 
 
@@ -92,7 +92,7 @@ def test_user_leaf_by_submodule_path(tiny: HstuRankingModel) -> None:
     gm = trace(tiny, batch, leaf_modules=["transducer.stu.layers.1"])
     stu_calls = [t for t, cls in _call_modules(gm).items() if cls is STULayer]
     assert stu_calls == ["transducer.stu.layers.1"]
-    mha = [n for n in gm.graph.nodes if str(n.target) == "hstu.hstu_mha.default"]
+    mha = [n for n in gm.graph.nodes if str(n.target) == "hstu.hstu_mha_gated.default"]
     assert len(mha) == 1  # layer 0 is still traced through
 
 

@@ -104,6 +104,12 @@ ATTENTION_CASES: dict[str, dict[str, Any]] = {
     "cached_no_targets_window_fp32": dict(dqk=16, dv=16, delta=3, window=4),
     "cached_bf16": dict(dqk=32, dv=24, delta=4, targets=True, context=2, dtype="bf16"),
 }
+# hstu_mha_gated: attention written into the middle third of the concat, then the gate kernel.
+GATED_CASES: dict[str, dict[str, Any]] = {
+    "gated_targets_context_fp32": dict(dqk=16, dv=16, targets=True, context=2),
+    "gated_dqk24_dv40_window_fp32": dict(dqk=24, dv=40, window=6),
+    "gated_bf16": dict(dqk=32, dv=32, targets=True, dtype="bf16"),
+}
 JAGGED_CASES: dict[str, dict[str, Any]] = {
     "jagged_to_padded_fp32": dict(op="to_padded", d=24, max_len=48),
     "jagged_to_padded_truncate_bf16": dict(op="to_padded", d=40, max_len=20, dtype="bf16"),
@@ -210,6 +216,41 @@ def run_attention_case(spec: dict[str, Any], seed: int) -> dict[str, float]:
     return {"rel_err": rel_err(out, ref)}
 
 
+def run_gated_case(spec: dict[str, Any], seed: int) -> dict[str, float]:
+    from hstu_export.ops._triton import hstu_mha_gated_triton_fwd  # noqa: F401  (registers the ops)
+    from hstu_export.ops.reference import hstu_mha_gated_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    dtype = _dtype(spec.get("dtype", "fp32"))
+    dqk, dv, H = spec["dqk"], spec["dv"], 2
+    context, window = spec.get("context", 0), spec.get("window", 0)
+    offsets = _offsets(LENGTHS)
+    L, width = int(offsets[-1]), H * dv
+    uvqk = torch.randn(L, 2 * width + 2 * H * dqk, generator=gen).to(dtype)
+    weight = (1 + 0.3 * torch.randn(width, generator=gen)).to(dtype)
+    bias = (0.2 * torch.randn(width, generator=gen)).to(dtype)
+    num_targets = None
+    if spec.get("targets"):
+        num_targets = torch.tensor([min(max(n - context, 0), (3 * n) // 4) for n in LENGTHS], dtype=torch.int64)
+    max_seq_len, scaling_seqlen, alpha, eps = max(LENGTHS) + 3, 37, 0.7 / dqk**0.5, 1e-6
+    args = (uvqk, offsets, weight, bias, H, dqk, dv, max_seq_len, scaling_seqlen, alpha, True, num_targets,
+            context, window, eps)  # fmt: skip
+    out = torch.ops.hstu.hstu_mha_gated_triton(*args)
+    # float64 reference of every piece; the op's own reference (same dtype) as a second check.
+    u, v, q, k = torch.split(uvqk.double(), [width, width, H * dqk, H * dqk], dim=-1)
+    a = reference_mha(
+        q.reshape(L, H, dqk), k.reshape(L, H, dqk), v.reshape(L, H, dv), offsets, scaling_seqlen, alpha, True,
+        num_targets, context, window,
+    ).reshape(L, width)  # fmt: skip
+    silu_u = torch.nn.functional.silu(u)
+    normed = torch.nn.functional.layer_norm(a, (width,), weight.double(), bias.double(), eps)
+    ref = torch.cat([silu_u, a, silu_u * normed], dim=-1)
+    same_dtype = hstu_mha_gated_reference(*args)
+    assert out.dtype == dtype and out.shape == ref.shape, (out.dtype, out.shape, ref.shape)
+    return {"rel_err": max(rel_err(out, ref), rel_err(out, same_dtype.double())),
+            "vs_fp64": rel_err(out, ref), "vs_op_reference": rel_err(out, same_dtype.double())}
+
+
 def run_jagged_case(spec: dict[str, Any], seed: int) -> dict[str, float]:
     import hstu_export.ops._triton  # noqa: F401  (registers the ops)
 
@@ -279,6 +320,8 @@ def run_cases(names: list[str]) -> dict[str, dict[str, float]]:
     for i, name in enumerate(names):
         if name in ATTENTION_CASES:
             results[name] = run_attention_case(ATTENTION_CASES[name], seed=i)
+        elif name in GATED_CASES:
+            results[name] = run_gated_case(GATED_CASES[name], seed=i)
         else:
             results[name] = run_jagged_case(JAGGED_CASES[name], seed=i)
     return results
@@ -297,7 +340,7 @@ def interpreted_results() -> dict[str, dict[str, float]]:
         PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
     )
     proc = subprocess.run(
-        [sys.executable, __file__, *ATTENTION_CASES, *JAGGED_CASES],
+        [sys.executable, __file__, *ATTENTION_CASES, *GATED_CASES, *JAGGED_CASES],
         env=env,
         capture_output=True,
         text=True,
@@ -311,6 +354,12 @@ def interpreted_results() -> dict[str, dict[str, float]]:
 @pytest.mark.parametrize("name", list(ATTENTION_CASES))
 def test_attention_matches_reference(interpreted_results: dict[str, dict[str, float]], name: str) -> None:
     tol = TOLERANCE[ATTENTION_CASES[name].get("dtype", "fp32")]
+    assert interpreted_results[name]["rel_err"] < tol
+
+
+@pytest.mark.parametrize("name", list(GATED_CASES))
+def test_gated_attention_matches_reference(interpreted_results: dict[str, dict[str, float]], name: str) -> None:
+    tol = TOLERANCE[GATED_CASES[name].get("dtype", "fp32")]
     assert interpreted_results[name]["rel_err"] < tol
 
 

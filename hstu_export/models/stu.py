@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hstu_export.models.config import HSTUConfig
-from hstu_export.ops import Kernel, hstu_mha
+from hstu_export.ops import Kernel, hstu_mha_gated
 
 LAYER_NORM_EPS = 1e-6
 
@@ -49,13 +49,15 @@ class STULayer(nn.Module):
         h, dqk, dv = self.num_heads, self.attention_dim, self.linear_dim
         n = layer_norm_fp32(x, self.input_norm_weight, self.input_norm_bias)
         uvqk = torch.addmm(self.uvqk_bias, n, self.uvqk_weight)
-        u, v, q, k = torch.split(uvqk, [dv * h, dv * h, dqk * h, dqk * h], dim=-1)
-        u = F.silu(u)
-        a = hstu_mha(
-            q.reshape(-1, h, dqk),
-            k.reshape(-1, h, dqk),
-            v.reshape(-1, h, dv),
+        # concat(SiLU(u), a, SiLU(u) * LN(a)) with a = hstu_mha(q, k, v): one op between the projections.
+        gated = hstu_mha_gated(
+            uvqk,
             seq_offsets,
+            self.output_norm_weight,
+            self.output_norm_bias,
+            num_heads=h,
+            attention_dim=dqk,
+            linear_dim=dv,
             max_seq_len=cfg.max_seq_len,
             scaling_seqlen=cfg.attn_scaling_seqlen,
             alpha=cfg.attn_alpha,
@@ -63,10 +65,10 @@ class STULayer(nn.Module):
             num_targets=num_targets,
             contextual_seq_len=cfg.contextual_seq_len,
             max_attn_len=cfg.max_attn_len,
+            eps=LAYER_NORM_EPS,
             kernel=self.kernel,
-        ).reshape(-1, h * dv)
-        y = u * layer_norm_fp32(a, self.output_norm_weight, self.output_norm_bias)
-        return x + torch.cat([u, a, y], dim=-1) @ self.output_weight
+        )
+        return x + gated @ self.output_weight
 
 
 class STUStack(nn.Module):

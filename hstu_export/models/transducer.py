@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hstu_export.graph_functions import token_positions, token_sequence_ids
 from hstu_export.models.config import HSTUConfig
 from hstu_export.models.stu import STUStack, layer_norm_fp32
-from hstu_export.ops import Kernel, concat_2D_jagged, lengths_to_offsets, split_2D_jagged
+from hstu_export.ops import Kernel, concat_2D_jagged, jagged_positions, lengths_to_offsets, split_2D_jagged
 
 
 class ContextualPreprocessor(nn.Module):
@@ -69,6 +68,7 @@ class PositionalEncoder(nn.Module):
 
     def __init__(self, config: HSTUConfig) -> None:
         super().__init__()
+        self.kernel = Kernel(config.kernel)
         self.max_seq_len = config.max_seq_len
         self.contextual_seq_len = config.contextual_seq_len
         self.num_time_buckets = config.num_time_buckets
@@ -89,8 +89,7 @@ class PositionalEncoder(nn.Module):
         query_time: Tensor,
     ) -> Tensor:
         total = tokens.size(0)
-        pos = token_positions(offsets, total)
-        seq = token_sequence_ids(offsets, total)
+        seq, pos = jagged_positions(offsets, total, kernel=self.kernel)
         lengths = offsets[1:] - offsets[:-1]
         c = self.contextual_seq_len
         if c > 0:
@@ -101,11 +100,10 @@ class PositionalEncoder(nn.Module):
 
         # Timestamp bucket of each history token; other tokens keep bucket 0.
         hist_total = history_timestamps.size(0)
-        hist_seq = token_sequence_ids(history_offsets, hist_total)
+        hist_seq, hist_pos = jagged_positions(history_offsets, hist_total, kernel=self.kernel)
         delta = (query_time[hist_seq] - history_timestamps).clamp(min=1).to(torch.float32)
         hist_bucket = (torch.log(delta) / self.time_bucket_base).to(torch.int64)
         hist_bucket = hist_bucket.clamp(min=0, max=self.num_time_buckets - 1)
-        hist_pos = token_positions(history_offsets, hist_total)
         # A history token sits after its user's contextual tokens.
         bucket = torch.zeros(total, dtype=torch.int64, device=tokens.device)
         bucket = bucket.index_put((offsets[:-1][hist_seq] + c + hist_pos,), hist_bucket)

@@ -15,6 +15,8 @@ from hstu_export.ops.dispatch import (
     concat_2D_jagged,
     dense_to_jagged,
     hstu_mha,
+    hstu_mha_gated,
+    jagged_positions,
     jagged_to_padded_dense,
     split_2D_jagged,
 )
@@ -28,6 +30,8 @@ __all__ = [
     "concat_2D_jagged",
     "dense_to_jagged",
     "hstu_mha",
+    "hstu_mha_gated",
+    "jagged_positions",
     "jagged_to_padded_dense",
     "lengths_to_offsets",
     "split_2D_jagged",

@@ -21,6 +21,8 @@ __all__ = [
     "concat_2D_jagged",
     "dense_to_jagged",
     "hstu_mha",
+    "hstu_mha_gated",
+    "jagged_positions",
     "jagged_to_padded_dense",
     "split_2D_jagged",
 ]
@@ -101,6 +103,56 @@ def hstu_mha(
         q, k, v, seq_offsets, max_seq_len, scaling_seqlen, alpha, causal, num_targets,
         contextual_seq_len, max_attn_len,
     )  # fmt: skip
+
+
+def hstu_mha_gated(
+    uvqk: Tensor,
+    seq_offsets: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor,
+    *,
+    num_heads: int,
+    attention_dim: int,
+    linear_dim: int,
+    max_seq_len: int,
+    scaling_seqlen: int,
+    alpha: float,
+    causal: bool = True,
+    num_targets: Tensor | None = None,
+    contextual_seq_len: int = 0,
+    max_attn_len: int = 0,
+    eps: float = 1e-6,
+    kernel: Kernel = Kernel.PYTORCH,
+) -> Tensor:
+    """The STU layer between its projections, one op: uvqk [L, H*(2*Dv + 2*Dqk)] (columns u, v, q, k)
+    -> concat(SiLU(u), a, SiLU(u) * LN(a)) [L, 3*H*Dv], with a = :func:`hstu_mha` of q, k, v and
+    LN over H*Dv (``norm_weight``/``norm_bias``, fp32, ``eps``).
+
+    The Triton kernel writes the attention straight into the middle third of the output and fills
+    the other two in one more pass, so neither the attention output nor the concat is copied.
+    """
+    _check_positive(
+        num_heads=num_heads, attention_dim=attention_dim, linear_dim=linear_dim, max_seq_len=max_seq_len,
+        scaling_seqlen=scaling_seqlen,
+    )  # fmt: skip
+    _check_non_negative(contextual_seq_len=contextual_seq_len, max_attn_len=max_attn_len)
+    return _op("hstu_mha_gated", kernel)(
+        uvqk, seq_offsets, norm_weight, norm_bias, num_heads, attention_dim, linear_dim, max_seq_len,
+        scaling_seqlen, alpha, causal, num_targets, contextual_seq_len, max_attn_len, eps,
+    )  # fmt: skip
+
+
+def jagged_positions(offsets: Tensor, total_len: int, kernel: Kernel = Kernel.PYTORCH) -> tuple[Tensor, Tensor]:
+    """(sequence id, position inside its sequence) of each of ``total_len`` jagged tokens, int64 [L].
+
+    ``Kernel.TRITON`` computes it by a parallel binary search (no Triton kernel: the plain torch ops
+    compile well), ``Kernel.PYTORCH`` by the op, whose running count also exports to ONNX.
+    """
+    if _kernel(kernel) is Kernel.TRITON:
+        from hstu_export.ops.jagged import jagged_positions_by_search
+
+        return jagged_positions_by_search(offsets, total_len)
+    return torch.ops.hstu.jagged_positions.default(offsets, total_len)
 
 
 def cached_hstu_mha(

@@ -95,3 +95,17 @@ def dense_to_jagged_eager(dense: Tensor, offsets: Tensor, total_len: int | None 
     else:
         out = dense_to_jagged_reference(dense, offsets, total_len)
     return out
+
+
+def jagged_positions_by_search(offsets: Tensor, total_len: int) -> tuple[Tensor, Tensor]:
+    """:func:`~hstu_export.ops.reference.jagged_positions` by a binary search of every token index in
+    ``offsets``: parallel over tokens, where the reference's running count is one long scan (about
+    0.1 ms for 98k tokens on an H100 as Inductor compiles it). The ``triton`` mapping target uses it;
+    the ``aten`` target keeps the reference, because the ONNX exporter has no ``searchsorted``.
+    """
+    offsets = offsets.to(torch.int64)
+    index = torch.arange(total_len, dtype=torch.int64, device=offsets.device)
+    # offsets[0] <= every index, so the count of offsets <= index is >= 1; right=True steps over the
+    # repeated offsets of empty sequences; indices past offsets[B] land in sequence B, as in the reference.
+    seq_ids = torch.searchsorted(offsets, index, right=True) - 1
+    return seq_ids, index - offsets[seq_ids]

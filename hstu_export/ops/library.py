@@ -25,7 +25,9 @@ from hstu_export.ops.jagged import dense_to_jagged_eager, jagged_to_padded_dense
 from hstu_export.ops.reference import (
     cached_hstu_mha_reference,
     concat_2D_jagged_reference,
+    hstu_mha_gated_reference,
     hstu_mha_reference,
+    jagged_positions_reference,
     split_2D_jagged_reference,
 )
 
@@ -37,6 +39,8 @@ OP_NAMES = (
     "dense_to_jagged",
     "concat_2D_jagged",
     "split_2D_jagged",
+    "jagged_positions",
+    "hstu_mha_gated",
 )
 
 
@@ -128,6 +132,34 @@ def _split_2D_jagged(
     return split_2D_jagged_reference(values, offsets_left, offsets_right, total_len_left, total_len_right)
 
 
+def _jagged_positions(offsets: Tensor, total_len: int) -> tuple[Tensor, Tensor]:
+    return jagged_positions_reference(offsets, total_len)
+
+
+def _hstu_mha_gated(
+    uvqk: Tensor,
+    seq_offsets: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor,
+    num_heads: int,
+    attention_dim: int,
+    linear_dim: int,
+    max_seq_len: int,
+    scaling_seqlen: int,
+    alpha: float,
+    causal: bool = True,
+    num_targets: Tensor | None = None,
+    contextual_seq_len: int = 0,
+    max_attn_len: int = 0,
+    eps: float = 1e-6,
+) -> Tensor:
+    padded_len = _padded_len(seq_offsets, max_seq_len, "hstu_mha_gated")
+    return hstu_mha_gated_reference(
+        uvqk, seq_offsets, norm_weight, norm_bias, num_heads, attention_dim, linear_dim, padded_len,
+        scaling_seqlen, alpha, causal, num_targets, contextual_seq_len, max_attn_len, eps,
+    )  # fmt: skip
+
+
 # ---- fake kernels -------------------------------------------------------------------------------
 
 
@@ -158,6 +190,16 @@ def _concat_2D_jagged_fake(values_left, offsets_left, values_right, offsets_righ
 def _split_2D_jagged_fake(values, offsets_left, offsets_right, total_len_left, total_len_right):
     rest = values.shape[1:]
     return values.new_empty((total_len_left, *rest)), values.new_empty((total_len_right, *rest))
+
+
+def _jagged_positions_fake(offsets, total_len):
+    return offsets.new_empty((total_len,), dtype=torch.int64), offsets.new_empty((total_len,), dtype=torch.int64)
+
+
+def _hstu_mha_gated_fake(uvqk, seq_offsets, norm_weight, norm_bias, num_heads, attention_dim, linear_dim,
+                         max_seq_len, scaling_seqlen, alpha, causal=True, num_targets=None,
+                         contextual_seq_len=0, max_attn_len=0, eps=1e-6):  # fmt: skip
+    return uvqk.new_empty((uvqk.size(0), 3 * num_heads * linear_dim))
 
 
 # ---- autograd: recompute through the eager kernel and differentiate that ------------------------
@@ -205,6 +247,8 @@ _KERNELS: dict[str, tuple[Callable, Callable, int | None]] = {
     "dense_to_jagged": (_dense_to_jagged, _dense_to_jagged_fake, 2),  # total_len
     "concat_2D_jagged": (_concat_2D_jagged, _concat_2D_jagged_fake, None),
     "split_2D_jagged": (_split_2D_jagged, _split_2D_jagged_fake, None),
+    "jagged_positions": (_jagged_positions, _jagged_positions_fake, None),
+    "hstu_mha_gated": (_hstu_mha_gated, _hstu_mha_gated_fake, None),
 }
 
 

@@ -29,6 +29,16 @@ MAPPINGS: dict[str, dict[str, str]] = {
         "triton": "op:hstu::cached_hstu_mha_triton", "aten": _REF + "cached_hstu_mha_reference",
         "fbgemm": _REF + "cached_hstu_mha_reference",
     },
+    "hstu::hstu_mha_gated": {
+        "triton": "op:hstu::hstu_mha_gated_triton", "aten": _REF + "hstu_mha_gated_reference",
+        "fbgemm": _REF + "hstu_mha_gated_reference",
+    },
+    # The running count of the reference is one long scan on a GPU; the search is parallel (and has
+    # no ONNX lowering, hence only for triton).
+    "hstu::jagged_positions": {
+        "triton": "fn:hstu_export.ops.jagged:jagged_positions_by_search", "aten": _REF + "jagged_positions_reference",
+        "fbgemm": _REF + "jagged_positions_reference",
+    },
     "hstu::jagged_to_padded_dense": {
         "triton": "op:hstu::jagged_to_padded_dense_triton", "aten": _REF + "jagged_to_padded_dense_reference",
         "fbgemm": _HERE + "jagged_to_padded_dense_via_fbgemm",

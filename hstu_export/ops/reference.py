@@ -29,8 +29,10 @@ __all__ = [
     "concat_2D_jagged_reference",
     "dense_to_jagged_reference",
     "hstu_attention_mask",
+    "hstu_mha_gated_reference",
     "hstu_mha_reference",
     "jagged_positions",
+    "jagged_positions_reference",
     "jagged_to_padded_dense_reference",
     "split_2D_jagged_reference",
 ]
@@ -63,6 +65,11 @@ def jagged_positions(offsets: Tensor, total_len: int) -> tuple[Tensor, Tensor]:
     seq_ids = torch.cumsum(counts[:total_len], dim=0) - 1
     positions = torch.arange(total_len, dtype=torch.int64, device=offsets.device) - offsets[seq_ids]
     return seq_ids, positions
+
+
+def jagged_positions_reference(offsets: Tensor, total_len: int) -> tuple[Tensor, Tensor]:
+    """``hstu::jagged_positions``: :func:`jagged_positions` under the op's name."""
+    return jagged_positions(offsets, total_len)
 
 
 def _append_row(values: Tensor, fill: float) -> Tensor:
@@ -297,3 +304,36 @@ def cached_hstu_mha_reference(
     )  # fmt: skip
     out = _hstu_attend(padded_q, padded_k, padded_v, mask, scaling_seqlen, alpha).to(v.dtype)
     return out.reshape(-1, out.size(2), out.size(3))[: delta_q.size(0)]
+
+
+def hstu_mha_gated_reference(
+    uvqk: Tensor,
+    seq_offsets: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor,
+    num_heads: int,
+    attention_dim: int,
+    linear_dim: int,
+    max_seq_len: int,
+    scaling_seqlen: int,
+    alpha: float,
+    causal: bool = True,
+    num_targets: Tensor | None = None,
+    contextual_seq_len: int = 0,
+    max_attn_len: int = 0,
+    eps: float = 1e-6,
+) -> Tensor:
+    """The STU layer between its two projections: uvqk [L, H*(2*Dv + 2*Dqk)] -> [L, 3*H*Dv].
+
+    u, v, q, k = split(uvqk); u = SiLU(u); a = hstu_mha(q, k, v) flattened to [L, H*Dv];
+    returns concat(u, a, u * LN(a)) with LN over H*Dv in fp32 (``eps``), rounded to uvqk's dtype.
+    """
+    h, dqk, dv = num_heads, attention_dim, linear_dim
+    u, v, q, k = torch.split(uvqk, [dv * h, dv * h, dqk * h, dqk * h], dim=-1)
+    u = F.silu(u)
+    a = hstu_mha_reference(
+        q.reshape(-1, h, dqk), k.reshape(-1, h, dqk), v.reshape(-1, h, dv), seq_offsets, max_seq_len,
+        scaling_seqlen, alpha, causal, num_targets, contextual_seq_len, max_attn_len,
+    ).reshape(-1, h * dv)  # fmt: skip
+    normed = F.layer_norm(a.float(), (h * dv,), norm_weight.float(), norm_bias.float(), eps).type_as(a)
+    return torch.cat([u, a, u * normed], dim=-1)

@@ -4,6 +4,7 @@ Registered with ``torch.library.triton_op`` + ``wrap_triton`` so that torch.expo
 kernels visible and AOTInductor compiles them into the package (no Python or Triton at load time):
 
 - ``hstu::hstu_mha_triton``, ``hstu::cached_hstu_mha_triton`` (attention.py)
+- ``hstu::hstu_mha_gated_triton``: attention plus the STU output gate (gated.py)
 - ``hstu::jagged_to_padded_dense_triton``, ``hstu::dense_to_jagged_triton``,
   ``hstu::concat_2D_jagged_triton``, ``hstu::split_2D_jagged_triton`` (jagged.py)
 
@@ -14,11 +15,20 @@ from __future__ import annotations
 
 from . import jagged as _jagged  # noqa: F401  (registers the jagged ops)
 from .attention import cached_hstu_mha_triton_fwd, hstu_mha_triton_fwd
-from .configs import AttentionConfig, JaggedConfig, attention_config, chosen_configs, jagged_config
+from .configs import (
+    AttentionConfig,
+    JaggedConfig,
+    attention_config,
+    chosen_configs,
+    gate_config,
+    jagged_config,
+)
+from .gated import hstu_mha_gated_triton_fwd
 
 OP_NAMES: tuple[str, ...] = (
     "hstu::hstu_mha_triton",
     "hstu::cached_hstu_mha_triton",
+    "hstu::hstu_mha_gated_triton",
     "hstu::jagged_to_padded_dense_triton",
     "hstu::dense_to_jagged_triton",
     "hstu::concat_2D_jagged_triton",
@@ -32,6 +42,8 @@ __all__ = [
     "attention_config",
     "cached_hstu_mha_triton_fwd",
     "chosen_configs",
+    "gate_config",
+    "hstu_mha_gated_triton_fwd",
     "hstu_mha_triton_fwd",
     "jagged_config",
 ]

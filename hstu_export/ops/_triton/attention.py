@@ -131,6 +131,7 @@ def _hstu_attn_fwd(
     stride_vh,
     stride_om,
     stride_oh,
+    o_col0,
     alpha,
     inv_scale,
     contextual_seq_len,
@@ -274,7 +275,7 @@ def _hstu_attn_fwd(
                     acc += s_self[:, None] * v_self.to(tl.float32)
 
         acc = acc * inv_scale
-        o_ptrs = Out + (q_row0 + offs_m)[:, None].to(tl.int64) * stride_om + h * stride_oh + offs_dv[None, :]
+        o_ptrs = Out + o_col0 + (q_row0 + offs_m)[:, None].to(tl.int64) * stride_om + h * stride_oh + offs_dv[None, :]
         tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_in[:, None] & (offs_dv[None, :] < DV))
 
 
@@ -323,13 +324,19 @@ def _launch_attention(
     config: AttentionConfig | None,
     traceable: bool,
     fast_silu: bool | None = None,
+    out: torch.Tensor | None = None,
+    out_col0: int = 0,
 ) -> torch.Tensor:
+    """Launches the attention kernel. ``out`` (optional): a 2-D buffer [num_query_rows, W] whose
+    columns [out_col0, out_col0 + H*Dv) receive the result (the gated op's concat buffer); it is
+    passed whole, not as a view, so the tracers see one buffer that the kernel writes in place."""
     _check_inputs(q, k, v, seq_offsets)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     _, H, DQK = q.shape
     DV = v.shape[2]
     B = seq_offsets.shape[0] - 1
-    out = torch.empty((num_query_rows, H, DV), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((num_query_rows, H, DV), dtype=q.dtype, device=q.device)
     capability = _device_capability(q.device)
     cfg = config if config is not None else attention_config(capability, DQK, DV, q.dtype)
     if fast_silu is None:  # the tanh.approx SiLU: CUDA only, and for 16-bit inputs only
@@ -353,7 +360,8 @@ def _launch_attention(
         v.stride(0),
         v.stride(1),
         out.stride(0),
-        out.stride(1),
+        DV,  # head h starts at column out_col0 + h * Dv
+        out_col0,
         float(alpha),
         1.0 / float(scaling_seqlen),
         contextual_seq_len,

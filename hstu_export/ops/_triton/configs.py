@@ -20,6 +20,7 @@ __all__ = [
     "JaggedConfig",
     "attention_config",
     "chosen_configs",
+    "gate_config",
     "jagged_config",
     "next_power_of_2",
 ]
@@ -139,6 +140,26 @@ def jagged_config(capability: tuple[int, int] | None) -> JaggedConfig:
     key = "interpreter" if capability is None else "gpu"
     config = _JAGGED_TABLE[key]
     _record(f"jagged/{key}", {"kernel": "jagged_copy", "capability": key, **dataclasses.asdict(config)})
+    return config
+
+
+@functools.cache
+def gate_config(capability: tuple[int, int] | None, width: int) -> JaggedConfig:
+    """The config of the STU gate kernel over rows of ``width`` = H*Dv features (None: the CPU
+    interpreter). A row is normalised whole, so block_d covers it; about 4K elements per program."""
+    block_d = max(next_power_of_2(width), 16)
+    if capability is None:
+        key, config = "interpreter", JaggedConfig(block_rows=4, block_d=block_d, num_warps=1)
+    else:
+        key = "gpu"
+        config = JaggedConfig(
+            block_rows=max(1, min(16, 4096 // block_d)),
+            block_d=block_d,
+            num_warps=4 if block_d <= 1024 else 8,
+        )
+    _record(
+        f"gate/{key}/width{width}", {"kernel": "stu_gate", "capability": key, **dataclasses.asdict(config)}
+    )
     return config
 
 
