@@ -170,7 +170,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=2026, help="seed of the workload")
     parser.add_argument("--model-seed", type=int, default=0, help="seed of the weights")
     parser.add_argument("--skip", nargs="*", default=[], choices=VARIANTS)
-    parser.add_argument("--package", default=None, help="reuse an exported package instead of exporting")
+    parser.add_argument("--package", default=None,
+                        help="reuse this exported package, or export to this path when it does not exist yet")
     parser.add_argument("--out", default=None, help="directory for e2e.json")
     parser.add_argument("--profile", nargs="*", default=[], choices=VARIANTS,
                         help="also write a torch.profiler kernel table for these variants")
@@ -204,8 +205,8 @@ def main() -> int:
             runs["eager_triton"] = lambda: triton_stack(**inputs)
     if "exported" not in args.skip:
         pkg = args.package
-        if pkg is None:
-            pkg = str(Path(tempfile.mkdtemp(prefix="e2e-")) / "dlrmv3.aoti")
+        if pkg is None or not Path(pkg).exists():
+            pkg = pkg or str(Path(tempfile.mkdtemp(prefix="e2e-")) / "dlrmv3.aoti")
             bundle_path = Path(pkg).with_suffix(".pt")
             hstu_export.save_bundle(model, bundle_path, hstu_export.generate_batch(model.input_schema(), 4, seed=1))
             settings = hstu_export.ExportSettings(
