@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.export import Dim
 
 from hstu_export.errors import ConfigError
-from hstu_export.ops import Kernel, cached_hstu_mha, hstu_mha, lengths_to_offsets
+from hstu_export.ops import Kernel, cached_hstu_mha, hstu_mha, hstu_mha_gated, lengths_to_offsets
 from hstu_export.ops.reference import cached_hstu_mha_reference, hstu_mha_reference
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -452,7 +452,30 @@ def test_references_trace_with_fx_proxies(dtype):
         assert full.dtype == cached.dtype == dtype
 
 
-@pytest.mark.parametrize("op_name", ["hstu_mha", "cached_hstu_mha"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_op_equals_attention_then_gate(dtype):
+    # hstu_mha_gated is the STU layer between its projections: split, SiLU, attention, LN, concat.
+    gen = torch.Generator().manual_seed(3)
+    h, dqk, dv, lengths = 2, 8, 6, [5, 0, 9, 3]
+    offsets = lengths_to_offsets(torch.tensor(lengths))
+    uvqk = torch.randn(sum(lengths), h * (2 * dv + 2 * dqk), generator=gen).to(dtype)
+    weight, bias = (torch.randn(h * dv, generator=gen).to(dtype) for _ in range(2))
+    targets = torch.tensor([2, 0, 4, 1])
+    attn = dict(max_seq_len=12, scaling_seqlen=10, alpha=0.4, num_targets=targets, contextual_seq_len=1,
+                max_attn_len=5)  # fmt: skip
+    got = hstu_mha_gated(uvqk, offsets, weight, bias, num_heads=h, attention_dim=dqk, linear_dim=dv, eps=1e-5, **attn)
+    u, v, q, k = torch.split(uvqk, [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
+    a = hstu_mha(q.reshape(-1, h, dqk), k.reshape(-1, h, dqk), v.reshape(-1, h, dv), offsets, **attn).reshape(-1, h * dv)
+    u = torch.nn.functional.silu(u)
+    normed = torch.nn.functional.layer_norm(a.float(), (h * dv,), weight.float(), bias.float(), 1e-5).to(dtype)
+    expected = torch.cat([u, a, u * normed], dim=-1)
+    assert got.dtype == dtype and got.shape == (sum(lengths), 3 * h * dv)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="num_heads"):
+        hstu_mha_gated(uvqk, offsets, weight, bias, num_heads=0, attention_dim=dqk, linear_dim=dv, **attn)
+
+
+@pytest.mark.parametrize("op_name", ["hstu_mha", "cached_hstu_mha", "hstu_mha_gated"])
 def test_opcheck(op_name):
     # Schema, fake kernel, autograd registration and AOT-dispatch tracing (incl. the backward, which
     # must not sync with the host when traced).
@@ -461,6 +484,10 @@ def test_opcheck(op_name):
     )
     if op_name == "hstu_mha":
         args = (q, k, v, offsets, 8, 8, 0.5, True, torch.tensor([1, 0, 2, 0]), 1, 2)
+    elif op_name == "hstu_mha_gated":
+        uvqk = torch.randn(9, 2 * (2 * 3 + 2 * 4), requires_grad=True)  # H=2, Dqk=4, Dv=3
+        norm = (torch.randn(6, requires_grad=True), torch.randn(6, requires_grad=True))
+        args = (uvqk, offsets, *norm, 2, 4, 3, 8, 8, 0.5, True, torch.tensor([1, 0, 2, 0]), 1, 2, 1e-6)
     else:
         delta_offsets = lengths_to_offsets(torch.tensor([3, 5, 1]))
         args = (q[[2, 7, 8]], k, v, delta_offsets, 1, 8, 8, 0.5, None, 0, 0)

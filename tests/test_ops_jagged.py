@@ -9,13 +9,15 @@ import torch
 from torch.export import Dim
 
 from hstu_export.ops import (
+    Kernel,
     concat_2D_jagged,
     dense_to_jagged,
     jagged_to_padded_dense,
     lengths_to_offsets,
     split_2D_jagged,
 )
-from hstu_export.ops.jagged import fbgemm_available
+from hstu_export.ops import jagged_positions as jagged_positions_op
+from hstu_export.ops.jagged import fbgemm_available, jagged_positions_by_search
 from hstu_export.ops.reference import (
     concat_2D_jagged_reference,
     dense_to_jagged_reference,
@@ -70,6 +72,29 @@ def test_jagged_positions_with_empty_sequences():
     seq_ids, positions = jagged_positions(offsets_of([0, 2, 0, 3, 0]), 5)
     assert seq_ids.tolist() == [1, 1, 3, 3, 3]
     assert positions.tolist() == [0, 1, 0, 1, 2]
+
+
+@pytest.mark.parametrize("lengths", [[0, 2, 0, 3, 0], [7], [1, 1, 1], [0], [4, 0, 0, 9, 2, 5]])
+def test_jagged_positions_op_and_search_equal_the_running_count(lengths):
+    offsets = offsets_of(lengths)
+    total = sum(lengths)
+    expected = jagged_positions(offsets, total)
+    for got in (
+        jagged_positions_op(offsets, total),  # the op (eager: the running count)
+        jagged_positions_op(offsets, total, kernel=Kernel.TRITON),  # the search, what triton maps to
+        jagged_positions_by_search(offsets.to(torch.int32), total),
+    ):
+        assert [g.tolist() for g in got] == [e.tolist() for e in expected]
+        assert all(g.dtype == torch.int64 for g in got)
+
+
+def test_jagged_positions_search_keeps_ids_in_range_for_inconsistent_offsets():
+    # All-zero offsets (what AOTInductor feeds kernels while compiling): every token lies past
+    # offsets[B]. The running count says sequence B; the search clamps to B-1 so that per-sequence
+    # lookups stay in bounds.
+    seq_ids, positions = jagged_positions_by_search(torch.zeros(4, dtype=torch.int64), 5)
+    assert seq_ids.tolist() == [2] * 5 and positions.tolist() == [0, 1, 2, 3, 4]
+    assert jagged_positions(torch.zeros(4, dtype=torch.int64), 5)[0].tolist() == [3] * 5
 
 
 # ---- jagged <-> padded -------------------------------------------------------------------------
@@ -358,6 +383,7 @@ def _opcheck_cases() -> dict[str, tuple]:
         "dense_to_jagged_no_total_len": (torch.randn(4, 6, 3), offsets, None),
         "concat_2D_jagged": (values, offsets, right, right_offsets),
         "split_2D_jagged": (torch.randn(15, 3), offsets, right_offsets, 9, 6),
+        "jagged_positions": (offsets, 9),
     }
 
 

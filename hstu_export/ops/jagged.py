@@ -105,7 +105,10 @@ def jagged_positions_by_search(offsets: Tensor, total_len: int) -> tuple[Tensor,
     """
     offsets = offsets.to(torch.int64)
     index = torch.arange(total_len, dtype=torch.int64, device=offsets.device)
-    # offsets[0] <= every index, so the count of offsets <= index is >= 1; right=True steps over the
-    # repeated offsets of empty sequences; indices past offsets[B] land in sequence B, as in the reference.
-    seq_ids = torch.searchsorted(offsets, index, right=True) - 1
+    # The count of offsets <= index, minus one; right=True steps over the repeated offsets of empty
+    # sequences. The clamp keeps ids inside [0, B-1] for tokens that belong to no sequence (past
+    # offsets[B], where the reference says B): only inconsistent inputs have such tokens, and
+    # AOTInductor runs kernels on such inputs (zero offsets) while compiling, where an id of B would
+    # trip the bounds check of every per-sequence lookup that follows.
+    seq_ids = (torch.searchsorted(offsets, index, right=True) - 1).clamp(min=0, max=offsets.size(0) - 2)
     return seq_ids, index - offsets[seq_ids]
