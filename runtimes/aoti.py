@@ -3,6 +3,7 @@ by ``aoti_compile_and_package`` into one ``.pt2`` (CPU or CUDA). The sparse grap
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,11 @@ from hstu_export.runtimes.graph_io import op_libraries
 from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
 
 DENSE_FILE = "dense/dense.pt2"
+# Model instances in the AOTInductor container. With one, every call waits (cudaEventSynchronize)
+# for the previous call to finish before launching anything, so back-to-back calls leave the GPU
+# idle while the host launches; two let one call launch while the previous one runs. The weights
+# are shared between instances.
+AOTI_RUNNERS = 2
 
 
 def export_dense(inputs: CompileInputs) -> torch.export.ExportedProgram:
@@ -60,7 +66,15 @@ class AotiBackend(Backend):
         files = manifest["backend"]["files"]
         sparse = load_sparse(root, manifest, device)
         try:
-            dense = torch._inductor.aoti_load_package(str(root / files["dense"]))
+            dense = _load_pt2(root / files["dense"])
         except Exception as exc:
             raise PackageError(f"{root}: AOTInductor could not load {files['dense']}: {exc}") from exc
         return SplitRunner(sparse, dense, manifest["dense_passthrough_inputs"], manifest["output_names"])
+
+
+def _load_pt2(path: Path) -> Any:
+    from torch._inductor.package import load_package
+
+    if "num_runners" in inspect.signature(load_package).parameters:
+        return load_package(str(path), num_runners=AOTI_RUNNERS)
+    return load_package(str(path))  # older torch: one runner
