@@ -4,6 +4,7 @@ by ``aoti_compile_and_package`` into one ``.pt2`` (CPU or CUDA). The sparse grap
 from __future__ import annotations
 
 import inspect
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,6 @@ from hstu_export.runtimes.graph_io import op_libraries
 from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
 
 DENSE_FILE = "dense/dense.pt2"
-# Model instances in the AOTInductor container. With one, every call waits (cudaEventSynchronize)
-# for the previous call to finish before launching anything, so back-to-back calls leave the GPU
-# idle while the host launches; two let one call launch while the previous one runs. The weights
-# are shared between instances.
-AOTI_RUNNERS = 2
 
 
 def export_dense(inputs: CompileInputs) -> torch.export.ExportedProgram:
@@ -73,8 +69,25 @@ class AotiBackend(Backend):
 
 
 def _load_pt2(path: Path) -> Any:
+    """The dense model, called without a host sync between calls.
+
+    AOTInductor's default runner makes each call wait (cudaEventSynchronize) until the previous call
+    has finished on the GPU before it launches anything, so back-to-back calls leave the GPU idle
+    while the host launches. The single-threaded runner skips that bookkeeping; it is not safe to
+    call from two threads at once, so the calls are serialised by a lock (held only while launching).
+    """
     from torch._inductor.package import load_package
 
-    if "num_runners" in inspect.signature(load_package).parameters:
-        return load_package(str(path), num_runners=AOTI_RUNNERS)
-    return load_package(str(path))  # older torch: one runner
+    if "run_single_threaded" not in inspect.signature(load_package).parameters:
+        return load_package(str(path))  # older torch
+    return _Serialised(load_package(str(path), run_single_threaded=True))
+
+
+class _Serialised:
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._fn(*args, **kwargs)

@@ -13,15 +13,9 @@ LAYER_NORM_EPS = 1e-6
 
 
 def layer_norm_fp32(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    """LayerNorm with fp32 statistics whatever the input dtype, output in the input's dtype.
-
-    PyTorch's CPU and CUDA kernels and Inductor's lowering all accumulate 16-bit inputs in fp32, so
-    no explicit ``x.float()`` is written: on the residual stream that cast (``aten._to_copy``) is not a
-    pointwise op to Inductor, which then folds ``x + gated @ W`` into a 2-D ``addmm`` that first
-    copies the residual (one extra pass over [L, D] per layer); without it the add fuses into the
-    next layer's layernorm kernel instead.
-    """
-    return F.layer_norm(x, (x.shape[-1],), weight.to(x.dtype), bias.to(x.dtype), LAYER_NORM_EPS)
+    """LayerNorm computed in fp32 whatever the input dtype, cast back to it."""
+    out = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), LAYER_NORM_EPS)
+    return out.to(x.dtype)
 
 
 class STULayer(nn.Module):
