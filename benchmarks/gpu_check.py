@@ -139,6 +139,52 @@ def attention_cases(device: str, small: bool) -> list[dict[str, Any]]:
     return results
 
 
+def gated_cases(device: str, small: bool) -> list[dict[str, Any]]:
+    """hstu_mha_gated_triton (attention into the concat buffer + the gate kernel) against the fp32
+    reference of the op, and the searchsorted jagged positions against the running count."""
+    gen = torch.Generator(device=device).manual_seed(5)
+    cpu_gen = torch.Generator().manual_seed(6)
+    scale = 16 if small else 1
+    hist = torch.randint(1, 2048 // scale + 1, (8,), generator=cpu_gen).tolist()
+    lengths = [h + 2048 // scale for h in hist]
+    specs = [  # name, H, Dqk, Dv, dtype
+        ("gated_dlrmv3_like_bf16", 4, 128, 128, torch.bfloat16),
+        ("gated_width120_fp16", 3, 32, 40, torch.float16),
+        ("gated_width2048_bf16", 8, 64, 256, torch.bfloat16),
+        ("gated_d64_fp32_tf32", 2, 64, 64, torch.float32),
+    ]
+    offsets = offsets_of(lengths, device)
+    L = int(offsets[-1])
+    targets = torch.full((len(lengths),), 2048 // scale, dtype=torch.int64, device=device)
+    results = []
+    for name, H, dqk, dv, dtype in specs:
+        width = H * dv
+        uvqk = torch.randn(L, 2 * width + 2 * H * dqk, generator=gen, device=device).to(dtype)
+        weight = (1 + 0.2 * torch.randn(width, generator=gen, device=device)).to(dtype)
+        bias = (0.1 * torch.randn(width, generator=gen, device=device)).to(dtype)
+        args = (H, dqk, dv, max(lengths), max(lengths), 1.0 / math.sqrt(dqk), True, targets, 0, 0, 1e-6)
+        start = time.perf_counter()
+        out = torch.ops.hstu.hstu_mha_gated_triton(uvqk, offsets, weight, bias, *args)
+        ref = reference.hstu_mha_gated_reference(uvqk.float(), offsets, weight.float(), bias.float(), *args)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        err = rel_err(out, ref)
+        results.append({
+            "name": name, "rel_err": err, "tolerance": TOLERANCE[dtype], "passed": err < TOLERANCE[dtype],
+            "dtype": str(dtype), "tokens": L, "H": H, "dqk": dqk, "dv": dv,
+            "seconds": round(time.perf_counter() - start, 2),
+        })  # fmt: skip
+        print(json.dumps(results[-1]), flush=True)
+    from hstu_export.ops.jagged import jagged_positions_by_search
+
+    got = jagged_positions_by_search(offsets, L)
+    expected = reference.jagged_positions(offsets, L)
+    exact = all(torch.equal(g, e) for g, e in zip(got, expected))
+    results.append({"name": "jagged_positions_search", "rel_err": 0.0 if exact else 1.0, "passed": exact})
+    print(json.dumps(results[-1]), flush=True)
+    return results
+
+
 def jagged_cases(device: str, small: bool) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(2)
     B, D = 32, 512 // (8 if small else 1)
@@ -281,7 +327,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="tiny sizes (for a dry run on a CPU)")
-    parser.add_argument("--parts", default="attention,jagged,aoti", help="comma-separated subset to run")
+    parser.add_argument("--parts", default="attention,gated,jagged,aoti", help="comma-separated subset to run")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     warnings.filterwarnings("ignore")
@@ -297,6 +343,7 @@ def main() -> None:
     report: dict[str, Any] = {"env": env}
     parts = set(args.parts.split(","))
     report["attention"] = attention_cases(args.device, args.small) if "attention" in parts else []
+    report["gated"] = gated_cases(args.device, args.small) if "gated" in parts else []
     report["jagged"] = jagged_cases(args.device, args.small) if "jagged" in parts else []
     torch.use_deterministic_algorithms(False)
     if args.device == "cuda" and "aoti" in parts:
@@ -307,13 +354,13 @@ def main() -> None:
                 report["aoti"] = {"passed": False, "error": f"{type(exc).__name__}: {exc}"[:4000]}
                 print(json.dumps(report["aoti"]), flush=True)
     report["chosen_configs"] = kernels.chosen_configs()
-    failed = [c["name"] for c in report["attention"] + report["jagged"] if not c["passed"]]
+    failed = [c["name"] for c in report["attention"] + report["gated"] + report["jagged"] if not c["passed"]]
     if "aoti" in report and not report["aoti"]["passed"]:
         failed.append("aoti")
     report["failed"] = failed
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     print("\n== gpu_check ==")
-    for case in report["attention"]:
+    for case in report["attention"] + report["gated"]:
         print(f"{case['name']:40s} rel_err {case['rel_err']:.2e}  {'ok' if case['passed'] else 'FAIL'}")
     print(f"jagged ops exact: {all(c['passed'] for c in report['jagged'])}")
     if "aoti" in report:
