@@ -191,7 +191,7 @@ def export(
             report = backend.dryrun(inputs)
         return ExportResult(out, {}, timings, dryrun_report=report)
     with staging_dir(out) as staged:
-        with _timed(timings, progress, "compile"), torch.no_grad():
+        with _timed(timings, progress, "compile"), torch.no_grad(), _collecting_triton_configs() as configs:
             artifacts = backend.compile(inputs, staged)
         if result.report_path is not None:
             # The graph dumps travel inside the package (graphs/report.html), so it explains itself.
@@ -210,7 +210,7 @@ def export(
             "dtype": settings.dtype,
             "op_target": op_target,
             "op_libraries": artifacts.op_libraries,
-            "triton_configs": _triton_configs() if op_target == "triton" else {},
+            "triton_configs": dict(sorted(configs.items())) if op_target == "triton" else {},
             "input_schema": exported_schema(schema, ranges).to_json(),
             "ranges": {"max_batch_size": ranges.max_batch_size, "lengths": ranges.to_json(),
                        "dims": {d.name: [d.min, d.max] for dims in inputs.dense_dynamic_dims.values()
@@ -256,11 +256,14 @@ def _check_pass_names(settings: ExportSettings) -> None:
         raise ConfigError(f"unknown pass(es) {unknown}; known passes: {', '.join(known)}")
 
 
-def _triton_configs() -> dict[str, Any]:
-    """Block configs our Triton kernels chose while the graph was compiled (fixed per GPU arch)."""
-    from hstu_export.ops._triton.configs import chosen_configs
-
-    return chosen_configs()
+def _collecting_triton_configs() -> contextlib.AbstractContextManager[dict[str, Any]]:
+    """Collects the block configs our Triton kernels choose while this package's graph is compiled
+    (fixed per GPU arch), and only those: not the configs of other exports in the same process."""
+    try:
+        from hstu_export.ops._triton.configs import collecting_configs
+    except ImportError:  # no triton installed: nothing can be chosen
+        return contextlib.nullcontext({})
+    return collecting_configs()
 
 
 def _verify(root: Path, eager: nn.Module, schema: InputSchema, ranges: ExportRanges,

@@ -424,6 +424,19 @@ def test_config_table_is_deterministic() -> None:
     json.dumps(chosen)
 
 
+def test_collecting_configs_sees_only_lookups_inside_the_block() -> None:
+    from hstu_export.ops._triton import attention_config, gate_config
+    from hstu_export.ops._triton.configs import collecting_configs
+
+    attention_config((9, 0), 64, 64, torch.bfloat16)  # before: cached from now on
+    with collecting_configs() as used:
+        attention_config((9, 0), 64, 64, torch.bfloat16)  # a cached lookup still counts
+        gate_config((9, 0), 512)
+    attention_config((8, 0), 32, 32, torch.float32)  # after: not collected
+    assert set(used) == {"attention/sm_90/16bit/dqk64_dv64", "gate/gpu/width512"}
+    assert used["gate/gpu/width512"]["block_d"] == 512 and used["gate/gpu/width512"]["block_rows"] == 8
+
+
 def test_export_keeps_the_op() -> None:
     import hstu_export.ops._triton  # noqa: F401
 

@@ -4,14 +4,17 @@ Inductor rejects autotune configs that carry a ``pre_hook`` and an AOTInductor p
 autotune at load time, so each kernel gets exactly one config, looked up in a small table keyed by
 (GPU compute capability, padded head dims, dtype). The table is data; the lookup is a pure function
 of its key, so an export on a given GPU always compiles the same kernels. ``chosen_configs()``
-returns every config looked up in this process, for the package manifest.
+returns every config looked up in this process; ``collecting_configs()`` those looked up inside a
+block (one export's compile), for that package's manifest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -20,6 +23,7 @@ __all__ = [
     "JaggedConfig",
     "attention_config",
     "chosen_configs",
+    "collecting_configs",
     "gate_config",
     "jagged_config",
     "next_power_of_2",
@@ -109,32 +113,25 @@ def attention_config(
     capability: tuple[int, int] | None, dqk: int, dv: int, dtype: torch.dtype
 ) -> AttentionConfig:
     """The attention config for a GPU of ``capability`` (None: the CPU interpreter)."""
-    return _attention_config(None if capability is None else tuple(capability), dqk, dv, dtype)
+    name, entry, config = _attention_config(None if capability is None else tuple(capability), dqk, dv, dtype)
+    _record(name, entry)
+    return config
 
 
 @functools.cache
 def _attention_config(
     capability: tuple[int, int] | None, dqk: int, dv: int, dtype: torch.dtype
-) -> AttentionConfig:
-    # Cached: the lookup runs on every launch, and each key is recorded once.
+) -> tuple[str, dict[str, object], AttentionConfig]:
+    # Cached: the lookup runs on every launch (the recording, done by the caller, is cheap).
     if not (1 <= dqk <= 256 and 1 <= dv <= 256):
         raise ValueError(f"HSTU Triton attention supports head dims 1..256, got Dqk={dqk}, Dv={dv}")
     key = (_capability_key(capability), _dtype_class(dtype))
     d_pad = max(next_power_of_2(dqk), next_power_of_2(dv), 16)
     config = next(cfg for bound, cfg in _ATTENTION_TABLE[key] if d_pad <= bound)
-    _record(
-        f"attention/{_key_str(key[0])}/{key[1]}/dqk{dqk}_dv{dv}",
-        {
-            "kernel": "hstu_attn_fwd",
-            "capability": _key_str(key[0]),
-            "dtype": str(dtype),
-            **dataclasses.asdict(config),
-        },
-    )
-    return config
+    entry = {"kernel": "hstu_attn_fwd", "capability": _key_str(key[0]), "dtype": str(dtype), **dataclasses.asdict(config)}
+    return f"attention/{_key_str(key[0])}/{key[1]}/dqk{dqk}_dv{dv}", entry, config
 
 
-@functools.cache
 def jagged_config(capability: tuple[int, int] | None) -> JaggedConfig:
     """The config of the jagged copy kernels (None: the CPU interpreter)."""
     key = "interpreter" if capability is None else "gpu"
@@ -143,7 +140,6 @@ def jagged_config(capability: tuple[int, int] | None) -> JaggedConfig:
     return config
 
 
-@functools.cache
 def gate_config(capability: tuple[int, int] | None, width: int) -> JaggedConfig:
     """The config of the STU gate kernel over rows of ``width`` = H*Dv features (None: the CPU
     interpreter). A row is normalised whole, so block_d covers it; about 4K elements per program."""
@@ -153,13 +149,9 @@ def gate_config(capability: tuple[int, int] | None, width: int) -> JaggedConfig:
     else:
         key = "gpu"
         config = JaggedConfig(
-            block_rows=max(1, min(16, 4096 // block_d)),
-            block_d=block_d,
-            num_warps=4 if block_d <= 1024 else 8,
+            block_rows=max(1, min(16, 4096 // block_d)), block_d=block_d, num_warps=4 if block_d <= 1024 else 8
         )
-    _record(
-        f"gate/{key}/width{width}", {"kernel": "stu_gate", "capability": key, **dataclasses.asdict(config)}
-    )
+    _record(f"gate/{key}/width{width}", {"kernel": "stu_gate", "capability": key, **dataclasses.asdict(config)})
     return config
 
 
@@ -170,9 +162,27 @@ def _key_str(key: object) -> str:
 def _record(name: str, entry: dict[str, object]) -> None:
     with _chosen_lock:
         _chosen[name] = entry
+        for collector in _collectors:
+            collector[name] = entry
+
+
+_collectors: list[dict[str, dict[str, object]]] = []
 
 
 def chosen_configs() -> dict[str, dict[str, object]]:
-    """Every kernel config selected in this process so far (JSON-ready), for the package manifest."""
+    """Every kernel config selected in this process so far (JSON-ready)."""
     with _chosen_lock:
         return {name: dict(entry) for name, entry in sorted(_chosen.items())}
+
+
+@contextlib.contextmanager
+def collecting_configs() -> Iterator[dict[str, dict[str, object]]]:
+    """Yields a dict that fills with the configs looked up (by any thread) while the block runs."""
+    collected: dict[str, dict[str, object]] = {}
+    with _chosen_lock:
+        _collectors.append(collected)
+    try:
+        yield collected
+    finally:
+        with _chosen_lock:
+            _collectors.remove(collected)
