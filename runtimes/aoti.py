@@ -74,7 +74,8 @@ def _load_pt2(path: Path) -> Any:
     AOTInductor's default runner makes each call wait (cudaEventSynchronize) until the previous call
     has finished on the GPU before it launches anything, so back-to-back calls leave the GPU idle
     while the host launches. The single-threaded runner skips that bookkeeping; it is not safe to
-    call from two threads at once, so the calls are serialised by a lock (held only while launching).
+    call from two threads at once, so the calls are serialised by a lock: on CUDA it is held only while
+    the kernels are launched; on CPU for the whole run, as the default runner's one instance was.
     """
     from torch._inductor.package import load_package
 

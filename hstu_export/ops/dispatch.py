@@ -128,8 +128,8 @@ def hstu_mha_gated(
     -> concat(SiLU(u), a, SiLU(u) * LN(a)) [L, 3*H*Dv], with a = :func:`hstu_mha` of q, k, v and
     LN over H*Dv (``norm_weight``/``norm_bias``, fp32, ``eps``).
 
-    The Triton kernel writes the attention straight into the middle third of the output and fills
-    the other two in one more pass, so neither the attention output nor the concat is copied.
+    The Triton version writes the attention straight into the middle third of the output and fills
+    the other two in one more pass, so the attention output is never copied into the concat.
     """
     _check_positive(
         num_heads=num_heads, attention_dim=attention_dim, linear_dim=linear_dim, max_seq_len=max_seq_len,
