@@ -65,7 +65,7 @@ def attention_case(
             [torch.arange(int(offsets[b + 1]) - delta, int(offsets[b + 1])) for b in range(len(lengths))]
         )
         delta_q = q[rows.to(device)].contiguous()
-        out = torch.ops.hstu.cached_hstu_mha_triton(
+        out = torch.ops.hstu_export.cached_hstu_mha_triton(
             delta_q, k, v, offsets, delta, max_seq_len, *args, num_targets, context, window
         )
         ref = reference.cached_hstu_mha_reference(
@@ -164,7 +164,7 @@ def gated_cases(device: str, small: bool) -> list[dict[str, Any]]:
         bias = (0.1 * torch.randn(width, generator=gen, device=device)).to(dtype)
         args = (H, dqk, dv, max(lengths), max(lengths), 1.0 / math.sqrt(dqk), True, targets, 0, 0, 1e-6)
         start = time.perf_counter()
-        out = torch.ops.hstu.hstu_mha_gated_triton(uvqk, offsets, weight, bias, *args)
+        out = torch.ops.hstu_export.hstu_mha_gated_triton(uvqk, offsets, weight, bias, *args)
         ref = reference.hstu_mha_gated_reference(uvqk.float(), offsets, weight.float(), bias.float(), *args)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -213,19 +213,19 @@ def jagged_cases(device: str, small: bool) -> list[dict[str, Any]]:
         joined = reference.concat_2D_jagged_reference(values, offsets, right, offsets_r)
         checks = {
             "jagged_to_padded_dense": (
-                torch.ops.hstu.jagged_to_padded_dense_triton(values, offsets, max_len, -1.0),
+                torch.ops.hstu_export.jagged_to_padded_dense_triton(values, offsets, max_len, -1.0),
                 reference.jagged_to_padded_dense_reference(values, offsets, max_len, -1.0),
             ),
             "dense_to_jagged": (
-                torch.ops.hstu.dense_to_jagged_triton(dense, offsets, La),
+                torch.ops.hstu_export.dense_to_jagged_triton(dense, offsets, La),
                 reference.dense_to_jagged_reference(dense, offsets, La),
             ),
             "concat_2D_jagged": (
-                torch.ops.hstu.concat_2D_jagged_triton(values, offsets, right, offsets_r),
+                torch.ops.hstu_export.concat_2D_jagged_triton(values, offsets, right, offsets_r),
                 joined,
             ),
             "split_2D_jagged": (
-                torch.cat(torch.ops.hstu.split_2D_jagged_triton(joined, offsets, offsets_r, La, Lb)),
+                torch.cat(torch.ops.hstu_export.split_2D_jagged_triton(joined, offsets, offsets_r, La, Lb)),
                 torch.cat([values, right]),
             ),
         }
@@ -244,7 +244,7 @@ def jagged_cases(device: str, small: bool) -> list[dict[str, Any]]:
 
 
 class _TinyTransducer(torch.nn.Module):
-    """Every hstu::*_triton op in one graph: concat history and candidates, attend (candidates as
+    """Every hstu_export::*_triton op in one graph: concat history and candidates, attend (candidates as
     targets), split, pad the candidates and back."""
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
@@ -259,7 +259,7 @@ class _TinyTransducer(torch.nn.Module):
         candidates: torch.Tensor,
         cand_offsets: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ops = torch.ops.hstu
+        ops = torch.ops.hstu_export
         joined = ops.concat_2D_jagged_triton(history, offsets, candidates, cand_offsets)
         num_targets = cand_offsets[1:] - cand_offsets[:-1]
         L = joined.shape[0]

@@ -6,7 +6,7 @@ Two kinds live here:
 - small helpers whose bodies cannot be symbolically traced (they build a KeyedJaggedTensor), so FX
   records a call instead of stepping into them.
 
-(Token positions inside jagged sequences are the ``hstu::jagged_positions`` op, not a helper here, so
+(Token positions inside jagged sequences are the ``hstu_export::jagged_positions`` op, not a helper here, so
 that the mapping pass can pick their implementation per target.)
 
 The tracer auto-wraps every function in ``WRAPPED_FUNCTIONS`` wherever a module's forward calls it, so

@@ -34,7 +34,7 @@ def resolve(spec: str) -> Any:
     kind, _, rest = spec.partition(":")
     if kind == "op":
         ns, _, name = rest.partition("::")
-        if ns == "hstu" and name.endswith("_triton"):
+        if ns == "hstu_export" and name.endswith("_triton"):
             importlib.import_module("hstu_export.ops._triton")  # registers the Triton ops
         return getattr(getattr(torch.ops, ns), name).default
     module, _, fn = rest.partition(":")

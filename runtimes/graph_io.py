@@ -15,7 +15,7 @@ from hstu_export.errors import ExportError
 from hstu_export.ops.mappings import op_key
 
 # Namespaces of ops that need a library loaded in the serving process, and the module that loads it.
-OP_LIBRARY_MODULES = {"hstu": "hstu_export.ops", "fbgemm": "fbgemm_gpu"}
+OP_LIBRARY_MODULES = {"hstu_export": "hstu_export.ops", "fbgemm": "fbgemm_gpu"}
 BUILTIN_NAMESPACES = {"aten", "prims", "_assert", "higher_order", "_operator", "profiler"}
 
 

@@ -16,7 +16,7 @@ from hstu_export.runtimes.graph_io import op_calls
 from hstu_export.settings import ExportSettings
 from passes.map_ops import MapOps
 
-HSTU_OPS = {"hstu::hstu_mha_gated", "hstu::concat_2D_jagged", "hstu::split_2D_jagged", "hstu::jagged_positions"}
+HSTU_OPS = {"hstu_export::hstu_mha_gated", "hstu_export::concat_2D_jagged", "hstu_export::split_2D_jagged", "hstu_export::jagged_positions"}
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +36,16 @@ def test_aten_target_leaves_plain_ops_and_reports_mappings(tiny):
     model, batch = tiny
     result = _pipeline(model, batch, "aten")
     calls = op_calls(result.dense)
-    assert not [k for k in calls if k.startswith(("hstu::", "fbgemm::"))]
+    assert not [k for k in calls if k.startswith(("hstu_export::", "fbgemm::"))]
     stats = result.report["map_ops"].stats
     assert stats["target"] == "aten"
     mapped = stats["mapped"]
     # Two STU layers -> two attention calls; the preprocessor concatenates twice; one split; the
     # positional encoder locates the tokens of the whole sequences and of the histories.
-    assert mapped["hstu::hstu_mha_gated -> hstu_export.ops.reference:hstu_mha_gated_reference"] == 2
-    assert mapped["hstu::jagged_positions -> hstu_export.ops.reference:jagged_positions_reference"] == 2
-    assert mapped["hstu::concat_2D_jagged -> hstu_export.ops.reference:concat_2D_jagged_reference"] == 2
-    assert mapped["hstu::split_2D_jagged -> hstu_export.ops.reference:split_2D_jagged_reference"] == 1
+    assert mapped["hstu_export::hstu_mha_gated -> hstu_export.ops.reference:hstu_mha_gated_reference"] == 2
+    assert mapped["hstu_export::jagged_positions -> hstu_export.ops.reference:jagged_positions_reference"] == 2
+    assert mapped["hstu_export::concat_2D_jagged -> hstu_export.ops.reference:concat_2D_jagged_reference"] == 2
+    assert mapped["hstu_export::split_2D_jagged -> hstu_export.ops.reference:split_2D_jagged_reference"] == 1
     for b in (1, 2, 7):  # any batch size, including 1
         fresh = hstu_export.generate_batch(model.input_schema(), b, seed=10 + b)
         with torch.no_grad():
@@ -59,7 +59,7 @@ def test_rtp_is_an_alias_of_aten(tiny):
     assert ExportSettings(op_target="rtp").op_target == "aten"
     result = _pipeline(model, batch, "rtp")
     assert result.report["map_ops"].stats["target"] == "aten"
-    assert not [k for k in op_calls(result.dense) if k.startswith("hstu::")]
+    assert not [k for k in op_calls(result.dense) if k.startswith("hstu_export::")]
 
 
 def test_triton_target_swaps_to_triton_ops(tiny):
@@ -70,8 +70,8 @@ def test_triton_target_swaps_to_triton_ops(tiny):
     result = run_passes(gm, ctx, passes=["prune_unused", "split_sparse_dense", "remove_boundary_marks"])
     dense = MapOps().run(result.dense, ctx)
     calls = op_calls(dense)
-    assert calls["hstu::hstu_mha_gated_triton"] == 2
-    assert calls["hstu::concat_2D_jagged_triton"] == 2 and calls["hstu::split_2D_jagged_triton"] == 1
+    assert calls["hstu_export::hstu_mha_gated_triton"] == 2
+    assert calls["hstu_export::concat_2D_jagged_triton"] == 2 and calls["hstu_export::split_2D_jagged_triton"] == 1
     # jagged_positions becomes a parallel search (torch.searchsorted traced into the graph).
     assert sum(node.target is torch.searchsorted for node in dense.graph.nodes) == 2
     assert not HSTU_OPS & set(calls)
@@ -84,7 +84,7 @@ def test_fbgemm_target_keeps_jagged_ops_in_fbgemm(tiny):
     ctx = PassContext(example_inputs=batch, model=model, op_target="fbgemm")
     result = run_passes(gm, ctx)
     calls = op_calls(result.dense)
-    assert not [k for k in calls if k.startswith("hstu::")]  # attention and concat/split become plain ops
+    assert not [k for k in calls if k.startswith("hstu_export::")]  # attention and concat/split become plain ops
     with torch.no_grad():
         got, ref = result.run(batch), model(batch)
     for task in ref:

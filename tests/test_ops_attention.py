@@ -266,7 +266,7 @@ def test_reference_at_static_size_equals_tight_eager_op():
     q, k, v, offsets = make_inputs(case["lengths"])
     targets = torch.tensor(case["targets"])
     args = (q, k, v, offsets, 64, 20, 0.4, True, targets, case["c"], case["w"])
-    eager = torch.ops.hstu.hstu_mha.default(*args)  # pads to the longest sequence (12)
+    eager = torch.ops.hstu_export.hstu_mha.default(*args)  # pads to the longest sequence (12)
     static = hstu_mha_reference(*args)  # pads to 64
     torch.testing.assert_close(eager, static, rtol=1e-6, atol=1e-7)
 
@@ -331,7 +331,7 @@ def test_triton_kernel_request_dispatches_or_explains():
     try:
         import hstu_export.ops._triton  # noqa: F401
 
-        registered = hasattr(torch.ops.hstu, "hstu_mha_triton")
+        registered = hasattr(torch.ops.hstu_export, "hstu_mha_triton")
     except Exception:
         registered = False
     if not registered:
@@ -351,7 +351,7 @@ def test_gradients_match_reference_autograd():
     targets = torch.tensor(case["targets"])
     args = (offsets, 16, 16, 0.5, True, targets, case["c"], case["w"])
     grads = []
-    for fn in (torch.ops.hstu.hstu_mha.default, hstu_mha_reference):
+    for fn in (torch.ops.hstu_export.hstu_mha.default, hstu_mha_reference):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         out = fn(*leaves, *args)
         (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
@@ -396,7 +396,7 @@ def _hstu_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 def test_fx_symbolic_trace_gives_one_hstu_mha_node():
     gm = torch.fx.symbolic_trace(_Attention())
     nodes = _hstu_nodes(gm.graph)
-    assert [n.target for n in nodes] == [torch.ops.hstu.hstu_mha.default]
+    assert [n.target for n in nodes] == [torch.ops.hstu_export.hstu_mha.default]
     args = _batch([3, 7])
     torch.testing.assert_close(gm(*args), _Attention()(*args), rtol=0, atol=0)
 
@@ -404,7 +404,7 @@ def test_fx_symbolic_trace_gives_one_hstu_mha_node():
 def test_export_with_dynamic_batch_and_length_gives_one_node():
     ep = torch.export.export(_Attention(), _batch([3, 5, 7]), dynamic_shapes=_dynamic_shapes(), strict=False)
     nodes = _hstu_nodes(ep.graph)
-    assert [n.target for n in nodes] == [torch.ops.hstu.hstu_mha.default]
+    assert [n.target for n in nodes] == [torch.ops.hstu_export.hstu_mha.default]
     for lengths in ([9], [2, 12], [1, 4, 16, 3, 8]):
         args = _batch(lengths, seed=len(lengths))
         torch.testing.assert_close(ep.module()(*args), _Attention()(*args), rtol=0, atol=0)
@@ -491,7 +491,7 @@ def test_opcheck(op_name):
     else:
         delta_offsets = lengths_to_offsets(torch.tensor([3, 5, 1]))
         args = (q[[2, 7, 8]], k, v, delta_offsets, 1, 8, 8, 0.5, None, 0, 0)
-    torch.library.opcheck(getattr(torch.ops.hstu, op_name).default, args)
+    torch.library.opcheck(getattr(torch.ops.hstu_export, op_name).default, args)
 
 
 def test_registration_is_idempotent_and_schemas_use_symint():
@@ -501,8 +501,8 @@ def test_registration_is_idempotent_and_schemas_use_symint():
 
     importlib.reload(library)  # registering again must be a no-op, not an error
     library.register_ops()
-    schema = str(torch.ops.hstu.hstu_mha.default._schema)
+    schema = str(torch.ops.hstu_export.hstu_mha.default._schema)
     assert "SymInt max_seq_len" in schema and "Tensor? num_targets=None" in schema
-    assert "SymInt? total_len=None" in str(torch.ops.hstu.dense_to_jagged.default._schema)
+    assert "SymInt? total_len=None" in str(torch.ops.hstu_export.dense_to_jagged.default._schema)
     q, k, v, offsets = make_inputs([2, 3])
     assert hstu_mha(q, k, v, offsets, max_seq_len=4, scaling_seqlen=4, alpha=1.0).shape == (5, 2, 6)

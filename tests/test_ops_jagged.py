@@ -266,8 +266,8 @@ def test_export_concat_split_dynamic(use_reference):
         assert _hstu_targets(ep) == []
     else:
         assert _hstu_targets(ep) == [
-            torch.ops.hstu.concat_2D_jagged.default,
-            torch.ops.hstu.split_2D_jagged.default,
+            torch.ops.hstu_export.concat_2D_jagged.default,
+            torch.ops.hstu_export.split_2D_jagged.default,
         ]
     for left_lengths, right_lengths in (([5], [2]), ([1, 7], [3, 1]), ([2, 2, 2, 2, 9], [1, 1, 1, 1, 4])):
         args = _args(left_lengths, right_lengths)
@@ -307,7 +307,7 @@ def test_export_padding_dynamic_batch_including_1(use_reference):
     with _backed_size_oblivious():
         ep = torch.export.export(module, jagged([3, 1, 4]), dynamic_shapes=shapes, strict=False)
     expected_nodes = [] if use_reference else [
-        torch.ops.hstu.jagged_to_padded_dense.default, torch.ops.hstu.dense_to_jagged.default,
+        torch.ops.hstu_export.jagged_to_padded_dense.default, torch.ops.hstu_export.dense_to_jagged.default,
     ]  # fmt: skip
     assert _hstu_targets(ep) == expected_nodes
     for lengths in ([6], [1, 9], [2, 0, 5, 8]):
@@ -327,7 +327,7 @@ def test_export_dense_to_jagged_without_total_len_gives_unbacked_size():
     offsets = offsets_of([2, 5, 1])
     shapes = {"dense": {0: Dim("B", min=1, max=64)}, "offsets": {0: Dim("B1", min=2, max=65)}}
     ep = torch.export.export(ToJagged(), (dense, offsets), dynamic_shapes=shapes, strict=False)
-    assert _hstu_targets(ep) == [torch.ops.hstu.dense_to_jagged.default]
+    assert _hstu_targets(ep) == [torch.ops.hstu_export.dense_to_jagged.default]
     out_size = next(n for n in ep.graph.nodes if n.op == "output").args[0][0].meta["val"].shape[0]
     assert str(out_size).startswith("u")  # unbacked: the size comes from offsets' data
     torch.testing.assert_close(ep.module()(dense, offsets), dense_to_jagged_reference(dense, offsets))
@@ -394,5 +394,5 @@ def test_opcheck(case):
     args = tuple(
         a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
     )
-    op = getattr(torch.ops.hstu, case.removesuffix("_no_total_len")).default
+    op = getattr(torch.ops.hstu_export, case.removesuffix("_no_total_len")).default
     torch.library.opcheck(op, args)

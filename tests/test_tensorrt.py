@@ -217,8 +217,8 @@ def test_aten_mapping_leaves_no_custom_ops_tiny(tiny, tiny_trt_inputs: CompileIn
     assert namespaces == {"aten"}
     # Control: without map_ops the same graph does call hstu ops, and the backend refuses it.
     *_, unmapped = _passes(tiny, _settings(), "aten", skip=("map_ops",))
-    assert {k.partition("::")[0] for k in foreign_ops(unmapped.dense)} == {"hstu"}
-    with pytest.raises(UnmappedOpsError, match=r"hstu::hstu_mha_gated \(x2\).*--op-target aten"):
+    assert {k.partition("::")[0] for k in foreign_ops(unmapped.dense)} == {"hstu_export"}
+    with pytest.raises(UnmappedOpsError, match=r"hstu_export::hstu_mha_gated \(x2\).*--op-target aten"):
         TensorRTBackend().dense_program(dataclasses.replace(tiny_trt_inputs, dense=unmapped.dense))
 
 
@@ -230,7 +230,7 @@ def test_aten_mapping_leaves_no_custom_ops_tzrec() -> None:
     assert not foreign_ops(mapped.dense)
     assert not foreign_ops(mapped.graph)  # the whole model, sparse half included
     *_, unmapped = _passes(model, settings, "aten", skip=("map_ops",))
-    assert foreign_ops(unmapped.dense)["hstu::hstu_mha_gated"] == model.config.num_layers
+    assert foreign_ops(unmapped.dense)["hstu_export::hstu_mha_gated"] == model.config.num_layers
 
 
 def test_foreign_ops_sees_fbgemm() -> None:

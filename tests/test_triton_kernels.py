@@ -187,7 +187,7 @@ def run_attention_case(spec: dict[str, Any], seed: int) -> dict[str, float]:
         rows = torch.cat(
             [torch.arange(int(offsets[b + 1]) - delta, int(offsets[b + 1])) for b in range(len(lengths))]
         )
-        out = torch.ops.hstu.cached_hstu_mha_triton(
+        out = torch.ops.hstu_export.cached_hstu_mha_triton(
             q[rows].contiguous(),
             k,
             v,
@@ -202,7 +202,7 @@ def run_attention_case(spec: dict[str, Any], seed: int) -> dict[str, float]:
         )
         ref = ref[rows]
     elif spec.get("skip", True):
-        out = torch.ops.hstu.hstu_mha_triton(
+        out = torch.ops.hstu_export.hstu_mha_triton(
             q, k, v, offsets, max_seq_len, scaling_seqlen, alpha, causal, num_targets, context, window
         )
     else:
@@ -235,7 +235,7 @@ def run_gated_case(spec: dict[str, Any], seed: int) -> dict[str, float]:
     max_seq_len, scaling_seqlen, alpha, eps = max(LENGTHS) + 3, 37, 0.7 / dqk**0.5, 1e-6
     args = (uvqk, offsets, weight, bias, H, dqk, dv, max_seq_len, scaling_seqlen, alpha, True, num_targets,
             context, window, eps)  # fmt: skip
-    out = torch.ops.hstu.hstu_mha_gated_triton(*args)
+    out = torch.ops.hstu_export.hstu_mha_gated_triton(*args)
     # float64 reference of every piece; the op's own reference (same dtype) as a second check.
     u, v, q, k = torch.split(uvqk.double(), [width, width, H * dqk, H * dqk], dim=-1)
     a = reference_mha(
@@ -264,11 +264,11 @@ def run_jagged_case(spec: dict[str, Any], seed: int) -> dict[str, float]:
     if spec["op"] == "zero_offsets":
         zeros = torch.zeros(B + 1, dtype=torch.int64)
         big, tiny = _random((4000, *rest), dtype, gen), _random((2, *rest), dtype, gen)
-        padded = torch.ops.hstu.jagged_to_padded_dense_triton(tiny, zeros, 64, -1.0)
+        padded = torch.ops.hstu_export.jagged_to_padded_dense_triton(tiny, zeros, 64, -1.0)
         errs.append(_exact_err(padded, torch.full((B, 64, *rest), -1.0, dtype=dtype)))
-        torch.ops.hstu.dense_to_jagged_triton(torch.ones(B, 64, *rest, dtype=dtype), zeros, 2)
-        joined = torch.ops.hstu.concat_2D_jagged_triton(big, zeros, tiny, zeros)
-        torch.ops.hstu.split_2D_jagged_triton(joined, zeros, zeros, 2, 2)
+        torch.ops.hstu_export.dense_to_jagged_triton(torch.ones(B, 64, *rest, dtype=dtype), zeros, 2)
+        joined = torch.ops.hstu_export.concat_2D_jagged_triton(big, zeros, tiny, zeros)
+        torch.ops.hstu_export.split_2D_jagged_triton(joined, zeros, zeros, 2, 2)
     elif spec["op"] == "to_padded":
         values = _random((L, *rest), dtype, gen)
         max_len, pad = spec["max_len"], -3.0
@@ -277,7 +277,7 @@ def run_jagged_case(spec: dict[str, Any], seed: int) -> dict[str, float]:
             m = min(n, max_len)
             ref[b, :m] = values[int(offsets[b]) : int(offsets[b]) + m]
         errs.append(
-            _exact_err(torch.ops.hstu.jagged_to_padded_dense_triton(values, offsets, max_len, pad), ref)
+            _exact_err(torch.ops.hstu_export.jagged_to_padded_dense_triton(values, offsets, max_len, pad), ref)
         )
     elif spec["op"] == "to_jagged":
         n_pad = spec.get("n", max(lengths))
@@ -286,7 +286,7 @@ def run_jagged_case(spec: dict[str, Any], seed: int) -> dict[str, float]:
         for b, n in enumerate(lengths):
             m = min(n, n_pad)
             ref[int(offsets[b]) : int(offsets[b]) + m] = dense[b, :m]
-        out = torch.ops.hstu.dense_to_jagged_triton(dense, offsets, L if spec["total_len"] else None)
+        out = torch.ops.hstu_export.dense_to_jagged_triton(dense, offsets, L if spec["total_len"] else None)
         errs.append(_exact_err(out, ref))
     else:
         right_lengths = [(3 * n + 1) % 7 for n in lengths]
@@ -305,10 +305,10 @@ def run_jagged_case(spec: dict[str, Any], seed: int) -> dict[str, float]:
             ]
         )
         if spec["op"] == "concat":
-            out = torch.ops.hstu.concat_2D_jagged_triton(left, offsets, right, offsets_r)
+            out = torch.ops.hstu_export.concat_2D_jagged_triton(left, offsets, right, offsets_r)
             errs.append(_exact_err(out, joined))
         else:
-            out_l, out_r = torch.ops.hstu.split_2D_jagged_triton(
+            out_l, out_r = torch.ops.hstu_export.split_2D_jagged_triton(
                 joined, offsets, offsets_r, left.shape[0], right.shape[0]
             )
             errs += [_exact_err(out_l, left), _exact_err(out_r, right)]
@@ -387,17 +387,17 @@ def test_registered_schemas() -> None:
     import hstu_export.ops._triton as triton_ops
 
     schemas = {
-        name: str(getattr(torch.ops.hstu, name.split("::")[1]).default._schema)
+        name: str(getattr(torch.ops.hstu_export, name.split("::")[1]).default._schema)
         for name in triton_ops.OP_NAMES
     }
-    assert schemas["hstu::hstu_mha_triton"].startswith(
-        "hstu::hstu_mha_triton(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, SymInt max_seq_len, "
+    assert schemas["hstu_export::hstu_mha_triton"].startswith(
+        "hstu_export::hstu_mha_triton(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, SymInt max_seq_len, "
         "SymInt scaling_seqlen, float alpha, bool causal, Tensor? num_targets, SymInt contextual_seq_len, "
         "SymInt max_attn_len) -> Tensor"
     )
     assert (
         "(Tensor values, Tensor offsets_left, Tensor offsets_right, SymInt total_len_left, SymInt total_len_right)"
-        in (schemas["hstu::split_2D_jagged_triton"])
+        in (schemas["hstu_export::split_2D_jagged_triton"])
     )
     # Importing again registers nothing twice.
     import importlib
@@ -442,7 +442,7 @@ def test_export_keeps_the_op() -> None:
 
     class Attention(torch.nn.Module):
         def forward(self, q, k, v, offsets, num_targets):
-            return torch.ops.hstu.hstu_mha_triton(q, k, v, offsets, 64, 64, 0.25, True, num_targets, 0, 0)
+            return torch.ops.hstu_export.hstu_mha_triton(q, k, v, offsets, 64, 64, 0.25, True, num_targets, 0, 0)
 
     L, H, D = 20, 2, 16
     args = (

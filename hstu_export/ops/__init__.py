@@ -1,8 +1,8 @@
 """HSTU operators: attention and jagged-tensor ops.
 
-Importing this package registers the ``hstu::*`` custom ops. Each public function dispatches on
-``kernel``: ``Kernel.PYTORCH`` -> ``torch.ops.hstu.<name>`` (pure torch, fbgemm for jagged copies
-when available); ``Kernel.TRITON`` -> ``torch.ops.hstu.<name>_triton`` (registered by
+Importing this package registers the ``hstu_export::*`` custom ops. Each public function dispatches on
+``kernel``: ``Kernel.PYTORCH`` -> ``torch.ops.hstu_export.<name>`` (pure torch, fbgemm for jagged copies
+when available); ``Kernel.TRITON`` -> ``torch.ops.hstu_export.<name>_triton`` (registered by
 :mod:`hstu_export.ops._triton`, imported only when asked for). The export-friendly pure-torch
 semantics live in :mod:`hstu_export.ops.reference`.
 """

@@ -1,4 +1,4 @@
-"""Public HSTU ops: each picks the ``hstu::<name>`` op (PyTorch) or ``hstu::<name>_triton`` (Triton).
+"""Public HSTU ops: each picks the ``hstu_export::<name>`` op (PyTorch) or ``hstu_export::<name>_triton`` (Triton).
 
 The ops are called positionally in schema order, so every trace holds one node whose ``args`` line
 up with the matching ``*_reference`` function in :mod:`hstu_export.ops.reference`.
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-import hstu_export.ops.library  # noqa: F401  (registers the hstu::* ops)
+import hstu_export.ops.library  # noqa: F401  (registers the hstu_export::* ops)
 from hstu_export.errors import ConfigError
 
 __all__ = [
@@ -46,19 +46,19 @@ def _kernel(kernel: Kernel | str) -> Kernel:
 def _op(name: str, kernel: Kernel | str) -> Any:
     """The OpOverload implementing ``name`` for ``kernel``."""
     if _kernel(kernel) is Kernel.PYTORCH:
-        return getattr(torch.ops.hstu, name).default
+        return getattr(torch.ops.hstu_export, name).default
     try:
-        import hstu_export.ops._triton  # noqa: F401  (registers the hstu::*_triton ops)
+        import hstu_export.ops._triton  # noqa: F401  (registers the hstu_export::*_triton ops)
     except Exception as exc:  # ImportError without triton, or a kernel module failing to load
         raise ConfigError(
             f"Kernel.TRITON was requested for {name} but hstu_export.ops._triton failed to import "
             f"({type(exc).__name__}: {exc}); install triton on a CUDA machine or use Kernel.PYTORCH"
         ) from exc
     try:
-        return getattr(torch.ops.hstu, f"{name}_triton").default
+        return getattr(torch.ops.hstu_export, f"{name}_triton").default
     except AttributeError:
         raise ConfigError(
-            f"Kernel.TRITON was requested for {name} but no hstu::{name}_triton op is registered; "
+            f"Kernel.TRITON was requested for {name} but no hstu_export::{name}_triton op is registered; "
             "use Kernel.PYTORCH"
         ) from None
 
@@ -152,7 +152,7 @@ def jagged_positions(offsets: Tensor, total_len: int, kernel: Kernel = Kernel.PY
         from hstu_export.ops.jagged import jagged_positions_by_search
 
         return jagged_positions_by_search(offsets, total_len)
-    return torch.ops.hstu.jagged_positions.default(offsets, total_len)
+    return torch.ops.hstu_export.jagged_positions.default(offsets, total_len)
 
 
 def cached_hstu_mha(

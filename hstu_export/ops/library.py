@@ -1,6 +1,6 @@
-"""``torch.library`` registrations of the ``hstu::*`` custom ops.
+"""``torch.library`` registrations of the ``hstu_export::*`` custom ops.
 
-Each op is one opaque node in FX traces and ``torch.export`` graphs (``torch.ops.hstu.<name>.default``);
+Each op is one opaque node in FX traces and ``torch.export`` graphs (``torch.ops.hstu_export.<name>.default``);
 its schema is inferred from the eager kernel's signature below (``int`` -> ``SymInt``) and equals the
 positional parameter order of the matching ``*_reference`` function in :mod:`hstu_export.ops.reference`.
 Fake kernels give output shapes for tracing; autograd recomputes through the eager kernel.
@@ -31,7 +31,7 @@ from hstu_export.ops.reference import (
     split_2D_jagged_reference,
 )
 
-NAMESPACE = "hstu"
+NAMESPACE = "hstu_export"
 OP_NAMES = (
     "hstu_mha",
     "cached_hstu_mha",
@@ -261,7 +261,7 @@ def _is_registered(name: str) -> bool:
 
 
 def register_ops() -> None:
-    """Define every ``hstu::*`` op that is not defined yet (safe to call any number of times)."""
+    """Define every ``hstu_export::*`` op that is not defined yet (safe to call any number of times)."""
     for name, (eager, fake, output_len_arg) in _KERNELS.items():
         if _is_registered(name):
             continue

@@ -21,38 +21,38 @@ _REF = "fn:hstu_export.ops.reference:"
 _HERE = "fn:hstu_export.ops.mappings:"
 
 MAPPINGS: dict[str, dict[str, str]] = {
-    "hstu::hstu_mha": {
-        "triton": "op:hstu::hstu_mha_triton", "aten": _REF + "hstu_mha_reference",
+    "hstu_export::hstu_mha": {
+        "triton": "op:hstu_export::hstu_mha_triton", "aten": _REF + "hstu_mha_reference",
         "fbgemm": _REF + "hstu_mha_reference",
     },
-    "hstu::cached_hstu_mha": {
-        "triton": "op:hstu::cached_hstu_mha_triton", "aten": _REF + "cached_hstu_mha_reference",
+    "hstu_export::cached_hstu_mha": {
+        "triton": "op:hstu_export::cached_hstu_mha_triton", "aten": _REF + "cached_hstu_mha_reference",
         "fbgemm": _REF + "cached_hstu_mha_reference",
     },
-    "hstu::hstu_mha_gated": {
-        "triton": "op:hstu::hstu_mha_gated_triton", "aten": _REF + "hstu_mha_gated_reference",
+    "hstu_export::hstu_mha_gated": {
+        "triton": "op:hstu_export::hstu_mha_gated_triton", "aten": _REF + "hstu_mha_gated_reference",
         "fbgemm": _REF + "hstu_mha_gated_reference",
     },
     # The running count of the reference is one long scan on a GPU; the search is parallel (and has
     # no ONNX lowering, hence only for triton).
-    "hstu::jagged_positions": {
+    "hstu_export::jagged_positions": {
         "triton": "fn:hstu_export.ops.jagged:jagged_positions_by_search", "aten": _REF + "jagged_positions_reference",
         "fbgemm": _REF + "jagged_positions_reference",
     },
-    "hstu::jagged_to_padded_dense": {
-        "triton": "op:hstu::jagged_to_padded_dense_triton", "aten": _REF + "jagged_to_padded_dense_reference",
+    "hstu_export::jagged_to_padded_dense": {
+        "triton": "op:hstu_export::jagged_to_padded_dense_triton", "aten": _REF + "jagged_to_padded_dense_reference",
         "fbgemm": _HERE + "jagged_to_padded_dense_via_fbgemm",
     },
-    "hstu::dense_to_jagged": {
-        "triton": "op:hstu::dense_to_jagged_triton", "aten": _REF + "dense_to_jagged_reference",
+    "hstu_export::dense_to_jagged": {
+        "triton": "op:hstu_export::dense_to_jagged_triton", "aten": _REF + "dense_to_jagged_reference",
         "fbgemm": _HERE + "dense_to_jagged_via_fbgemm",
     },
-    "hstu::concat_2D_jagged": {
-        "triton": "op:hstu::concat_2D_jagged_triton", "aten": _REF + "concat_2D_jagged_reference",
+    "hstu_export::concat_2D_jagged": {
+        "triton": "op:hstu_export::concat_2D_jagged_triton", "aten": _REF + "concat_2D_jagged_reference",
         "fbgemm": _REF + "concat_2D_jagged_reference",
     },
-    "hstu::split_2D_jagged": {
-        "triton": "op:hstu::split_2D_jagged_triton", "aten": _REF + "split_2D_jagged_reference",
+    "hstu_export::split_2D_jagged": {
+        "triton": "op:hstu_export::split_2D_jagged_triton", "aten": _REF + "split_2D_jagged_reference",
         "fbgemm": _REF + "split_2D_jagged_reference",
     },
     # fbgemm ops found in user models.
@@ -104,7 +104,7 @@ def fbgemm_jagged_to_padded_dense_as_triton(
     values: Tensor, offsets: list[Tensor], max_lengths: list[int], padding_value: float = 0.0
 ) -> Tensor:
     _one_jagged_dim(offsets)
-    return torch.ops.hstu.jagged_to_padded_dense_triton(values, offsets[0], max_lengths[0], padding_value)
+    return torch.ops.hstu_export.jagged_to_padded_dense_triton(values, offsets[0], max_lengths[0], padding_value)
 
 
 def fbgemm_dense_to_jagged_as_aten(dense: Tensor, x_offsets: list[Tensor], total_L: int | None = None) -> tuple:
@@ -114,7 +114,7 @@ def fbgemm_dense_to_jagged_as_aten(dense: Tensor, x_offsets: list[Tensor], total
 
 def fbgemm_dense_to_jagged_as_triton(dense: Tensor, x_offsets: list[Tensor], total_L: int | None = None) -> tuple:
     _one_jagged_dim(x_offsets)
-    return torch.ops.hstu.dense_to_jagged_triton(dense, x_offsets[0], total_L), x_offsets
+    return torch.ops.hstu_export.dense_to_jagged_triton(dense, x_offsets[0], total_L), x_offsets
 
 
 def complete_cumsum(t_in: Tensor) -> Tensor:

@@ -1,6 +1,6 @@
 """Pure-torch reference implementations of the HSTU ops.
 
-These functions are the semantics of the ``hstu::*`` custom ops and are what the ``aten`` mapping
+These functions are the semantics of the ``hstu_export::*`` custom ops and are what the ``aten`` mapping
 target inlines into exported graphs, so they are written to trace cleanly under ``torch.export``,
 ONNX and AOTInductor:
 
@@ -14,7 +14,7 @@ ONNX and AOTInductor:
 - they also trace with FX proxies (``passes/map_ops.py`` calls them on proxies): no use of a
   tensor's rank, dtype or shape as a Python value, no unpacking of shapes.
 
-Each function's parameters (names and order) equal the schema of the matching ``hstu::<name>`` op,
+Each function's parameters (names and order) equal the schema of the matching ``hstu_export::<name>`` op,
 so a mapping pass can call ``<name>_reference(*node.args, **node.kwargs)`` or with keywords only.
 """
 
@@ -68,7 +68,7 @@ def jagged_positions(offsets: Tensor, total_len: int) -> tuple[Tensor, Tensor]:
 
 
 def jagged_positions_reference(offsets: Tensor, total_len: int) -> tuple[Tensor, Tensor]:
-    """``hstu::jagged_positions``: :func:`jagged_positions` under the op's name."""
+    """``hstu_export::jagged_positions``: :func:`jagged_positions` under the op's name."""
     return jagged_positions(offsets, total_len)
 
 

@@ -1,12 +1,12 @@
-"""Triton kernels of the HSTU ops, registered as ``torch.ops.hstu.*_triton`` on import.
+"""Triton kernels of the HSTU ops, registered as ``torch.ops.hstu_export.*_triton`` on import.
 
 Registered with ``torch.library.triton_op`` + ``wrap_triton`` so that torch.export keeps the
 kernels visible and AOTInductor compiles them into the package (no Python or Triton at load time):
 
-- ``hstu::hstu_mha_triton``, ``hstu::cached_hstu_mha_triton`` (attention.py)
-- ``hstu::hstu_mha_gated_triton``: attention plus the STU output gate (gated.py)
-- ``hstu::jagged_to_padded_dense_triton``, ``hstu::dense_to_jagged_triton``,
-  ``hstu::concat_2D_jagged_triton``, ``hstu::split_2D_jagged_triton`` (jagged.py)
+- ``hstu_export::hstu_mha_triton``, ``hstu_export::cached_hstu_mha_triton`` (attention.py)
+- ``hstu_export::hstu_mha_gated_triton``: attention plus the STU output gate (gated.py)
+- ``hstu_export::jagged_to_padded_dense_triton``, ``hstu_export::dense_to_jagged_triton``,
+  ``hstu_export::concat_2D_jagged_triton``, ``hstu_export::split_2D_jagged_triton`` (jagged.py)
 
 Python caches modules, so importing this package again does not register twice.
 """
@@ -26,13 +26,13 @@ from .configs import (
 from .gated import hstu_mha_gated_triton_fwd
 
 OP_NAMES: tuple[str, ...] = (
-    "hstu::hstu_mha_triton",
-    "hstu::cached_hstu_mha_triton",
-    "hstu::hstu_mha_gated_triton",
-    "hstu::jagged_to_padded_dense_triton",
-    "hstu::dense_to_jagged_triton",
-    "hstu::concat_2D_jagged_triton",
-    "hstu::split_2D_jagged_triton",
+    "hstu_export::hstu_mha_triton",
+    "hstu_export::cached_hstu_mha_triton",
+    "hstu_export::hstu_mha_gated_triton",
+    "hstu_export::jagged_to_padded_dense_triton",
+    "hstu_export::dense_to_jagged_triton",
+    "hstu_export::concat_2D_jagged_triton",
+    "hstu_export::split_2D_jagged_triton",
 )
 
 __all__ = [

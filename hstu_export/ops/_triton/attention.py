@@ -1,4 +1,4 @@
-"""HSTU attention forward (full and cached/delta) as Triton kernels, registered as ``hstu::`` ops.
+"""HSTU attention forward (full and cached/delta) as Triton kernels, registered as ``hstu_export::`` ops.
 
 Math (DESIGN.md, "HSTU semantics"), per sequence of length n with t targets and c contextual tokens:
 score(i, j) = SiLU(alpha * <q_i, k_j>) / S * valid(i, j), out_i = sum_j score(i, j) * v_j.
@@ -403,7 +403,7 @@ def hstu_mha_triton_fwd(
     block_skipping: bool = True,
     config: AttentionConfig | None = None,
 ) -> torch.Tensor:
-    """``hstu::hstu_mha_triton`` with the knobs the op hides (block skipping, a config override).
+    """``hstu_export::hstu_mha_triton`` with the knobs the op hides (block skipping, a config override).
 
     Eager only (benchmarks, tests): torch.export and AOTInductor see the op, not this function.
     """
@@ -430,7 +430,7 @@ def cached_hstu_mha_triton_fwd(
     block_skipping: bool = True,
     config: AttentionConfig | None = None,
 ) -> torch.Tensor:
-    """``hstu::cached_hstu_mha_triton`` with the knobs the op hides (eager only, as above)."""
+    """``hstu_export::cached_hstu_mha_triton`` with the knobs the op hides (eager only, as above)."""
     return _launch_attention(
         delta_q, k, v, seq_offsets, delta_q.shape[0], delta_size, delta_size, scaling_seqlen, alpha, True,
         num_targets, contextual_seq_len, max_attn_len, is_delta=True, block_skipping=block_skipping,
@@ -438,7 +438,7 @@ def cached_hstu_mha_triton_fwd(
     )  # fmt: skip
 
 
-@triton_op("hstu::hstu_mha_triton", mutates_args=())
+@triton_op("hstu_export::hstu_mha_triton", mutates_args=())
 def hstu_mha_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -459,7 +459,7 @@ def hstu_mha_triton(
     )  # fmt: skip
 
 
-@triton_op("hstu::cached_hstu_mha_triton", mutates_args=())
+@triton_op("hstu_export::cached_hstu_mha_triton", mutates_args=())
 def cached_hstu_mha_triton(
     delta_q: torch.Tensor,
     k: torch.Tensor,

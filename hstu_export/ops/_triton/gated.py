@@ -1,4 +1,4 @@
-"""``hstu::hstu_mha_gated_triton``: the STU layer between its two projections, as two kernels.
+"""``hstu_export::hstu_mha_gated_triton``: the STU layer between its two projections, as two kernels.
 
 uvqk [L, H*(2*Dv + 2*Dqk)] (columns u, v, q, k) -> out [L, 3*H*Dv] = concat(SiLU(u), a, SiLU(u)*LN(a)).
 
@@ -141,7 +141,7 @@ def hstu_mha_gated_triton_fwd(
     block_skipping: bool = True,
     config: AttentionConfig | None = None,
 ) -> torch.Tensor:
-    """``hstu::hstu_mha_gated_triton`` with the knobs the op hides (eager only: benchmarks, tests)."""
+    """``hstu_export::hstu_mha_gated_triton`` with the knobs the op hides (eager only: benchmarks, tests)."""
     return _launch_gated(
         uvqk, seq_offsets, norm_weight, norm_bias, num_heads, attention_dim, linear_dim, max_seq_len,
         scaling_seqlen, alpha, causal, num_targets, contextual_seq_len, max_attn_len, eps,
@@ -149,7 +149,7 @@ def hstu_mha_gated_triton_fwd(
     )  # fmt: skip
 
 
-@triton_op("hstu::hstu_mha_gated_triton", mutates_args=())
+@triton_op("hstu_export::hstu_mha_gated_triton", mutates_args=())
 def hstu_mha_gated_triton(
     uvqk: torch.Tensor,
     seq_offsets: torch.Tensor,

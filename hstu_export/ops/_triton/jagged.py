@@ -1,4 +1,4 @@
-"""Jagged <-> padded conversions and 2-D jagged concat/split as Triton kernels (``hstu::`` ops).
+"""Jagged <-> padded conversions and 2-D jagged concat/split as Triton kernels (``hstu_export::`` ops).
 
 Grids depend only on shapes (and on ``max_len`` / the dense tensor's N), never on the offsets'
 values, so the ops trace under torch.export without data-dependent sizes.
@@ -161,7 +161,7 @@ def _block_d(D: int, cfg: JaggedConfig) -> int:
     return min(cfg.block_d, max(triton.next_power_of_2(D), 16))
 
 
-@triton_op("hstu::jagged_to_padded_dense_triton", mutates_args=())
+@triton_op("hstu_export::jagged_to_padded_dense_triton", mutates_args=())
 def jagged_to_padded_dense_triton(
     values: torch.Tensor, offsets: torch.Tensor, max_len: int, padding_value: float
 ) -> torch.Tensor:
@@ -182,7 +182,7 @@ def jagged_to_padded_dense_triton(
     return out.view(B, max_len, *rest)
 
 
-@triton_op("hstu::dense_to_jagged_triton", mutates_args=())
+@triton_op("hstu_export::dense_to_jagged_triton", mutates_args=())
 def dense_to_jagged_triton(dense: torch.Tensor, offsets: torch.Tensor, total_len: int | None) -> torch.Tensor:
     """dense [B, N, *rest] -> values [L, *rest] (L = total_len, else offsets[-1], a device sync).
 
@@ -204,7 +204,7 @@ def dense_to_jagged_triton(dense: torch.Tensor, offsets: torch.Tensor, total_len
     return out.view(L, *rest)
 
 
-@triton_op("hstu::concat_2D_jagged_triton", mutates_args=())
+@triton_op("hstu_export::concat_2D_jagged_triton", mutates_args=())
 def concat_2D_jagged_triton(
     values_left: torch.Tensor,
     offsets_left: torch.Tensor,
@@ -227,7 +227,7 @@ def concat_2D_jagged_triton(
     return out.view(total, *rest)
 
 
-@triton_op("hstu::split_2D_jagged_triton", mutates_args=())
+@triton_op("hstu_export::split_2D_jagged_triton", mutates_args=())
 def split_2D_jagged_triton(
     values: torch.Tensor,
     offsets_left: torch.Tensor,
