@@ -2,21 +2,23 @@
 
 Load-time checks, in order: the manifest and every file's sha256; the package format; the torch version
 (compiled artifacts are tied to it); the device and, for CUDA, the GPU architecture; then the op
-libraries the graphs call are imported, and the backend loads its files. Each request is validated
-against the exported input schema before it reaches the compiled code.
+libraries the graphs call are imported, and the backend loads its files. Each request's tensors are
+made plain (dense, contiguous, detached), validated against the exported input schema, and moved to the
+package's device, so compiled code only ever sees tensors laid out as it was compiled for.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from hstu_export.errors import PackageError
-from hstu_export.package import read_manifest
+from hstu_export.errors import PackageError, RequestError
+from hstu_export.package import read_manifest, recover_interrupted_replace
 from hstu_export.runtimes import get_backend
 from hstu_export.runtimes.base import Runner, SplitRunner
 from hstu_export.schema import InputSchema
@@ -34,12 +36,18 @@ class Predictor:
         self.input_schema = InputSchema.from_json(manifest["input_schema"])
         self.max_batch_size: int = manifest["ranges"]["max_batch_size"]
         self.output_names: list[str] = manifest["output_names"]
+        self._feature_names = frozenset(self.input_schema.names)
         self._runner = runner
 
-    def __call__(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        self.input_schema.validate(batch, self.max_batch_size)
-        features = {name: batch[name].to(self.device, non_blocking=True) for name in self.input_schema.names}
-        return self._runner(features)
+    def __call__(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        if not isinstance(batch, Mapping):
+            raise RequestError(f"a request is a dict of named tensors, got {type(batch).__name__}")
+        # Unknown names are kept as they are, for validate() to name them. Validation reads the plain
+        # tensors (the values compiled code will see), before the move to the device: on the host its
+        # range checks cost no device synchronisation.
+        request = {k: plain_tensor(k, v) if k in self._feature_names else v for k, v in batch.items()}
+        self.input_schema.validate(request, self.max_batch_size)
+        return self._runner({f.graph_name: to_device(request[f.name], self.device) for f in self.input_schema.features})
 
     predict = __call__
 
@@ -51,6 +59,51 @@ class Predictor:
     def __repr__(self) -> str:
         b = self.manifest["backend"]["name"]
         return f"Predictor({self.root}, backend={b}, device={self.device}, dtype={self.manifest['dtype']})"
+
+
+def plain_tensor(name: str, value: Any) -> Tensor:
+    """``value`` as compiled code may read it: a plain dense tensor with contiguous strides, detached.
+
+    AOTInductor reads inputs as contiguous memory without checking strides, so a strided view (``t[::2]``)
+    aborted the process or silently gave wrong scores; such views are copied here. Tensors with no data
+    (meta) or another layout (sparse, nested, quantized, tensor subclasses) raise RequestError."""
+    if not isinstance(value, Tensor):
+        raise RequestError(f"feature {name!r} must be a tensor, got {type(value).__name__}")
+    if value.is_meta:
+        raise RequestError(f"feature {name!r} is a meta tensor (it has a shape but no data); pass real values")
+    if value.is_nested:
+        raise RequestError(f"feature {name!r} is a nested tensor; pass a dense tensor (jagged values flat, "
+                           "with their lengths feature)")
+    if value.layout != torch.strided:
+        raise RequestError(f"feature {name!r} has layout {value.layout}; pass a dense tensor (.to_dense())")
+    if value.is_quantized:
+        raise RequestError(f"feature {name!r} is a quantized tensor; pass it with its plain dtype")
+    if type(value).__torch_dispatch__ is not Tensor.__torch_dispatch__:
+        # FakeTensor, FunctionalTensor, DTensor...: no plain memory for compiled code to read.
+        raise RequestError(f"feature {name!r} is a {type(value).__name__}; pass a plain torch.Tensor")
+    if value.requires_grad:
+        value = value.detach()
+    value = value.resolve_conj().resolve_neg()
+    if value.stride() != _contiguous_strides(value.shape):
+        # is_contiguous() ignores the strides of size-1 dims; compiled code may not.
+        value = value.clone(memory_format=torch.contiguous_format)
+    return value
+
+
+def to_device(value: Tensor, device: torch.device) -> Tensor:
+    """A host-to-device copy may be asynchronous (it is ordered on the stream before the model's
+    kernels); a device-to-host copy may not, or the CPU model would read memory still being written."""
+    if value.device == device:
+        return value
+    return value.to(device, non_blocking=device.type == "cuda")
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _major_minor(version: str) -> str:
@@ -94,6 +147,8 @@ def load_op_libraries(names: list[str], root: Path) -> None:
 def load(path: str | Path, *, verify_checksums: bool = True) -> Predictor:
     """Load a package written by ``hstu_export.export`` / ``hstu-export MODEL``."""
     root = Path(path)
+    # An export killed midway through replacing this package may have left it moved aside: put it back.
+    recover_interrupted_replace(root)
     manifest = read_manifest(root, verify_checksums=verify_checksums)
     device = check_environment(manifest, root)
     load_op_libraries(manifest.get("op_libraries", []), root)

@@ -79,7 +79,7 @@ FRESH_PROCESS = textwrap.dedent("""
     batches = torch.load(sys.argv[2], weights_only=True)
     outputs = [predictor(b) for b in batches]
     torch.save(outputs, sys.argv[3])
-    leaked = [m for m in ("hstu_export.models", "hstu_export.tracer", "hstu_export.pipeline") if m in sys.modules]
+    leaked = [m for m in ("hstu_export.models", "hstu_export.capture", "hstu_export.pipeline") if m in sys.modules]
     print("LEAKED", leaked)
 """)
 
@@ -197,26 +197,11 @@ def test_existing_directory_untouched_without_force(bundle, tmp_path):
     assert [p.name for p in target.iterdir()] == ["keep.txt"]
     assert cli_main([str(bundle), "--backend", "torchscript", "--out", str(target), "-q"]) == 2
     assert (target / "keep.txt").read_text() == "mine"
-    # With --force the directory is replaced by a package.
-    assert (
-        cli_main(
-            [
-                str(bundle),
-                "--backend",
-                "torchscript",
-                "--out",
-                str(target),
-                "--force",
-                "-q",
-                "--max-batch-size",
-                "3",
-                "--verify-batches",
-                "1",
-            ]
-        )
-        == 0
-    )
-    assert (target / "manifest.json").exists() and not (target / "keep.txt").exists()
+    # --force replaces only our own packages: a user's directory is refused and left as it was.
+    args = [str(bundle), "--backend", "torchscript", "--out", str(target), "--force", "-q",
+            "--max-batch-size", "3", "--verify-batches", "1"]
+    assert cli_main(args) == 2
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
 
 
 def test_killed_export_leaves_no_package(bundle, tmp_path):
@@ -282,7 +267,7 @@ def test_failed_parity_writes_nothing(bundle, tmp_path):
 
 
 def test_settings_errors(bundle, tmp_path):
-    with pytest.raises(ConfigError, match="--max-seq-len 100 exceeds the model's own limit of 46"):
+    with pytest.raises(ConfigError, match="--max-seq-len exceeds the model.s own limit of 46"):
         hstu_export.export(bundle, tmp_path / "x", ExportSettings(max_seq_len=100))
     with pytest.raises(ConfigError, match="no usable CUDA"):
         hstu_export.export(bundle, tmp_path / "x", ExportSettings(device="cuda"))
