@@ -43,7 +43,7 @@ _source_checkout_subpackages()
 # Tracing and the pass pipeline import torch.fx and torchrec (seconds): loaded on first use so that
 # `hstu-export --help` and bundle handling stay fast.
 _LAZY = {
-    "trace": "hstu_export.tracer",
+    "trace": "hstu_export.capture",
     "run_passes": "hstu_export.pipeline",
     "PassContext": "hstu_export.pipeline",
     "PipelineResult": "hstu_export.pipeline",

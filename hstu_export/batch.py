@@ -30,6 +30,8 @@ def generate_batch(
     given = {k: torch.as_tensor(v, dtype=torch.int64) for k, v in (lengths or {}).items()}
     batch: dict[str, Tensor] = {}
     for f in schema.lengths_features():
+        if f.same_as:
+            continue
         if f.name in given:
             value = given[f.name]
             if value.shape != (batch_size,):
@@ -38,6 +40,9 @@ def generate_batch(
             lo, hi = f.min_value or 1, f.max_value if f.max_value is not None else 16
             value = torch.randint(lo, hi + 1, (batch_size,), generator=gen)
         batch[f.name] = value.to(f.torch_dtype)
+    for f in schema.lengths_features():
+        if f.same_as:  # keys that share their lengths get the same draw
+            batch[f.name] = batch[schema.canonical_lengths(f.name)].to(f.torch_dtype)
     unknown = sorted(set(given) - set(batch))
     if unknown:
         raise ConfigError(f"{unknown} are not lengths features of this model's schema")
@@ -63,10 +68,17 @@ def generate_batch(
                 last = torch.maximum(last, torch.zeros_like(last).scatter_reduce(0, seq, value_t, "amax"))
             value = last + torch.randint(1, _MEAN_GAP, (batch_size,), generator=gen)
         elif f.torch_dtype.is_floating_point:
-            value = torch.randn(count, generator=gen)
+            value = torch.randn((count, *f.trailing), generator=gen)
+            if f.min_value is not None or f.max_value is not None:
+                lo = f.min_value if f.min_value is not None else -1e9
+                hi = f.max_value if f.max_value is not None else 1e9
+                value = value.clamp(lo, hi)
+        elif f.torch_dtype == torch.bool:
+            value = torch.randint(0, 2, (count, *f.trailing), generator=gen)
         else:
-            lo = f.min_value if f.min_value is not None else 0
-            hi = f.max_value if f.max_value is not None else 1_000_000
-            value = torch.randint(lo, hi + 1, (count,), generator=gen)
+            sample_lo, sample_hi = f.sample_range or (0, 1_000_000)
+            lo = f.min_value if f.min_value is not None else sample_lo
+            hi = f.max_value if f.max_value is not None else max(sample_hi, lo)
+            value = torch.randint(lo, hi + 1, (count, *f.trailing), generator=gen)
         batch[f.name] = value.to(f.torch_dtype)
-    return batch
+    return {f.name: batch[f.name] for f in schema.features}

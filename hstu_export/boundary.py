@@ -1,8 +1,9 @@
 """The sparse→dense boundary: which tensors the dense graph takes and where they come from.
 
 ``split_sparse_dense`` writes one ``BoundarySchema``. Shapes use symbolic names for dynamic dims:
-``"batch"`` for the number of users, ``"<lengths feature>.total"`` for a jagged dim 0 (the sum of that
-lengths feature), plain ints for static dims.
+``"batch"`` for the number of users, ``"batch+1"`` for offsets, ``"<lengths feature>.total"`` for a jagged
+dim 0 (the sum of that lengths feature), ``"<name>.size0"`` for a size of its own (``max_dim0`` bounds
+it), plain ints for static dims. Names are graph-input names.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class BoundaryTensor:
     shape: tuple[int | str, ...]
     jagged_by: str
     source: str
+    max_dim0: int | None = None  # the range of a dim 0 that is none of batch, batch+1 or a total
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -42,7 +44,8 @@ class BoundaryTensor:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> BoundaryTensor:
-        return cls(data["name"], data["dtype"], tuple(data["shape"]), data["jagged_by"], data["source"])
+        return cls(data["name"], data["dtype"], tuple(data["shape"]), data["jagged_by"], data["source"],
+                   data.get("max_dim0"))
 
 
 @dataclass(frozen=True)

@@ -53,16 +53,66 @@ def _verbose_option(f: Any) -> Any:
     return click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and debug output.")(f)
 
 
+def _import_option(f: Any) -> Any:
+    return click.option(
+        "--import", "imports", multiple=True, metavar="MODULE",
+        help="Import this module first (where your models register themselves or your factory lives). Repeatable.",
+    )(f)
+
+
+def _capture_options(f: Any) -> Any:
+    """Options that steer tracing and operator mapping (export and inspect)."""
+    options = [
+        click.option("--leaf-module", "leaf_module", multiple=True, metavar="NAME",
+                     help="Keep this module opaque while tracing: class name (bare or dotted) or submodule path. "
+                          "Repeatable."),
+        click.option("--opaque-function", "opaque_function", multiple=True, metavar="MODULE.FUNCTION",
+                     help="Record this function as one call instead of tracing into it. Repeatable."),
+        click.option("--map-function", "map_function", multiple=True, metavar="NAME=RULE",
+                     help="Map your function NAME (module.function) like a known one, RULE being its qualified "
+                          "name (it takes the same arguments), or fn:module:function (a rewrite of your own). "
+                          "Repeatable."),
+        click.option("--attention-scale", default="batch", show_default=True, metavar="batch|fixed:N",
+                     help="Divisor of mapped foreign HSTU attention: the model's own max length of the batch, "
+                          "or a fixed N (the same for every request; verified against the model run with N)."),
+        click.option("--max-length", "max_length", multiple=True, metavar="NAME=MAX|NAME=MIN:MAX",
+                     help="Range of a lengths feature (or of every key of a KJT argument NAME). Repeatable."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _parse_mappings(items: tuple[str, ...]) -> dict[str, str]:
+    from hstu_export.errors import ConfigError
+
+    out = {}
+    for item in items:
+        name, sep, rule = item.partition("=")
+        if not sep or not name.strip() or not rule.strip():
+            raise ConfigError(f"--map-function {item!r}: use NAME=RULE (e.g. my_pkg.ops.attention="
+                              "generative_recommenders.ops.pytorch.pt_hstu_attention.pytorch_hstu_mha)")
+        out[name.strip()] = rule.strip()
+    return out
+
+
+def _parse_lengths(items: tuple[str, ...]) -> dict[str, tuple[int | None, int | None]]:
+    from hstu_export.settings import parse_length_range
+
+    return dict(parse_length_range(item) for item in items)
+
+
 @cli.command()
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--allow-pickle", is_flag=True, help="Accept a pickled nn.Module (runs code from the file).")
+@_import_option
 @_verbose_option
-def describe(model: str, allow_pickle: bool, verbose: bool) -> None:
+def describe(model: str, allow_pickle: bool, imports: tuple[str, ...], verbose: bool) -> None:
     """Print a model bundle's name, config, parameters, sparse tables and example batch."""
     from hstu_export.bundle import load_bundle
     from hstu_export.describe import describe_bundle
 
-    bundle = load_bundle(model, allow_pickle=allow_pickle)
+    bundle = load_bundle(model, allow_pickle=allow_pickle, imports=imports)
     info = describe_bundle(bundle)
     console.print(f"[bold]{info['model_name']}[/bold]  ({model})")
     console.print(f"parameters: {info['num_parameters']:,}  ({human_bytes(info['parameter_bytes'])})")
@@ -89,7 +139,8 @@ def _stage_progress(quiet: bool) -> Any:
     import contextlib
     import time
 
-    labels = {"load": "load bundle", "trace": "trace (FX)", "passes": "run passes", "compile": "compile backend",
+    labels = {"load": "load bundle", "prepare": "prepare inputs", "trace": "trace (FX)", "passes": "run passes",
+              "compile": "compile backend",
               "verify": "verify against eager", "write": "write package"}
 
     @contextlib.contextmanager
@@ -130,7 +181,7 @@ def _stage_progress(quiet: bool) -> Any:
               help="Package directory to write [default: <model>.<backend> beside the model].")
 @click.option("--dump-graphs", type=click.Path(file_okay=False), default=None,
               help="Write every pass's graph before/after, diffs, SVGs and report.html here.")
-@click.option("--leaf-module", multiple=True, help="Module class or path the tracer keeps opaque (repeatable).")
+@_capture_options
 @click.option("--skip-pass", multiple=True, help="Pass to leave out (repeatable).")
 @click.option("--passes", default=None, help="Comma-separated pass list to run instead of the default.")
 @click.option("--check-each-pass", is_flag=True, help="Compare the graph with eager after every pass.")
@@ -138,22 +189,28 @@ def _stage_progress(quiet: bool) -> Any:
 @click.option("--no-verify", is_flag=True, help="Skip the parity check (the manifest records that).")
 @click.option("--verify-batches", type=click.IntRange(min=0), default=4, show_default=True,
               help="Random batches verified besides the edge cases.")
+@click.option("--rtol", type=float, default=None, help="Relative L2 tolerance of verification [default: by dtype].")
+@click.option("--atol", type=float, default=None, help="Max absolute tolerance of verification [default: by dtype].")
 @click.option("--allow-pickle", is_flag=True, help="Accept a pickled nn.Module bundle (runs code from the file).")
+@_import_option
 @click.option("-q", "--quiet", is_flag=True, help="Print only errors and the package path.")
 @_verbose_option
 def export_command(model: str, backend: str, device: str, dtype: str, max_batch_size: int,
                    max_seq_len: int | None, max_candidates: int | None, op_target: str | None,
                    allow_unmapped: bool, workspace: str | None, min_block_size: int,
                    torch_executed_op: tuple[str, ...], dryrun: bool, out: str | None, dump_graphs: str | None,
-                   leaf_module: tuple[str, ...], skip_pass: tuple[str, ...], passes: str | None,
-                   check_each_pass: bool, force: bool, no_verify: bool, verify_batches: int,
-                   allow_pickle: bool, quiet: bool, verbose: bool) -> None:
+                   leaf_module: tuple[str, ...], opaque_function: tuple[str, ...], map_function: tuple[str, ...],
+                   attention_scale: str, max_length: tuple[str, ...], skip_pass: tuple[str, ...],
+                   passes: str | None, check_each_pass: bool, force: bool, no_verify: bool, verify_batches: int,
+                   rtol: float | None, atol: float | None, allow_pickle: bool, imports: tuple[str, ...],
+                   quiet: bool, verbose: bool) -> None:
     """Export MODEL (a model bundle) to a verified package.
 
     \b
       hstu-export model.pt --backend aoti
       hstu-export model.pt --backend onnx --out model.onnx.pkg --force
       hstu-export model.pt --backend trt --device cuda --workspace 4GiB
+      hstu-export ranker.pt --import my_pkg.models --max-length uih_features=1:256
     """
     from pathlib import Path
 
@@ -167,8 +224,11 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
         torch_executed_ops=tuple(torch_executed_op), dryrun=dryrun,
         passes=tuple(p.strip() for p in passes.split(",") if p.strip()) if passes else None,
         skip_passes=tuple(skip_pass), leaf_modules=tuple(leaf_module), check_each_pass=check_each_pass,
-        dump_dir=Path(dump_graphs) if dump_graphs else None,
-        verify=VerifySettings(enabled=not no_verify, num_random_batches=verify_batches), force=force,
+        dump_dir=Path(dump_graphs) if dump_graphs else None, opaque_functions=tuple(opaque_function),
+        op_mappings=_parse_mappings(map_function), attention_scale=attention_scale,
+        lengths=_parse_lengths(max_length), imports=tuple(imports),
+        verify=VerifySettings(enabled=not no_verify, num_random_batches=verify_batches, rtol=rtol, atol=atol),
+        force=force,
     )
     target = Path(out) if out else Path(model).with_suffix(f".{backend}")
     result = export(model, target, settings, allow_pickle=allow_pickle, progress=_stage_progress(quiet))
@@ -193,7 +253,8 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
     table.add_row("files", ", ".join(f"{n} {human_bytes(s)}" for n, s in sizes.items()))
     table.add_row("size", human_bytes(sum(sizes.values())))
     ranges = manifest["ranges"]
-    lengths = ", ".join(f"{k} ≤ {v}" for k, v in ranges["lengths"]["max_lengths"].items())
+    shared = {f["name"] for f in _schema_features(manifest) if f.get("same_as")}
+    lengths = ", ".join(f"{k} ≤ {v}" for k, v in ranges["lengths"]["max_lengths"].items() if k not in shared)
     table.add_row("accepts", f"batch ≤ {ranges['max_batch_size']}, {lengths}")
     table.add_row("timings", ", ".join(f"{k} {v:.1f}s" for k, v in manifest.get("timings", {}).items()))
     parity = manifest["parity"]
@@ -206,7 +267,29 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
                                 f"(tol {tol['max_abs']:.0e})")
     if manifest.get("op_libraries"):
         table.add_row("load needs", ", ".join(manifest["op_libraries"]))
+    passes = {p["name"]: p for p in manifest.get("passes", [])}
+    marks = passes.get("mark_sparse_dense", {}).get("stats", {})
+    if marks.get("automatic_marks"):
+        table.add_row("boundary", f"found automatically: {len(marks['automatic_marks'])} tensors "
+                                  f"({', '.join(marks['automatic_marks'][:4])}{', ...' if len(marks['automatic_marks']) > 4 else ''})")
+    elif marks.get("explicit_marks"):
+        table.add_row("boundary", f"{marks['explicit_marks']} sparse_boundary marks in the model")
+    mapped = passes.get("map_ops", {}).get("stats", {})
+    for name, count in mapped.get("foreign", {}).items():
+        table.add_row("mapped", f"{count}× {name}")
+    for name, reason in mapped.get("foreign_kept", {}).items():
+        table.add_row("not mapped", f"{name}: {reason}")
+    for call in manifest.get("capture", {}).get("opaque_calls", []):
+        table.add_row("kept opaque", f"{call['kind']} {call['name']} ({call['reason']})")
+    meta = manifest["backend"].get("meta", {})
+    if meta.get("method") == "trace":
+        table.add_row("torchscript", f"dense half traced (torch.jit.script failed: {meta.get('script_error', '')[:120]})")
     console.print(table)
+
+
+def _schema_features(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    schema = manifest.get("input_schema", [])
+    return schema.get("features", []) if isinstance(schema, dict) else schema
 
 
 def _parity_table(parity: dict[str, Any]) -> Table:
@@ -225,17 +308,24 @@ def _parity_table(parity: dict[str, Any]) -> Table:
               help="The model bundle to compare with [default: the bundle recorded in the manifest].")
 @click.option("--batches", type=click.IntRange(min=0), default=4, show_default=True, help="Random batches besides edge cases.")
 @click.option("--seed", type=int, default=7, show_default=True)
+@click.option("--rtol", type=float, default=None, help="Relative L2 tolerance [default: the export's].")
+@click.option("--atol", type=float, default=None, help="Max absolute tolerance [default: the export's].")
 @click.option("--allow-pickle", is_flag=True)
+@_import_option
 @_verbose_option
-def verify(package: str, model_path: str | None, batches: int, seed: int, allow_pickle: bool, verbose: bool) -> None:
-    """Check a package against the eager model on fresh batches (exit 1 on mismatch)."""
+def verify(package: str, model_path: str | None, batches: int, seed: int, rtol: float | None, atol: float | None,
+           allow_pickle: bool, imports: tuple[str, ...], verbose: bool) -> None:
+    """Check a package against the model it came from on fresh batches (exit 1 on mismatch)."""
     from hstu_export.errors import VerificationError
-    from hstu_export.verify import verify_package
+    from hstu_export.settings import VerifySettings
+    from hstu_export.verify import mismatch_summary, verify_package
 
-    report = verify_package(package, model_path, num_random=batches, seed=seed, allow_pickle=allow_pickle)
+    VerifySettings(rtol=rtol, atol=atol)  # checks the values
+    report = verify_package(package, model_path, num_random=batches, seed=seed, allow_pickle=allow_pickle,
+                            rtol=rtol, atol=atol, imports=imports)
     console.print(_parity_table(report))
     if not report["passed"]:
-        raise VerificationError(f"{package} does not match the eager model (tolerances {report['tolerances']})")
+        raise VerificationError(f"{package} does not match the model: {mismatch_summary(report)}")
     console.print(f"[green]parity ok[/green] on {len(report['batches'])} batches")
 
 
@@ -275,13 +365,17 @@ def run(package: str, batch_path: str, output: str | None, verbose: bool) -> Non
 @click.option("--seed", type=int, default=11, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write results as JSON.")
 @click.option("--allow-pickle", is_flag=True)
+@_import_option
 @_verbose_option
 def bench(package: str, model_path: str | None, batch_size: int | None, iters: int, warmup: int, seed: int,
-          json_path: str | None, allow_pickle: bool, verbose: bool) -> None:
+          json_path: str | None, allow_pickle: bool, imports: tuple[str, ...], verbose: bool) -> None:
     """Latency p50/p99 and throughput of a package against eager, measured in the same run."""
     import json
 
+    from hstu_export.bundle import import_modules
     from hstu_export.verify import bench_package
+
+    import_modules(imports)
 
     res = bench_package(package, model_path, batch_size=batch_size, iters=iters, warmup=warmup, seed=seed,
                         allow_pickle=allow_pickle)
@@ -304,22 +398,30 @@ def bench(package: str, model_path: str | None, batch_size: int | None, iters: i
 @click.option("--dump-graphs", "dump_dir", type=click.Path(file_okay=False),
               help="Write every pass's graph before/after, diff, SVG and report.html here.")
 @click.option("--open", "open_report", is_flag=True, help="Open report.html in a browser (a temp dir without --dump-graphs).")
-@click.option("--leaf-module", "leaf_modules", multiple=True, metavar="NAME",
-              help="Keep this module opaque while tracing: class name (bare or dotted) or submodule path. Repeatable.")
+@_capture_options
+@click.option("--op-target", type=click.Choice(["triton", "aten", "rtp", "fbgemm"]), default="aten", show_default=True,
+              help="Operator mapping to show.")
 @click.option("--skip-pass", "skip", multiple=True, metavar="NAME", help="Leave out this pass. Repeatable.")
 @click.option("--passes", "passes", metavar="A,B,C", help="Run exactly these passes, in this order.")
 @click.option("--check-each-pass", is_flag=True, help="Re-run the graph after each pass and compare with eager.")
 @click.option("--allow-pickle", is_flag=True, help="Accept a pickled nn.Module (runs code from the file).")
+@_import_option
 @_verbose_option
 def inspect(
     model: str,
     dump_dir: str | None,
     open_report: bool,
-    leaf_modules: tuple[str, ...],
+    leaf_module: tuple[str, ...],
+    opaque_function: tuple[str, ...],
+    map_function: tuple[str, ...],
+    attention_scale: str,
+    max_length: tuple[str, ...],
+    op_target: str,
     skip: tuple[str, ...],
     passes: str | None,
     check_each_pass: bool,
     allow_pickle: bool,
+    imports: tuple[str, ...],
     verbose: bool,
 ) -> None:
     """Trace a model bundle and run the graph passes (no compilation); print what each pass did."""
@@ -328,23 +430,23 @@ def inspect(
     from pathlib import Path
 
     from hstu_export.bundle import load_bundle
-    from hstu_export.pipeline import PassContext, run_passes
-    from hstu_export.tracer import trace
+    from hstu_export.exporter import capture
+    from hstu_export.settings import ExportSettings
 
     if verbose:
         logging.basicConfig(level=logging.DEBUG, format="%(name)s: %(message)s")
     if open_report and dump_dir is None:
         dump_dir = tempfile.mkdtemp(prefix="hstu-inspect-")
-    pass_list = [p.strip() for p in passes.split(",") if p.strip()] if passes is not None else None
-    bundle = load_bundle(model, allow_pickle=allow_pickle)
-    gm = trace(bundle.model, bundle.example_batch, leaf_modules=leaf_modules)
-    ctx = PassContext(
-        example_inputs=bundle.example_batch,
-        model=bundle.model,
-        dump_dir=Path(dump_dir) if dump_dir else None,
-        check_each_pass=check_each_pass,
+    pass_list = tuple(p.strip() for p in passes.split(",") if p.strip()) if passes is not None else None
+    settings = ExportSettings(
+        op_target=op_target, leaf_modules=tuple(leaf_module), opaque_functions=tuple(opaque_function),
+        op_mappings=_parse_mappings(map_function), attention_scale=attention_scale,
+        lengths=_parse_lengths(max_length), imports=tuple(imports), passes=pass_list, skip_passes=tuple(skip),
+        check_each_pass=check_each_pass, dump_dir=Path(dump_dir) if dump_dir else None,
     )
-    result = run_passes(gm, ctx, passes=pass_list, skip=skip)
+    bundle = load_bundle(model, allow_pickle=allow_pickle, imports=imports)
+    captured = capture(bundle, settings, settings.op_target or "aten", need_ranges=False)
+    result = captured.result
 
     console.print(f"[bold]{escape(bundle.model_name)}[/bold]  ({escape(model)})")
     table = Table("#", "pass", "status", "ms", "nodes", "parameters", "max rel err", box=None, pad_edge=False)
@@ -363,6 +465,11 @@ def inspect(
         if r.stats or r.note:
             stats = " ".join(f"{k}={len(v) if isinstance(v, (list, dict)) else v}" for k, v in r.stats.items())
             console.print(f"  [dim]{r.index:02d} {r.name}:[/dim] {escape(stats or r.note)}", soft_wrap=True)
+    for call in captured.summary["opaque_calls"]:
+        console.print(f"kept opaque: {call['kind']} {escape(call['name'])} at {escape(call['where'])} "
+                      f"({escape(call['reason'])})", soft_wrap=True)
+    for line in _mapping_lines(result.report):
+        console.print(f"mapped: {escape(line)}", soft_wrap=True)
     if result.boundary is not None:
         table = Table("dense input", "dtype", "shape", "from", box=None, pad_edge=False)
         for t in result.boundary.dense_inputs:
@@ -372,6 +479,17 @@ def inspect(
         console.print(f"graphs and report: {result.report_path}")
         if open_report:
             click.launch(str(result.report_path))
+
+
+def _mapping_lines(report: Any) -> list[str]:
+    """What map_ops did to foreign functions, one line each (from its statistics)."""
+    try:
+        stats = report["map_ops"].stats
+    except KeyError:
+        return []
+    lines = [f"{count}x {name}" for name, count in stats.get("foreign", {}).items()]
+    lines += [f"kept {name}: {reason}" for name, reason in stats.get("foreign_kept", {}).items()]
+    return lines
 
 
 def _one_line(exc: BaseException) -> str:

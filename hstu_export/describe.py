@@ -32,7 +32,7 @@ def sparse_tables(model: nn.Module) -> list[dict[str, Any]]:
 
 def describe_bundle(bundle: ModelBundle) -> dict[str, Any]:
     params = list(bundle.model.parameters()) + list(bundle.model.buffers())
-    config = bundle.config.to_dict() if hasattr(bundle.config, "to_dict") else {}
+    config = bundle.config_dict or {}
     return {
         "model_name": bundle.model_name,
         "config": config,

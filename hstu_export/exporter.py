@@ -21,6 +21,8 @@ from torch import Tensor, nn
 from hstu_export.batch import generate_batch
 from hstu_export.bundle import ModelBundle, load_bundle
 from hstu_export.errors import ConfigError, ExportError, VerificationError
+from hstu_export.hints import model_hints
+from hstu_export.ops.mappings import fixed_attention_scale, function_mappings, imported_functions
 from hstu_export.package import (
     check_target,
     commit,
@@ -34,7 +36,15 @@ from hstu_export.runtimes import get_backend
 from hstu_export.runtimes.base import CompileInputs, DimSpec
 from hstu_export.schema import InputSchema
 from hstu_export.settings import ExportSettings
-from hstu_export.verify import ExportRanges, check_parity, exported_schema, verification_batches
+from hstu_export.verify import (
+    ExportRanges,
+    check_parity,
+    exported_schema,
+    mismatch_summary,
+    verification_batches,
+)
+
+OP_NAMESPACE = "hstu_export"
 
 BATCH_DIM = "batch"
 Progress = Callable[[str], Any]  # called with a stage name; may return a context manager
@@ -52,32 +62,55 @@ class ExportResult:
         return self.manifest["parity"]
 
 
-def export_ranges(schema: InputSchema, settings: ExportSettings) -> ExportRanges:
-    """Exported ranges from the model's schema and the settings (settings may only narrow them)."""
+def export_ranges(schema: InputSchema, settings: ExportSettings,
+                  stated: dict[str, tuple[int | None, int | None]] | None = None) -> ExportRanges:
+    """Exported ranges from the model's schema, ranges the model states in its hints (``stated``) and the
+    settings (``--max-length``, ``--max-seq-len``, ``--max-candidates``), in rising priority. Only a
+    model's own limits cannot be widened."""
+    chosen: dict[str, tuple[int | None, int | None]] = {}
+    for source in (stated or {}, settings.lengths):
+        for key, value in source.items():
+            for name in schema.resolve_lengths(key):
+                chosen[schema.canonical_lengths(name)] = value
     max_lengths, min_lengths = {}, {}
     for f in schema.lengths_features():
-        model_max = f.max_value if f.max_value is not None else None
-        wanted = {"history_length": settings.max_seq_len, "candidate_count": settings.max_candidates}.get(f.semantic)
+        if f.same_as:
+            continue
+        model_max = f.max_value
+        lo, hi = chosen.get(f.name, (None, None))
+        wanted = hi if hi is not None else {
+            "history_length": settings.max_seq_len, "candidate_count": settings.max_candidates
+        }.get(f.semantic)
         if model_max is None and wanted is None:
-            raise ConfigError(f"the model does not bound {f.name!r}; pass --max-seq-len / --max-candidates")
+            raise ConfigError(
+                f"no maximum length for {f.name!r}: the model does not bound it; pass --max-length {f.name}=N "
+                "(or state ranges in the bundle / the model's export hints)"
+            )
         if wanted is not None and model_max is not None and wanted > model_max:
-            flag = "--max-seq-len" if f.semantic == "history_length" else "--max-candidates"
-            raise ConfigError(f"{flag} {wanted} exceeds the model's own limit of {model_max} for {f.name!r}")
+            flag = (f"--max-length {f.name}={wanted}" if hi is not None
+                    else "--max-seq-len" if f.semantic == "history_length" else "--max-candidates")
+            raise ConfigError(f"{flag} exceeds the model's own limit of {model_max} for {f.name!r}")
         max_lengths[f.name] = wanted if wanted is not None else model_max
-        min_lengths[f.name] = min(f.min_value if f.min_value is not None else 1, max_lengths[f.name])
+        floor = lo if lo is not None else (f.min_value if f.min_value is not None else 1)
+        min_lengths[f.name] = min(max(floor, 0), max_lengths[f.name])
+    for f in schema.lengths_features():
+        if f.same_as:
+            root = schema.canonical_lengths(f.name)
+            max_lengths[f.name], min_lengths[f.name] = max_lengths[root], min_lengths[root]
     return ExportRanges(settings.max_batch_size, max_lengths, min_lengths)
 
 
 def feature_dims(schema: InputSchema, ranges: ExportRanges) -> dict[str, dict[int, DimSpec]]:
-    """Named dynamic dims of every model input: [B] features share ``batch``; jagged values share
-    ``<lengths>.total``. Maxima are at least 2 so the example (all dims >= 2) fits."""
+    """Named dynamic dims of every model input, by graph-input name: [B] features share ``batch``;
+    jagged values share ``<lengths>.total`` (keys that share lengths share it too). Maxima are at
+    least 2 so the example (all dims >= 2) fits."""
     b_max = max(ranges.max_batch_size, 2)
     dims: dict[str, dict[int, DimSpec]] = {}
     for f in schema.features:
         if f.kind == "jagged":
-            dims[f.name] = {0: total_dim(f.jagged_by or "", ranges)}
+            dims[f.graph_name] = {0: total_dim(schema.canonical_lengths(f.jagged_by or ""), ranges)}
         else:
-            dims[f.name] = {0: DimSpec(BATCH_DIM, 1, b_max)}
+            dims[f.graph_name] = {0: DimSpec(BATCH_DIM, 1, b_max)}
     return dims
 
 
@@ -90,16 +123,24 @@ def export_example_batch(schema: InputSchema, ranges: ExportRanges, seed: int) -
     """A batch whose dynamic sizes are all >= 2 and pairwise different, so torch.export neither
     specialises a dim to 0/1 nor unifies two independent dims that happen to be equal."""
     b = 3 if ranges.max_batch_size >= 3 else 2
+    canonical = [f for f in schema.lengths_features() if not f.same_as]
     for attempt in range(200):
         gen = torch.Generator().manual_seed(seed + attempt)
         chosen = {}
-        for f in schema.lengths_features():
-            lo, hi = ranges.min_lengths[f.name], ranges.max_lengths[f.name]
-            chosen[f.name] = torch.randint(lo, hi + 1, (b,), generator=gen).tolist()
+        for f in canonical:
+            lo, hi = max(ranges.min_lengths[f.name], 1), ranges.max_lengths[f.name]
+            chosen[f.name] = torch.randint(lo, max(hi, lo) + 1, (b,), generator=gen).tolist()
         sizes = [b] + [sum(v) for v in chosen.values()]
         if min(sizes) >= 2 and len(set(sizes)) == len(sizes):
             return generate_batch(schema, b, seed=seed, lengths=chosen)
     raise ConfigError("cannot build an export example batch with distinct dynamic sizes; widen the length ranges")
+
+
+def probe_batch(schema: InputSchema, ranges: ExportRanges, seed: int) -> dict[str, Tensor]:
+    """The largest batch the package accepts: every user at every maximum length."""
+    b = ranges.max_batch_size
+    return generate_batch(schema, b, seed=seed, lengths={f.name: [ranges.max_lengths[f.name]] * b
+                                                         for f in schema.lengths_features() if not f.same_as})
 
 
 def _run_stage(progress: Progress | None, name: str) -> contextlib.AbstractContextManager[Any]:
@@ -121,6 +162,70 @@ def _to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tens
     return {k: v.to(device) for k, v in batch.items()}
 
 
+@dataclass
+class Captured:
+    """A model traced and through the passes, with what export and inspect need around it."""
+
+    result: Any  # PipelineResult
+    schema: InputSchema
+    ranges: ExportRanges | None  # None when inspecting a model whose lengths have no stated range
+    example: dict[str, Tensor]  # the flat request the graph was traced and checked on
+    reference: Callable[[dict[str, Tensor]], dict[str, Tensor]]  # the user's model on a flat request
+    summary: dict[str, Any]  # opaque calls and leaf modules, for the manifest and the report
+
+
+def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, timings: dict[str, float] | None = None,
+            progress: Progress | None = None, extra_passes: list[Any] | None = None,
+            need_ranges: bool = True) -> Captured:
+    """Trace the bundle's model (on ``settings.device``/``dtype``) and run the passes. ``need_ranges``
+    False (inspect) falls back to the bundle's example batch when no lengths ranges are known."""
+    from hstu_export.capture import trace
+    from hstu_export.pipeline import PassContext, run_passes
+
+    timings = {} if timings is None else timings
+    device = settings.torch_device
+    with _timed(timings, progress, "prepare"):
+        schema: InputSchema = bundle.input_schema
+        hints = model_hints(bundle.model)
+        op_mappings = {**hints.mappings, **settings.op_mappings}
+        functions = function_mappings(op_mappings)
+        _check_attention_scale(settings, functions)
+        try:
+            ranges: ExportRanges | None = export_ranges(schema, settings, hints.ranges)
+        except ConfigError:
+            if need_ranges:
+                raise
+            ranges = None
+        eager = copy.deepcopy(bundle.model).to(device=device, dtype=settings.torch_dtype).eval()
+        if ranges is not None:
+            example = export_example_batch(schema, ranges, seed=settings.verify.seed)
+            probes = [probe_batch(schema, ranges, seed=settings.verify.seed + 1)]
+        else:
+            example, probes = dict(bundle.example_batch), []
+        example = _to_device(example, device)
+        reference = _eager_reference(eager, schema, settings, functions, device)
+    with _timed(timings, progress, "trace"), torch.no_grad():
+        gm = trace(eager, example, leaf_modules=settings.leaf_modules, schema=schema,
+                   opaque_functions=[*settings.opaque_functions, *imported_functions(list(functions))])
+    with _timed(timings, progress, "passes"), torch.no_grad():
+        ctx = PassContext(
+            example_inputs=schema.to_graph_inputs(example), model=eager, schema=schema, op_target=op_target,
+            allow_unmapped=settings.allow_unmapped, dump_dir=settings.dump_dir,
+            check_each_pass=settings.check_each_pass,
+            probe_inputs=[schema.to_graph_inputs(_to_device(p, device)) for p in probes],
+            attention_scale=settings.attention_scale, op_mappings=op_mappings,
+            reference=lambda graph_batch: reference({f.name: graph_batch[f.graph_name] for f in schema.features}),
+        )
+        names = list(settings.passes) if settings.passes else None
+        if extra_passes:
+            from hstu_export.passes import default_pass_names
+
+            names = (names or default_pass_names()) + list(extra_passes)
+        result = run_passes(gm, ctx, passes=names, skip=settings.skip_passes)
+    summary = {"opaque_calls": gm.meta.get("opaque_calls", []), "leaf_modules": gm.meta.get("leaf_modules", [])}
+    return Captured(result, schema, ranges, example, reference, summary)
+
+
 def export(
     model: str | Path | ModelBundle,
     out: str | Path,
@@ -137,9 +242,6 @@ def export(
     nothing is compiled or written.
     Raises our error types: ConfigError/BundleError (bad input, nothing done), ExportError,
     VerificationError (nothing written)."""
-    from hstu_export.pipeline import PassContext, run_passes
-    from hstu_export.tracer import trace
-
     settings = settings or ExportSettings()
     out = Path(out)
     timings: dict[str, float] = {}
@@ -155,37 +257,20 @@ def export(
         raise ConfigError(f"--dryrun reports how a backend partitions the graph; the {backend.name} backend has no "
                           "dry run (use --backend trt)")
     if not settings.dryrun:
-        check_target(out, settings.force)
+        check_target(out, settings.force, protect=[model.path if isinstance(model, ModelBundle) else Path(model)])
     _check_pass_names(settings)
 
     with _timed(timings, progress, "load"):
-        bundle = model if isinstance(model, ModelBundle) else load_bundle(model, allow_pickle=allow_pickle)
-        if not hasattr(bundle.model, "input_schema"):
-            raise ConfigError(f"model {bundle.model_name!r} has no input_schema(); registered models must define one")
-        schema: InputSchema = bundle.model.input_schema()
-        ranges = export_ranges(schema, settings)
-        eager = copy.deepcopy(bundle.model).to(device=device, dtype=settings.torch_dtype).eval()
-        example = _to_device(export_example_batch(schema, ranges, seed=settings.verify.seed), device)
-
+        bundle = (model if isinstance(model, ModelBundle)
+                  else load_bundle(model, allow_pickle=allow_pickle, imports=settings.imports))
     op_target = settings.op_target or backend.default_op_target(device)
-    with _timed(timings, progress, "trace"), torch.no_grad():
-        gm = trace(eager, example, leaf_modules=settings.leaf_modules)
-    with _timed(timings, progress, "passes"), torch.no_grad():
-        ctx = PassContext(
-            example_inputs=example, model=eager, schema=schema, op_target=op_target,
-            allow_unmapped=settings.allow_unmapped, dump_dir=settings.dump_dir,
-            check_each_pass=settings.check_each_pass,
-        )
-        names = list(settings.passes) if settings.passes else None
-        if extra_passes:
-            from hstu_export.passes import default_pass_names
-
-            names = (names or default_pass_names()) + list(extra_passes)
-        result = run_passes(gm, ctx, passes=names, skip=settings.skip_passes)
+    captured = capture(bundle, settings, op_target, timings=timings, progress=progress, extra_passes=extra_passes)
+    result, schema, ranges, example = captured.result, captured.schema, captured.ranges, captured.example
+    assert ranges is not None  # capture() raises without ranges when need_ranges
     if result.sparse is None or result.dense is None or result.boundary is None:
         raise ConfigError("exporting needs the split_sparse_dense pass; do not skip it")
 
-    inputs = _compile_inputs(result, example, schema, ranges, settings)
+    inputs = _compile_inputs(result, schema.to_graph_inputs(example), schema, ranges, settings)
     if settings.dryrun:
         with _timed(timings, progress, "compile"), torch.no_grad():
             report = backend.dryrun(inputs)
@@ -196,13 +281,16 @@ def export(
         if result.report_path is not None:
             # The graph dumps travel inside the package (graphs/report.html), so it explains itself.
             shutil.copytree(result.report_path.parent, staged / "graphs")
+        graph_names = set(schema.graph_names)
         manifest: dict[str, Any] = {
             "model": {
                 "name": bundle.model_name,
-                "config": bundle.config.to_dict() if hasattr(bundle.config, "to_dict") else None,
+                "source": bundle.source,
+                "config": bundle.config_dict,
                 "bundle": str(bundle.path) if bundle.path else None,
                 "bundle_sha256": sha256_file(bundle.path) if bundle.path else None,
             },
+            "op_namespace": OP_NAMESPACE,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "versions": library_versions(),
             "backend": {"name": backend.name, "files": artifacts.files, "meta": artifacts.meta},
@@ -216,12 +304,13 @@ def export(
                        "dims": {d.name: [d.min, d.max] for dims in inputs.dense_dynamic_dims.values()
                                 for d in dims.values()}},
             "sparse_input_names": inputs.sparse_input_names,
-            "sparse_output_names": [n for n in inputs.dense_input_names if n not in schema.names],
+            "sparse_output_names": [n for n in inputs.dense_input_names if n not in graph_names],
             "dense_input_names": inputs.dense_input_names,
-            "dense_passthrough_inputs": [n for n in inputs.dense_input_names if n in schema.names],
+            "dense_passthrough_inputs": [n for n in inputs.dense_input_names if n in graph_names],
             "output_names": inputs.output_names,
             "boundary": result.boundary.to_json(),
             "passes": result.report.to_json(),
+            "capture": captured.summary,
             "settings": settings.to_json(),
             "parity": {"skipped": True},
         }
@@ -229,20 +318,17 @@ def export(
 
         if settings.verify.enabled:
             with _timed(timings, progress, "verify"), torch.no_grad():
-                parity = _verify(staged, eager, schema, ranges, settings, device, op_target)
+                parity = _verify(staged, captured.reference, schema, ranges, settings, op_target)
             manifest["parity"] = parity
             if not parity["passed"]:
-                failed = [r for r in parity["batches"] if not r["passed"]]
-                worst = parity["worst"]
                 raise VerificationError(
-                    f"exported outputs differ from eager on {len(failed)} of {len(parity['batches'])} batches "
-                    f"(first: {failed[0]['batch']}; worst rel. L2 {worst['rel_l2']:.3g}, max abs "
-                    f"{worst['max_abs']:.3g}; tolerances {parity['tolerances']}); nothing was written"
+                    f"the package differs from the model: {mismatch_summary(parity)}; nothing was written "
+                    "(--rtol/--atol set the tolerances)"
                 )
         manifest["timings"] = timings
         manifest = write_manifest(staged, manifest)
         with _timed(timings, progress, "write"):
-            commit(staged, out, settings.force)
+            commit(staged, out, settings.force, protect=[bundle.path])
     return ExportResult(out, manifest, timings)
 
 
@@ -266,18 +352,37 @@ def _collecting_triton_configs() -> contextlib.AbstractContextManager[dict[str, 
     return collecting_configs()
 
 
-def _verify(root: Path, eager: nn.Module, schema: InputSchema, ranges: ExportRanges,
-            settings: ExportSettings, device: torch.device, op_target: str) -> dict[str, Any]:
+def _verify(root: Path, reference: Any, schema: InputSchema, ranges: ExportRanges,
+            settings: ExportSettings, op_target: str) -> dict[str, Any]:
     from hstu_export.runtimes.predictor import load
 
     predictor = load(root, verify_checksums=False)
     batches = verification_batches(schema, ranges, settings.verify.seed, settings.verify.num_random_batches)
-    return check_parity(
-        lambda b: predictor(b),
-        lambda b: eager(_to_device(b, device)),
-        batches,
-        settings.tolerances(op_target),
-    )
+    return check_parity(predictor, reference, batches, settings.tolerances(op_target))
+
+
+def _eager_reference(eager: nn.Module, schema: InputSchema, settings: ExportSettings,
+                     functions: dict[str, Any], device: torch.device) -> Any:
+    """The user's own model on a flat request (its arguments assembled by the schema), outputs flattened
+    by name; with ``--attention-scale fixed:N``, its foreign attention run with that divisor."""
+    from hstu_export.outputs import call_model
+
+    def run(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        with fixed_attention_scale(settings.attention_scale, functions, eager), torch.no_grad():
+            return call_model(eager, schema, _to_device(batch, device))
+
+    return run
+
+
+def _check_attention_scale(settings: ExportSettings, functions: dict[str, Any]) -> None:
+    if settings.attention_scale == "batch":
+        return
+    missing = [name for name, m in functions.items() if m.fixed_scale is None and imported_functions([name])]
+    if missing:
+        raise ConfigError(
+            f"--attention-scale {settings.attention_scale}: verification runs the model's own functions with that "
+            f"scale, and {', '.join(missing)} cannot be run so; use --attention-scale batch"
+        )
 
 
 # -- adapting the pipeline's result to the backend interface ---------------------------------------
@@ -288,25 +393,30 @@ def _placeholders(gm: torch.fx.GraphModule) -> list[str]:
 
 def _compile_inputs(result: Any, example: dict[str, Tensor], schema: InputSchema, ranges: ExportRanges,
                     settings: ExportSettings) -> CompileInputs:
+    """``example`` is keyed by graph-input names."""
     from hstu_export.runtimes.graph_io import as_output_dict
 
     sparse_names, dense_names = _placeholders(result.sparse), _placeholders(result.dense)
-    boundary_names = [n for n in dense_names if n not in schema.names]
+    graph_names = set(schema.graph_names)
+    boundary_names = [n for n in dense_names if n not in graph_names]
     with torch.no_grad():
         sparse_out = as_output_dict(result.sparse(**{n: example[n] for n in sparse_names}), boundary_names)
-        dense_example = {n: (sparse_out[n] if n in sparse_out else example[n]) for n in dense_names}
+        # Standalone contiguous copies: a view (a KeyedTensor's slice) would make torch.export guard on
+        # its base tensor, which the program never gets.
+        dense_example = {n: (sparse_out[n] if n in sparse_out else example[n]).clone(memory_format=torch.contiguous_format)
+                         for n in dense_names}
         outputs = result.dense(**dense_example)
     if not isinstance(outputs, dict):
         raise ExportError("the model must return a dict of named tensors")
     fdims = feature_dims(schema, ranges)
-    jagged_by = _boundary_jagged_by(result)
+    boundary = {t.name: t for t in result.boundary.dense_inputs}
     dense_dims: dict[str, dict[int, DimSpec]] = {}
     for name in dense_names:
         if name in fdims:
             dense_dims[name] = fdims[name]
         else:
-            by = jagged_by.get(name, "")
-            dense_dims[name] = {0: total_dim(by, ranges) if by else DimSpec(BATCH_DIM, 1, max(ranges.max_batch_size, 2))}
+            dim0 = boundary_dim(boundary[name], schema, ranges)
+            dense_dims[name] = {0: dim0} if dim0 is not None else {}
     return CompileInputs(
         sparse=result.sparse, dense=result.dense,
         sparse_input_names=sparse_names, dense_input_names=dense_names, output_names=list(outputs),
@@ -316,6 +426,19 @@ def _compile_inputs(result: Any, example: dict[str, Tensor], schema: InputSchema
     )
 
 
-def _boundary_jagged_by(result: Any) -> dict[str, str]:
-    """Dense input name -> the lengths feature partitioning it ("" for per-user tensors)."""
-    return {t.name: t.jagged_by or "" for t in result.boundary.dense_inputs}
+def boundary_dim(tensor: Any, schema: InputSchema, ranges: ExportRanges) -> DimSpec | None:
+    """The dynamic dim 0 of a tensor crossing from the sparse to the dense graph (None: 0-d)."""
+    b_max = max(ranges.max_batch_size, 2)
+    if not tensor.shape:
+        return None
+    dim0 = tensor.shape[0]
+    if tensor.jagged_by:
+        return total_dim(schema.canonical_lengths(schema.get(tensor.jagged_by).name), ranges)
+    if dim0 == BATCH_DIM:
+        return DimSpec(BATCH_DIM, 1, b_max)
+    if dim0 == f"{BATCH_DIM}+1":
+        return DimSpec(BATCH_DIM, 1, b_max, offset=1)
+    if isinstance(dim0, int):
+        return None
+    top = max(int(tensor.max_dim0 or 2), 2)
+    return DimSpec(str(dim0), 1, top)

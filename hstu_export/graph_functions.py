@@ -20,14 +20,17 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch.fx.node import has_side_effect
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
-def sparse_boundary(value: Tensor, name: str, jagged_by: str = "") -> Tensor:
+def sparse_boundary(value: Tensor, name: str, jagged_by: str = "", dim0: str = "") -> Tensor:
     """Identity that marks ``value`` as a tensor crossing from the sparse to the dense part.
 
     ``name`` becomes the dense graph's input name; ``jagged_by`` names the model input holding the
     per-user lengths that partition ``value``'s first dim ("" for a dense per-user tensor [B, ...]).
+    ``dim0`` states the first dim symbolically instead (``batch``, ``batch+1``, ``<lengths>.total``,
+    ``none`` for a 0-d tensor); the automatic marking pass sets it.
     """
     return value
 
@@ -35,6 +38,55 @@ def sparse_boundary(value: Tensor, name: str, jagged_by: str = "") -> Tensor:
 def build_kjt(keys: list[str], values: list[Tensor], lengths: list[Tensor]) -> KeyedJaggedTensor:
     """KeyedJaggedTensor from per-key values and lengths (every key has one length per user)."""
     return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def build_weighted_kjt(
+    keys: list[str], values: list[Tensor], lengths: list[Tensor], weights: list[Tensor]
+) -> KeyedJaggedTensor:
+    """Like :func:`build_kjt`, with per-value weights."""
+    return KeyedJaggedTensor(
+        keys=keys, values=torch.cat(values), lengths=torch.cat(lengths), weights=torch.cat(weights)
+    )
+
+
+def int_to_tensor(value: int) -> Tensor:
+    """A Python int computed by the sparse part, carried across the boundary as a 0-d int64 tensor."""
+    return torch.tensor(value, dtype=torch.int64)
+
+
+def tensor_to_int(value: Tensor) -> int:
+    """The dense part's side of :func:`int_to_tensor`."""
+    return int(value.item())
+
+
+@torch.jit.unused
+def _check_le(value: int, bound: int) -> None:
+    # torch._check, not assert: under torch.export it becomes a runtime assertion of the program.
+    torch._check(value <= bound, lambda: f"a length of {value} is beyond the exported bound of {bound}")
+
+
+@has_side_effect
+def check_at_most(value: int, bound: int) -> int:
+    """``value``, after checking it is at most ``bound`` (the static bound a mapped foreign op pads to):
+    a runtime assertion in exported programs, so a larger value fails instead of being cut short."""
+    if torch.jit.is_scripting():
+        assert value <= bound, "a length is beyond the exported bound"
+    else:
+        _check_le(value, bound)
+    return value
+
+
+@has_side_effect
+def check_lengths_at_most(offsets: Tensor, bound: int) -> Tensor:
+    """``offsets``, after checking no sequence they delimit is longer than ``bound`` (where a foreign
+    jagged op would have cut it to ``bound`` rows and ours keeps it whole)."""
+    if offsets.numel() > 1:
+        longest = int((offsets[1:] - offsets[:-1]).max().item())
+        if torch.jit.is_scripting():
+            assert longest <= bound, "a sequence is longer than its bound"
+        else:
+            _check_le(longest, bound)
+    return offsets
 
 
 def per_user_as_jagged(value: Tensor) -> Tensor:
@@ -45,7 +97,12 @@ def per_user_as_jagged(value: Tensor) -> Tensor:
 WRAPPED_FUNCTIONS: tuple[Callable[..., object], ...] = (
     sparse_boundary,
     build_kjt,
+    build_weighted_kjt,
     per_user_as_jagged,
+    int_to_tensor,
+    tensor_to_int,
+    check_at_most,
+    check_lengths_at_most,
 )
 
 for _fn in WRAPPED_FUNCTIONS:

@@ -128,7 +128,7 @@ def _color(node: torch.fx.Node) -> str:
     target = str(node.target)
     if "sparse_boundary" in target:
         return "#f8d7da"
-    if node.op == "call_function" and target.startswith("hstu."):
+    if node.op == "call_function" and target.startswith("hstu_export."):
         return "#d1e7dd"
     return _COLORS.get(node.op, "#ffffff")
 

@@ -30,9 +30,9 @@ from torch import Tensor, nn
 from torch.fx.node import _get_qualified_name
 
 from hstu_export.boundary import DENSE, SPARSE, BoundarySchema
+from hstu_export.capture import EMBEDDING_MODULES
 from hstu_export.errors import ConfigError, HstuExportError, PassError
 from hstu_export.schema import InputSchema
-from hstu_export.tracer import EMBEDDING_MODULES
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,13 @@ class PassContext:
     dump_dir: Path | None = None
     check_each_pass: bool = False
     check_tolerance: float = 1e-5  # max relative error of a checked pass
+    # Batches at the export's maxima (graph-input names): observe_values records the largest values of
+    # data-dependent ints on them, which bound the padding of mapped foreign attention.
+    probe_inputs: list[dict[str, Tensor]] = field(default_factory=list)
+    attention_scale: str = "batch"  # "batch" (the model's own, from the batch) or "fixed:N"
+    op_mappings: dict[str, str] = field(default_factory=dict)  # extra foreign-function mappings
+    # The user's model on graph inputs -> flat named outputs (check_each_pass's eager reference).
+    reference: Any = None
     # Written while passes run.
     boundary: BoundarySchema | None = None  # set by split_sparse_dense
     current_graph: str = ""  # submodule path of the graph a pass is running on ("" = top)
@@ -362,6 +369,13 @@ def _resolve(
 
 def _reference_outputs(gm: torch.fx.GraphModule, ctx: PassContext) -> Any:
     with torch.no_grad():
+        if ctx.reference is not None:
+            return ctx.reference(ctx.example_inputs)
+        if ctx.model is not None and ctx.schema is not None:
+            from hstu_export.outputs import call_model
+
+            by_graph_name = {f.graph_name: f.name for f in ctx.schema.features}
+            return call_model(ctx.model, ctx.schema, {by_graph_name.get(k, k): v for k, v in ctx.example_inputs.items()})
         if ctx.model is not None:
             return ctx.model(ctx.example_inputs)
         return gm(**ctx.example_inputs)

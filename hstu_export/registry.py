@@ -1,12 +1,23 @@
-"""Model classes by name: the zoo plus user classes registered with ``register_model``.
+"""Where models come from: the zoo, classes registered with ``register_model``, the
+``hstu_export.models`` entry-point group, and factory import paths.
 
 A registrable model class takes one config object in its constructor, exposes it as ``.config``
 (with ``to_dict()``), has a ``config_class`` with ``from_dict()``, and an ``input_schema()`` method.
-Bundles store only the registered name, the config and tensors, so loading one runs no pickled code.
+A factory is any importable function returning an ``nn.Module``, named ``"package.module:function"``
+and called with JSON-able keyword arguments. Bundles store only a name or factory path, the config or
+keyword arguments and tensors, so loading one runs no pickled code; importing the named module runs
+that module's code, as installing and importing any dependency does.
+
+An installed package makes its models known without ``--import`` through an entry point::
+
+    [project.entry-points."hstu_export.models"]
+    my_ranker = "my_pkg.models:build_ranker"     # a factory, a registrable class, or a module
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -14,7 +25,10 @@ from torch import nn
 
 from hstu_export.errors import ModelRegistryError
 
+ENTRY_POINT_GROUP = "hstu_export.models"
+
 _MODELS: dict[str, type[nn.Module]] = {}
+_FACTORIES: dict[str, Callable[..., nn.Module]] = {}
 
 M = TypeVar("M", bound=type[nn.Module])
 
@@ -38,13 +52,16 @@ def register_model(name: str, config_class: type | None = None) -> Callable[[M],
 
 def model_class(name: str) -> type[nn.Module]:
     _ensure_zoo()
+    if name not in _MODELS and name not in _FACTORIES:
+        _load_entry_point(name)
     try:
         return _MODELS[name]
     except KeyError:
-        known = ", ".join(sorted(_MODELS)) or "none"
+        known = ", ".join(registered_models()) or "none"
         raise ModelRegistryError(
-            f"unknown model {name!r} (registered: {known}); import the module that calls "
-            "hstu_export.register_model for it first"
+            f"unknown model {name!r} (known: {known}); import the module that registers it "
+            f"(--import MODULE), install the package declaring it in the {ENTRY_POINT_GROUP!r} entry points, "
+            "or save the bundle with a factory path"
         ) from None
 
 
@@ -53,13 +70,19 @@ def registered_name(model: nn.Module) -> str:
     name = getattr(type(model), "registered_name", None)
     if name is None or _MODELS.get(name) is not type(model):
         raise ModelRegistryError(
-            f"{type(model).__qualname__} is not a registered model; decorate it with "
+            f"{type(model).__qualname__} is not a registered model; save it with a factory "
+            "(save_bundle(model, path, factory='my_pkg.models:build', ...)) or decorate it with "
             "@hstu_export.register_model(name, ConfigClass)"
         )
     return name
 
 
 def build_model(name: str, config: Any) -> nn.Module:
+    _ensure_zoo()
+    if name not in _MODELS and name not in _FACTORIES:
+        _load_entry_point(name)
+    if name in _FACTORIES:
+        return call_factory(_FACTORIES[name], config if isinstance(config, dict) else {}, name)
     cls = model_class(name)
     if isinstance(config, dict):
         config = cls.config_class.from_dict(config)  # type: ignore[attr-defined]
@@ -68,8 +91,100 @@ def build_model(name: str, config: Any) -> nn.Module:
 
 def registered_models() -> list[str]:
     _ensure_zoo()
-    return sorted(_MODELS)
+    return sorted({*_MODELS, *_FACTORIES, *_entry_point_names()})
+
+
+# -- factories -----------------------------------------------------------------------------------
+
+def factory_path(factory: str | Callable[..., Any]) -> str:
+    """``"package.module:function"`` of a factory given as a callable or a path (checked importable)."""
+    if callable(factory):
+        module, qualname = getattr(factory, "__module__", None), getattr(factory, "__qualname__", "")
+        if not module or module == "__main__" or "<" in qualname:
+            raise ModelRegistryError(
+                f"factory {qualname or factory!r} is not importable by name (defined in __main__, a lambda or "
+                "a nested function); put it in a module and pass it or 'package.module:function'"
+            )
+        path = f"{module}:{qualname}"
+    else:
+        path = str(factory)
+    resolve_factory(path)
+    return path
+
+
+def resolve_factory(path: str) -> Callable[..., nn.Module]:
+    """The function named by ``"package.module:function"`` (the module is imported)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ModelRegistryError(f"factory {path!r} must be written 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or whatever the module raises while importing
+        raise ModelRegistryError(
+            f"cannot import {module_name!r} for factory {path!r} ({type(exc).__name__}: {exc}); install it or "
+            "put it on PYTHONPATH"
+        ) from None
+    value: Any = module
+    for part in attr.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            raise ModelRegistryError(f"factory {path!r}: module {module_name} has no {attr!r}")
+    if not callable(value):
+        raise ModelRegistryError(f"factory {path!r} is not callable")
+    return value  # type: ignore[no-any-return]
+
+
+def call_factory(fn: Callable[..., Any], kwargs: dict[str, Any], what: str) -> nn.Module:
+    try:
+        model = fn(**kwargs)
+    except TypeError as exc:
+        raise ModelRegistryError(f"factory {what} does not take these arguments ({exc})") from None
+    if not isinstance(model, nn.Module):
+        raise ModelRegistryError(f"factory {what} returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+# -- entry points --------------------------------------------------------------------------------
+
+def _entry_points() -> list[Any]:
+    from importlib import metadata
+
+    try:
+        return list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    except Exception:  # a broken distribution's metadata must not break the zoo
+        return []
+
+
+def _entry_point_names() -> list[str]:
+    return [ep.name for ep in _entry_points()]
+
+
+def _load_entry_point(name: str) -> None:
+    for ep in _entry_points():
+        if ep.name != name:
+            continue
+        try:
+            value = ep.load()
+        except Exception as exc:
+            raise ModelRegistryError(
+                f"entry point {name!r} ({ep.value}) of group {ENTRY_POINT_GROUP!r} failed to load: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+        if inspect.isclass(value) and issubclass(value, nn.Module):
+            if name not in _MODELS:
+                register_model(name)(value)
+        elif callable(value) and not inspect.ismodule(value):
+            _FACTORIES[name] = value
+        return
+
+
+# The zoo, by name; imported on first use (importing torchrec takes seconds).
+ZOO: dict[str, str] = {"hstu_ranking": "hstu_export.models.ranking:HstuRankingModel"}
 
 
 def _ensure_zoo() -> None:
-    import hstu_export.models  # noqa: F401  (registers the zoo)
+    for name, path in ZOO.items():
+        if name not in _MODELS:
+            module_name, _, attr = path.partition(":")
+            cls = getattr(importlib.import_module(module_name), attr)
+            register_model(name)(cls)

@@ -1,25 +1,60 @@
-"""Input schema: the named tensors a model (and an exported package) takes.
+"""Input schema: the named tensors a model (and an exported package) takes, and how they become the
+model's own arguments.
 
-A feature is one of
-- ``lengths``: per-user counts ``[B]`` (int64), each in [min_value, max_value];
-- ``jagged``: values ``[sum(lengths)]`` partitioned by the ``jagged_by`` lengths feature;
-- ``per_user``: one value per user ``[B]``.
-The same schema drives the batch generator, the package manifest and request validation.
+A serving request is always a flat dict of named tensors. A feature is one of
+- ``lengths``: per-user counts ``[B]``, each in [min_value, max_value]; ``same_as`` names another
+  lengths feature it must equal (keys of one KeyedJaggedTensor that share their lengths);
+- ``jagged``: values ``[sum(lengths), *trailing]`` partitioned by the ``jagged_by`` lengths feature;
+- ``per_user``: one value (or one row of ``trailing`` shape) per user ``[B, *trailing]``.
+
+The ``arguments`` say how the flat tensors are assembled into the model's ``forward`` arguments:
+- no arguments (the zoo's form): ``forward(features)`` takes the flat dict itself;
+- ``kjt``: a torchrec KeyedJaggedTensor; key ``k`` of argument ``a`` comes from ``a.k.values`` and
+  ``a.k.lengths`` (and ``a.k.weights`` for a weighted KJT);
+- ``dict``: a dict of tensors; key ``k`` of argument ``a`` is the feature ``a.k``;
+- ``tensor``: one tensor, the feature named as the argument.
+The same schema drives batch generation, request validation, the manifest and verification (which
+calls the user's model with arguments assembled here).
+
+Graph inputs must be Python identifiers, request names need not be: ``graph_name`` maps one to the
+other (``uih_features.item_id.values`` → ``uih_features__item_id__values``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from hstu_export.errors import RequestError
+from hstu_export.errors import ConfigError, RequestError
 
 KINDS = ("lengths", "jagged", "per_user")
+ARGUMENT_KINDS = ("kjt", "dict", "tensor")
 DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32,
-          "bfloat16": torch.bfloat16, "float16": torch.float16}
+          "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64, "bool": torch.bool}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name} is not supported in a request; use one of {', '.join(DTYPES)}")
+    return name
+
+
+def graph_name(name: str) -> str:
+    """The graph-input (Python identifier) spelling of a request feature name."""
+    out = re.sub(r"\W", "_", name.replace(".", "__"))
+    return out if out[:1].isalpha() or out[:1] == "_" else f"f_{out}"
+
+
+def kjt_feature_names(argument: str, key: str, weighted: bool = False) -> tuple[str, ...]:
+    """(values, lengths[, weights]) request names of one key of a KeyedJaggedTensor argument."""
+    names = (f"{argument}.{key}.values", f"{argument}.{key}.lengths")
+    return (*names, f"{argument}.{key}.weights") if weighted else names
 
 
 @dataclass(frozen=True)
@@ -33,35 +68,163 @@ class FeatureSpec:
     # "timestamp": jagged values increase within a user; a per-user timestamp comes after them.
     # "history_length" / "candidate_count": lengths bounded by --max-seq-len / --max-candidates.
     semantic: str = ""
+    same_as: str | None = None  # lengths only: equal to this lengths feature in every request
+    trailing: tuple[int, ...] = ()  # static dims after the batch or jagged dim
+    # Where generated values are drawn when no min/max limits them (seen in an example; not a limit).
+    sample_range: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"feature {self.name!r}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"feature {self.name!r}: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.kind == "jagged" and not self.jagged_by:
+            raise ConfigError(f"feature {self.name!r} is jagged but names no lengths feature (jagged_by)")
+        object.__setattr__(self, "trailing", tuple(int(d) for d in self.trailing))
+        if self.sample_range is not None:
+            object.__setattr__(self, "sample_range", (int(self.sample_range[0]), int(self.sample_range[1])))
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    @property
+    def graph_name(self) -> str:
+        return graph_name(self.name)
+
+
+@dataclass(frozen=True)
+class ArgumentSpec:
+    """One argument of the model's ``forward`` (see the module docstring)."""
+
+    name: str
+    kind: str
+    keys: tuple[str, ...] = ()
+    weighted: bool = False
+    optional_absent: bool = False  # a forward parameter left at its default (None): nothing to assemble
+
+    def __post_init__(self) -> None:
+        if self.kind not in ARGUMENT_KINDS:
+            raise ConfigError(f"argument {self.name!r}: kind {self.kind!r} is not one of {', '.join(ARGUMENT_KINDS)}")
+        object.__setattr__(self, "keys", tuple(self.keys))
+
+    def feature_names(self) -> list[str]:
+        if self.kind == "kjt":
+            return [n for key in self.keys for n in kjt_feature_names(self.name, key, self.weighted)]
+        if self.kind == "dict":
+            return [f"{self.name}.{key}" for key in self.keys]
+        return [self.name]
+
 
 @dataclass(frozen=True)
 class InputSchema:
     features: tuple[FeatureSpec, ...]
+    arguments: tuple[ArgumentSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "features", tuple(self.features))
+        object.__setattr__(self, "arguments", tuple(self.arguments))
+        names = [f.name for f in self.features]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"input schema names feature(s) {dup} twice")
+        graph = [graph_name(n) for n in names]
+        clash = sorted({n for n, g in zip(names, graph) if graph.count(g) > 1})
+        if clash:
+            raise ConfigError(f"feature names {clash} map to the same graph input name; rename one of them")
+        for f in self.features:
+            for ref in (f.jagged_by, f.same_as):
+                if ref and (ref not in names or self.get(ref).kind != "lengths"):
+                    raise ConfigError(f"feature {f.name!r} refers to {ref!r}, which is not a lengths feature")
+        for arg in self.arguments:
+            missing = [n for n in arg.feature_names() if n not in names] if not arg.optional_absent else []
+            if missing:
+                raise ConfigError(f"argument {arg.name!r} needs feature(s) {missing}, which the schema lacks")
 
     @property
     def names(self) -> list[str]:
         return [f.name for f in self.features]
 
+    @property
+    def graph_names(self) -> list[str]:
+        return [f.graph_name for f in self.features]
+
     def get(self, name: str) -> FeatureSpec:
         for f in self.features:
-            if f.name == name:
+            if f.name == name or f.graph_name == name:
                 return f
         raise KeyError(name)
 
     def lengths_features(self) -> list[FeatureSpec]:
         return [f for f in self.features if f.kind == "lengths"]
 
-    def to_json(self) -> list[dict[str, Any]]:
-        return [asdict(f) for f in self.features]
+    def canonical_lengths(self, name: str) -> str:
+        """The lengths feature that ``name`` (a lengths feature) must equal: itself unless ``same_as``."""
+        seen = set()
+        while True:
+            spec = self.get(name)
+            if not spec.same_as or spec.same_as in seen:
+                return spec.name
+            seen.add(spec.name)
+            name = spec.same_as
+
+    # -- serialisation ---------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "features": [_feature_json(f) for f in self.features],
+            "arguments": [asdict(a) | {"keys": list(a.keys)} for a in self.arguments],
+        }
 
     @classmethod
-    def from_json(cls, data: list[dict[str, Any]]) -> InputSchema:
-        return cls(tuple(FeatureSpec(**d) for d in data))
+    def from_json(cls, data: Any) -> InputSchema:
+        """Reads ``to_json()`` output (or the plain feature list older packages and bundles hold)."""
+        try:
+            if isinstance(data, list):
+                data = {"features": data, "arguments": []}
+            features = tuple(
+                FeatureSpec(**{**f, "trailing": tuple(f.get("trailing", ())),
+                               "sample_range": tuple(f["sample_range"]) if f.get("sample_range") else None})
+                for f in data["features"]
+            )
+            arguments = tuple(ArgumentSpec(**{**a, "keys": tuple(a.get("keys", ()))}) for a in data.get("arguments", []))
+        except (TypeError, KeyError, AttributeError) as exc:
+            raise ConfigError(f"malformed input schema: {type(exc).__name__}: {exc}") from None
+        return cls(features, arguments)
+
+    def with_ranges(self, ranges: dict[str, tuple[int | None, int | None]]) -> InputSchema:
+        """A copy whose lengths features get (min, max) from ``ranges``, keyed by any name
+        :meth:`resolve_lengths` accepts."""
+        chosen: dict[str, tuple[int | None, int | None]] = {}
+        for key, value in ranges.items():
+            for name in self.resolve_lengths(key):
+                chosen[name] = value
+        features = tuple(
+            dataclasses.replace(
+                f,
+                min_value=chosen[f.name][0] if chosen[f.name][0] is not None else f.min_value,
+                max_value=chosen[f.name][1] if chosen[f.name][1] is not None else f.max_value,
+            ) if f.name in chosen else f
+            for f in self.features
+        )  # fmt: skip
+        return InputSchema(features, self.arguments)
+
+    def resolve_lengths(self, key: str) -> list[str]:
+        """Lengths features named by ``key``: a lengths feature itself, a KJT key ``arg.key``, a
+        feature partitioned by lengths, or a whole argument ``arg`` (all its lengths)."""
+        names = self.names
+        if key in names or key in self.graph_names:
+            spec = self.get(key)
+            return [spec.name] if spec.kind == "lengths" else [spec.jagged_by] if spec.jagged_by else []
+        if f"{key}.lengths" in names:
+            return [f"{key}.lengths"]
+        found = [f.name for f in self.lengths_features() if f.name.startswith(f"{key}.")]
+        if not found:
+            known = ", ".join(f.name for f in self.lengths_features()) or "none"
+            raise ConfigError(f"{key!r} names no lengths feature of this model (lengths features: {known})")
+        return found
+
+    # -- requests ---------------------------------------------------------------------------------
 
     def validate(self, batch: dict[str, Tensor], max_batch_size: int | None = None) -> int:
         """Checks a request; returns its batch size. Raises RequestError naming the first problem."""
@@ -80,28 +243,80 @@ class InputSchema:
                 raise RequestError(f"feature {f.name!r} must be a tensor, got {type(t).__name__}")
             if t.dtype != f.torch_dtype:
                 raise RequestError(f"feature {f.name!r} has dtype {t.dtype}, expected {f.torch_dtype}")
-            if t.dim() != 1:
-                raise RequestError(f"feature {f.name!r} must be 1-D, got shape {tuple(t.shape)}")
+            if t.dim() != 1 + len(f.trailing) or tuple(t.shape[1:]) != f.trailing:
+                expected = "[n" + "".join(f", {d}" for d in f.trailing) + "]"
+                raise RequestError(f"feature {f.name!r} must have shape {expected}, got {list(t.shape)}")
             if f.kind in ("lengths", "per_user"):
                 if batch_size is None:
-                    batch_size = t.numel()
-                elif t.numel() != batch_size:
+                    batch_size = t.size(0)
+                elif t.size(0) != batch_size:
                     raise RequestError(
-                        f"feature {f.name!r} has {t.numel()} entries but the batch has {batch_size} users")
-            if t.numel() and f.min_value is not None and int(t.min()) < f.min_value:
-                raise RequestError(f"feature {f.name!r} has value {int(t.min())} below the minimum {f.min_value}")
-            if t.numel() and f.max_value is not None and int(t.max()) > f.max_value:
+                        f"feature {f.name!r} has {t.size(0)} entries but the batch has {batch_size} users")
+            if t.numel() and f.min_value is not None and _min(t) < f.min_value:
+                raise RequestError(f"feature {f.name!r} has value {_min(t)} below the minimum {f.min_value}")
+            if t.numel() and f.max_value is not None and _max(t) > f.max_value:
                 what = "length" if f.kind == "lengths" else "value"
                 raise RequestError(
-                    f"feature {f.name!r} has {what} {int(t.max())} beyond the exported maximum {f.max_value}")
+                    f"feature {f.name!r} has {what} {_max(t)} beyond the exported maximum {f.max_value}")
         if batch_size is None or batch_size < 1:
             raise RequestError("request has no users (batch size 0)")
         if max_batch_size is not None and batch_size > max_batch_size:
             raise RequestError(f"batch size {batch_size} is beyond the exported maximum {max_batch_size}")
         for f in self.features:
+            if f.kind == "lengths" and f.same_as and not torch.equal(batch[f.name], batch[f.same_as]):
+                raise RequestError(f"feature {f.name!r} must equal {f.same_as!r} (the model reads them as one length)")
             if f.kind == "jagged":
                 total = int(batch[f.jagged_by].sum())  # type: ignore[index]
-                if batch[f.name].numel() != total:
+                if batch[f.name].size(0) != total:
                     raise RequestError(
-                        f"feature {f.name!r} has {batch[f.name].numel()} values but {f.jagged_by!r} sums to {total}")
+                        f"feature {f.name!r} has {batch[f.name].size(0)} values but {f.jagged_by!r} sums to {total}")
         return batch_size
+
+    def to_graph_inputs(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The request keyed by graph-input names, in schema order."""
+        return {f.graph_name: batch[f.name] for f in self.features}
+
+    def assemble(self, batch: dict[str, Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """(args, kwargs) for the model's ``forward`` from a flat request (see the module docstring)."""
+        if not self.arguments:
+            return (dict(batch),), {}
+        kwargs: dict[str, Any] = {}
+        for arg in self.arguments:
+            if arg.optional_absent:
+                continue
+            if arg.kind == "kjt":
+                kwargs[arg.name] = _build_kjt(arg, batch)
+            elif arg.kind == "dict":
+                kwargs[arg.name] = {key: batch[f"{arg.name}.{key}"] for key in arg.keys}
+            else:
+                kwargs[arg.name] = batch[arg.name]
+        return (), kwargs
+
+
+def _build_kjt(arg: ArgumentSpec, batch: dict[str, Tensor]) -> Any:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    names = [kjt_feature_names(arg.name, key, arg.weighted) for key in arg.keys]
+    return KeyedJaggedTensor(
+        keys=list(arg.keys),
+        values=torch.cat([batch[n[0]] for n in names]),
+        lengths=torch.cat([batch[n[1]] for n in names]),
+        weights=torch.cat([batch[n[2]] for n in names]) if arg.weighted else None,
+    )
+
+
+def _feature_json(f: FeatureSpec) -> dict[str, Any]:
+    data = asdict(f)
+    data["trailing"] = list(f.trailing)
+    data["sample_range"] = list(f.sample_range) if f.sample_range else None
+    return data
+
+
+def _min(t: Tensor) -> int | float:
+    value = t.min().item()
+    return int(value) if not t.dtype.is_floating_point else value
+
+
+def _max(t: Tensor) -> int | float:
+    value = t.max().item()
+    return int(value) if not t.dtype.is_floating_point else value

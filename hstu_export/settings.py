@@ -27,6 +27,7 @@ DEFAULT_TOLERANCES = {
 }
 # fp32 through our Triton kernels on CUDA: their dot products run in TF32 (10-bit mantissa inputs).
 TF32_TOLERANCES = {"rel_l2": 2e-4, "max_abs": 5e-4}
+MAX_BATCH_SIZE = 65_536
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
@@ -60,6 +61,42 @@ class VerifySettings:
     num_random_batches: int = 4
     seed: int = 1234
     tolerances: dict[str, float] | None = None  # None: DEFAULT_TOLERANCES for the dtype
+    rtol: float | None = None  # overrides the relative L2 tolerance
+    atol: float | None = None  # overrides the max absolute tolerance
+
+    def __post_init__(self) -> None:
+        for name in ("rtol", "atol"):
+            value = getattr(self, name)
+            if value is not None and not (value >= 0 and value == value and value != float("inf")):
+                raise ConfigError(f"--{name} must be a finite number >= 0, got {value}")
+
+
+def parse_attention_scale(text: str) -> str:
+    """``batch`` (divide by the max length the model computes from the batch, as the model does) or
+    ``fixed:N`` (divide by N, the same for every request)."""
+    text = str(text).strip()
+    if text == "batch":
+        return text
+    kind, _, value = text.partition(":")
+    if kind == "fixed" and value.isdigit() and int(value) > 0:
+        return f"fixed:{int(value)}"
+    raise ConfigError(f"--attention-scale {text!r}: use 'batch' or 'fixed:N' with N a positive integer")
+
+
+def parse_length_range(text: str) -> tuple[str, tuple[int | None, int]]:
+    """``NAME=MAX`` or ``NAME=MIN:MAX`` (``--max-length``) -> (NAME, (MIN or None, MAX))."""
+    name, sep, value = str(text).partition("=")
+    lo_text, colon, hi_text = value.partition(":")
+    if not colon:
+        lo_text, hi_text = "", lo_text
+    try:
+        lo = int(lo_text) if lo_text.strip() else None
+        hi = int(hi_text)
+    except ValueError:
+        lo = hi = None  # type: ignore[assignment]
+    if not sep or not name.strip() or hi is None or hi < 1 or (lo is not None and not 0 <= lo <= hi):
+        raise ConfigError(f"--max-length {text!r}: use NAME=MAX or NAME=MIN:MAX with 0 <= MIN <= MAX, MAX >= 1")
+    return name.strip(), (lo, hi)
 
 
 @dataclass
@@ -79,6 +116,11 @@ class ExportSettings:
     passes: tuple[str, ...] | None = None
     skip_passes: tuple[str, ...] = ()
     leaf_modules: tuple[str, ...] = ()
+    opaque_functions: tuple[str, ...] = ()  # functions to record as single calls while tracing
+    lengths: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)  # --max-length
+    attention_scale: str = "batch"  # "batch" or "fixed:N" for mapped foreign attention
+    op_mappings: dict[str, str] = field(default_factory=dict)  # --map-function NAME=RULE
+    imports: tuple[str, ...] = ()  # modules imported before the bundle is read (--import)
     check_each_pass: bool = False
     dump_dir: Path | None = None
     verify: VerifySettings = field(default_factory=VerifySettings)
@@ -100,6 +142,10 @@ class ExportSettings:
                 raise ConfigError(f"unknown op target {self.op_target!r}; use triton, aten (alias rtp) or fbgemm")
         if self.dump_dir is not None:
             self.dump_dir = Path(self.dump_dir)
+        self.attention_scale = parse_attention_scale(self.attention_scale)
+        if self.max_batch_size > MAX_BATCH_SIZE:
+            raise ConfigError(f"--max-batch-size {self.max_batch_size} is beyond {MAX_BATCH_SIZE:,}; "
+                              "serving batches are split long before that")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -111,10 +157,16 @@ class ExportSettings:
 
     def tolerances(self, op_target: str | None = None) -> dict[str, float]:
         if self.verify.tolerances:
-            return self.verify.tolerances
-        if self.dtype == "float32" and op_target == "triton" and self.torch_device.type == "cuda":
-            return TF32_TOLERANCES
-        return DEFAULT_TOLERANCES[self.dtype]
+            base = dict(self.verify.tolerances)
+        elif self.dtype == "float32" and op_target == "triton" and self.torch_device.type == "cuda":
+            base = dict(TF32_TOLERANCES)
+        else:
+            base = dict(DEFAULT_TOLERANCES[self.dtype])
+        if self.verify.rtol is not None:
+            base["rel_l2"] = self.verify.rtol
+        if self.verify.atol is not None:
+            base["max_abs"] = self.verify.atol
+        return base
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.batch import generate_batch
+from hstu_export.errors import VerificationError
 from hstu_export.schema import FeatureSpec, InputSchema
 
 
@@ -38,7 +39,7 @@ def exported_schema(schema: InputSchema, ranges: ExportRanges) -> InputSchema:
         if f.kind == "lengths" else f
         for f in schema.features
     )
-    return InputSchema(features)
+    return InputSchema(features, schema.arguments)
 
 
 def _lengths(spec: FeatureSpec, ranges: ExportRanges, values: list[int]) -> list[int]:
@@ -107,9 +108,17 @@ def check_parity(
     for label, batch in batches:
         if on_batch:
             on_batch(label)
-        errors = compare_outputs(run_exported(batch), run_eager(batch))
+        exported, eager = run_exported(batch), run_eager(batch)
+        missing = sorted(set(eager) - set(exported))
+        if missing:
+            raise VerificationError(
+                f"on {label} the package returns {sorted(exported)} but the model returns {sorted(eager)} "
+                f"({missing} missing)"
+            )
+        errors = compare_outputs(exported, eager)
         ok = all(e["rel_l2"] <= tolerances["rel_l2"] and e["max_abs"] <= tolerances["max_abs"] for e in errors.values())
-        rows.append({"batch": label, "batch_size": _batch_size(batch), "errors": errors, "passed": ok})
+        rows.append({"batch": label, "batch_size": _batch_size(batch), "sizes": _sizes(batch),
+                     "errors": errors, "passed": ok})
     worst = {
         key: max((e[key] for row in rows for e in row["errors"].values()), default=0.0) for key in ("rel_l2", "max_abs")
     }
@@ -117,7 +126,26 @@ def check_parity(
 
 
 def _batch_size(batch: dict[str, Tensor]) -> int:
-    return min(t.numel() for t in batch.values())
+    return min(t.size(0) for t in batch.values() if t.dim())
+
+
+def _sizes(batch: dict[str, Tensor]) -> dict[str, int]:
+    """Rows of every feature of a batch (for a mismatch report: which sizes failed)."""
+    return {name: int(t.size(0)) for name, t in batch.items() if t.dim()}
+
+
+def mismatch_summary(parity: dict[str, Any]) -> str:
+    """One line naming the first failing batch, its sizes and its worst output."""
+    failed = [r for r in parity["batches"] if not r["passed"]]
+    if not failed:
+        return "no mismatch"
+    row = failed[0]
+    tol = parity["tolerances"]
+    name, err = max(row["errors"].items(), key=lambda kv: kv[1]["rel_l2"] / max(tol["rel_l2"], 1e-30))
+    sizes = ", ".join(f"{k}={v}" for k, v in list(row.get("sizes", {}).items())[:6])
+    return (f"output {name!r} on {row['batch']} (B={row['batch_size']}; {sizes}): rel. L2 {err['rel_l2']:.3g}, "
+            f"max abs {err['max_abs']:.3g} (tolerances rel. L2 {tol['rel_l2']:g}, max abs {tol['max_abs']:g}); "
+            f"{len(failed)} of {len(parity['batches'])} batches failed")
 
 
 # -- checking and timing an existing package (``hstu-export verify`` / ``bench``) ---------------------
@@ -127,6 +155,7 @@ def _eager_for_package(predictor: Any, model_path: str | None, allow_pickle: boo
 
     from hstu_export.bundle import load_bundle
     from hstu_export.errors import ConfigError
+    from hstu_export.outputs import call_model
     from hstu_export.settings import TORCH_DTYPES
 
     if model_path is not None and not Path(model_path).exists():
@@ -139,7 +168,8 @@ def _eager_for_package(predictor: Any, model_path: str | None, allow_pickle: boo
         )
     bundle = load_bundle(path, allow_pickle=allow_pickle)
     dtype = TORCH_DTYPES[predictor.manifest["dtype"]]
-    return bundle, bundle.model.to(device=predictor.device, dtype=dtype).eval()
+    model = bundle.model.to(device=predictor.device, dtype=dtype).eval()
+    return bundle, lambda batch: call_model(model, bundle.input_schema, batch)
 
 
 def _manifest_ranges(manifest: dict[str, Any]) -> ExportRanges:
@@ -148,15 +178,24 @@ def _manifest_ranges(manifest: dict[str, Any]) -> ExportRanges:
 
 
 def verify_package(package: Any, model_path: str | None, *, num_random: int = 4, seed: int = 7,
-                   allow_pickle: bool = False) -> dict[str, Any]:
-    """Parity of an existing package against its eager model on fresh batches."""
+                   allow_pickle: bool = False, rtol: float | None = None, atol: float | None = None,
+                   imports: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Parity of an existing package against its eager model on fresh batches. The tolerances are the
+    export's, unless ``rtol`` (relative L2) or ``atol`` (max absolute) are given."""
+    from hstu_export.bundle import import_modules
     from hstu_export.runtimes.predictor import load
     from hstu_export.settings import DEFAULT_TOLERANCES
 
+    import_modules(imports)
     predictor = load(package)
     _, eager = _eager_for_package(predictor, model_path, allow_pickle)
     batches = verification_batches(predictor.input_schema, _manifest_ranges(predictor.manifest), seed, num_random)
-    tolerances = predictor.manifest.get("parity", {}).get("tolerances") or DEFAULT_TOLERANCES[predictor.manifest["dtype"]]
+    tolerances = dict(predictor.manifest.get("parity", {}).get("tolerances")
+                      or DEFAULT_TOLERANCES[predictor.manifest["dtype"]])
+    if rtol is not None:
+        tolerances["rel_l2"] = rtol
+    if atol is not None:
+        tolerances["max_abs"] = atol
     with torch.no_grad():
         return check_parity(
             predictor, lambda b: eager({k: v.to(predictor.device) for k, v in b.items()}), batches, tolerances

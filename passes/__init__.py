@@ -26,6 +26,8 @@ class PassSpec:
 # The default pipeline, in run order.
 PASSES: tuple[PassSpec, ...] = (
     PassSpec("prune_unused", "prune_unused:PruneUnused"),
+    PassSpec("observe_values", "observe_values:ObserveValues"),
+    PassSpec("mark_sparse_dense", "mark_sparse_dense:MarkSparseDense"),
     PassSpec("split_sparse_dense", "split_sparse_dense:SplitSparseDense"),
     PassSpec("remove_boundary_marks", "remove_boundary_marks:RemoveBoundaryMarks"),
     # Operator mapping (reads ctx.op_target and ctx.allow_unmapped); runs on both halves after the split.

@@ -1,10 +1,17 @@
 """map_ops: retarget operators to ``triton`` (CUDA), ``aten`` (portable; alias ``rtp``) or ``fbgemm``.
 
-Reads ``ctx.op_target`` and ``ctx.allow_unmapped``; the table is ``hstu_export.ops.mappings.MAPPINGS``.
-An ``op:`` replacement swaps the node's target; an ``fn:`` replacement is traced into the graph in the
-node's place, so the result holds plain torch ops that torch.export, ONNX and TorchScript all read.
-Ops from a custom namespace with no entry for the target fail the pass with their list, unless
-``allow_unmapped`` keeps them (the export then records their libraries as needed at load time).
+Reads ``ctx.op_target``, ``ctx.allow_unmapped``, ``ctx.attention_scale`` and ``ctx.op_mappings``; the
+tables are in ``hstu_export/ops/mappings``. Two steps:
+
+1. Foreign functions (generative-recommenders', TorchEasyRec's, or a user's declared one), kept as
+   single calls by the tracer, are rewritten into our ops with their arguments bound by name. A call
+   our ops cannot express exactly (say, an arbitrary attention mask) is kept as it is, with the reason
+   in the report.
+2. Ops: an ``op:`` replacement swaps the node's target; an ``fn:`` replacement is traced into the
+   graph in the node's place, so the result holds plain torch ops that torch.export, ONNX and
+   TorchScript all read. Ops from a custom namespace with no entry for the target fail the pass with
+   their list, unless ``allow_unmapped`` keeps them (the export then records their libraries as needed
+   at load time).
 """
 
 from __future__ import annotations
@@ -19,7 +26,16 @@ import torch.fx
 from torch.fx.node import map_aggregate
 
 from hstu_export.errors import ConfigError, UnmappedOpsError
-from hstu_export.ops.mappings import MAPPINGS, op_key
+from hstu_export.ops.mappings import (
+    MAPPINGS,
+    FunctionMapping,
+    MappingCall,
+    Unmappable,
+    bind_call,
+    function_key,
+    function_mappings,
+    op_key,
+)
 
 if TYPE_CHECKING:
     from hstu_export.pipeline import PassContext
@@ -48,6 +64,17 @@ class MapOps:
         target = TARGET_ALIASES.get(ctx.op_target, ctx.op_target)
         if target not in TARGETS:
             raise ConfigError(f"unknown op target {ctx.op_target!r}; use triton, aten (alias rtp) or fbgemm")
+        functions = function_mappings(ctx.op_mappings)
+        foreign: Counter[str] = Counter()
+        kept_foreign: dict[str, str] = {}
+        for node in list(gm.graph.nodes):
+            key = function_key(node.target) if node.op == "call_function" else None
+            if key in functions:
+                reason = self._rewrite_function(gm, node, key, functions[key], ctx)  # type: ignore[arg-type]
+                if reason is None:
+                    foreign[f"{key} ({functions[key].library})"] += 1  # type: ignore[index]
+                else:
+                    kept_foreign[key] = reason  # type: ignore[index]
         mapped: Counter[str] = Counter()
         kept: Counter[str] = Counter()
         unmapped: Counter[str] = Counter()
@@ -68,14 +95,39 @@ class MapOps:
         if unmapped and not ctx.allow_unmapped:
             listing = ", ".join(f"{k} (x{n})" for k, n in sorted(unmapped.items()))
             raise UnmappedOpsError(
-                f"no {target} mapping for: {listing}; add entries to hstu_export/ops/mappings.py, pick another "
+                f"no {target} mapping for: {listing}; add entries to hstu_export/ops/mappings/, pick another "
                 "--op-target, or pass --allow-unmapped to keep them (their library must then be loaded at serve time)"
             )
         ctx.add_stat("target", target)
+        if foreign:
+            ctx.add_stat("foreign", dict(foreign))
+        if kept_foreign:
+            ctx.add_stat("foreign_kept", kept_foreign)
         ctx.add_stat("mapped", dict(mapped))
         ctx.add_stat("kept", dict(kept | unmapped))
         gm.graph.eliminate_dead_code()
         return gm
+
+    def _rewrite_function(self, gm: torch.fx.GraphModule, node: torch.fx.Node, key: str, mapping: FunctionMapping,
+                          ctx: PassContext) -> str | None:
+        """Rewrites one foreign call into our ops; returns None, or why the call is kept as it is."""
+        fn = getattr(node.target, "__hstu_export_opaque__", node.target)
+        arguments = bind_call(fn, mapping, node.args, dict(node.kwargs))
+        tracer = torch.fx.proxy.GraphAppendingTracer(gm.graph)
+        proxied = map_aggregate(arguments, lambda a: torch.fx.Proxy(a, tracer) if isinstance(a, torch.fx.Node) else a)
+        before = set(gm.graph.nodes)
+        with gm.graph.inserting_before(node):
+            try:
+                result = mapping.rewrite(MappingCall(key, proxied, ctx.attention_scale))
+            except Unmappable as exc:
+                for new in reversed([n for n in gm.graph.nodes if n not in before]):
+                    gm.graph.erase_node(new)
+                return str(exc)
+            except Exception as exc:
+                raise UnmappedOpsError(f"mapping {key} failed while tracing its rewrite: {type(exc).__name__}: {exc}") from exc
+        _replace_uses(node, result)
+        gm.graph.erase_node(node)
+        return None
 
     def _replace(self, gm: torch.fx.GraphModule, node: torch.fx.Node, spec: str, key: str) -> None:
         replacement = resolve(spec)

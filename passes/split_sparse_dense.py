@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from hstu_export.boundary import BATCH_DIM, DENSE, SPARSE, BoundarySchema, BoundaryTensor, jagged_total_dim
+from hstu_export.capture import module_matches
 from hstu_export.errors import PassError
 from hstu_export.graph_functions import sparse_boundary
-from hstu_export.tracer import module_matches
 
 if TYPE_CHECKING:
     from hstu_export.pipeline import PassContext
@@ -104,18 +104,19 @@ class SplitSparseDense:
         return split
 
 
-def _mark_args(node: torch.fx.Node) -> tuple[torch.fx.Node, str, str]:
-    values = dict(zip(("value", "name", "jagged_by"), node.args))
+def _mark_args(node: torch.fx.Node) -> tuple[torch.fx.Node, str, str, str]:
+    values = dict(zip(("value", "name", "jagged_by", "dim0"), node.args))
     values.update(node.kwargs)
-    name, jagged_by = values.get("name"), values.get("jagged_by", "")
-    if not isinstance(name, str) or not isinstance(jagged_by, str) or not isinstance(values.get("value"), torch.fx.Node):
+    name, jagged_by, dim0 = values.get("name"), values.get("jagged_by", ""), values.get("dim0", "")
+    if (not isinstance(name, str) or not isinstance(jagged_by, str) or not isinstance(dim0, str)
+            or not isinstance(values.get("value"), torch.fx.Node)):
         raise PassError(f"{NAME}: sparse_boundary mark {node.name!r} needs a tensor and constant string name/jagged_by")
-    return values["value"], name, jagged_by  # type: ignore[return-value]
+    return values["value"], name, jagged_by, dim0  # type: ignore[return-value]
 
 
-def _check_mark_names(mark_info: dict[torch.fx.Node, tuple[Any, str, str]], input_names: list[str]) -> None:
+def _check_mark_names(mark_info: dict[torch.fx.Node, tuple[Any, str, str, str]], input_names: list[str]) -> None:
     seen: dict[str, torch.fx.Node] = {}
-    for mark, (_, name, jagged_by) in mark_info.items():
+    for mark, (_, name, jagged_by, _dim0) in mark_info.items():
         if not name.isidentifier():
             raise PassError(f"{NAME}: sparse_boundary name {name!r} is not a Python identifier")
         if name in input_names:
@@ -182,7 +183,7 @@ def _boundary_schema(
     sparse_gm: torch.fx.GraphModule,
     dense_gm: torch.fx.GraphModule,
     marks: list[torch.fx.Node],
-    mark_info: dict[torch.fx.Node, tuple[Any, str, str]],
+    mark_info: dict[torch.fx.Node, tuple[Any, str, str, str]],
     sparse_in: list[torch.fx.Node],
     dense_in: list[torch.fx.Node],
     ctx: PassContext,
@@ -197,20 +198,35 @@ def _boundary_schema(
 
     boundary = []
     for mark in marks:
-        _, name, jagged_by = mark_info[mark]
+        source, name, jagged_by, dim0_given = mark_info[mark]
         value = sparse_out[name]
-        if not isinstance(value, Tensor) or value.dim() == 0:
+        if not isinstance(value, Tensor):
+            raise PassError(f"{NAME}: mark {name!r} must carry a tensor, got {type(value).__name__}")
+        if dim0_given == "none":
+            if value.dim() != 0:
+                raise PassError(f"{NAME}: mark {name!r} is declared 0-d but has shape {list(value.shape)}")
+            boundary.append(BoundaryTensor(name, _dtype(value), (), "", "sparse"))
+            continue
+        if value.dim() == 0:
             raise PassError(f"{NAME}: mark {name!r} must carry a tensor with a batch or jagged dim 0")
+        max_dim0 = None
         if jagged_by:
             expected, dim0 = int(batch[jagged_by].sum()), jagged_total_dim(jagged_by)
-        else:
+        elif dim0_given in ("", BATCH_DIM):
             expected, dim0 = batch_size, BATCH_DIM
+        elif dim0_given == f"{BATCH_DIM}+1":
+            expected, dim0 = (batch_size + 1 if batch_size is not None else None), dim0_given
+        else:  # a size of its own: its range is what the model produced at the export's maxima
+            expected, dim0 = None, dim0_given or f"{name}.size0"
+            max_dim0 = max((source.meta.get("max_shape") or value.shape)[0], value.size(0))
         if expected is not None and value.size(0) != expected:
+            what = "sum(" + jagged_by + ")" if jagged_by else "the batch size" + (" + 1" if dim0.endswith("+1") else "")
             raise PassError(
-                f"{NAME}: mark {name!r} has {value.size(0)} rows on the example batch but "
-                f"{'sum(' + jagged_by + ')' if jagged_by else 'the batch size'} is {expected}; fix its jagged_by"
+                f"{NAME}: mark {name!r} has {value.size(0)} rows on the example batch but {what} is {expected}; "
+                "fix its jagged_by"
             )
-        boundary.append(BoundaryTensor(name, _dtype(value), (dim0, *value.shape[1:]), jagged_by, "sparse"))
+        boundary.append(BoundaryTensor(name, _dtype(value), (dim0, *value.shape[1:]), jagged_by, "sparse",
+                                       max_dim0=max_dim0))
     passthrough = [_input_tensor(str(n.target), batch, ctx.schema) for n in dense_in]
     outputs = tuple(dense_out) if isinstance(dense_out, dict) else ()
     return BoundarySchema(
@@ -224,19 +240,20 @@ def _batch_size(batch: dict[str, Tensor], schema: InputSchema | None) -> int | N
     if schema is None:
         return None
     for f in schema.features:
-        if f.kind in ("lengths", "per_user") and f.name in batch:
-            return int(batch[f.name].size(0))
+        if f.kind in ("lengths", "per_user") and f.graph_name in batch:
+            return int(batch[f.graph_name].size(0))
     return None
 
 
 def _input_tensor(name: str, batch: dict[str, Tensor], schema: InputSchema | None) -> BoundaryTensor:
+    """A graph input (a request feature, by graph name) as the dense or sparse graph takes it."""
     value = batch[name]
     spec = None
-    if schema is not None and name in schema.names:
+    if schema is not None and name in schema.graph_names:
         spec = schema.get(name)
     if spec is not None and spec.kind == "jagged" and spec.jagged_by:
-        dim0: int | str = jagged_total_dim(spec.jagged_by)
-        jagged_by = spec.jagged_by
+        jagged_by = schema.get(schema.canonical_lengths(spec.jagged_by)).graph_name  # type: ignore[union-attr]
+        dim0: int | str = jagged_total_dim(jagged_by)
     elif spec is not None:
         dim0, jagged_by = BATCH_DIM, ""
     else:  # no schema: dim 0 is dynamic but unnamed by the model

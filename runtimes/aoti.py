@@ -19,7 +19,7 @@ from hstu_export.runtimes.base import (
     SplitRunner,
     torch_dynamic_shapes,
 )
-from hstu_export.runtimes.graph_io import op_libraries
+from hstu_export.runtimes.graph_io import export_ready, op_libraries
 from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
 
 DENSE_FILE = "dense/dense.pt2"
@@ -32,7 +32,8 @@ def export_dense(inputs: CompileInputs) -> torch.export.ExportedProgram:
     try:
         with torch.no_grad():
             return torch.export.export(
-                inputs.dense, args=(), kwargs=inputs.example_dense_inputs, dynamic_shapes=dynamic, strict=False
+                export_ready(inputs.dense), args=(), kwargs=inputs.example_dense_inputs, dynamic_shapes=dynamic,
+                strict=False,
             )
     except Exception as exc:
         text = str(exc).strip().splitlines()

@@ -25,11 +25,13 @@ Outputs = dict[str, Tensor]
 
 @dataclass(frozen=True)
 class DimSpec:
-    """A named dynamic dimension and its range; dims with one name must be equal at run time."""
+    """A named dynamic dimension and its range; dims with one name must be equal at run time. With an
+    ``offset`` the dim is the named one plus it (offsets: ``batch + 1``); min/max are the named dim's."""
 
     name: str
     min: int
     max: int
+    offset: int = 0
 
 
 @dataclass
@@ -76,6 +78,9 @@ class SplitRunner:
     def dense_inputs(self, features: Features) -> Features:
         with torch.no_grad():
             inputs = self.sparse(features)
+        # The sparse half may return views (a KeyedTensor's per-key slices); compiled dense programs read
+        # their inputs as contiguous memory.
+        inputs = {name: value.contiguous() for name, value in inputs.items()}
         inputs.update({name: features[name] for name in self.passthrough})
         return inputs
 
@@ -126,7 +131,7 @@ def torch_dynamic_shapes(
         for axis, spec in dims.get(input_name, {}).items():
             if spec.name not in made:
                 made[spec.name] = torch.export.Dim(_identifier(spec.name), min=spec.min, max=spec.max)
-            axes[axis] = made[spec.name]
+            axes[axis] = made[spec.name] + spec.offset if spec.offset else made[spec.name]
         result[input_name] = axes
     return result
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,68 @@ def scripted_op_libraries(module: torch.jit.ScriptModule) -> list[str]:
             kinds.add(node.kind().split("::")[0])
             pending.extend(block.nodes() for block in node.blocks())
     return sorted({OP_LIBRARY_MODULES.get(ns, ns) for ns in kinds - BUILTIN_NAMESPACES - {"prim", "onnx"}})
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def plain_first_line(exc: BaseException) -> str:
+    """The first line of a library's error without terminal colour codes (the ONNX exporter colours)."""
+    lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def symbolic_int(value: Any) -> Any:
+    """``int(value)`` as torch.export can trace it: a symbolic int stays symbolic (``int()`` of an
+    unbacked size would demand its value), an integer tensor becomes its (unbacked) item."""
+    if isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, Tensor):
+        item = value.item()
+        return item if not value.is_floating_point() else torch.sym_int(item)
+    if isinstance(value, torch.SymFloat):
+        return torch.sym_int(value)
+    return int(value)
+
+
+def symbolic_float(value: Any) -> Any:
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
+        return torch.sym_float(value)
+    if isinstance(value, Tensor):
+        return torch.sym_float(value.item())
+    return float(value)
+
+
+def check_non_negative(value: Any) -> Any:
+    """``value``, known to be >= 0 from here on (a size computed from data, say a max length)."""
+    torch._check(value >= 0)
+    return value
+
+
+def export_ready(gm: GraphModule) -> GraphModule:
+    """``gm`` (sharing its parameters) with the spellings torch.export cannot trace replaced: ``int()``
+    and ``float()`` of tensor data become their symbolic forms, and ints read from tensor data
+    (``x.item()``, ``int(x)``) that were never negative on the batches ``observe_values`` ran are
+    declared non-negative, so they can be sizes. TorchScript keeps the original spellings."""
+    graph = copy.deepcopy(gm.graph)
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is int:
+            node.target = symbolic_int
+        elif node.op == "call_function" and node.target is float:
+            node.target = symbolic_float
+        else:
+            continue
+    for node in list(graph.nodes):
+        reads_data = (node.op == "call_method" and node.target == "item") or (
+            node.op == "call_function" and node.target is symbolic_int)
+        if reads_data and node.meta.get("value_kind") == "int" and node.meta.get("int_min", -1) >= 0:
+            with graph.inserting_after(node):
+                checked = graph.call_function(check_non_negative, (node,))
+            for user in [u for u in node.users if u is not checked]:
+                user.replace_input_with(node, checked)
+    ready = GraphModule(gm, graph, class_name=type(gm).__name__)
+    ready.meta.update(gm.meta)
+    return ready
 
 
 def script_graph_module(gm: GraphModule, what: str) -> torch.jit.ScriptModule:

@@ -10,20 +10,57 @@ from typing import Any
 import torch
 
 from hstu_export.errors import BackendUnavailableError, ConfigError, ExportError, UnmappedOpsError
+from hstu_export.runtimes.aoti import export_dense
 from hstu_export.runtimes.base import (
     Backend,
     BackendArtifacts,
     CompileInputs,
     Runner,
     SplitRunner,
-    torch_dynamic_shapes,
 )
-from hstu_export.runtimes.graph_io import op_namespaces
+from hstu_export.runtimes.graph_io import BUILTIN_NAMESPACES, op_calls, plain_first_line
 from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
 from hstu_export.settings import ExportSettings
 
 DENSE_FILE = "dense/dense.onnx"
 OPSET = 18
+
+
+def _repeat_interleave_indices(repeats: torch.Tensor, output_size: int | None = None) -> torch.Tensor:
+    """``repeat_interleave(repeats)`` (index i repeated repeats[i] times) as a histogram and a cumsum:
+    onnxscript has no translation of the ``output_size`` form that jagged code uses."""
+    if output_size is None:
+        output_size = int(repeats.sum())
+    ends = torch.cumsum(repeats, 0)
+    counts = torch.zeros(output_size + 1, dtype=ends.dtype, device=repeats.device)
+    counts = counts.scatter_add(0, ends.clamp(max=output_size), torch.ones_like(ends))
+    return torch.cumsum(counts[:output_size], 0)
+
+
+def _repeat_interleave_self(self: torch.Tensor, repeats: torch.Tensor, dim: int | None = None,
+                            output_size: int | None = None) -> torch.Tensor:
+    if dim is None:
+        self, dim = self.flatten(), 0
+    if repeats.dim() == 0 or repeats.numel() == 1:
+        repeats = repeats.reshape(1).expand(self.size(dim))
+    return self.index_select(dim, _repeat_interleave_indices(repeats, output_size))
+
+
+# aten ops onnxscript cannot translate, decomposed into ops it can before the ONNX conversion.
+ONNX_DECOMPOSITIONS = {
+    torch.ops.aten.repeat_interleave.Tensor: _repeat_interleave_indices,
+    torch.ops.aten.repeat_interleave.self_Tensor: _repeat_interleave_self,
+}
+
+
+def _check_onnx_ops(gm: torch.nn.Module, what: str) -> None:
+    custom = sorted(op_calls(gm))
+    foreign = [key for key in custom if key.partition("::")[0] not in BUILTIN_NAMESPACES]
+    if foreign:
+        raise UnmappedOpsError(
+            f"{what} still calls {', '.join(foreign)}, which ONNX cannot express; export with --op-target aten, "
+            "or map the function that calls it (--map-function)"
+        )
 
 
 class OnnxBackend(Backend):
@@ -48,27 +85,24 @@ class OnnxBackend(Backend):
             ) from None
 
     def compile(self, inputs: CompileInputs, out_dir: Path) -> BackendArtifacts:
-        custom = sorted(op_namespaces(inputs.dense))
-        if custom:
-            raise UnmappedOpsError(
-                f"the dense graph still calls {', '.join(ns + '::*' for ns in custom)} ops, which ONNX cannot "
-                "express; export with --op-target aten"
-            )
+        _check_onnx_ops(inputs.dense, "the dense graph")
+        # Exported first, so that ops hidden inside opaque calls (a user function kept whole) are seen too.
+        program = export_dense(inputs)
+        _check_onnx_ops(program.graph_module, "the dense graph (inside opaque calls)")
+        if any(n.op == "call_function" and n.target in ONNX_DECOMPOSITIONS for n in program.graph.nodes):
+            program = program.run_decompositions(ONNX_DECOMPOSITIONS)
         sparse, sparse_libraries = compile_sparse(inputs, out_dir)
         path = out_dir / DENSE_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        dynamic = torch_dynamic_shapes(inputs.dense_input_names, inputs.dense_dynamic_dims)
         try:
             with torch.no_grad():
-                program = torch.onnx.export(
-                    inputs.dense, args=(), kwargs=inputs.example_dense_inputs, f=str(path), dynamo=True,
-                    dynamic_shapes=dynamic, opset_version=OPSET, input_names=inputs.dense_input_names,
+                onnx_program = torch.onnx.export(
+                    program, f=str(path), dynamo=True, opset_version=OPSET, input_names=inputs.dense_input_names,
                     output_names=inputs.output_names, external_data=False, verbose=False,
                 )
         except Exception as exc:
-            text = str(exc).strip().splitlines()
-            raise ExportError(f"ONNX export of the dense graph failed: {text[0] if text else type(exc).__name__}") from exc
-        del program
+            raise ExportError(f"ONNX export of the dense graph failed: {plain_first_line(exc)}") from exc
+        del onnx_program
         return BackendArtifacts(files={"sparse": sparse, "dense": DENSE_FILE}, meta={"opset": OPSET},
                                 op_libraries=sparse_libraries)
 

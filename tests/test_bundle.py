@@ -49,8 +49,18 @@ def test_round_trip_gives_identical_outputs(bundle_path, tiny):
 def test_bundle_is_plain_data(bundle_path):
     data = torch.load(bundle_path, weights_only=True)
     assert data["format"] == "hstu-export-bundle"
-    assert data["format_version"] == 1
-    assert isinstance(data["config"], dict)
+    assert data["format_version"] == 2
+    assert data["source"]["kind"] == "registered" and isinstance(data["source"]["config"], dict)
+
+
+def test_format_1_bundles_still_load(bundle_path, tmp_path):
+    data = torch.load(bundle_path, weights_only=True)
+    old = {"format": data["format"], "format_version": 1, "model_name": data["source"]["name"],
+           "config": data["source"]["config"], "state_dict": data["state_dict"], "example_batch": data["example_batch"]}
+    torch.save(old, tmp_path / "v1.pt")
+    loaded = load_bundle(tmp_path / "v1.pt")
+    assert loaded.model_name == "hstu_ranking"
+    assert torch.equal(loaded.model.state_dict()["transducer.post_norm_weight"], data["state_dict"]["transducer.post_norm_weight"])
 
 
 class Unregistered(nn.Module):
@@ -116,9 +126,9 @@ def test_missing_keys_and_unknown_model(bundle_path, tmp_path):
     torch.save(broken, tmp_path / "nokeys.pt")
     with pytest.raises(BundleError, match=r"missing key\(s\) \['state_dict'\]"):
         load_bundle(tmp_path / "nokeys.pt")
-    renamed = dict(data, model_name="nope")
+    renamed = dict(data, source=dict(data["source"], name="nope"))
     torch.save(renamed, tmp_path / "unknown.pt")
-    with pytest.raises(ModelRegistryError, match="unknown model 'nope'"):
+    with pytest.raises(BundleError, match="unknown model 'nope'"):
         load_bundle(tmp_path / "unknown.pt")
     newer = dict(data, format_version=99)
     torch.save(newer, tmp_path / "newer.pt")

@@ -98,7 +98,7 @@ def test_sparse_holds_every_lookup_and_dense_no_table(tiny: HstuRankingModel, sp
     assert op_histogram(split.sparse)["method:values"] == 5  # every lookup crosses the boundary
     assert EmbeddingCollection not in _module_types(split.dense)
     # Right after the split (before map_ops rewrites it), every attention call is on the dense side.
-    assert split.report["split_sparse_dense"].ops_after["hstu.hstu_mha_gated.default"] == tiny.config.num_layers
+    assert split.report["split_sparse_dense"].ops_after["hstu_export.hstu_mha_gated.default"] == tiny.config.num_layers
 
     model_params = set(tiny.state_dict())
     tables = {k for k in model_params if k.startswith("sparse_arch.embedding_collection.")}
@@ -252,12 +252,30 @@ def test_split_without_a_schema() -> None:
     torch.testing.assert_close(result.run(batch)["score"], model(batch)["score"], rtol=0, atol=0)
 
 
-def test_unmarked_embedding_reaching_dense_is_an_error() -> None:
+def test_unmarked_embeddings_are_marked_automatically() -> None:
     model = _ToyRanker(mark=False)
     batch = _toy_batch()
-    gm = trace(model, batch)
-    with pytest.raises(PassError, match="split_sparse_dense: the graph has no sparse_boundary marks"):
-        run_passes(gm, PassContext(example_inputs=batch))
+    result = run_passes(trace(model, batch), PassContext(example_inputs=batch, schema=_toy_schema()))
+    assert result.report["mark_sparse_dense"].stats["automatic_marks"] == ["ec__ids__values"]
+    [emb] = result.boundary.sparse_outputs
+    assert (emb.name, emb.shape, emb.jagged_by) == ("ec__ids__values", ("lengths.total", 4), "lengths")
+    assert [t.name for t in result.boundary.passthrough] == ["weight"]
+    assert not any(isinstance(m, EmbeddingCollection) for m in result.dense.modules())
+    for seed in range(3):
+        lengths = torch.randint(1, 5, (3,), generator=torch.Generator().manual_seed(seed))
+        other = {"lengths": lengths, "ids": torch.randint(0, 10, (int(lengths.sum()),)),
+                 "weight": torch.rand(int(lengths.sum()))}
+        torch.testing.assert_close(result.run(other)["score"], model(other)["score"], rtol=0, atol=0)
+
+
+def test_no_embedding_module_and_no_marks_is_an_error() -> None:
+    class NoTables(nn.Module):
+        def forward(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
+            return {"y": features["weight"] * 2}
+
+    batch = _toy_batch()
+    with pytest.raises(PassError, match="mark_sparse_dense: the graph calls no embedding module"):
+        run_passes(trace(NoTables(), batch), PassContext(example_inputs=batch))
 
 
 def test_embedding_output_without_mark_is_named() -> None:
@@ -382,7 +400,7 @@ def test_pass_selection_errors(tiny: HstuRankingModel) -> None:
     gm = trace(tiny, batch)
     ctx = PassContext(example_inputs=batch)
     with pytest.raises(
-        ConfigError, match="unknown pass 'fold_everything'; known passes: prune_unused, split_sparse_dense"
+        ConfigError, match="unknown pass 'fold_everything'; known passes: prune_unused, observe_values, mark_sparse_dense, split_sparse_dense"
     ):
         run_passes(gm, ctx, passes=["prune_unused", "fold_everything"])
     with pytest.raises(ConfigError, match=r"unknown pass.*to skip.*'nope'"):

@@ -18,6 +18,7 @@ import torch
 import torch.fx
 
 from hstu_export import ExportSettings, VerifySettings, generate_batch, save_bundle
+from hstu_export.capture import trace
 from hstu_export.cli import main as cli_main
 from hstu_export.errors import BackendUnavailableError, ConfigError, ExportError, UnmappedOpsError
 from hstu_export.exporter import (
@@ -42,7 +43,6 @@ from hstu_export.runtimes.tensorrt import (
     torch_executed_op_names,
 )
 from hstu_export.settings import parse_size
-from hstu_export.tracer import trace
 from hstu_export.verify import verification_batches
 
 MAX_BATCH = 6

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import Tensor, nn
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from hstu_export import generate_batch
+from hstu_export.capture import trace
 from hstu_export.errors import ConfigError, TraceError
 from hstu_export.models import STULayer, build_preset
 from hstu_export.models.ranking import HstuRankingModel
-from hstu_export.tracer import trace
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,7 @@ def test_user_leaf_by_class_name(tiny: HstuRankingModel, spec: str) -> None:
     stu_calls = [t for t, cls in _call_modules(gm).items() if cls is STULayer]
     assert stu_calls == ["transducer.stu.layers.0", "transducer.stu.layers.1"]
     ops = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
-    assert "hstu.hstu_mha_gated.default" not in ops  # the attention now sits inside the opaque layers
+    assert "hstu_export.hstu_mha_gated.default" not in ops  # the attention now sits inside the opaque layers
     assert _max_abs_diff(gm(**batch), tiny(batch)) == 0.0
 
 
@@ -92,7 +94,7 @@ def test_user_leaf_by_submodule_path(tiny: HstuRankingModel) -> None:
     gm = trace(tiny, batch, leaf_modules=["transducer.stu.layers.1"])
     stu_calls = [t for t, cls in _call_modules(gm).items() if cls is STULayer]
     assert stu_calls == ["transducer.stu.layers.1"]
-    mha = [n for n in gm.graph.nodes if str(n.target) == "hstu.hstu_mha_gated.default"]
+    mha = [n for n in gm.graph.nodes if str(n.target) == "hstu_export.hstu_mha_gated.default"]
     assert len(mha) == 1  # layer 0 is still traced through
 
 
@@ -124,20 +126,36 @@ class _GatedModel(nn.Module):
         return {"y": self.block["gate"](self.encoder(features["x"]))}
 
 
-def test_untraceable_module_is_named_with_a_leaf_module_hint() -> None:
+def test_untraceable_submodule_becomes_an_opaque_leaf() -> None:
     model = _GatedModel()
     batch = {"x": torch.randn(4, 3)}
-    with pytest.raises(TraceError) as info:
-        trace(model, batch)
-    message = str(info.value)
-    assert "module 'block.gate' (DataDependentGate)" in message
-    assert "--leaf-module DataDependentGate" in message
-    assert "leaf_modules=['DataDependentGate']" in message
-    assert info.value.exit_code == 2
-
-    gm = trace(model, batch, leaf_modules=["DataDependentGate"])
+    gm = trace(model, batch)
     assert _call_modules(gm)["block.gate"] is DataDependentGate
-    torch.testing.assert_close(gm(**batch)["y"], model(batch)["y"], rtol=0, atol=0)
+    [call] = gm.meta["opaque_calls"]
+    assert call["kind"] == "module" and call["name"] == "block.gate"
+    line = inspect.getsourcelines(DataDependentGate.forward)[1] + 1  # the `if` on a tensor value
+    assert call["where"].endswith(f"test_tracer.py:{line}")
+    for sign in (1.0, -1.0):  # both branches still run, eagerly, inside the leaf
+        batch = {"x": sign * torch.ones(4, 3)}
+        torch.testing.assert_close(gm(**batch)["y"], model(batch)["y"], rtol=0, atol=0)
+
+
+class RootGate(nn.Module):
+    def forward(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
+        x = features["x"]
+        if x.sum() > 0:
+            x = x * 2
+        return {"y": x}
+
+
+def test_untraceable_root_names_file_and_line() -> None:
+    with pytest.raises(TraceError) as info:
+        trace(RootGate(), {"x": torch.randn(4, 3)})
+    line = inspect.getsourcelines(RootGate.forward)[1] + 2
+    message = str(info.value)
+    assert f"test_tracer.py:{line}" in message
+    assert "the forward of RootGate itself" in message
+    assert info.value.exit_code == 2
 
 
 def test_forward_must_take_one_dict() -> None:
@@ -145,7 +163,7 @@ def test_forward_must_take_one_dict() -> None:
         def forward(self, a: Tensor, b: Tensor) -> Tensor:
             return a + b
 
-    with pytest.raises(TraceError, match="one dict of named tensors"):
+    with pytest.raises(TraceError, match="give its input schema"):
         trace(TwoArgs(), {"a": torch.zeros(1), "b": torch.zeros(1)})
 
 

@@ -454,7 +454,7 @@ def test_export_keeps_the_op() -> None:
     )
     ep = torch.export.export(Attention(), args)
     targets = {str(node.target) for node in ep.graph.nodes if node.op == "call_function"}
-    assert "hstu.hstu_mha_triton.default" in targets
+    assert "hstu_export.hstu_mha_triton.default" in targets
 
 
 if __name__ == "__main__":

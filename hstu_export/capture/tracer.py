@@ -1,24 +1,38 @@
-"""FX tracing of a model whose forward takes one dict of named tensors.
+"""FX tracing of a model as its authors wrote it.
 
-``HstuTracer`` only decides which modules stay opaque (leaves); the list is data: the torchrec
-embedding modules by default, plus whatever the user names (a class name, bare or dotted, or a
-submodule path). ``trace`` turns the model's single ``features`` dict into one placeholder per feature,
-named exactly as the feature, so ``gm(**batch)`` computes ``model(batch)``.
+``HstuTracer`` decides leaves (the leaf list is data: torchrec's embedding modules by default, plus
+what the user or the model's hints name) and builds the graph's inputs from the input schema: one
+placeholder per request feature, assembled into the model's own arguments (KeyedJaggedTensors with
+known keys, dicts, tensors, or the zoo's single dict). ``trace`` retries a failing trace with the
+failing user function kept opaque (see :mod:`hstu_export.capture.opaque`) and flattens the outputs
+into a dict of named tensors, so ``gm(**graph_inputs)`` computes ``flatten_outputs(model(...))``.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch.fx
-import torch.utils._pytree as pytree
 from torch import Tensor, nn
-from torch.fx._symbolic_trace import PHWithMeta
+from torchrec.fx.tracer import Tracer as TorchrecTracer
 
+from hstu_export.capture.opaque import (
+    OpaqueCall,
+    failure_location,
+    find_culprit,
+    patched_user_code,
+    user_packages,
+)
+from hstu_export.capture.proxies import InputKJTProxy, KeyedProxy, embedding_output_keys, kjt_proxy_factory
 from hstu_export.errors import ConfigError, TraceError
-from hstu_export.graph_functions import WRAPPED_FUNCTIONS
+from hstu_export.graph_functions import WRAPPED_FUNCTIONS, build_kjt, build_weighted_kjt
+from hstu_export.hints import model_hints, resolve_callable
+from hstu_export.outputs import output_items
+from hstu_export.schema import FeatureSpec, InputSchema, kjt_feature_names
 
 # Modules holding embedding tables: the sparse side of the split. Their forward takes a
 # KeyedJaggedTensor and runs data-dependent lookups, so they are also leaves of the trace.
@@ -30,6 +44,7 @@ EMBEDDING_MODULES: tuple[str, ...] = (
     "torchrec.modules.mc_embedding_modules.ManagedCollisionEmbeddingBagCollection",
 )
 DEFAULT_LEAF_MODULES: tuple[str, ...] = EMBEDDING_MODULES
+MAX_OPAQUE_RETRIES = 24
 
 
 def module_matches(module: nn.Module, path: str, specs: Iterable[str]) -> bool:
@@ -42,25 +57,28 @@ def module_matches(module: nn.Module, path: str, specs: Iterable[str]) -> bool:
     return any(spec in names for spec in specs)
 
 
-class HstuTracer(torch.fx.Tracer):
-    """``torch.fx.Tracer`` whose only job is leaf decisions (and remembering where tracing failed)."""
+class HstuTracer(TorchrecTracer):
+    """torchrec's tracer (its KJT handling and tracing flag) plus our leaf list, graph inputs from the
+    input schema, and proxies that keep KJT keys known."""
 
-    def __init__(self, leaf_modules: Sequence[str] = ()) -> None:
-        super().__init__(autowrap_functions=WRAPPED_FUNCTIONS)
+    def __init__(self, leaf_modules: Sequence[str] = (), schema: InputSchema | None = None,
+                 input_names: Sequence[str] | None = None) -> None:
+        super().__init__()
+        self._autowrap_function_ids.update(id(f) for f in WRAPPED_FUNCTIONS)
         self.leaf_modules: tuple[str, ...] = (*DEFAULT_LEAF_MODULES, *leaf_modules)
+        self.schema = schema
+        self.input_names = list(input_names) if input_names is not None else None
         # (exception, module path, class name) of the innermost module a failure came out of.
         self.failure: tuple[BaseException, str, str] | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_matches(m, module_qualified_name, self.leaf_modules) or super().is_leaf_module(
-            m, module_qualified_name
+        return module_matches(m, module_qualified_name, self.leaf_modules) or torch.fx.Tracer.is_leaf_module(
+            self, m, module_qualified_name
         )
 
-    def call_module(
-        self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
-            return super().call_module(m, forward, args, kwargs)
+            result = super().call_module(m, forward, args, kwargs)
         except Exception as exc:
             # The first frame to see an exception is the innermost module.
             if self.failure is None or self.failure[0] is not exc:
@@ -70,54 +88,188 @@ class HstuTracer(torch.fx.Tracer):
                     path = "?"
                 self.failure = (exc, path, type(m).__name__)
             raise
+        if isinstance(result, torch.fx.Proxy) and result.node.op == "call_module":
+            known = embedding_output_keys(m)
+            if known is not None:
+                kind, keys = known
+                return KeyedProxy(result.node, self, keys, kind)
+        return result
+
+    def create_proxy(self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     name: str | None = None, type_expr: Any | None = None,
+                     proxy_factory_fn: Any = None) -> Any:
+        if proxy_factory_fn is None:
+            proxy_factory_fn = kjt_proxy_factory(self, kind, target, args, kwargs)
+        return super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> tuple[Any, list[Any]]:
+        if self.schema is None and self.input_names is None:
+            return super().create_args_for_root(root_fn, is_module, concrete_args)
+        args: list[Any] = [self.root] if is_module else []
+        if self.schema is None:  # a forward(features) model with no schema: names from the example batch
+            args.append({n: self._placeholder(n, n) for n in self.input_names or ()})
+            return root_fn, args
+        features = {f.name: self._placeholder(f.name, f.graph_name) for f in self.schema.features}
+        if not self.schema.arguments:
+            args.append(features)
+            return root_fn, args
+        values = {a.name: self._argument(a, features) for a in self.schema.arguments if not a.optional_absent}
+        bound = _bind_forward(root_fn, values, skip_self=is_module)
+
+        def call(*leading: Any) -> Any:
+            return root_fn(*leading, **bound)
+
+        return call, args
+
+    def _placeholder(self, name: str, graph_name: str) -> Any:
+        proxy = self.create_proxy("placeholder", graph_name, (), {})
+        if proxy.node.name != graph_name:
+            raise TraceError(f"feature name {name!r} cannot be a graph input name (it shadows a Python builtin)")
+        return proxy
+
+    def _argument(self, arg: Any, features: dict[str, Any]) -> Any:
+        if arg.kind == "tensor":
+            return features[arg.name]
+        if arg.kind == "dict":
+            return {key: features[f"{arg.name}.{key}"] for key in arg.keys}
+        names = [kjt_feature_names(arg.name, key, arg.weighted) for key in arg.keys]
+        keys = list(arg.keys)
+        values = [features[n[0]] for n in names]
+        lengths = [features[n[1]] for n in names]
+        weights = [features[n[2]] for n in names] if arg.weighted else None
+        if weights is None:
+            target, call_args = build_kjt, (keys, values, lengths)
+        else:
+            target, call_args = build_weighted_kjt, (keys, values, lengths, weights)
+        return self.create_proxy(
+            "call_function", target, call_args, {},
+            proxy_factory_fn=lambda node: InputKJTProxy(node, self, keys, values, lengths, weights),
+        )
+
+
+def _bind_forward(root_fn: Any, values: dict[str, Any], skip_self: bool) -> dict[str, Any]:
+    params = list(inspect.signature(inspect.unwrap(root_fn)).parameters.values())[1 if skip_self else 0:]
+    bound: dict[str, Any] = {}
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name in values:
+            bound[p.name] = values.pop(p.name)
+        elif p.default is p.empty:
+            raise TraceError(f"forward parameter {p.name!r} has no input in the schema and no default")
+    if values:
+        raise TraceError(f"the input schema has argument(s) {sorted(values)} that forward does not take")
+    return bound
 
 
 def trace(
-    model: nn.Module, example_batch: dict[str, Tensor], leaf_modules: Sequence[str] = ()
+    model: nn.Module,
+    example_batch: dict[str, Tensor] | None = None,
+    leaf_modules: Sequence[str] = (),
+    *,
+    schema: InputSchema | None = None,
+    opaque_functions: Sequence[Any] = (),
 ) -> torch.fx.GraphModule:
-    """Symbolically traces ``model`` (forward takes one dict of named tensors).
+    """Symbolically traces ``model``.
 
-    The graph module takes one argument per feature, named as the feature, in the order of the model's
-    ``input_schema().names`` (else the example batch's key order); every feature is an input even if
-    unused. Outputs keep the model's structure (a dict of tensors). ``leaf_modules`` names extra modules
-    to keep opaque: class names (bare or dotted) or submodule paths.
+    The graph module takes one argument per request feature, named by the feature's graph name, in
+    schema order; every feature is an input even if unused. Its output is a flat dict of named
+    tensors (see :mod:`hstu_export.outputs`). The schema is ``schema``, else ``model.input_schema()``,
+    else (for a model whose forward takes one dict of tensors) the example batch's keys.
+    ``leaf_modules`` names extra modules to keep opaque (class names, bare or dotted, or submodule
+    paths); ``opaque_functions`` extra functions to record as single calls (callables or
+    ``module.function`` names). Functions that fail to trace are made opaque automatically and listed
+    in ``gm.meta["opaque_calls"]``.
     """
-    names = _feature_names(model, example_batch)
+    schema, input_names = _resolve_inputs(model, example_batch, schema)
     leaf_modules = tuple(leaf_modules)
     _check_leaf_specs(model, leaf_modules)
-    arg_name = _single_dict_argument(model)
-    tracer = HstuTracer(leaf_modules)
-    features = {name: PHWithMeta(ph_key=name) for name in names}
-    try:
-        graph = tracer.trace(model, concrete_args={arg_name: features})
-    except Exception as exc:
-        raise TraceError(_trace_failure_message(model, tracer, exc)) from exc
-    flat = _flatten_inputs(graph, names)
-    gm = torch.fx.GraphModule(tracer.root, flat, class_name=type(model).__name__)
-    gm.meta["input_names"] = list(names)
+    hints = model_hints(model)
+    leaves = [*leaf_modules, *hints.leaf_modules]
+    functions = [resolve_callable(f) for f in (*opaque_functions, *hints.opaque_functions)]
+    packages = user_packages(model) | {f.__module__.partition(".")[0] for f in functions if hasattr(f, "__module__")}
+    methods: list[tuple[type, str]] = []
+    opaque: list[OpaqueCall] = []
+    state = _module_state(model)
+    for _ in range(MAX_OPAQUE_RETRIES):
+        tracer = HstuTracer(leaves, schema, input_names)
+        try:
+            with patched_user_code(packages, functions, methods):
+                graph = tracer.trace(model)
+            break
+        except Exception as exc:
+            _restore_module_state(model, state)
+            opaque.append(_keep_opaque(exc, model, tracer, functions, methods, leaves))
+    else:
+        raise TraceError(f"cannot trace {type(model).__name__}: still failing after keeping "
+                         f"{len(opaque)} functions opaque ({', '.join(o.name for o in opaque[-3:])}, ...)")
+    _restore_module_state(model, state)
+    if example_batch is not None:
+        _expand_container_outputs(tracer.root, graph, _graph_inputs(schema, example_batch))
+    graph = _flat_outputs(graph)
+    gm = torch.fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
+    gm.meta["input_names"] = [n for n in (schema.graph_names if schema else input_names or [])]
+    gm.meta["schema"] = schema
     gm.meta["leaf_modules"] = list(tracer.leaf_modules)
+    gm.meta["opaque_calls"] = [o.to_json() for o in opaque]
+    gm.meta["output_names"] = list(next(n for n in graph.nodes if n.op == "output").args[0])
     return gm
 
 
-def _feature_names(model: nn.Module, example_batch: dict[str, Tensor]) -> list[str]:
-    if not isinstance(example_batch, dict) or not example_batch:
-        raise TraceError("the example batch must be a non-empty dict of named tensors")
-    schema_fn = getattr(model, "input_schema", None)
-    if not callable(schema_fn):
+def _keep_opaque(exc: Exception, model: nn.Module, tracer: HstuTracer, functions: list[Any],
+                 methods: list[tuple[type, str]], leaves: list[str]) -> OpaqueCall:
+    """Chooses what to keep opaque after a failed trace (and records it), or raises TraceError."""
+    culprit = find_culprit(exc, model)
+    reason = _first_line(exc)
+    if culprit.kind == "function" and culprit.target not in functions:
+        functions.append(culprit.target)
+        return OpaqueCall("function", culprit.name, reason, culprit.where)
+    if culprit.kind == "method":
+        cls, name, owner = culprit.target
+        if owner is not model and (cls, name) not in methods and _path_of(model, owner) is not None:
+            methods.append((cls, name))
+            return OpaqueCall("method", culprit.name, reason, culprit.where)
+    if culprit.kind == "module" and culprit.target is not model:
+        path = _path_of(model, culprit.target)
+        embeds = [p for p, m in culprit.target.named_modules() if module_matches(m, p, EMBEDDING_MODULES)]
+        if path is not None and not embeds and path not in leaves:
+            leaves.append(path)
+            return OpaqueCall("module", path, reason, culprit.where)
+    raise TraceError(_trace_failure_message(model, tracer, exc, culprit.where)) from exc
+
+
+def _path_of(root: nn.Module, module: nn.Module) -> str | None:
+    return next((p for p, m in root.named_modules() if m is module and p), None)
+
+
+def _resolve_inputs(model: nn.Module, example_batch: Any, schema: InputSchema | None
+                    ) -> tuple[InputSchema | None, list[str] | None]:
+    if schema is None:
+        schema_fn = getattr(model, "input_schema", None)
+        schema = schema_fn() if callable(schema_fn) else None
+    if schema is None:
+        if not isinstance(example_batch, dict) or not example_batch:
+            raise TraceError(
+                f"{type(model).__name__} has no input schema: pass schema= (see hstu_export.infer_schema) or, "
+                "for a forward that takes one dict of tensors, an example batch"
+            )
+        _single_dict_argument(model)
         names = list(example_batch)
-    else:
-        names = list(schema_fn().names)
-        missing = [n for n in names if n not in example_batch]
-        extra = [n for n in example_batch if n not in names]
+        bad = [n for n in names if not n.isidentifier()]
+        if bad:
+            raise TraceError(f"feature names {bad} are not Python identifiers; they cannot be graph inputs")
+        return None, names
+    if not schema.arguments:
+        _single_dict_argument(model)
+    if example_batch is not None:
+        missing = [n for n in schema.names if n not in example_batch]
+        extra = [n for n in example_batch if n not in schema.names]
         if missing or extra:
             raise TraceError(
                 f"the example batch does not fit {type(model).__name__}'s input schema "
                 f"(missing {missing}, unknown {extra}); build it with hstu_export.generate_batch"
             )
-    bad = [n for n in names if not n.isidentifier()]
-    if bad:
-        raise TraceError(f"feature names {bad} are not Python identifiers; they cannot be graph inputs")
-    return names
+    return schema, None
 
 
 def _single_dict_argument(model: nn.Module) -> str:
@@ -128,8 +280,8 @@ def _single_dict_argument(model: nn.Module) -> str:
     required = [p for p in params if p.default is p.empty]
     if len(params) < 1 or len(required) > 1:
         raise TraceError(
-            f"{type(model).__name__}.forward must take one dict of named tensors, "
-            f"it takes ({', '.join(p.name for p in params)})"
+            f"{type(model).__name__}.forward takes ({', '.join(p.name for p in params)}); give its input "
+            "schema (hstu_export.infer_schema from an example in the model's own format) to trace it"
         )
     return params[0].name
 
@@ -144,43 +296,99 @@ def _check_leaf_specs(model: nn.Module, specs: Sequence[str]) -> None:
         )
 
 
-def _trace_failure_message(model: nn.Module, tracer: HstuTracer, exc: BaseException) -> str:
-    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+def _first_line(exc: BaseException) -> str:
+    text = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _trace_failure_message(model: nn.Module, tracer: HstuTracer, exc: BaseException, where: str) -> str:
     failure = tracer.failure
     if failure is not None and failure[0] is exc:
         _, path, cls = failure
-        where = f"module '{path}' ({cls})"
+        module = f"module '{path}' ({cls})"
     else:
         cls = type(model).__name__
-        where = f"the forward of {cls} itself"
+        module = f"the forward of {cls} itself"
+    where = where if where != "?" else failure_location(exc)
     return (
-        f"cannot trace {type(model).__name__}: {where} failed: {type(exc).__name__}: {reason}. "
-        f"If {cls} has data-dependent Python control flow or other untraceable code, keep it opaque "
-        f"with --leaf-module {cls} (leaf_modules=[{cls!r}] in the Python API)"
+        f"cannot trace {type(model).__name__}: {module} failed at {where}: {_first_line(exc)}. "
+        f"Move the untraceable code into a module-level function (it is then kept as one opaque call), "
+        f"or keep the module opaque with --leaf-module {cls} (leaf_modules=[{cls!r}]) if it holds no "
+        "embedding tables"
     )
 
 
-def _flatten_inputs(graph: torch.fx.Graph, names: list[str]) -> torch.fx.Graph:
-    """Copies ``graph`` with plain placeholders named as the features instead of a pytree codegen."""
-    codegen = graph._codegen
-    out_spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
-    old_placeholders = {n.ph_key: n for n in graph.nodes if n.op == "placeholder"}  # type: ignore[attr-defined]
-    new = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for name in names:
-        node = new.placeholder(name)
-        if node.name != name:  # the namespace renamed it (a Python builtin or keyword)
-            raise TraceError(f"feature name {name!r} cannot be a graph input name (it shadows a builtin)")
-        if name in old_placeholders:
-            env[old_placeholders[name]] = node
-            node.meta = dict(old_placeholders[name].meta)
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            continue
-        if node.op == "output":
-            flat = torch.fx.map_arg(node.args[0], lambda n: env[n])
-            result = pytree.tree_unflatten(list(flat), out_spec) if out_spec is not None else flat
-            new.output(result)
-            continue
-        env[node] = new.node_copy(node, lambda n: env[n])
-    return new
+def _module_state(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
+    return [(m, dict(m.__dict__)) for m in model.modules()]
+
+
+def _restore_module_state(model: nn.Module, state: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+    """Undo attribute assignments that model code made while being traced (e.g. a KV cache set to a
+    proxy): tracing must leave the user's model as it was."""
+    for module, saved in state:
+        current = module.__dict__
+        for key in [k for k in current if k not in saved]:
+            del current[key]
+        for key, value in saved.items():
+            if current.get(key, _UNSET) is not value:
+                current[key] = value
+
+
+_UNSET = object()
+
+
+def _graph_inputs(schema: InputSchema | None, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    return schema.to_graph_inputs(batch) if schema is not None else dict(batch)
+
+
+def _expand_container_outputs(root: nn.Module, graph: torch.fx.Graph, inputs: dict[str, Tensor]) -> None:
+    """An output node whose value is a container at run time (what an opaque leaf or call returned)
+    is replaced by getitem nodes of its elements, so outputs are named as the eager model's are."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    if not any(isinstance(a, torch.fx.Node) and a.op in ("call_module", "call_function", "call_method")
+               for a in _nodes_in(output.args[0])):
+        return
+    probe = torch.fx.GraphModule(root, copy.deepcopy(graph))
+    names = [str(n.target) for n in graph.nodes if n.op == "placeholder"]
+    with torch.no_grad():
+        value = probe(*(inputs[n] for n in names))
+
+    def expand(structure: Any, runtime: Any) -> Any:
+        if isinstance(structure, torch.fx.Node):
+            if isinstance(runtime, dict):
+                with graph.inserting_before(output):
+                    return {k: expand(graph.call_function(operator.getitem, (structure, k)), v) for k, v in runtime.items()}
+            if isinstance(runtime, (tuple, list)):
+                with graph.inserting_before(output):
+                    return [expand(graph.call_function(operator.getitem, (structure, i)), v) for i, v in enumerate(runtime)]
+            return structure
+        if isinstance(structure, dict) and isinstance(runtime, dict):
+            return {k: expand(v, runtime.get(k)) for k, v in structure.items()}
+        if isinstance(structure, (tuple, list)) and isinstance(runtime, (tuple, list)):
+            return type(structure)(expand(s, r) for s, r in zip(structure, runtime))
+        return structure
+
+    output.args = (expand(output.args[0], value),)
+
+
+def _nodes_in(structure: Any) -> list[Any]:
+    found: list[Any] = []
+    torch.fx.node.map_arg(structure, found.append)
+    return found
+
+
+def _flat_outputs(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """Rewrites the output node to a flat ``{name: node}`` dict (see :mod:`hstu_export.outputs`) and
+    drops the pytree codegen the trace may have installed."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    items = output_items(output.args[0], is_leaf=lambda x: isinstance(x, torch.fx.Node))
+    flat = {name: value for name, value in items if isinstance(value, torch.fx.Node)}
+    if not flat:
+        raise TraceError("the model returns no tensors")
+    output.args = (flat,)
+    graph._codegen = torch.fx.graph.CodeGen()
+    return graph
+
+
+def feature_specs_by_graph_name(schema: InputSchema) -> dict[str, FeatureSpec]:
+    return {f.graph_name: f for f in schema.features}

@@ -4,9 +4,6 @@ from hstu_export.models.config import PRESETS, HSTUConfig, preset_config
 from hstu_export.models.ranking import HstuRankingModel, HstuSparseArch, MultiTaskHeads, ranking_input_schema
 from hstu_export.models.stu import STULayer, STUStack
 from hstu_export.models.transducer import ContextualPreprocessor, HSTUTransducer, PositionalEncoder
-from hstu_export.registry import register_model
-
-register_model("hstu_ranking", HSTUConfig)(HstuRankingModel)
 
 
 def build_preset(name: str, seed: int = 0) -> HstuRankingModel:

@@ -111,7 +111,9 @@ class MultiTaskHeads(nn.Module):
 
 
 class HstuRankingModel(nn.Module):
-    """The zoo's ranking model; registered as ``hstu_ranking``."""
+    """The zoo's ranking model; registered as ``hstu_ranking`` (``hstu_export.registry.ZOO``)."""
+
+    config_class = HSTUConfig
 
     def __init__(self, config: HSTUConfig) -> None:
         super().__init__()

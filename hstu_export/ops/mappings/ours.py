@@ -1,26 +1,16 @@
-"""The operator mapping table used by ``passes/map_ops.py``.
-
-One entry per source op: for each target (``triton``, ``aten``, ``fbgemm``) a replacement, written as
-- ``"op:ns::name"``: an op with the same schema (the node's target is swapped), or
-- ``"fn:module:function"``: a Python function taking the source op's arguments by schema name; the
-  pass traces it into the graph in place of the node, so the graph holds its plain torch ops.
-- ``"keep"``: the source op stays (its library is then needed at load time).
-Adding a mapping is one entry here.
-"""
+"""Mappings of our own ops (``hstu_export::*``) to each target: our Triton kernels, the plain-torch
+references (``aten``), or fbgemm's jagged ops. See ``hstu_export/ops/mappings/__init__.py`` for the
+spelling of an entry."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from hstu_export.ops import reference
-
 _REF = "fn:hstu_export.ops.reference:"
-_HERE = "fn:hstu_export.ops.mappings:"
+_HERE = "fn:hstu_export.ops.mappings.ours:"
 
-MAPPINGS: dict[str, dict[str, str]] = {
+OPS: dict[str, dict[str, str]] = {
     "hstu_export::hstu_mha": {
         "triton": "op:hstu_export::hstu_mha_triton", "aten": _REF + "hstu_mha_reference",
         "fbgemm": _REF + "hstu_mha_reference",
@@ -55,32 +45,7 @@ MAPPINGS: dict[str, dict[str, str]] = {
         "triton": "op:hstu_export::split_2D_jagged_triton", "aten": _REF + "split_2D_jagged_reference",
         "fbgemm": _REF + "split_2D_jagged_reference",
     },
-    # fbgemm ops found in user models.
-    "fbgemm::jagged_to_padded_dense": {
-        "triton": _HERE + "fbgemm_jagged_to_padded_dense_as_triton", "aten": _HERE + "fbgemm_jagged_to_padded_dense_as_aten",
-        "fbgemm": "keep",
-    },
-    "fbgemm::dense_to_jagged": {
-        "triton": _HERE + "fbgemm_dense_to_jagged_as_triton", "aten": _HERE + "fbgemm_dense_to_jagged_as_aten",
-        "fbgemm": "keep",
-    },
-    "fbgemm::asynchronous_complete_cumsum": {
-        "triton": _HERE + "complete_cumsum", "aten": _HERE + "complete_cumsum", "fbgemm": "keep",
-    },
-    "fbgemm::jagged_dense_elementwise_add_jagged_output": {
-        "triton": _HERE + "jagged_dense_add_as_aten", "aten": _HERE + "jagged_dense_add_as_aten", "fbgemm": "keep",
-    },
 }
-
-
-def op_key(target: Any) -> str | None:
-    """``ns::name`` of an op call target, or None for anything else."""
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}::{target._opname}"
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        ns, _, name = target._qualified_op_name.partition("::")
-        return f"{ns}::{name}"
-    return None
 
 
 # -- replacement functions (argument names follow the source op's schema) ---------------------------
@@ -91,41 +56,3 @@ def jagged_to_padded_dense_via_fbgemm(values: Tensor, offsets: Tensor, max_len: 
 
 def dense_to_jagged_via_fbgemm(dense: Tensor, offsets: Tensor, total_len: int | None = None) -> Tensor:
     return torch.ops.fbgemm.dense_to_jagged(dense, [offsets], total_len)[0]
-
-
-def fbgemm_jagged_to_padded_dense_as_aten(
-    values: Tensor, offsets: list[Tensor], max_lengths: list[int], padding_value: float = 0.0
-) -> Tensor:
-    _one_jagged_dim(offsets)
-    return reference.jagged_to_padded_dense_reference(values, offsets[0], max_lengths[0], padding_value)
-
-
-def fbgemm_jagged_to_padded_dense_as_triton(
-    values: Tensor, offsets: list[Tensor], max_lengths: list[int], padding_value: float = 0.0
-) -> Tensor:
-    _one_jagged_dim(offsets)
-    return torch.ops.hstu_export.jagged_to_padded_dense_triton(values, offsets[0], max_lengths[0], padding_value)
-
-
-def fbgemm_dense_to_jagged_as_aten(dense: Tensor, x_offsets: list[Tensor], total_L: int | None = None) -> tuple:
-    _one_jagged_dim(x_offsets)
-    return reference.dense_to_jagged_reference(dense, x_offsets[0], total_L), x_offsets
-
-
-def fbgemm_dense_to_jagged_as_triton(dense: Tensor, x_offsets: list[Tensor], total_L: int | None = None) -> tuple:
-    _one_jagged_dim(x_offsets)
-    return torch.ops.hstu_export.dense_to_jagged_triton(dense, x_offsets[0], total_L), x_offsets
-
-
-def complete_cumsum(t_in: Tensor) -> Tensor:
-    return torch.nn.functional.pad(torch.cumsum(t_in, dim=0), (1, 0))
-
-
-def jagged_dense_add_as_aten(x_values: Tensor, x_offsets: list[Tensor], y: Tensor) -> tuple:
-    _one_jagged_dim(x_offsets)
-    return x_values + reference.dense_to_jagged_reference(y, x_offsets[0], x_values.size(0)), x_offsets
-
-
-def _one_jagged_dim(offsets: list[Tensor]) -> None:
-    if len(offsets) != 1:
-        raise NotImplementedError("only one jagged dimension is mapped")

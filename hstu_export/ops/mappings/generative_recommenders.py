@@ -1,0 +1,134 @@
+"""generative-recommenders (meta-recsys/generative-recommenders) functions mapped onto our ops.
+
+Facts this table relies on (read from the library's public code, 2026-07 snapshot):
+- ``pytorch_hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets, causal, dropout_pr, training,
+  num_targets, attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len)`` pads every
+  sequence to ``max_seq_len`` and divides SiLU(alpha·qk) by ``max_seq_len`` unless ``attn_scale`` is
+  given (then it multiplies by it). ``DlrmHSTU`` passes the batch's max length, computed from the
+  batch; we keep that divisor by default (``--attention-scale batch``) and pad to the largest value
+  seen at the export's maxima, checked at run time.
+- ``pytorch_cached_hstu_mha`` is the same for the last ``L // B`` rows of each sequence.
+- ``triton_hstu_mha(N, ...)``/``triton_cached_hstu_mha(N, ...)`` (the TRITON kernel setting) are
+  causal and divide by ``N``.
+- ``pytorch_concat_2D_jagged``/``pytorch_split_2D_jagged`` take optional offsets (a missing side is
+  dense: ``max_len * arange(B + 1)``) and pad to ``max_len``/``max_seq_len``; rows past that bound would
+  be dropped, which our ops never do, so the mapped graph checks at run time that none are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hstu_export.graph_functions import check_lengths_at_most, tensor_to_int
+from hstu_export.ops.mappings import FunctionMapping, MappingCall, Unmappable
+
+LIBRARY = "generative-recommenders"
+_PT = "generative_recommenders.ops.pytorch.pt_hstu_attention."
+_TRITON = "generative_recommenders.ops.triton.triton_hstu_attention."
+_JAGGED = "generative_recommenders.ops.pytorch.pt_jagged_tensors."
+
+
+def hstu_mha(call: MappingCall) -> Any:
+    if call["attn_scale"] is not None:
+        raise Unmappable("attn_scale (a per-position scale) has no equivalent in hstu_export::hstu_mha")
+    if call["min_full_attn_seq_len"]:
+        raise Unmappable("min_full_attn_seq_len > 0 has no equivalent in hstu_export::hstu_mha")
+    if call["dropout_pr"] and call["training"]:
+        raise Unmappable("dropout in training mode is not exported")
+    return _attention(call, "max_seq_len", call["causal"])
+
+
+def triton_hstu_mha(call: MappingCall) -> Any:
+    return _attention(call, "N", True)
+
+
+def _attention(call: MappingCall, length_key: str, causal: Any) -> Any:
+    bound, runtime = call.checked_bound(length_key)
+    return torch.ops.hstu_export.hstu_mha.default(
+        call["q"], call["k"], call["v"], call["seq_offsets"], bound, call.scaling(runtime), call["alpha"], causal,
+        call["num_targets"], call["contextual_seq_len"], call["max_attn_len"],
+    )  # fmt: skip
+
+
+def cached_hstu_mha(call: MappingCall) -> Any:
+    return _cached_attention(call, "max_seq_len")
+
+
+def triton_cached_hstu_mha(call: MappingCall) -> Any:
+    return _cached_attention(call, "N")
+
+
+def _cached_attention(call: MappingCall, length_key: str) -> Any:
+    bound, runtime = call.checked_bound(length_key)
+    delta_q, offsets = call["delta_q"], call["seq_offsets"]
+    delta_size = delta_q.size(0) // (offsets.size(0) - 1)
+    return torch.ops.hstu_export.cached_hstu_mha.default(
+        delta_q, call["k"], call["v"], offsets, delta_size, bound, call.scaling(runtime), call["alpha"],
+        call["num_targets"], call["contextual_seq_len"], call["max_attn_len"],
+    )  # fmt: skip
+
+
+def concat_2D_jagged(call: MappingCall) -> Any:
+    left, right = call["values_left"], call["values_right"]
+    offsets_left = _offsets(call, "offsets_left", "max_len_left", left.size(0))
+    offsets_right = _offsets(call, "offsets_right", "max_len_right", right.size(0))
+    return torch.ops.hstu_export.concat_2D_jagged.default(left, offsets_left, right, offsets_right)
+
+
+def split_2D_jagged(call: MappingCall) -> Any:
+    values = call["values"]
+    given_left, given_right = call["offsets_left"], call["offsets_right"]
+    if given_left is None and given_right is None:
+        raise Unmappable("split_2D_jagged with neither offsets")
+    other = given_right if given_left is None else given_left
+    rows = other.size(0) - 1
+    offsets_left = _offsets(call, "offsets_left", "max_len_left", None, rows)
+    offsets_right = _offsets(call, "offsets_right", "max_len_right", None, rows)
+    call.record(check_lengths_at_most, offsets_left + offsets_right, call["max_seq_len"])
+    total_left = call.record(tensor_to_int, offsets_left[-1]) if given_left is not None else rows * call["max_len_left"]
+    return torch.ops.hstu_export.split_2D_jagged.default(
+        values, offsets_left, offsets_right, total_left, values.size(0) - total_left
+    )
+
+
+def _offsets(call: MappingCall, offsets_key: str, max_len_key: str, rows_total: Any, batch: Any = None) -> Any:
+    """The offsets of one side: given ones (checked against the side's max_len when one is given), or
+    the dense side's ``max_len * arange(B + 1)``."""
+    offsets, max_len = call[offsets_key], call[max_len_key]
+    if offsets is None:
+        if max_len is None:
+            raise Unmappable(f"{offsets_key} and {max_len_key} are both None")
+        b = rows_total // max_len if batch is None else batch
+        device = call["values_left" if "values_left" in call.arguments else "values"].device
+        return max_len * torch.arange(b + 1, device=device)
+    if max_len is not None:
+        offsets = call.record(check_lengths_at_most, offsets, max_len)
+    return offsets
+
+
+def _fixed_scale_attention(original: Any, arguments: dict[str, Any], n: int) -> Any:
+    q = arguments["q"]
+    return original(**{**arguments, "attn_scale": torch.tensor(1.0 / n, device=q.device)})
+
+
+_MHA_DEFAULTS = {"causal": True, "dropout_pr": 0.0, "training": True, "num_targets": None, "attn_scale": None,
+                 "max_attn_len": 0, "contextual_seq_len": 0, "min_full_attn_seq_len": 0}
+_CACHED_DEFAULTS = {"num_targets": None, "max_attn_len": 0, "contextual_seq_len": 0}
+
+FUNCTIONS: dict[str, FunctionMapping] = {
+    _PT + "pytorch_hstu_mha": FunctionMapping(LIBRARY, hstu_mha, _MHA_DEFAULTS, _fixed_scale_attention,
+                                              "HSTU attention → hstu_export::hstu_mha"),
+    _PT + "pytorch_cached_hstu_mha": FunctionMapping(LIBRARY, cached_hstu_mha, _CACHED_DEFAULTS, None,
+                                                     "cached attention → hstu_export::cached_hstu_mha"),
+    _TRITON + "triton_hstu_mha": FunctionMapping(
+        LIBRARY, triton_hstu_mha, {"num_targets": None, "max_attn_len": 0, "contextual_seq_len": 0}, None,
+        "HSTU attention (Triton) → hstu_export::hstu_mha"),
+    _TRITON + "triton_cached_hstu_mha": FunctionMapping(LIBRARY, triton_cached_hstu_mha, _CACHED_DEFAULTS, None,
+                                                        "cached attention (Triton) → hstu_export::cached_hstu_mha"),
+    _JAGGED + "pytorch_concat_2D_jagged": FunctionMapping(LIBRARY, concat_2D_jagged, {},
+                                                          description="→ hstu_export::concat_2D_jagged"),
+    _JAGGED + "pytorch_split_2D_jagged": FunctionMapping(LIBRARY, split_2D_jagged, {},
+                                                         description="→ hstu_export::split_2D_jagged"),
+}

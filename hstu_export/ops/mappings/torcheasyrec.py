@@ -1,0 +1,84 @@
+"""TorchEasyRec (alibaba/TorchEasyRec, ``tzrec``) functions mapped onto our ops.
+
+Facts this table relies on (read from the library's public code, 2026-08 snapshot):
+- ``tzrec.ops._pytorch.pt_hstu_attention.pytorch_hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets,
+  causal, dropout_pr, training, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len,
+  attn_func, scaling_seqlen)`` divides SiLU(alpha·qk) by ``scaling_seqlen`` when it is not -1, else by
+  ``max_seq_len`` (the padding bound, the batch's max length in tzrec's models); releases before
+  2026-04 have no ``scaling_seqlen`` and always divide by ``max_seq_len``. ``attn_func`` (an arbitrary
+  per-row mask) has no equivalent here.
+- ``pytorch_cached_hstu_mha`` is the same for the last ``L // B`` rows of each sequence.
+- ``pytorch_concat_2D_jagged(values_left, values_right, max_len_left, max_len_right, offsets_left,
+  offsets_right)`` and ``pytorch_split_2D_jagged(max_seq_len, values, total_len_left, total_len_right,
+  max_len_left, max_len_right, offsets_left, offsets_right)`` behave as generative-recommenders' (a
+  missing offsets side is dense); they are mapped by the same rewrites.
+- With the TRITON kernel setting the graph holds ``torch.ops.tzrec.*`` ops instead; export tzrec
+  models with the PYTORCH kernel setting (our mapping brings our Triton kernels back on CUDA).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hstu_export.ops.mappings import FunctionMapping, MappingCall, Unmappable
+from hstu_export.ops.mappings import generative_recommenders as gr
+
+LIBRARY = "TorchEasyRec"
+_PT = "tzrec.ops._pytorch.pt_hstu_attention."
+_JAGGED = "tzrec.ops._pytorch.pt_jagged_tensors."
+
+
+def _divisor(call: MappingCall, runtime: Any) -> Any:
+    scaling = call["scaling_seqlen"]
+    if isinstance(scaling, int) and scaling == -1:
+        return call.scaling(runtime)
+    return call.scaling(scaling)
+
+
+def hstu_mha(call: MappingCall) -> Any:
+    if call["attn_func"] is not None:
+        raise Unmappable("attn_func (an arbitrary attention mask) has no equivalent in hstu_export::hstu_mha")
+    if call["min_full_attn_seq_len"]:
+        raise Unmappable("min_full_attn_seq_len > 0 has no equivalent in hstu_export::hstu_mha")
+    if call["dropout_pr"] and call["training"]:
+        raise Unmappable("dropout in training mode is not exported")
+    bound, runtime = call.checked_bound("max_seq_len")
+    return torch.ops.hstu_export.hstu_mha.default(
+        call["q"], call["k"], call["v"], call["seq_offsets"], bound, _divisor(call, runtime), call["alpha"],
+        call["causal"], call["num_targets"], call["contextual_seq_len"], call["max_attn_len"],
+    )  # fmt: skip
+
+
+def cached_hstu_mha(call: MappingCall) -> Any:
+    bound, runtime = call.checked_bound("max_seq_len")
+    delta_q, offsets = call["delta_q"], call["seq_offsets"]
+    delta_size = delta_q.size(0) // (offsets.size(0) - 1)
+    return torch.ops.hstu_export.cached_hstu_mha.default(
+        delta_q, call["k"], call["v"], offsets, delta_size, bound, _divisor(call, runtime), call["alpha"],
+        call["num_targets"], call["contextual_seq_len"], call["max_attn_len"],
+    )  # fmt: skip
+
+
+def _fixed_scale(original: Any, arguments: dict[str, Any], n: int) -> Any:
+    return original(**{**arguments, "scaling_seqlen": n})
+
+
+_MHA_DEFAULTS = {"causal": True, "dropout_pr": 0.0, "training": True, "num_targets": None, "max_attn_len": 0,
+                 "contextual_seq_len": 0, "min_full_attn_seq_len": 0, "attn_func": None, "scaling_seqlen": -1}
+_CACHED_DEFAULTS = {"num_targets": None, "max_attn_len": 0, "contextual_seq_len": 0, "scaling_seqlen": -1}
+
+FUNCTIONS: dict[str, FunctionMapping] = {
+    _PT + "pytorch_hstu_mha": FunctionMapping(LIBRARY, hstu_mha, _MHA_DEFAULTS, _fixed_scale,
+                                              "HSTU attention → hstu_export::hstu_mha"),
+    _PT + "pytorch_cached_hstu_mha": FunctionMapping(LIBRARY, cached_hstu_mha, _CACHED_DEFAULTS, _fixed_scale,
+                                                     "cached attention → hstu_export::cached_hstu_mha"),
+    _JAGGED + "pytorch_concat_2D_jagged": FunctionMapping(
+        LIBRARY, gr.concat_2D_jagged, {"offsets_left": None, "offsets_right": None},
+        description="→ hstu_export::concat_2D_jagged"),
+    _JAGGED + "pytorch_split_2D_jagged": FunctionMapping(
+        LIBRARY, gr.split_2D_jagged, {"total_len_left": None, "total_len_right": None, "max_len_left": None,
+                                      "max_len_right": None, "offsets_left": None, "offsets_right": None},
+        description="→ hstu_export::split_2D_jagged"),
+}

@@ -1,0 +1,335 @@
+"""Users' own models, exported as they are written (tests/user_models): KeyedJaggedTensor inputs,
+max lengths from the batch, their own attention and jagged helpers, EmbeddingBagCollection +
+KeyedTensor, dict and tensor arguments. No model here knows about hstu-export."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torchrec.modules.embedding_modules import EmbeddingCollection
+from user_models import dlrm_hstu, pooled
+
+import hstu_export
+from hstu_export import ExportSettings, VerifySettings
+from hstu_export.capture import trace
+from hstu_export.errors import ConfigError, TraceError, VerificationError
+from hstu_export.outputs import call_model
+from hstu_export.pipeline import PassContext, run_passes
+from hstu_export.schema_inference import flatten_example, infer_schema
+
+GR_ATTENTION = "generative_recommenders.ops.pytorch.pt_hstu_attention.pytorch_hstu_mha"
+USER_ATTENTION = "user_models.dlrm_hstu.jagged_hstu_attention"
+RANGES_A = {"uih_features": (1, 12), "candidates_features": (1, 5)}
+MAX_BATCH = 4
+
+
+def _flat(model: nn.Module, example: tuple) -> tuple:
+    schema = infer_schema(model, example, ranges=RANGES_A if isinstance(model, dlrm_hstu.DlrmHstu) else
+                          {"sparse_features": (1, 6)})
+    return schema, flatten_example(schema, example, None, model)
+
+
+# ---- schema -------------------------------------------------------------------------------------
+
+
+def test_schema_from_two_kjts() -> None:
+    model = dlrm_hstu.build_ranker()
+    uih, cand = dlrm_hstu.example_inputs(3, seed=0)
+    schema, flat = _flat(model, (uih, cand))
+    assert [a.name for a in schema.arguments] == ["uih_features", "candidates_features"]
+    assert schema.arguments[0].keys == ("uih_item_id", "uih_action", "uih_time")
+    action_len = schema.get("uih_features.uih_action.lengths")
+    assert action_len.same_as == "uih_features.uih_item_id.lengths"  # the history keys share their lengths
+    ids = schema.get("uih_features.uih_item_id.values")
+    assert (ids.kind, ids.min_value, ids.max_value) == ("jagged", 0, 499)  # from the item table's size
+    times = schema.get("uih_features.uih_time.values")
+    assert times.max_value is None and times.sample_range is not None  # not embedded: no limit, a sample range
+    assert schema.get("uih_features.uih_item_id.lengths").max_value == 12  # stated range
+    assert flat["uih_features.uih_item_id.values"].shape[0] == int(uih["uih_item_id"].lengths().sum())
+    args, kwargs = schema.assemble(flat)
+    with torch.no_grad():
+        expected, got = model(uih, cand), model(*args, **kwargs)
+    assert torch.equal(expected[0], got[0]) and torch.equal(expected[1]["click"], got[1]["click"])
+
+
+def test_schema_from_kjt_and_dict_of_tensors() -> None:
+    model = pooled.build_pooled()
+    schema, _ = _flat(model, pooled.example_inputs(3, seed=0))
+    assert [(a.name, a.kind) for a in schema.arguments] == [("sparse_features", "kjt"), ("dense_features", "dict")]
+    context = schema.get("dense_features.context")
+    assert (context.kind, context.trailing) == ("per_user", (4,))
+    assert schema.get("sparse_features.item_tags.lengths").same_as is None
+    assert schema.get("sparse_features.item_id.lengths").same_as == "sparse_features.user_id.lengths"
+
+
+def test_request_validation_uses_the_schema() -> None:
+    model = dlrm_hstu.build_ranker()
+    schema, flat = _flat(model, dlrm_hstu.example_inputs(3, seed=0))
+    schema.validate(flat)
+    broken = dict(flat, **{"uih_features.uih_action.lengths": flat["uih_features.uih_item_id.lengths"] + 1})
+    with pytest.raises(hstu_export.errors.RequestError, match="must equal 'uih_features.uih_item_id.lengths'"):
+        schema.validate(broken)
+    too_big = dict(flat, **{"uih_features.uih_item_id.values": torch.full_like(flat["uih_features.uih_item_id.values"], 500)})
+    with pytest.raises(hstu_export.errors.RequestError, match="beyond the exported maximum 499"):
+        schema.validate(too_big)
+
+
+# ---- tracing ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["dlrm_hstu", "pooled"])
+def test_traced_graph_equals_the_model(which: str) -> None:
+    module = dlrm_hstu if which == "dlrm_hstu" else pooled
+    model = dlrm_hstu.build_ranker() if which == "dlrm_hstu" else pooled.build_pooled()
+    schema, flat = _flat(model, module.example_inputs(3, seed=0))
+    gm = trace(model, flat, schema=schema)
+    assert gm.meta["opaque_calls"] == []
+    # KJT keys stay Python values while tracing: no node asks a KeyedJaggedTensor for them.
+    assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "keys"]
+    for seed in range(4):
+        example = module.example_inputs(1 + seed, seed=seed + 1)
+        batch = flatten_example(schema, example, None, model)
+        with torch.no_grad():
+            got, expected = gm(**schema.to_graph_inputs(batch)), call_model(model, schema, batch)
+        assert list(got) == list(expected)
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)
+
+
+def test_data_dependent_ints_become_graph_values() -> None:
+    model = dlrm_hstu.build_ranker()
+    schema, flat = _flat(model, dlrm_hstu.example_inputs(3, seed=0))
+    gm = trace(model, flat, schema=schema)
+    ints = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is int]
+    assert len(ints) == 2  # int(lengths.max().item()) for the history and the candidates
+    assert all(n.args[0].op == "call_method" and n.args[0].target == "item" for n in ints)
+
+
+def _untraceable_helper(x: Tensor) -> Tensor:
+    # Python control flow on a traced value: symbolic tracing cannot take it, torch.export can.
+    if x.dim() == 3:
+        x = x.flatten(1)
+    return x * 2
+
+
+class WithHelper(pooled.PooledRanker):
+    def forward(self, sparse_features, dense_features):  # type: ignore[no-untyped-def]
+        out = super().forward(sparse_features, dense_features)
+        return {**out, "ctr": _untraceable_helper(out["ctr"])}
+
+
+def test_untraceable_function_is_kept_opaque_and_reported() -> None:
+    model = WithHelper().eval()
+    example = pooled.example_inputs(3, seed=0)
+    schema, flat = _flat(model, example)
+    gm = trace(model, flat, schema=schema)
+    [call] = gm.meta["opaque_calls"]
+    assert call["kind"] == "function" and call["name"].endswith("test_user_models._untraceable_helper")
+    assert "test_user_models.py:" in call["where"]
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _untraceable_helper]
+    assert len(calls) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(gm(**schema.to_graph_inputs(flat))["ctr"], call_model(model, schema, flat)["ctr"])
+
+
+# ---- the boundary and the mapping ---------------------------------------------------------------
+
+
+def test_boundary_is_found_and_attention_mapped() -> None:
+    model = dlrm_hstu.build_ranker()
+    schema, flat = _flat(model, dlrm_hstu.example_inputs(3, seed=0))
+    from hstu_export.ops.mappings import function_mappings, imported_functions
+
+    mappings = {USER_ATTENTION: GR_ATTENTION}
+    gm = trace(model, flat, schema=schema, opaque_functions=imported_functions(list(function_mappings(mappings))))
+    ctx = PassContext(example_inputs=schema.to_graph_inputs(flat), model=model, schema=schema, op_mappings=mappings,
+                      check_each_pass=True)
+    result = run_passes(gm, ctx)
+    marks = result.report["mark_sparse_dense"].stats["automatic_marks"]
+    assert marks == ["embedding_collection__uih_item_id__values", "embedding_collection__uih_action__values",
+                     "embedding_collection__cand_item_id__values", "embedding_collection__cand_category__values"]
+    # The dense half holds no embedding table; the sparse half holds all of them.
+    assert not any(isinstance(m, EmbeddingCollection) for m in result.dense.modules())
+    dense_params = sum(p.numel() for p in result.dense.parameters())
+    table_params = sum(p.numel() for p in model.embedding_collection.parameters())
+    assert dense_params == sum(p.numel() for p in model.parameters()) - table_params
+    stats = result.report["map_ops"].stats
+    assert stats["foreign"] == {f"{USER_ATTENTION} (generative-recommenders (declared like {GR_ATTENTION}))": 2}
+    assert stats["mapped"]["hstu_export::hstu_mha -> hstu_export.ops.reference:hstu_mha_reference"] == 2
+    assert all(r.max_rel_error is not None and r.max_rel_error <= 1e-6 for r in result.report)
+
+
+# ---- exports ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("user_models")
+    return {
+        "dlrm_hstu": hstu_export.save_bundle(
+            dlrm_hstu.build_ranker(), root / "dlrm_hstu.pt", example_inputs=dlrm_hstu.example_inputs(3, seed=0),
+            factory="user_models.dlrm_hstu:build_ranker", ranges=RANGES_A),
+        "pooled": hstu_export.save_bundle(
+            pooled.build_pooled(), root / "pooled.pt", example_inputs=pooled.example_inputs(3, seed=0),
+            factory="user_models.pooled:build_pooled", ranges={"sparse_features": (1, 6)}),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aoti", "torchscript", "onnx"])
+@pytest.mark.parametrize("which", ["dlrm_hstu", "pooled"])
+def test_export_matches_the_model(bundles: dict[str, Path], tmp_path: Path, which: str, backend: str) -> None:
+    settings = ExportSettings(backend=backend, max_batch_size=MAX_BATCH, verify=VerifySettings(num_random_batches=2),
+                              op_mappings={USER_ATTENTION: GR_ATTENTION} if which == "dlrm_hstu" else {})
+    result = hstu_export.export(bundles[which], tmp_path / "pkg", settings)
+    parity = result.parity
+    assert parity["passed"] and parity["worst"]["rel_l2"] <= 1e-5
+    assert {r["batch_size"] for r in parity["batches"]} >= {1, MAX_BATCH}
+    manifest = result.manifest
+    assert manifest["model"]["source"]["kind"] == "factory"
+    passes = {p["name"]: p for p in manifest["passes"]}
+    assert passes["mark_sparse_dense"]["stats"]["automatic_marks"]
+    if which == "dlrm_hstu":
+        assert sum(passes["map_ops"]["stats"]["foreign"].values()) == 2
+    if backend == "torchscript":
+        # x.norm(dim=-1) in the pooled model's dense code is not scriptable: the dense half is traced.
+        assert manifest["backend"]["meta"]["method"] == ("trace" if which == "pooled" else "script")
+
+    # A fresh predictor on a request of other sizes, against the user's own model.
+    predictor = hstu_export.load(result.path)
+    model = hstu_export.load_bundle(bundles[which]).model
+    module = dlrm_hstu if which == "dlrm_hstu" else pooled
+    example = module.example_inputs(2, seed=42)
+    schema = predictor.input_schema
+    request = flatten_example(schema, example, None, model)
+    with torch.no_grad():
+        expected = call_model(model, schema, request)
+    got = predictor(request)
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_mismatch_names_output_batch_and_sizes(bundles: dict[str, Path], tmp_path: Path) -> None:
+    # A rewrite of our own that scales the attention wrongly: verification must catch it and say where.
+    settings = ExportSettings(backend="torchscript", max_batch_size=MAX_BATCH,
+                              op_mappings={USER_ATTENTION: "fn:test_user_models:wrong_scale_attention"},
+                              verify=VerifySettings(num_random_batches=1))
+    with pytest.raises(VerificationError) as info:
+        hstu_export.export(bundles["dlrm_hstu"], tmp_path / "pkg", settings)
+    message = str(info.value)
+    assert "output 'output_" in message and "(B=" in message and "uih_features.uih_item_id.lengths=" in message
+    assert not (tmp_path / "pkg").exists()
+
+
+def wrong_scale_attention(call):  # type: ignore[no-untyped-def]
+    bound = call.static_bound("max_seq_len")
+    return torch.ops.hstu_export.hstu_mha.default(call["q"], call["k"], call["v"], call["seq_offsets"], bound,
+                                                   2 * bound, call["alpha"], True, call["num_targets"], 0, 0)
+
+
+def test_fixed_scale_needs_a_function_that_can_run_with_it(bundles: dict[str, Path], tmp_path: Path) -> None:
+    settings = ExportSettings(backend="torchscript", attention_scale="fixed:64",
+                              op_mappings={USER_ATTENTION: GR_ATTENTION})
+    with pytest.raises(ConfigError, match="cannot be run so; use --attention-scale batch"):
+        hstu_export.export(bundles["dlrm_hstu"], tmp_path / "pkg", settings)
+
+
+# ---- foreign libraries' functions, by qualified name ---------------------------------------------
+# Stand-ins written by us from the documented semantics of generative-recommenders' and TorchEasyRec's
+# pytorch attention (padding, SiLU(alpha qk) divided by the max length or an explicit scale, causal
+# mask with targets); installed under those libraries' module names so map_ops matches them by name.
+
+
+_USER_ATTENTION_FN = dlrm_hstu.jagged_hstu_attention  # the stand-ins replace the module's name for it
+
+
+def _reference_attention(max_seq_len, alpha, q, k, v, seq_offsets, num_targets, divisor):  # type: ignore[no-untyped-def]
+    return _USER_ATTENTION_FN(max_seq_len, alpha, q, k, v, seq_offsets, num_targets) * (max_seq_len / divisor)
+
+
+def gr_pytorch_hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets, causal=True, dropout_pr=0.0, training=True,  # type: ignore[no-untyped-def]
+                        num_targets=None, attn_scale=None, max_attn_len=0, contextual_seq_len=0,
+                        min_full_attn_seq_len=0):
+    divisor = max_seq_len if attn_scale is None else 1.0 / float(attn_scale)
+    return _reference_attention(max_seq_len, alpha, q, k, v, seq_offsets, num_targets, divisor)
+
+
+def tzrec_pytorch_hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets, causal=True, dropout_pr=0.0, training=True,  # type: ignore[no-untyped-def]
+                           num_targets=None, max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0,
+                           attn_func=None, scaling_seqlen=-1):
+    divisor = max_seq_len if scaling_seqlen == -1 else scaling_seqlen
+    return _reference_attention(max_seq_len, alpha, q, k, v, seq_offsets, num_targets, divisor)
+
+
+@pytest.fixture
+def foreign_library(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Installs one stand-in under its library's module name and points model (a)'s attention at it."""
+    module_name, fn = request.param
+    parts = module_name.split(".")
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    fn.__module__, fn.__qualname__ = module_name, "pytorch_hstu_mha"
+    monkeypatch.setattr(sys.modules[module_name], "pytorch_hstu_mha", fn, raising=False)
+    monkeypatch.setattr(dlrm_hstu, "jagged_hstu_attention", fn)
+    return f"{module_name}.pytorch_hstu_mha"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("foreign_library", [
+    ("generative_recommenders.ops.pytorch.pt_hstu_attention", gr_pytorch_hstu_mha),
+    ("tzrec.ops._pytorch.pt_hstu_attention", tzrec_pytorch_hstu_mha),
+], indirect=True, ids=["generative_recommenders", "torcheasyrec"])
+@pytest.mark.parametrize("scale", ["batch", "fixed:40"])
+def test_foreign_attention_is_mapped_by_name(foreign_library: str, scale: str, tmp_path: Path) -> None:
+    model = dlrm_hstu.build_ranker()
+    path = hstu_export.save_bundle(model, tmp_path / "m.pt", example_inputs=dlrm_hstu.example_inputs(3, seed=0),
+                                   factory="user_models.dlrm_hstu:build_ranker", ranges=RANGES_A)
+    settings = ExportSettings(backend="torchscript", max_batch_size=MAX_BATCH, attention_scale=scale,
+                              verify=VerifySettings(num_random_batches=2))
+    result = hstu_export.export(path, tmp_path / "pkg", settings)
+    foreign = {p["name"]: p for p in result.manifest["passes"]}["map_ops"]["stats"]["foreign"]
+    assert sum(count for name, count in foreign.items() if name.startswith(foreign_library)) == 2
+    assert result.parity["passed"] and result.parity["worst"]["rel_l2"] <= 1e-5
+    if scale != "batch":
+        # With a fixed scale, a user's scores no longer depend on who else is in the batch.
+        predictor = hstu_export.load(result.path)
+        schema = predictor.input_schema
+        both = flatten_example(schema, dlrm_hstu.example_inputs(2, seed=5), None, model)
+        first_user = _first_user(schema, both)
+        scores_both, scores_alone = predictor(both)["output_1.click"], predictor(first_user)["output_1.click"]
+        n = int(first_user["candidates_features.cand_item_id.lengths"][0])
+        torch.testing.assert_close(scores_both[:n], scores_alone, rtol=1e-5, atol=1e-6)
+
+
+def _first_user(schema, batch):  # type: ignore[no-untyped-def]
+    """The request of the first user of ``batch`` alone."""
+    out = {}
+    for f in schema.features:
+        value = batch[f.name]
+        if f.kind == "jagged":
+            out[f.name] = value[: int(batch[f.jagged_by][0])]
+        else:
+            out[f.name] = value[:1]
+    return out
+
+
+def test_root_control_flow_names_file_and_line() -> None:
+    class Branchy(pooled.PooledRanker):
+        def forward(self, sparse_features, dense_features):  # type: ignore[no-untyped-def]
+            out = super().forward(sparse_features, dense_features)
+            if out["ctr"].sum() > 0:  # on the root: nothing to keep opaque
+                return out
+            return {"ctr": out["ctr"], "affinity": -out["affinity"]}
+
+    model = Branchy().eval()
+    schema, flat = _flat(model, pooled.example_inputs(3, seed=0))
+    with pytest.raises(TraceError, match=r"test_user_models\.py:\d+"):
+        trace(model, flat, schema=schema)
