@@ -55,6 +55,10 @@ _LAZY = {
     "load": "hstu_export.runtimes.predictor",
     "Predictor": "hstu_export.runtimes.predictor",
     "verify_package": "hstu_export.verify",
+    "infer_schema": "hstu_export.schema_inference",
+    "flatten_example": "hstu_export.schema_inference",
+    "ExportHints": "hstu_export.hints",
+    "ArgumentSpec": "hstu_export.schema",
 }
 
 
@@ -67,7 +71,9 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "ArgumentSpec",
     "BoundarySchema",
+    "ExportHints",
     "ExportResult",
     "ExportSettings",
     "FeatureSpec",
@@ -81,7 +87,9 @@ __all__ = [
     "__version__",
     "build_model",
     "export",
+    "flatten_example",
     "generate_batch",
+    "infer_schema",
     "load",
     "load_bundle",
     "register_model",

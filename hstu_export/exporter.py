@@ -22,8 +22,14 @@ from hstu_export.batch import generate_batch
 from hstu_export.bundle import ModelBundle, load_bundle
 from hstu_export.errors import ConfigError, ExportError, VerificationError
 from hstu_export.hints import model_hints
-from hstu_export.ops.mappings import fixed_attention_scale, function_mappings, imported_functions
+from hstu_export.ops.mappings import (
+    fixed_attention_scale,
+    function_mappings,
+    imported_functions,
+    unscalable_attention,
+)
 from hstu_export.package import (
+    OP_NAMESPACE,
     check_target,
     commit,
     device_info,
@@ -43,8 +49,6 @@ from hstu_export.verify import (
     mismatch_summary,
     verification_batches,
 )
-
-OP_NAMESPACE = "hstu_export"
 
 BATCH_DIM = "batch"
 Progress = Callable[[str], Any]  # called with a stage name; may return a context manager
@@ -115,8 +119,13 @@ def feature_dims(schema: InputSchema, ranges: ExportRanges) -> dict[str, dict[in
 
 
 def total_dim(lengths_name: str, ranges: ExportRanges) -> DimSpec:
-    top = max(ranges.max_batch_size, 2) * ranges.max_lengths[lengths_name]
-    return DimSpec(f"{lengths_name}.total", 1, max(top, 4))
+    """The dim of values partitioned by ``lengths_name``: its own dynamic size, or ``k * batch`` when
+    every user has exactly k values (a contextual feature with one id per user)."""
+    b_max = max(ranges.max_batch_size, 2)
+    fixed = ranges.max_lengths[lengths_name]
+    if fixed >= 1 and ranges.min_lengths[lengths_name] == fixed:
+        return DimSpec(BATCH_DIM, 1, b_max, scale=fixed)
+    return DimSpec(f"{lengths_name}.total", 1, max(b_max * ranges.max_lengths[lengths_name], 4))
 
 
 def export_example_batch(schema: InputSchema, ranges: ExportRanges, seed: int) -> dict[str, Tensor]:
@@ -124,13 +133,15 @@ def export_example_batch(schema: InputSchema, ranges: ExportRanges, seed: int) -
     specialises a dim to 0/1 nor unifies two independent dims that happen to be equal."""
     b = 3 if ranges.max_batch_size >= 3 else 2
     canonical = [f for f in schema.lengths_features() if not f.same_as]
+    fixed = {f.name for f in canonical if ranges.min_lengths[f.name] == ranges.max_lengths[f.name]}
     for attempt in range(200):
         gen = torch.Generator().manual_seed(seed + attempt)
         chosen = {}
         for f in canonical:
             lo, hi = max(ranges.min_lengths[f.name], 1), ranges.max_lengths[f.name]
             chosen[f.name] = torch.randint(lo, max(hi, lo) + 1, (b,), generator=gen).tolist()
-        sizes = [b] + [sum(v) for v in chosen.values()]
+        # Fixed-length features have k * batch values: a derived dim, not one that must differ.
+        sizes = [b] + [sum(v) for name, v in chosen.items() if name not in fixed]
         if min(sizes) >= 2 and len(set(sizes)) == len(sizes):
             return generate_batch(schema, b, seed=seed, lengths=chosen)
     raise ConfigError("cannot build an export example batch with distinct dynamic sizes; widen the length ranges")
@@ -189,7 +200,6 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
         hints = model_hints(bundle.model)
         op_mappings = {**hints.mappings, **settings.op_mappings}
         functions = function_mappings(op_mappings)
-        _check_attention_scale(settings, functions)
         try:
             ranges: ExportRanges | None = export_ranges(schema, settings, hints.ranges)
         except ConfigError:
@@ -207,6 +217,7 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
     with _timed(timings, progress, "trace"), torch.no_grad():
         gm = trace(eager, example, leaf_modules=settings.leaf_modules, schema=schema,
                    opaque_functions=[*settings.opaque_functions, *imported_functions(list(functions))])
+        _check_attention_scale(settings, gm, functions)
     with _timed(timings, progress, "passes"), torch.no_grad():
         ctx = PassContext(
             example_inputs=schema.to_graph_inputs(example), model=eager, schema=schema, op_target=op_target,
@@ -374,13 +385,13 @@ def _eager_reference(eager: nn.Module, schema: InputSchema, settings: ExportSett
     return run
 
 
-def _check_attention_scale(settings: ExportSettings, functions: dict[str, Any]) -> None:
+def _check_attention_scale(settings: ExportSettings, gm: torch.fx.GraphModule, functions: dict[str, Any]) -> None:
     if settings.attention_scale == "batch":
         return
-    missing = [name for name, m in functions.items() if m.fixed_scale is None and imported_functions([name])]
+    missing = unscalable_attention(gm, functions)
     if missing:
         raise ConfigError(
-            f"--attention-scale {settings.attention_scale}: verification runs the model's own functions with that "
+            f"--attention-scale {settings.attention_scale}: verification runs the model's own attention with that "
             f"scale, and {', '.join(missing)} cannot be run so; use --attention-scale batch"
         )
 
@@ -423,6 +434,7 @@ def _compile_inputs(result: Any, example: dict[str, Tensor], schema: InputSchema
         example_features=example, example_dense_inputs=dense_example,
         sparse_dynamic_dims={n: fdims[n] for n in sparse_names}, dense_dynamic_dims=dense_dims,
         settings=settings, combined=result.graph,
+        user_packages=frozenset(result.graph.meta.get("user_packages", ())),
     )
 
 

@@ -55,8 +55,11 @@ def int_to_tensor(value: int) -> Tensor:
 
 
 def tensor_to_int(value: Tensor) -> int:
-    """The dense part's side of :func:`int_to_tensor`."""
-    return int(value.item())
+    """The dense part's side of :func:`int_to_tensor` (an integer tensor's value; under torch.export an
+    unbacked size, which ``int()`` of it would demand as a number)."""
+    if torch.jit.is_scripting():
+        return int(value.item())
+    return value.item()  # type: ignore[return-value]
 
 
 @torch.jit.unused
@@ -81,11 +84,10 @@ def check_lengths_at_most(offsets: Tensor, bound: int) -> Tensor:
     """``offsets``, after checking no sequence they delimit is longer than ``bound`` (where a foreign
     jagged op would have cut it to ``bound`` rows and ours keeps it whole)."""
     if offsets.numel() > 1:
-        longest = int((offsets[1:] - offsets[:-1]).max().item())
         if torch.jit.is_scripting():
-            assert longest <= bound, "a sequence is longer than its bound"
+            assert int((offsets[1:] - offsets[:-1]).max().item()) <= bound, "a sequence is longer than its bound"
         else:
-            _check_le(longest, bound)
+            _check_le((offsets[1:] - offsets[:-1]).max().item(), bound)
     return offsets
 
 

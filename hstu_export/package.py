@@ -28,7 +28,9 @@ from hstu_export import __version__
 from hstu_export.errors import PackageError
 
 PACKAGE_FORMAT = "hstu-export-package"
-PACKAGE_FORMAT_VERSION = 1
+# 2: ops in the hstu_export:: namespace (1: hstu::), input schema with arguments, graph-input names.
+PACKAGE_FORMAT_VERSION = 2
+OP_NAMESPACE = "hstu_export"
 MANIFEST = "manifest.json"
 
 
@@ -290,7 +292,16 @@ def read_manifest(root: Path, verify_checksums: bool = True) -> dict[str, Any]:
         raise PackageError(f"{path} is corrupt: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != PACKAGE_FORMAT:
         raise PackageError(f"{path} is not an hstu-export manifest")
-    if manifest.get("format_version", 0) > PACKAGE_FORMAT_VERSION:
+    version = manifest.get("format_version", 0)
+    if isinstance(version, int) and version < PACKAGE_FORMAT_VERSION:
+        raise PackageError(
+            f"{root} is an hstu-export package of format {version} (its graphs call ops in the hstu:: namespace, "
+            f"now hstu_export::); this hstu-export ({__version__}) reads format {PACKAGE_FORMAT_VERSION}: re-export the "
+            "model with this version"
+        )
+    if manifest.get("op_namespace", OP_NAMESPACE) != OP_NAMESPACE:
+        raise PackageError(f"{root} calls ops in namespace {manifest.get('op_namespace')!r}, not {OP_NAMESPACE!r}")
+    if not isinstance(version, int) or version > PACKAGE_FORMAT_VERSION:
         raise PackageError(
             f"{root} has package format {manifest.get('format_version')}; this hstu-export ({__version__}) reads "
             f"up to {PACKAGE_FORMAT_VERSION}: upgrade hstu-export"

@@ -28,9 +28,11 @@ DENSE_FILE = "dense/dense.pt2"
 def export_dense(inputs: CompileInputs) -> torch.export.ExportedProgram:
     """torch.export of the dense graph with the shared named dynamic dims (non-strict: the graph is
     already an FX graph of plain calls)."""
+    from hstu_export.capture.opaque import export_builtins
+
     dynamic = torch_dynamic_shapes(inputs.dense_input_names, inputs.dense_dynamic_dims)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), export_builtins(set(inputs.user_packages)):
             return torch.export.export(
                 export_ready(inputs.dense), args=(), kwargs=inputs.example_dense_inputs, dynamic_shapes=dynamic,
                 strict=False,

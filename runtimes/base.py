@@ -26,12 +26,14 @@ Outputs = dict[str, Tensor]
 @dataclass(frozen=True)
 class DimSpec:
     """A named dynamic dimension and its range; dims with one name must be equal at run time. With an
-    ``offset`` the dim is the named one plus it (offsets: ``batch + 1``); min/max are the named dim's."""
+    ``offset`` or ``scale`` the dim is derived from the named one (offsets: ``batch + 1``; a feature with
+    k values per user: ``k * batch``); min/max are the named dim's."""
 
     name: str
     min: int
     max: int
     offset: int = 0
+    scale: int = 1  # the dim is name * scale + offset (a feature of fixed length k per user: k * batch)
 
 
 @dataclass
@@ -50,6 +52,8 @@ class CompileInputs:
     settings: ExportSettings
     # The whole model as one GraphModule (calls ``sparse`` then ``dense``), for single-artifact backends.
     combined: GraphModule | None = None
+    # Top-level packages of the user's code (opaque calls into it run during torch.export).
+    user_packages: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -131,7 +135,8 @@ def torch_dynamic_shapes(
         for axis, spec in dims.get(input_name, {}).items():
             if spec.name not in made:
                 made[spec.name] = torch.export.Dim(_identifier(spec.name), min=spec.min, max=spec.max)
-            axes[axis] = made[spec.name] + spec.offset if spec.offset else made[spec.name]
+            dim = made[spec.name] * spec.scale if spec.scale != 1 else made[spec.name]
+            axes[axis] = dim + spec.offset if spec.offset else dim
         result[input_name] = axes
     return result
 

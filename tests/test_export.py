@@ -243,6 +243,21 @@ def test_flipped_byte_fails_checksum(packages, tmp_path):
     assert cli_main(["run", str(copy), "--batch", str(copy.parent / "nope.pt")]) == 2
 
 
+def test_package_of_the_old_op_namespace_is_refused(packages, tmp_path, capsys):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(packages["torchscript"].path, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["format_version"] = 1  # written before our ops moved from hstu:: to hstu_export::
+    manifest.pop("op_namespace")
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackageError, match="format 1 .*hstu:: namespace.*re-export"):
+        hstu_export.load(old)
+    assert cli_main(["verify", str(old)]) == 2
+    assert "re-export the model" in capsys.readouterr().err
+
+
 def test_failed_parity_writes_nothing(bundle, tmp_path):
     class Perturb:
         name = "perturb_outputs"

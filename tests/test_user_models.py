@@ -333,3 +333,33 @@ def test_root_control_flow_names_file_and_line() -> None:
     schema, flat = _flat(model, pooled.example_inputs(3, seed=0))
     with pytest.raises(TraceError, match=r"test_user_models\.py:\d+"):
         trace(model, flat, schema=schema)
+
+
+class HintedRanker(dlrm_hstu.DlrmHstu):
+    """The same model with its export hints in code: its attention mapping and its lengths ranges."""
+
+    hstu_export_hints = hstu_export.ExportHints(mappings={USER_ATTENTION: GR_ATTENTION}, ranges=RANGES_A)
+
+
+def build_hinted() -> HintedRanker:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return HintedRanker().eval()
+
+
+def test_hints_in_the_model_need_no_flags(tmp_path: Path) -> None:
+    from hstu_export.exporter import capture
+
+    model = build_hinted()
+    path = hstu_export.save_bundle(model, tmp_path / "hinted.pt", example_inputs=dlrm_hstu.example_inputs(3, seed=0),
+                                   factory="test_user_models:build_hinted")
+    bundle = hstu_export.load_bundle(path)
+    captured = capture(bundle, ExportSettings(max_batch_size=MAX_BATCH, check_each_pass=True), "aten")
+    assert captured.ranges is not None
+    assert captured.ranges.max_lengths["uih_features.uih_item_id.lengths"] == 12  # from the hints
+    stats = captured.result.report["map_ops"].stats
+    assert sum(stats["foreign"].values()) == 2
+    assert all(r.max_rel_error is not None and r.max_rel_error <= 1e-6 for r in captured.result.report)
+    # A flag adds to the hints: it narrows a range the hints stated.
+    narrower = capture(bundle, ExportSettings(max_batch_size=MAX_BATCH, lengths={"uih_features": (1, 6)}), "aten")
+    assert narrower.ranges.max_lengths["uih_features.uih_item_id.lengths"] == 6

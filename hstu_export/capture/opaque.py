@@ -89,6 +89,41 @@ TRACED_BUILTINS: dict[str, Any] = {
 }
 
 
+class _ExportIntMeta(_TracedBuiltinMeta):
+    """``int``/``float`` as torch.export can run them inside user code it traces through: of a tensor or
+    a symbolic number, the symbolic value (``int(lengths.max())`` becomes an unbacked size instead of
+    demanding the data); of anything else, the builtin."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs and isinstance(args[0], (torch.Tensor, torch.SymInt, torch.SymFloat)):
+            from hstu_export.runtimes.graph_io import symbolic_float, symbolic_int
+
+            return symbolic_int(args[0]) if cls._builtin is int else symbolic_float(args[0])
+        return cls._builtin(*args, **kwargs)
+
+
+EXPORT_BUILTINS: dict[str, Any] = {
+    "int": _ExportIntMeta("int", (), {"_builtin": int}),
+    "float": _ExportIntMeta("float", (), {"_builtin": float}),
+}
+
+
+@contextlib.contextmanager
+def export_builtins(packages: set[str]) -> Iterator[None]:
+    """While torch.export runs: ``int``/``float`` in the user's modules read tensors symbolically."""
+    undo: list[tuple[dict[str, Any], str]] = []
+    try:
+        for module in user_modules(packages):
+            for name, value in EXPORT_BUILTINS.items():
+                if name not in module.__dict__:
+                    module.__dict__[name] = value
+                    undo.append((module.__dict__, name))
+        yield
+    finally:
+        for namespace, name in undo:
+            namespace.pop(name, None)
+
+
 def is_library_module(module_name: str) -> bool:
     return module_name.partition(".")[0] in LIBRARY_PACKAGES or module_name.startswith("_")
 

@@ -212,6 +212,7 @@ def trace(
     gm.meta["schema"] = schema
     gm.meta["leaf_modules"] = list(tracer.leaf_modules)
     gm.meta["opaque_calls"] = [o.to_json() for o in opaque]
+    gm.meta["user_packages"] = sorted(packages)
     gm.meta["output_names"] = list(next(n for n in graph.nodes if n.op == "output").args[0])
     return gm
 
@@ -327,7 +328,8 @@ def _restore_module_state(model: nn.Module, state: list[tuple[nn.Module, dict[st
     proxy): tracing must leave the user's model as it was."""
     for module, saved in state:
         current = module.__dict__
-        for key in [k for k in current if k not in saved]:
+        # The tracer's own additions stay: tensor constants the graph reads with get_attr.
+        for key in [k for k in current if k not in saved and not k.startswith("_tensor_constant")]:
             del current[key]
         for key, value in saved.items():
             if current.get(key, _UNSET) is not value:

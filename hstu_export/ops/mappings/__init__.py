@@ -66,6 +66,7 @@ class FunctionMapping:
     defaults: dict[str, Any] = field(default_factory=dict)
     fixed_scale: Callable[[Callable[..., Any], dict[str, Any], int], Any] | None = None
     description: str = ""
+    attention: bool = False  # scaled by a max length: subject to --attention-scale
 
 
 @dataclass
@@ -149,7 +150,7 @@ def _user_rule(name: str, rule: str, table: dict[str, FunctionMapping]) -> Funct
     if rule in table:
         base = table[rule]
         return FunctionMapping(f"{base.library} (declared like {rule})", base.rewrite, base.defaults, None,
-                               base.description)
+                               base.description, base.attention)
     if rule.startswith("fn:"):
         module_name, _, fn_name = rule[3:].partition(":")
         try:
@@ -203,10 +204,9 @@ def fixed_attention_scale(scale: str, functions: dict[str, FunctionMapping], mod
     n = int(scale.partition(":")[2])
     replacements: dict[Any, Any] = {}
     for name, mapping in functions.items():
-        for fn in imported_functions([name]):
-            if mapping.fixed_scale is None:
-                raise ConfigError(f"{name} cannot run with a fixed attention scale; use --attention-scale batch")
-            replacements[fn] = _with_fixed_scale(fn, mapping, n)
+        if mapping.attention and mapping.fixed_scale is not None:
+            for fn in imported_functions([name]):
+                replacements[fn] = _with_fixed_scale(fn, mapping, n)
     with replaced_functions(user_packages(model) | {f.__module__.partition(".")[0] for f in replacements},
                             replacements):
         yield
@@ -223,3 +223,12 @@ def _with_fixed_scale(fn: Callable[..., Any], mapping: FunctionMapping, n: int) 
         return fixed(fn, dict(bound.arguments), n)
 
     return run
+
+
+def unscalable_attention(gm: torch.fx.GraphModule, functions: dict[str, FunctionMapping]) -> list[str]:
+    """Foreign attention functions the traced model calls that cannot run with a fixed scale (so
+    ``--attention-scale fixed:N`` could not be verified against the model)."""
+    called = {function_key(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+              for n in m.graph.nodes if n.op == "call_function"}
+    return sorted(name for name in called if name in functions and functions[name].attention
+                  and functions[name].fixed_scale is None)

@@ -11,8 +11,10 @@ Facts this table relies on (read from the library's public code, 2026-07 snapsho
 - ``triton_hstu_mha(N, ...)``/``triton_cached_hstu_mha(N, ...)`` (the TRITON kernel setting) are
   causal and divide by ``N``.
 - ``pytorch_concat_2D_jagged``/``pytorch_split_2D_jagged`` take optional offsets (a missing side is
-  dense: ``max_len * arange(B + 1)``) and pad to ``max_len``/``max_seq_len``; rows past that bound would
-  be dropped, which our ops never do, so the mapped graph checks at run time that none are.
+  dense: ``max_len * arange(B + 1)``). The concat pads each side to its ``max_len``, the split the
+  combined sequences to ``max_seq_len`` (its ``max_len_*`` only size a dense side; DlrmHSTU passes a
+  ``max_len_left`` without the contextual tokens there). Rows past a padding bound would be dropped,
+  which our ops never do, so the mapped graph checks at run time that none are.
 """
 
 from __future__ import annotations
@@ -84,8 +86,9 @@ def split_2D_jagged(call: MappingCall) -> Any:
         raise Unmappable("split_2D_jagged with neither offsets")
     other = given_right if given_left is None else given_left
     rows = other.size(0) - 1
-    offsets_left = _offsets(call, "offsets_left", "max_len_left", None, rows)
-    offsets_right = _offsets(call, "offsets_right", "max_len_right", None, rows)
+    # The split pads the combined sequences to max_seq_len only; max_len_* are read for a dense side.
+    offsets_left = _offsets(call, "offsets_left", "max_len_left", None, rows, check=False)
+    offsets_right = _offsets(call, "offsets_right", "max_len_right", None, rows, check=False)
     call.record(check_lengths_at_most, offsets_left + offsets_right, call["max_seq_len"])
     total_left = call.record(tensor_to_int, offsets_left[-1]) if given_left is not None else rows * call["max_len_left"]
     return torch.ops.hstu_export.split_2D_jagged.default(
@@ -93,9 +96,10 @@ def split_2D_jagged(call: MappingCall) -> Any:
     )
 
 
-def _offsets(call: MappingCall, offsets_key: str, max_len_key: str, rows_total: Any, batch: Any = None) -> Any:
-    """The offsets of one side: given ones (checked against the side's max_len when one is given), or
-    the dense side's ``max_len * arange(B + 1)``."""
+def _offsets(call: MappingCall, offsets_key: str, max_len_key: str, rows_total: Any, batch: Any = None,
+             check: bool = True) -> Any:
+    """The offsets of one side: given ones (with ``check``, checked against the side's max_len when one
+    is given: the side is padded to it), or the dense side's ``max_len * arange(B + 1)``."""
     offsets, max_len = call[offsets_key], call[max_len_key]
     if offsets is None:
         if max_len is None:
@@ -103,7 +107,7 @@ def _offsets(call: MappingCall, offsets_key: str, max_len_key: str, rows_total: 
         b = rows_total // max_len if batch is None else batch
         device = call["values_left" if "values_left" in call.arguments else "values"].device
         return max_len * torch.arange(b + 1, device=device)
-    if max_len is not None:
+    if max_len is not None and check:
         offsets = call.record(check_lengths_at_most, offsets, max_len)
     return offsets
 
@@ -119,14 +123,14 @@ _CACHED_DEFAULTS = {"num_targets": None, "max_attn_len": 0, "contextual_seq_len"
 
 FUNCTIONS: dict[str, FunctionMapping] = {
     _PT + "pytorch_hstu_mha": FunctionMapping(LIBRARY, hstu_mha, _MHA_DEFAULTS, _fixed_scale_attention,
-                                              "HSTU attention → hstu_export::hstu_mha"),
+                                              "HSTU attention → hstu_export::hstu_mha", attention=True),
     _PT + "pytorch_cached_hstu_mha": FunctionMapping(LIBRARY, cached_hstu_mha, _CACHED_DEFAULTS, None,
-                                                     "cached attention → hstu_export::cached_hstu_mha"),
+                                                     "cached attention → hstu_export::cached_hstu_mha", attention=True),
     _TRITON + "triton_hstu_mha": FunctionMapping(
         LIBRARY, triton_hstu_mha, {"num_targets": None, "max_attn_len": 0, "contextual_seq_len": 0}, None,
-        "HSTU attention (Triton) → hstu_export::hstu_mha"),
+        "HSTU attention (Triton) → hstu_export::hstu_mha", attention=True),
     _TRITON + "triton_cached_hstu_mha": FunctionMapping(LIBRARY, triton_cached_hstu_mha, _CACHED_DEFAULTS, None,
-                                                        "cached attention (Triton) → hstu_export::cached_hstu_mha"),
+                                                        "cached attention (Triton) → hstu_export::cached_hstu_mha", attention=True),
     _JAGGED + "pytorch_concat_2D_jagged": FunctionMapping(LIBRARY, concat_2D_jagged, {},
                                                           description="→ hstu_export::concat_2D_jagged"),
     _JAGGED + "pytorch_split_2D_jagged": FunctionMapping(LIBRARY, split_2D_jagged, {},

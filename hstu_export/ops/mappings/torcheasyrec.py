@@ -71,9 +71,9 @@ _CACHED_DEFAULTS = {"num_targets": None, "max_attn_len": 0, "contextual_seq_len"
 
 FUNCTIONS: dict[str, FunctionMapping] = {
     _PT + "pytorch_hstu_mha": FunctionMapping(LIBRARY, hstu_mha, _MHA_DEFAULTS, _fixed_scale,
-                                              "HSTU attention → hstu_export::hstu_mha"),
+                                              "HSTU attention → hstu_export::hstu_mha", attention=True),
     _PT + "pytorch_cached_hstu_mha": FunctionMapping(LIBRARY, cached_hstu_mha, _CACHED_DEFAULTS, _fixed_scale,
-                                                     "cached attention → hstu_export::cached_hstu_mha"),
+                                                     "cached attention → hstu_export::cached_hstu_mha", attention=True),
     _JAGGED + "pytorch_concat_2D_jagged": FunctionMapping(
         LIBRARY, gr.concat_2D_jagged, {"offsets_left": None, "offsets_right": None},
         description="→ hstu_export::concat_2D_jagged"),
