@@ -363,3 +363,21 @@ def test_hints_in_the_model_need_no_flags(tmp_path: Path) -> None:
     # A flag adds to the hints: it narrows a range the hints stated.
     narrower = capture(bundle, ExportSettings(max_batch_size=MAX_BATCH, lengths={"uih_features": (1, 6)}), "aten")
     assert narrower.ranges.max_lengths["uih_features.uih_item_id.lengths"] == 6
+
+
+def test_foreign_attention_lands_on_our_triton_kernel_for_cuda() -> None:
+    """On CUDA the op target is triton: the user's attention becomes our Triton kernel's op (checked on
+    the graph here; CUDA runs are in benchmarks/gpu_export_check.py)."""
+    pytest.importorskip("triton")
+    model = dlrm_hstu.build_ranker()
+    schema, flat = _flat(model, dlrm_hstu.example_inputs(3, seed=0))
+    from hstu_export.ops.mappings import function_mappings, imported_functions
+
+    mappings = {USER_ATTENTION: GR_ATTENTION}
+    gm = trace(model, flat, schema=schema, opaque_functions=imported_functions(list(function_mappings(mappings))))
+    ctx = PassContext(example_inputs=schema.to_graph_inputs(flat), schema=schema, op_mappings=mappings,
+                      op_target="triton")
+    result = run_passes(gm, ctx, skip=["eliminate_dead_code"])
+    targets = [str(n.target) for n in result.dense.graph.nodes if n.op == "call_function"]
+    assert targets.count("hstu_export.hstu_mha_triton.default") == 2
+    assert not [t for t in targets if t.startswith("fbgemm.")]  # fbgemm jagged ops went to our kernels too

@@ -4,6 +4,8 @@ half of a model that calls fbgemm directly still exports to ONNX and TensorRT.""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -42,7 +44,7 @@ def fbgemm_jagged_to_padded_dense_as_triton(
     values: Tensor, offsets: list[Tensor], max_lengths: list[int], padding_value: float = 0.0
 ) -> Tensor:
     _one_jagged_dim(offsets)
-    return torch.ops.hstu_export.jagged_to_padded_dense_triton(values, offsets[0], max_lengths[0], padding_value)
+    return _triton_ops().jagged_to_padded_dense_triton(values, offsets[0], max_lengths[0], padding_value)
 
 
 def fbgemm_dense_to_jagged_as_aten(dense: Tensor, x_offsets: list[Tensor], total_L: int | None = None) -> tuple:
@@ -52,7 +54,7 @@ def fbgemm_dense_to_jagged_as_aten(dense: Tensor, x_offsets: list[Tensor], total
 
 def fbgemm_dense_to_jagged_as_triton(dense: Tensor, x_offsets: list[Tensor], total_L: int | None = None) -> tuple:
     _one_jagged_dim(x_offsets)
-    return torch.ops.hstu_export.dense_to_jagged_triton(dense, x_offsets[0], total_L), x_offsets
+    return _triton_ops().dense_to_jagged_triton(dense, x_offsets[0], total_L), x_offsets
 
 
 def complete_cumsum(t_in: Tensor) -> Tensor:
@@ -62,6 +64,12 @@ def complete_cumsum(t_in: Tensor) -> Tensor:
 def jagged_dense_add_as_aten(x_values: Tensor, x_offsets: list[Tensor], y: Tensor) -> tuple:
     _one_jagged_dim(x_offsets)
     return x_values + reference.dense_to_jagged_reference(y, x_offsets[0], x_values.size(0)), x_offsets
+
+
+def _triton_ops() -> Any:
+    import hstu_export.ops._triton  # noqa: F401  (registers the hstu_export::*_triton ops)
+
+    return torch.ops.hstu_export
 
 
 def _one_jagged_dim(offsets: list[Tensor]) -> None:
