@@ -127,11 +127,19 @@ def describe(model: str, allow_pickle: bool, imports: tuple[str, ...], verbose: 
             table.add_row(t["name"], f"{t['num_embeddings']:,}", str(t["embedding_dim"]),
                           human_bytes(t["bytes"]), ", ".join(t["feature_names"]))
         console.print(table)
-    table = Table("example batch", "shape", "dtype", box=None, pad_edge=False)
-    for name, (shape, dtype) in info["example_batch"].items():
-        table.add_row(name, str(list(shape)), dtype)
-    console.print(table)
-
+    if info["source"]:
+        console.print(f"source: {escape(info['source'])}", soft_wrap=True)
+    if info["arguments"]:
+        console.print(escape(f"forward({', '.join(info['arguments'])})"), soft_wrap=True)
+    # Plain lines, not a table: feature names are long and must never be cut.
+    shapes = info["example_batch"]
+    rows = [("request feature", "dtype", "example", "range", "kind")]
+    rows += [(f["name"], f["dtype"], str(list(shapes.get(f["name"], ((), ""))[0])), f["range"], f["kind"])
+             for f in info["features"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for i, row in enumerate(rows):
+        line = "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4]
+        console.print(f"[bold]{escape(line)}[/bold]" if i == 0 else escape(line), soft_wrap=True)
 
 
 def _stage_progress(quiet: bool) -> Any:

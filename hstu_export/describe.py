@@ -33,11 +33,44 @@ def sparse_tables(model: nn.Module) -> list[dict[str, Any]]:
 def describe_bundle(bundle: ModelBundle) -> dict[str, Any]:
     params = list(bundle.model.parameters()) + list(bundle.model.buffers())
     config = bundle.config_dict or {}
+    schema = bundle.input_schema
+    source = bundle.source or {}
     return {
         "model_name": bundle.model_name,
+        "source": {"factory": f"factory {source.get('factory')}", "registered": "registered model",
+                   "pickled": "pickled module"}.get(source.get("kind", ""), ""),
+        "arguments": [_argument_text(a) for a in schema.arguments],
+        "features": [{"name": f.name, "kind": _kind_text(f), "dtype": f.dtype, "range": _range_text(f)}
+                     for f in schema.features],
         "config": config,
         "num_parameters": sum(p.numel() for p in params),
         "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         "sparse_tables": sparse_tables(bundle.model),
         "example_batch": {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in bundle.example_batch.items()},
     }
+
+
+def _argument_text(arg: Any) -> str:
+    if arg.optional_absent:
+        return f"{arg.name}=None"
+    if arg.kind == "kjt":
+        return f"{arg.name}: KeyedJaggedTensor[{', '.join(arg.keys)}]"
+    if arg.kind == "dict":
+        return f"{arg.name}: dict[{', '.join(arg.keys)}]"
+    return f"{arg.name}: Tensor"
+
+
+def _kind_text(f: Any) -> str:
+    if f.kind == "jagged":
+        return f"jagged by {f.jagged_by}"
+    if f.kind == "lengths" and f.same_as:
+        return f"lengths (= {f.same_as})"
+    return f.kind
+
+
+def _range_text(f: Any) -> str:
+    if f.min_value is None and f.max_value is None:
+        return ""
+    lo = "" if f.min_value is None else f.min_value
+    hi = "not stated" if f.max_value is None and f.kind == "lengths" else ("" if f.max_value is None else f.max_value)
+    return f"{lo}..{hi}"

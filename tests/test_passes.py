@@ -417,3 +417,42 @@ def test_skip_and_results_without_split(tiny: HstuRankingModel) -> None:
     with pytest.raises(ConfigError, match="did not run split_sparse_dense"):
         result.run(batch)
     assert max_rel_error(result.graph(**batch), tiny(batch)) == 0.0
+
+
+def _longest(jt: Any) -> int:
+    """A helper reading a JaggedTensor into a Python int (kept opaque: it takes the structure itself)."""
+    return int(jt.lengths().max())
+
+
+class _OffsetsAndInt(nn.Module):
+    """Dense code reading a lookup's offsets and an int a helper computes from the lookup's result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ec = EmbeddingCollection(
+            tables=[EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["ids"])],
+            device=torch.device("cpu"),
+        )
+
+    def forward(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
+        jt = self.ec(build_kjt(["ids"], [features["ids"]], [features["lengths"]]))["ids"]
+        offsets = jt.offsets()
+        longest = _longest(jt)
+        first = jt.values()[offsets[:-1]]  # each user's first item
+        return {"score": first.sum(-1) * longest + offsets[1:].float()}
+
+
+def test_offsets_and_ints_cross_the_boundary() -> None:
+    model = _OffsetsAndInt()
+    batch = _toy_batch()
+    gm = trace(model, batch, opaque_functions=[_longest])
+    result = run_passes(gm, PassContext(example_inputs=batch, schema=_toy_schema()))
+    crossing = {t.name: t for t in result.boundary.sparse_outputs}
+    assert crossing["ec__ids__offsets"].shape == ("batch+1",)
+    [scalar] = [t for t in crossing.values() if t.shape == ()]  # the int, carried as a 0-d tensor
+    assert scalar.dtype == "int64"
+    for seed in range(3):
+        lengths = torch.randint(1, 5, (2 + seed,), generator=torch.Generator().manual_seed(seed))
+        other = {"lengths": lengths, "ids": torch.randint(0, 10, (int(lengths.sum()),)),
+                 "weight": torch.rand(int(lengths.sum()))}
+        torch.testing.assert_close(result.run(other)["score"], model(other)["score"], rtol=0, atol=0)
