@@ -91,6 +91,29 @@ def check_lengths_at_most(offsets: Tensor, bound: int) -> Tensor:
     return offsets
 
 
+@torch.jit.unused
+def _check_range_eager(value: Tensor, low: int, high: int, rows: int, what: str) -> None:
+    torch._check(value.size(0) <= rows, lambda: f"{what} has {value.size(0)} rows, beyond the exported {rows}")
+    if value.numel() > 0:
+        lowest, highest = value.min().item(), value.max().item()
+        torch._check(lowest >= low, lambda: f"{what} has value {lowest}, below the exported minimum {low}")
+        torch._check(highest <= high, lambda: f"{what} has value {highest}, beyond the exported maximum {high}")
+
+
+@has_side_effect
+def check_range(value: Tensor, low: int, high: int, rows: int, what: str) -> Tensor:
+    """``value``, after checking it has at most ``rows`` rows and values in [low, high]: a request
+    feature checked by the artifact itself (a runtime assertion in exported programs)."""
+    if torch.jit.is_scripting():
+        assert value.size(0) <= rows, what + " has more rows than the package was exported for"
+        if value.numel() > 0:
+            assert int(value.min()) >= low, what + " has a value below the exported range"
+            assert int(value.max()) <= high, what + " has a value beyond the exported range"
+    else:
+        _check_range_eager(value, low, high, rows, what)
+    return value
+
+
 def per_user_as_jagged(value: Tensor) -> Tensor:
     """Per-user ids ``[B]`` as jagged values with length 1 each: ``[B]`` -> lengths ``[B]`` of ones."""
     return torch.ones_like(value)
@@ -105,6 +128,7 @@ WRAPPED_FUNCTIONS: tuple[Callable[..., object], ...] = (
     tensor_to_int,
     check_at_most,
     check_lengths_at_most,
+    check_range,
 )
 
 for _fn in WRAPPED_FUNCTIONS:

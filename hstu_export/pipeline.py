@@ -63,6 +63,7 @@ class PassContext:
     # data-dependent ints on them, which bound the padding of mapped foreign attention.
     probe_inputs: list[dict[str, Tensor]] = field(default_factory=list)
     attention_scale: str = "batch"  # "batch" (the model's own, from the batch) or "fixed:N"
+    ranges: Any = None  # the export's ExportRanges: guard_ranges makes the artifacts check them
     op_mappings: dict[str, str] = field(default_factory=dict)  # extra foreign-function mappings
     # The user's model on graph inputs -> flat named outputs (check_each_pass's eager reference).
     reference: Any = None

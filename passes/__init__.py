@@ -29,6 +29,7 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("observe_values", "observe_values:ObserveValues"),
     PassSpec("mark_sparse_dense", "mark_sparse_dense:MarkSparseDense"),
     PassSpec("split_sparse_dense", "split_sparse_dense:SplitSparseDense"),
+    PassSpec("guard_ranges", "guard_ranges:GuardRanges"),
     PassSpec("remove_boundary_marks", "remove_boundary_marks:RemoveBoundaryMarks"),
     # Operator mapping (reads ctx.op_target and ctx.allow_unmapped); runs on both halves after the split.
     PassSpec("map_ops", "map_ops:MapOps"),

@@ -258,6 +258,42 @@ def test_package_of_the_old_op_namespace_is_refused(packages, tmp_path, capsys):
     assert "re-export the model" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("backend", ["aoti", "torchscript"])
+def test_stock_loaders_refuse_requests_beyond_the_exported_ranges(packages, backend):
+    """The artifacts check their inputs themselves: loaded without hstu_export's predictor (as a C++ or
+    stock-PyTorch server would), a history longer than exported or an id past its table is refused."""
+    import torch._inductor
+
+    result = packages[backend]
+    root, manifest = result.path, result.manifest
+    files = manifest["backend"]["files"]
+    schema = hstu_export.InputSchema.from_json(manifest["input_schema"])
+    max_history = manifest["ranges"]["lengths"]["max_lengths"]["uih_lengths"]
+    if backend == "torchscript":
+        module = torch.jit.load(str(root / files["model"]))
+        run = lambda batch: module(**schema.to_graph_inputs(batch))  # noqa: E731
+    else:
+        sparse = torch.jit.load(str(root / files["sparse"]))
+        dense = torch._inductor.aoti_load_package(str(root / files["dense"]))
+
+        def run(batch):
+            inputs = schema.to_graph_inputs(batch)
+            boundary = sparse(**{n: inputs[n] for n in manifest["sparse_input_names"]})
+            return dense(**{n: (boundary[n] if n in boundary else inputs[n]).contiguous()
+                            for n in manifest["dense_input_names"]})
+
+    good = generate_batch(schema, 2, seed=5)
+    run(good)  # within range: runs
+    too_long = generate_batch(schema, 2, seed=5, lengths={"uih_lengths": [max_history + 4, 3]})
+    with pytest.raises(Exception, match="uih_lengths"):
+        run(too_long)
+    past_table = dict(good, uih_item_ids=good["uih_item_ids"].clone())
+    past_table["uih_item_ids"][0] = schema.get("uih_item_ids").max_value + 1
+    with pytest.raises(Exception, match="uih_item_ids"):
+        run(past_table)
+    assert {p["name"]: p for p in manifest["passes"]}["guard_ranges"]["stats"]["sparse_checks"] >= 5
+
+
 def test_failed_parity_writes_nothing(bundle, tmp_path):
     class Perturb:
         name = "perturb_outputs"

@@ -400,7 +400,7 @@ def test_pass_selection_errors(tiny: HstuRankingModel) -> None:
     gm = trace(tiny, batch)
     ctx = PassContext(example_inputs=batch)
     with pytest.raises(
-        ConfigError, match="unknown pass 'fold_everything'; known passes: prune_unused, observe_values, mark_sparse_dense, split_sparse_dense"
+        ConfigError, match="unknown pass 'fold_everything'; known passes: prune_unused, observe_values, mark_sparse_dense, split_sparse_dense, guard_ranges"
     ):
         run_passes(gm, ctx, passes=["prune_unused", "fold_everything"])
     with pytest.raises(ConfigError, match=r"unknown pass.*to skip.*'nope'"):

@@ -1,0 +1,73 @@
+"""guard_ranges: the exported ranges travel inside the artifacts.
+
+The Python predictor validates every request, but a package's artifacts also load with stock PyTorch
+(``torch.jit.load``, ``aoti_load_package``) and from C++, where nothing would stop a history longer than
+the export's maximum or an id past a table's end from reaching compiled code. This pass makes the graphs
+check their own inputs: each request feature a graph takes (the sparse half takes most of them; the
+dense half checks those it takes that the sparse half does not) goes through ``check_range``, which
+raises on a value outside [min, max] (lengths against the exported lengths, ids against the tables, the
+number of users against the maximum batch size). In an exported program the checks are runtime
+assertions; in TorchScript, asserts.
+
+Runs after the split (``recursive = False``: it edits both halves); needs ``ctx.ranges`` (set by the
+exporter) and does nothing without them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.fx
+
+from hstu_export.boundary import DENSE, SPARSE
+from hstu_export.graph_functions import check_range
+
+if TYPE_CHECKING:
+    from hstu_export.pipeline import PassContext
+
+NO_LIMIT = 2**62
+
+
+class GuardRanges:
+    name = "guard_ranges"
+    recursive = False
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+        schema, ranges = ctx.schema, ctx.ranges
+        sparse, dense = getattr(gm, SPARSE, None), getattr(gm, DENSE, None)
+        if schema is None or ranges is None or not isinstance(sparse, torch.fx.GraphModule):
+            ctx.add_stat("skipped", "no exported ranges (inspect) or no split")
+            return gm
+        limits = {}
+        for f in schema.features:
+            if f.kind == "lengths":
+                limits[f.graph_name] = (ranges.min_lengths[f.name], ranges.max_lengths[f.name], f.name)
+            elif f.min_value is not None or f.max_value is not None:
+                if f.torch_dtype.is_floating_point:
+                    continue
+                limits[f.graph_name] = (f.min_value, f.max_value, f.name)
+        per_user = {f.graph_name for f in schema.features if f.kind in ("lengths", "per_user")}
+        checked_in_sparse: set[str] = set()
+        for half, graph_module in ((SPARSE, sparse), (DENSE, dense)):
+            if not isinstance(graph_module, torch.fx.GraphModule):
+                continue
+            count = 0
+            for node in [n for n in graph_module.graph.nodes if n.op == "placeholder"]:
+                name = str(node.target)
+                if name not in limits or (half == DENSE and name in checked_in_sparse) or not node.users:
+                    continue
+                low, high, feature = limits[name]
+                rows = ranges.max_batch_size if name in per_user else NO_LIMIT
+                with graph_module.graph.inserting_after(node):
+                    check = graph_module.graph.call_function(
+                        check_range, (node, NO_LIMIT * -1 if low is None else low, NO_LIMIT if high is None else high,
+                                      rows, feature))
+                for user in [u for u in node.users if u is not check]:
+                    user.replace_input_with(node, check)
+                check.meta.update(node.meta)
+                count += 1
+                if half == SPARSE:
+                    checked_in_sparse.add(name)
+            graph_module.recompile()
+            ctx.add_stat(f"{half}_checks", count)
+        return gm
