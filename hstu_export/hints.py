@@ -16,13 +16,13 @@ Command-line options add to the hints; they never remove one.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from torch import nn
 
 from hstu_export.errors import ConfigError
+from hstu_export.qualified_names import import_object, split_name
 
 HINTS_ATTRIBUTE = "hstu_export_hints"
 
@@ -64,17 +64,10 @@ def resolve_callable(spec: Any) -> Any:
         return spec
     if not isinstance(spec, str):
         raise ConfigError(f"{spec!r} is neither a callable nor a qualified function name")
-    module_name, sep, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
-    if not sep or not module_name or not attr:
+    module_name, attr = split_name(spec)
+    if not module_name:
         raise ConfigError(f"{spec!r} is not a qualified function name (module.function)")
-    try:
-        value: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import {module_name!r} for {spec!r}: {exc}") from None
-    for part in attr.split("."):
-        value = getattr(value, part, None)
-        if value is None:
-            raise ConfigError(f"{spec!r}: {module_name} has no attribute {attr!r}")
+    value = import_object(module_name, attr, repr(spec), ConfigError)
     if not callable(value):
         raise ConfigError(f"{spec!r} is not callable")
     return value

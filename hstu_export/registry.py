@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from hstu_export.errors import ModelRegistryError
+from hstu_export.qualified_names import import_object, split_name
 
 ENTRY_POINT_GROUP = "hstu_export.models"
 
@@ -114,21 +115,10 @@ def factory_path(factory: str | Callable[..., Any]) -> str:
 
 def resolve_factory(path: str) -> Callable[..., nn.Module]:
     """The function named by ``"package.module:function"`` (the module is imported)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
+    module_name, attr = split_name(path, colon_only=True)
+    if not module_name:
         raise ModelRegistryError(f"factory {path!r} must be written 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or whatever the module raises while importing
-        raise ModelRegistryError(
-            f"cannot import {module_name!r} for factory {path!r} ({type(exc).__name__}: {exc}); install it or "
-            "put it on PYTHONPATH"
-        ) from None
-    value: Any = module
-    for part in attr.split("."):
-        value = getattr(value, part, None)
-        if value is None:
-            raise ModelRegistryError(f"factory {path!r}: module {module_name} has no {attr!r}")
+    value = import_object(module_name, attr, f"factory {path!r}", ModelRegistryError)
     if not callable(value):
         raise ModelRegistryError(f"factory {path!r} is not callable")
     return value  # type: ignore[no-any-return]

@@ -124,15 +124,9 @@ def _merge_repeated_accessors(graph: torch.fx.Graph) -> int:
 
 def _sparse_region(graph: torch.fx.Graph, structured: set[torch.fx.Node]) -> set[torch.fx.Node]:
     """Structured nodes, their ancestors, and (to a fixed point) every node reading a structure or a
-    container that came out of the region."""
+    container that came out of the region, with its ancestors."""
     region: set[torch.fx.Node] = set()
-    stack = list(structured)
-    while stack:
-        node = stack.pop()
-        if node in region or node.op == "placeholder":
-            continue
-        region.add(node)
-        stack.extend(node.all_input_nodes)
+    _add_with_ancestors(region, structured)
     changed = True
     while changed:
         changed = False
@@ -140,15 +134,19 @@ def _sparse_region(graph: torch.fx.Graph, structured: set[torch.fx.Node]) -> set
             if node in region or node.op in ("output", "placeholder"):
                 continue
             if any(i in region and i.meta.get("value_kind") in CONTAINER_KINDS for i in node.all_input_nodes):
-                stack = [node]
-                while stack:
-                    n = stack.pop()
-                    if n in region or n.op == "placeholder":
-                        continue
-                    region.add(n)
-                    stack.extend(n.all_input_nodes)
+                _add_with_ancestors(region, {node})
                 changed = True
     return region
+
+
+def _add_with_ancestors(region: set[torch.fx.Node], roots: set[torch.fx.Node]) -> None:
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in region or node.op == "placeholder":
+            continue
+        region.add(node)
+        stack.extend(node.all_input_nodes)
 
 
 def _descendants(roots: set[torch.fx.Node]) -> set[torch.fx.Node]:

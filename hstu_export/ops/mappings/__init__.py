@@ -37,6 +37,7 @@ import torch.fx
 
 from hstu_export.errors import ConfigError, UnmappedOpsError
 from hstu_export.ops.mappings import fbgemm, ours
+from hstu_export.qualified_names import import_object, split_name
 
 MAPPINGS: dict[str, dict[str, str]] = {**ours.OPS, **fbgemm.OPS}
 
@@ -152,12 +153,10 @@ def _user_rule(name: str, rule: str, table: dict[str, FunctionMapping]) -> Funct
         return FunctionMapping(f"{base.library} (declared like {rule})", base.rewrite, base.defaults, None,
                                base.description, base.attention)
     if rule.startswith("fn:"):
-        module_name, _, fn_name = rule[3:].partition(":")
-        try:
-            rewrite = getattr(importlib.import_module(module_name), fn_name)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"mapping for {name}: cannot load rewrite {rule!r} ({exc})") from None
-        return FunctionMapping("user", rewrite)
+        module_name, attr = split_name(rule[3:], colon_only=True)
+        if not module_name:
+            raise ConfigError(f"mapping for {name}: write the rewrite as fn:package.module:function, not {rule!r}")
+        return FunctionMapping("user", import_object(module_name, attr, f"the rewrite of {name}", ConfigError))
     known = ", ".join(sorted(table))
     raise ConfigError(f"mapping for {name}: {rule!r} is neither a known function ({known}) nor fn:module:function")
 

@@ -19,6 +19,7 @@ Facts this table relies on (read from the library's public code, 2026-07 snapsho
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from hstu_export.graph_functions import check_lengths_at_most, tensor_to_int
 from hstu_export.ops.mappings import FunctionMapping, MappingCall, Unmappable
 
 LIBRARY = "generative-recommenders"
+Divisor = Callable[[MappingCall, Any], Any]
 _PT = "generative_recommenders.ops.pytorch.pt_hstu_attention."
 _TRITON = "generative_recommenders.ops.triton.triton_hstu_attention."
 _JAGGED = "generative_recommenders.ops.pytorch.pt_jagged_tensors."
@@ -35,39 +37,50 @@ _JAGGED = "generative_recommenders.ops.pytorch.pt_jagged_tensors."
 def hstu_mha(call: MappingCall) -> Any:
     if call["attn_scale"] is not None:
         raise Unmappable("attn_scale (a per-position scale) has no equivalent in hstu_export::hstu_mha")
+    check_inference_only(call)
+    return attention(call, "max_seq_len", call["causal"])
+
+
+def triton_hstu_mha(call: MappingCall) -> Any:
+    return attention(call, "N", True)
+
+
+def check_inference_only(call: MappingCall) -> None:
+    """Arguments of the PyTorch attention that only training uses (or that no model of the library sets)."""
     if call["min_full_attn_seq_len"]:
         raise Unmappable("min_full_attn_seq_len > 0 has no equivalent in hstu_export::hstu_mha")
     if call["dropout_pr"] and call["training"]:
         raise Unmappable("dropout in training mode is not exported")
-    return _attention(call, "max_seq_len", call["causal"])
 
 
-def triton_hstu_mha(call: MappingCall) -> Any:
-    return _attention(call, "N", True)
+def _runtime_divisor(call: MappingCall, runtime: Any) -> Any:
+    return call.scaling(runtime)
 
 
-def _attention(call: MappingCall, length_key: str, causal: Any) -> Any:
+def attention(call: MappingCall, length_key: str, causal: Any, divisor: Divisor = _runtime_divisor) -> Any:
+    """Our attention op over the call's q/k/v: padded to the bound of ``length_key`` seen at the
+    export's maxima (checked at run time), divided by ``divisor(call, runtime length)``."""
     bound, runtime = call.checked_bound(length_key)
     return torch.ops.hstu_export.hstu_mha.default(
-        call["q"], call["k"], call["v"], call["seq_offsets"], bound, call.scaling(runtime), call["alpha"], causal,
+        call["q"], call["k"], call["v"], call["seq_offsets"], bound, divisor(call, runtime), call["alpha"], causal,
         call["num_targets"], call["contextual_seq_len"], call["max_attn_len"],
     )  # fmt: skip
 
 
 def cached_hstu_mha(call: MappingCall) -> Any:
-    return _cached_attention(call, "max_seq_len")
+    return cached_attention(call, "max_seq_len")
 
 
 def triton_cached_hstu_mha(call: MappingCall) -> Any:
-    return _cached_attention(call, "N")
+    return cached_attention(call, "N")
 
 
-def _cached_attention(call: MappingCall, length_key: str) -> Any:
+def cached_attention(call: MappingCall, length_key: str, divisor: Divisor = _runtime_divisor) -> Any:
     bound, runtime = call.checked_bound(length_key)
     delta_q, offsets = call["delta_q"], call["seq_offsets"]
     delta_size = delta_q.size(0) // (offsets.size(0) - 1)
     return torch.ops.hstu_export.cached_hstu_mha.default(
-        delta_q, call["k"], call["v"], offsets, delta_size, bound, call.scaling(runtime), call["alpha"],
+        delta_q, call["k"], call["v"], offsets, delta_size, bound, divisor(call, runtime), call["alpha"],
         call["num_targets"], call["contextual_seq_len"], call["max_attn_len"],
     )  # fmt: skip
 

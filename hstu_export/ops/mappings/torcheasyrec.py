@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from hstu_export.ops.mappings import FunctionMapping, MappingCall, Unmappable
 from hstu_export.ops.mappings import generative_recommenders as gr
 
@@ -40,25 +38,12 @@ def _divisor(call: MappingCall, runtime: Any) -> Any:
 def hstu_mha(call: MappingCall) -> Any:
     if call["attn_func"] is not None:
         raise Unmappable("attn_func (an arbitrary attention mask) has no equivalent in hstu_export::hstu_mha")
-    if call["min_full_attn_seq_len"]:
-        raise Unmappable("min_full_attn_seq_len > 0 has no equivalent in hstu_export::hstu_mha")
-    if call["dropout_pr"] and call["training"]:
-        raise Unmappable("dropout in training mode is not exported")
-    bound, runtime = call.checked_bound("max_seq_len")
-    return torch.ops.hstu_export.hstu_mha.default(
-        call["q"], call["k"], call["v"], call["seq_offsets"], bound, _divisor(call, runtime), call["alpha"],
-        call["causal"], call["num_targets"], call["contextual_seq_len"], call["max_attn_len"],
-    )  # fmt: skip
+    gr.check_inference_only(call)
+    return gr.attention(call, "max_seq_len", call["causal"], _divisor)
 
 
 def cached_hstu_mha(call: MappingCall) -> Any:
-    bound, runtime = call.checked_bound("max_seq_len")
-    delta_q, offsets = call["delta_q"], call["seq_offsets"]
-    delta_size = delta_q.size(0) // (offsets.size(0) - 1)
-    return torch.ops.hstu_export.cached_hstu_mha.default(
-        delta_q, call["k"], call["v"], offsets, delta_size, bound, _divisor(call, runtime), call["alpha"],
-        call["num_targets"], call["contextual_seq_len"], call["max_attn_len"],
-    )  # fmt: skip
+    return gr.cached_attention(call, "max_seq_len", _divisor)
 
 
 def _fixed_scale(original: Any, arguments: dict[str, Any], n: int) -> Any:
