@@ -32,7 +32,7 @@ from hstu_export.errors import ConfigError, TraceError
 from hstu_export.graph_functions import WRAPPED_FUNCTIONS, build_kjt, build_weighted_kjt
 from hstu_export.hints import model_hints, resolve_callable
 from hstu_export.outputs import output_items
-from hstu_export.schema import FeatureSpec, InputSchema, kjt_feature_names
+from hstu_export.schema import InputSchema, kjt_feature_names
 
 # Modules holding embedding tables: the sparse side of the split. Their forward takes a
 # KeyedJaggedTensor and runs data-dependent lookups, so they are also leaves of the trace.
@@ -390,7 +390,3 @@ def _flat_outputs(graph: torch.fx.Graph) -> torch.fx.Graph:
     output.args = (flat,)
     graph._codegen = torch.fx.graph.CodeGen()
     return graph
-
-
-def feature_specs_by_graph_name(schema: InputSchema) -> dict[str, FeatureSpec]:
-    return {f.graph_name: f for f in schema.features}
