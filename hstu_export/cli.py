@@ -258,7 +258,10 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
     table.add_row("backend", f"{manifest['backend']['name']} on {manifest['device']['type']} "
                              f"({manifest['device']['name']}), {manifest['dtype']}, ops → {manifest['op_target']}")
     sizes = {name: (root / name).stat().st_size for name in manifest["files"]}
-    table.add_row("files", ", ".join(f"{n} {human_bytes(s)}" for n, s in sizes.items()))
+    artifacts = {n: s for n, s in sizes.items() if not n.startswith("graphs/")}
+    table.add_row("files", ", ".join(f"{n} {human_bytes(s)}" for n, s in artifacts.items()))
+    if len(artifacts) < len(sizes):
+        table.add_row("graphs", f"{len(sizes) - len(artifacts)} debug files, report: {root / 'graphs' / 'report.html'}")
     table.add_row("size", human_bytes(sum(sizes.values())))
     ranges = manifest["ranges"]
     shared = {f["name"] for f in _schema_features(manifest) if f.get("same_as")}
