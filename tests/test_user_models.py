@@ -381,3 +381,26 @@ def test_foreign_attention_lands_on_our_triton_kernel_for_cuda() -> None:
     targets = [str(n.target) for n in result.dense.graph.nodes if n.op == "call_function"]
     assert targets.count("hstu_export.hstu_mha_triton.default") == 2
     assert not [t for t in targets if t.startswith("fbgemm.")]  # fbgemm jagged ops went to our kernels too
+
+
+class WithOptional(pooled.PooledRanker):
+    """An optional tensor argument the serving path leaves out (a training-only label, say)."""
+
+    def forward(self, sparse_features, dense_features, labels: Tensor | None = None):  # type: ignore[no-untyped-def]
+        out = super().forward(sparse_features, dense_features)
+        if labels is not None:  # a plain Python branch on an argument that is None at export
+            out["loss"] = (out["ctr"] - labels).square().mean()
+        return out
+
+
+def test_optional_argument_left_out() -> None:
+    model = WithOptional().eval()
+    kjt, dense = pooled.example_inputs(3, seed=0)
+    schema = infer_schema(model, (kjt, dense, None), ranges={"sparse_features": (1, 6)})
+    assert schema.arguments[-1].name == "labels" and schema.arguments[-1].optional_absent
+    flat = flatten_example(schema, (kjt, dense, None), None, model)
+    assert not [n for n in flat if n.startswith("labels")]
+    gm = trace(model, flat, schema=schema)
+    with torch.no_grad():
+        got, expected = gm(**schema.to_graph_inputs(flat)), call_model(model, schema, flat)
+    assert sorted(got) == sorted(expected) == ["affinity", "ctr"]
