@@ -8,15 +8,24 @@ schema. Loading it runs no pickled code; building the model imports the named mo
 any installed dependency does. A file holding a pickled ``nn.Module`` is refused unless the caller
 opts in with ``allow_pickle=True``.
 
+Bundles carry ``content_sha256``, a sha256 over the state dict's tensors (names, dtypes, shapes, bytes),
+the example batch, the input schema and the source; loading checks it once everything else has been
+checked, because ``torch.load`` does not check the zip's CRCs and a flipped byte would otherwise change a
+weight silently. Bundles written before
+the checksum (format 1, and format 2 without the field) still load, unchecked.
+
 Format 1 (registered name + config + example batch) is still read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import io
 import json
 import os
 import pickle
+import re
 import warnings
 import zipfile
 from collections.abc import Callable, Sequence
@@ -29,13 +38,22 @@ from torch import Tensor, nn
 
 from hstu_export import __version__
 from hstu_export.errors import BundleError, ConfigError, ModelRegistryError
-from hstu_export.registry import build_model, call_factory, factory_path, registered_name, resolve_factory
+from hstu_export.registry import (
+    build_model,
+    call_factory,
+    factory_path,
+    model_class,
+    registered_name,
+    resolve_factory,
+)
 from hstu_export.schema import InputSchema
+from hstu_export.settings import format_bytes, machine_memory
 
 BUNDLE_FORMAT = "hstu-export-bundle"
 BUNDLE_VERSION = 2
 V1_KEYS = ("format", "format_version", "model_name", "config", "state_dict", "example_batch")
 V2_KEYS = ("format", "format_version", "source", "state_dict", "example_batch")
+CHECKSUM_KEY = "content_sha256"
 
 
 @dataclass
@@ -126,6 +144,8 @@ def save_bundle(
         payload["state_dict"] = {}
     else:
         payload["state_dict"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    weights = model.state_dict() if source["kind"] == "pickled" else payload["state_dict"]
+    payload[CHECKSUM_KEY] = content_sha256(source, weights, payload["example_batch"], payload["input_schema"])
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -161,6 +181,51 @@ def load_bundle(path: str | os.PathLike[str], *, allow_pickle: bool = False, imp
     return _from_payload(data, path)
 
 
+def content_sha256(source: dict[str, Any], state_dict: dict[str, Tensor], example_batch: dict[str, Tensor],
+                   input_schema: str | None) -> str:
+    """The sha256 a bundle carries over what it holds: the source (name and config, or factory and
+    arguments), every state-dict and example tensor (name, dtype, shape and bytes) and the schema."""
+    digest = hashlib.sha256()
+
+    def field(*parts: object) -> None:
+        text = "\x00".join(str(p) for p in parts).encode()
+        digest.update(len(text).to_bytes(8, "little") + text)
+
+    field("source", json.dumps(source, sort_keys=True, default=str))
+    field("input_schema", input_schema)
+    for section, tensors in (("state_dict", state_dict), ("example_batch", example_batch)):
+        for name in sorted(tensors):
+            tensor = tensors[name]
+            field(section, name, tensor.dtype, tuple(tensor.shape))
+            data = _tensor_bytes(tensor)
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+    return digest.hexdigest()
+
+
+def _tensor_bytes(tensor: Tensor) -> Any:
+    """The tensor's data as a buffer (no copy for a contiguous CPU tensor)."""
+    tensor = tensor.detach().cpu()
+    if tensor.layout == torch.strided and not tensor.is_quantized:
+        return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+    buffer = io.BytesIO()  # sparse or quantized: its serialised form
+    torch.save(tensor, buffer)
+    return buffer.getvalue()
+
+
+def _verify_checksum(data: dict[str, Any], source: dict[str, Any], state_dict: dict[str, Tensor], path: Path) -> None:
+    stored = data.get(CHECKSUM_KEY)
+    if stored is None:
+        return  # written before bundles carried one
+    if not isinstance(stored, str) or not re.fullmatch(r"[0-9a-f]{64}", stored):
+        raise BundleError(f"{path}: {CHECKSUM_KEY!r} must be a sha256 (64 hex digits), got {str(stored)[:80]!r}; "
+                          "re-save the bundle with hstu_export.save_bundle")
+    if content_sha256(source, state_dict, data["example_batch"], data.get("input_schema")) != stored:
+        raise BundleError(f"{path} changed since it was saved (checksum mismatch over its weights, example batch, "
+                          "schema and source: the file is corrupt or was edited): re-save it with "
+                          "hstu_export.save_bundle")
+
+
 def import_modules(names: Sequence[str]) -> None:
     """Imports user modules named with ``--import`` (they register models or define factories)."""
     for name in names:
@@ -192,19 +257,22 @@ def _from_payload(data: Any, path: Path) -> ModelBundle:
     if not isinstance(source, dict) or source.get("kind") not in ("registered", "factory"):
         raise BundleError(f"{path}: 'source' must name a registered model or a factory, got {source!r}")
     state_dict = data["state_dict"]
-    if not isinstance(state_dict, dict) or not all(isinstance(k, str) and isinstance(v, Tensor)
-                                                   for k, v in state_dict.items()):
-        raise BundleError(f"{path}: 'state_dict' must be a dict of named tensors")
-    model, name, config = _build(source, path)
-    _load_state(model, state_dict, name, path)
+    _check_state_dict(state_dict, path)
     batch = data["example_batch"]
     _check_batch(batch, path)
+    if data.get("input_schema") is not None and not isinstance(data["input_schema"], str):
+        raise BundleError(f"{path}: 'input_schema' must be a JSON string, got {type(data['input_schema']).__name__}")
+    model, name, config = _build(source, path)
+    _load_state(model, state_dict, name, path)
     schema = None
     if data.get("input_schema"):
         try:
             schema = InputSchema.from_json(json.loads(data["input_schema"]))
         except (ConfigError, ValueError) as exc:
             raise BundleError(f"{path}: malformed input schema: {exc}") from None
+    # Last: a bundle whose structure is wrong gets the message that names what is wrong; one that reads
+    # well but whose bytes changed (a flipped bit in a weight) is caught here.
+    _verify_checksum(data, source, state_dict, path)
     return ModelBundle(model.eval(), name, config, batch, path, schema=schema, source=source)
 
 
@@ -219,18 +287,72 @@ def _build(source: dict[str, Any], path: Path) -> tuple[nn.Module, str, Any]:
         name, config = source.get("name"), source.get("config")
         if not isinstance(name, str):
             raise BundleError(f"{path}: the model name must be a string, got {name!r}")
+        _check_registered_config(name, config, path)
         model = build_model(name, config)
         return model, name, getattr(model, "config", config)
-    except ModelRegistryError as exc:
+    except (ModelRegistryError, ConfigError) as exc:
         raise BundleError(f"{path}: {exc}") from None
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError, OverflowError, MemoryError) as exc:
+        # RuntimeError: torch refusing a size (a negative dimension, an allocation that failed).
         raise BundleError(f"{path}: the model's config does not build it ({type(exc).__name__}: {_first_line(exc)})") from None
+
+
+def _check_registered_config(name: str, config: Any, path: Path) -> None:
+    """Checks a registered model's stored config before the model is built: the config class reads it
+    (its own field checks), and when the config can count the model's parameters
+    (``parameter_counts()``), sizes the machine cannot hold are refused before anything is allocated."""
+    try:
+        cls = model_class(name)
+    except ModelRegistryError:
+        return  # a factory registered under a name, or an unknown name: build_model says which
+    config_class = getattr(cls, "config_class", None)
+    if config_class is None or isinstance(config, config_class) or not hasattr(config_class, "from_dict"):
+        return
+    if not isinstance(config, dict):
+        raise BundleError(f"{path}: the config of model {name!r} must be a dict of settings, got {type(config).__name__}")
+    typed = config_class.from_dict(config)
+    counts = getattr(typed, "parameter_counts", None)
+    if not callable(counts):
+        return
+    parts = counts()
+    count = sum(parts.values())
+    needed = count * 4  # built in float32
+    total, available = machine_memory()
+    if needed > available:
+        largest = max(parts, key=lambda k: parts[k])
+        raise BundleError(
+            f"{path}: model {name!r} with this config has about {count:,} parameters ({format_bytes(needed)} in "
+            f"float32; the largest part, {largest}, {format_bytes(parts[largest] * 4)}), more than this machine's "
+            f"{format_bytes(available)} of available memory ({format_bytes(total)} in all); check the config's sizes"
+        )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_state_dict(state_dict: Any, path: Path) -> None:
+    if not isinstance(state_dict, dict):
+        raise BundleError(f"{path}: 'state_dict' must be a dict of tensors by parameter name, got "
+                          f"{type(state_dict).__name__}")
+    for key, value in state_dict.items():
+        if not isinstance(key, str):
+            raise BundleError(f"{path}: state_dict key {_short(key)} must be a parameter name (a string), got "
+                              f"{type(key).__name__}")
+        if not isinstance(value, Tensor):
+            raise BundleError(f"{path}: state_dict[{key!r}]: expected a tensor, got {type(value).__name__}")
 
 
 def _load_state(model: nn.Module, state_dict: dict[str, Tensor], name: str, path: Path) -> None:
     # Models that create their tables on the meta device (generative-recommenders does) get the stored
     # tensors assigned instead of copied into tensors that hold no memory.
     assign = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    expected = model.state_dict()
+    for key, tensor in state_dict.items():
+        if key in expected and tuple(expected[key].shape) != tuple(tensor.shape):
+            raise BundleError(f"{path}: state_dict[{key!r}]: expected shape {list(expected[key].shape)}, got "
+                              f"{list(tensor.shape)} (model {name!r} with this config)")
     try:
         result = model.load_state_dict(state_dict, strict=False, assign=assign)
     except RuntimeError as exc:
@@ -310,6 +432,9 @@ def _load_pickled(path: Path) -> ModelBundle:
     schema = None
     if isinstance(data, dict) and data.get("format") == BUNDLE_FORMAT and "module" in data:
         module, batch = data["module"], data.get("example_batch")
+        if isinstance(module, nn.Module) and isinstance(data.get("source"), dict) and CHECKSUM_KEY in data:
+            _check_batch(batch, path)
+            _verify_checksum(data, data["source"], module.state_dict(), path)
         if data.get("input_schema"):
             schema = InputSchema.from_json(json.loads(data["input_schema"]))
     elif isinstance(data, nn.Module):
@@ -335,10 +460,13 @@ def _load_pickled(path: Path) -> ModelBundle:
 
 def _check_batch(batch: Any, path: Path | None = None) -> None:
     where = f"{path}: " if path else ""
-    if not isinstance(batch, dict) or not batch or not all(
-        isinstance(k, str) and isinstance(v, Tensor) for k, v in batch.items()
-    ):
-        raise BundleError(f"{where}the example batch must be a non-empty dict of named tensors")
+    if not isinstance(batch, dict) or not batch:
+        got = "an empty dict" if isinstance(batch, dict) else type(batch).__name__
+        raise BundleError(f"{where}the example batch must be a non-empty dict of named tensors, got {got}")
+    for key, value in batch.items():
+        if not isinstance(key, str) or not isinstance(value, Tensor):
+            raise BundleError(f"{where}the example batch must be a dict of named tensors; entry {_short(key)} holds "
+                              f"a {type(value).__name__}")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -251,8 +251,12 @@ def export(
     ``extra_passes`` are pass objects (``name``, ``run(gm, ctx)``) appended after the default passes.
     With ``settings.dryrun`` the backend's ``dryrun(inputs)`` report is returned in ``dryrun_report`` and
     nothing is compiled or written.
-    Raises our error types: ConfigError/BundleError (bad input, nothing done), ExportError,
-    VerificationError (nothing written)."""
+    Raises our error types: ConfigError/BundleError (bad input, nothing done), PackageError (the package
+    cannot be written there: read-only, no permission, not enough disk space; nothing done), ExportError
+    (also a full disk or a read-only file system met while writing; nothing written), VerificationError
+    (nothing written)."""
+    from hstu_export.package import check_free_space, check_writable, file_system_errors
+
     settings = settings or ExportSettings()
     out = Path(out)
     timings: dict[str, float] = {}
@@ -269,13 +273,19 @@ def export(
                           "dry run (use --backend trt)")
     if not settings.dryrun:
         check_target(out, settings.force, protect=[model.path if isinstance(model, ModelBundle) else Path(model)])
+    if settings.dump_dir is not None:
+        check_writable(settings.dump_dir, "--dump-graphs")
     _check_pass_names(settings)
 
     with _timed(timings, progress, "load"):
         bundle = (model if isinstance(model, ModelBundle)
                   else load_bundle(model, allow_pickle=allow_pickle, imports=settings.imports))
+
+    weight_bytes = _refuse_what_the_machine_cannot_hold(bundle, settings, out)
     op_target = settings.op_target or backend.default_op_target(device)
-    captured = capture(bundle, settings, op_target, timings=timings, progress=progress, extra_passes=extra_passes)
+    doing = f"writing the graph dumps to {settings.dump_dir}" if settings.dump_dir is not None else "the export"
+    with file_system_errors(settings.dump_dir, doing):
+        captured = capture(bundle, settings, op_target, timings=timings, progress=progress, extra_passes=extra_passes)
     result, schema, ranges, example = captured.result, captured.schema, captured.ranges, captured.example
     assert ranges is not None  # capture() raises without ranges when need_ranges
     if result.sparse is None or result.dense is None or result.boundary is None:
@@ -287,8 +297,11 @@ def export(
             report = backend.dryrun(inputs)
         return ExportResult(out, {}, timings, dryrun_report=report)
     with staging_dir(out) as staged:
+        # Again, after the long capture: something else may have filled the disk meanwhile.
+        check_free_space(out, weight_bytes)
         with _timed(timings, progress, "compile"), torch.no_grad(), _collecting_triton_configs() as configs:
             artifacts = backend.compile(inputs, staged)
+        _check_op_libraries(artifacts.op_libraries)
         if result.report_path is not None:
             # The graph dumps travel inside the package (graphs/report.html), so it explains itself.
             shutil.copytree(result.report_path.parent, staged / "graphs")
@@ -341,6 +354,55 @@ def export(
         with _timed(timings, progress, "write"):
             commit(staged, out, settings.force, protect=[bundle.path])
     return ExportResult(out, manifest, timings)
+
+
+def _refuse_what_the_machine_cannot_hold(bundle: ModelBundle, settings: ExportSettings, out: Path) -> int:
+    """Before the long work: the largest request the package would accept must fit in memory (its inputs
+    alone are a lower bound of what verification needs), and the package on disk. Returns the bytes of
+    the weights in the export dtype."""
+    import math
+
+    from hstu_export.package import check_free_space
+    from hstu_export.settings import format_bytes, machine_memory
+
+    schema = bundle.input_schema
+    planned = export_ranges(schema, settings, model_hints(bundle.model).ranges)
+    request_bytes = 0
+    for f in schema.features:
+        rows = planned.max_batch_size
+        if f.kind == "jagged":
+            rows *= planned.max_lengths[schema.canonical_lengths(f.jagged_by or "")]
+        request_bytes += rows * math.prod(f.trailing) * torch.empty((), dtype=f.torch_dtype).element_size()
+    total_memory, available_memory = machine_memory()
+    if request_bytes > available_memory:
+        lengths = ", ".join(f"{name} <= {n:,}" for name, n in planned.max_lengths.items())
+        raise ConfigError(
+            f"the largest request the package would accept (batch {planned.max_batch_size:,}{', ' if lengths else ''}"
+            f"{lengths}) needs about {format_bytes(request_bytes)} for its inputs alone; this machine has "
+            f"{format_bytes(available_memory)} of memory available ({format_bytes(total_memory)} in all): lower "
+            "--max-batch-size or the length limits (--max-length, --max-seq-len, --max-candidates)"
+        )
+    # The compiled package holds the weights in the export dtype (integer tensors keep their own).
+    itemsize = torch.empty((), dtype=settings.torch_dtype).element_size()
+    weight_bytes = sum(t.numel() * (itemsize if t.is_floating_point() else t.element_size())
+                       for t in (*bundle.model.parameters(), *bundle.model.buffers()))
+    if not settings.dryrun:
+        check_free_space(out, weight_bytes)
+    return weight_bytes
+
+
+def _check_op_libraries(libraries: list[str]) -> None:
+    """Packages load only op libraries hstu-export knows (no arbitrary import at load time): an op
+    namespace without one cannot be shipped, so say so now rather than at the first load."""
+    from hstu_export.manifest import OP_LIBRARIES
+
+    unknown = sorted(set(libraries) - set(OP_LIBRARIES))
+    if unknown:
+        raise ExportError(
+            f"the exported graphs call ops of {', '.join(unknown)}, a library packages do not load (they load only "
+            f"{', '.join(sorted(OP_LIBRARIES))}, never a module named by the package); map those ops instead of "
+            "keeping them (--op-target, --map-function, hstu_export/ops/mappings)"
+        )
 
 
 def _check_pass_names(settings: ExportSettings) -> None:

@@ -1,5 +1,12 @@
 """Package directories: atomic writing, the manifest, checksums.
 
+Integrity: ``manifest.json`` lists the sha256 of every other file (``files``), and ``manifest.sha256``
+beside it holds the sha256 of ``manifest.json``'s exact bytes, in ``sha256sum`` format
+(``<hex>  manifest.json``; ``sha256sum -c manifest.sha256`` checks it without Python). A hash of the
+bytes as stored needs no canonical JSON form (which other languages could not reproduce byte for byte)
+and also catches a flip in whitespace. ``load_manifest`` checks both, then validates every field
+(``hstu_export.manifest``): a package is untrusted input.
+
 A package is built in a hidden temporary directory beside the target, every file fsynced, then renamed
 into place, so a reader never sees half a package and an export killed midway leaves none. An existing
 target is only replaced with ``force``, and only when it is one of our packages (never a user's directory,
@@ -11,10 +18,12 @@ export to that path or the next ``load()`` of it puts things right (``recover_in
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import platform
+import re
 import secrets
 import shutil
 import tempfile
@@ -25,13 +34,23 @@ from typing import Any
 import torch
 
 from hstu_export import __version__
-from hstu_export.errors import PackageError
+from hstu_export.errors import ExportError, PackageError
+from hstu_export.manifest import Manifest, parse_manifest, resolve_inside
+from hstu_export.settings import format_bytes
 
 PACKAGE_FORMAT = "hstu-export-package"
-# 2: ops in the hstu_export:: namespace (1: hstu::), input schema with arguments, graph-input names.
-PACKAGE_FORMAT_VERSION = 2
+# 3: manifest.sha256 holds the sha256 of manifest.json. 2: ops in the hstu_export:: namespace (1: hstu::),
+# input schema with arguments, graph-input names.
+PACKAGE_FORMAT_VERSION = 3
 OP_NAMESPACE = "hstu_export"
 MANIFEST = "manifest.json"
+MANIFEST_SHA256 = "manifest.sha256"
+MAX_MANIFEST_BYTES = 64 * 2**20  # a manifest is kilobytes; more is not one of ours (and not read into memory)
+# Why a package of an older format cannot be read, by format version.
+_OLD_FORMATS = {
+    1: "its graphs call ops in the hstu:: namespace, now hstu_export::",
+    2: f"its manifest has no checksum of its own ({MANIFEST_SHA256})",
+}
 
 
 def library_versions() -> dict[str, str | None]:
@@ -73,18 +92,30 @@ def sha256_file(path: Path) -> str:
 
 
 def checksums(root: Path) -> dict[str, str]:
-    """sha256 of every file under ``root`` except the manifest, by POSIX relative path."""
-    return {p.relative_to(root).as_posix(): sha256_file(p)
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    """sha256 of every file under ``root`` except the manifest and its checksum, by POSIX relative path."""
+    return {name: sha256_file(root / name) for name in package_files(root)}
+
+
+def package_files(root: Path) -> list[str]:
+    """POSIX relative paths of the files under ``root`` that ``files`` lists: all but the manifest and its
+    checksum (top level only: a ``manifest.json`` deeper down is an ordinary file)."""
+    names = (p.relative_to(root).as_posix() for p in sorted(root.rglob("*")) if p.is_file())
+    return [name for name in names if name not in (MANIFEST, MANIFEST_SHA256)]
+
+
+def manifest_sha256_line(manifest_bytes: bytes) -> str:
+    """The content of ``manifest.sha256`` for a ``manifest.json`` of these bytes (``sha256sum`` format)."""
+    return f"{hashlib.sha256(manifest_bytes).hexdigest()}  {MANIFEST}\n"
 
 
 def check_target(target: Path, force: bool, protect: Iterable[str | Path | None] = ()) -> None:
     """Fails early (before any work) when the target exists and may not be replaced.
 
     ``protect`` lists the export's inputs (the model bundle): a target holding one is never replaced.
-    A replace that an earlier, killed export left half done is put right first."""
+    A replace that an earlier, killed export left half done is put right first, and its staging directories
+    are removed (they would count against the free space ``check_free_space`` finds)."""
     target = Path(target)
-    recover_interrupted_replace(target)
+    remove_stale_partials(target)
     if target.is_symlink():
         raise PackageError(f"{target} is a symbolic link; pass the directory it points to or choose another --out")
     if target.exists() and not force:
@@ -95,6 +126,7 @@ def check_target(target: Path, force: bool, protect: Iterable[str | Path | None]
         check_replaceable(target, protect)
     if not target.parent.exists():
         raise PackageError(f"parent directory {target.parent} does not exist")
+    check_writable(target.parent, f"--out {target}: its parent directory")
 
 
 def check_replaceable(target: Path, protect: Iterable[str | Path | None] = ()) -> None:
@@ -141,17 +173,179 @@ def is_package(path: Path) -> bool:
     return isinstance(manifest, dict) and manifest.get("format") == PACKAGE_FORMAT
 
 
+# File-system failures the user's machine causes, not our code: full disk or quota, a file too large for
+# the file system, read-only mounts, permissions, failing storage.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO})
+# A package holds its weights once or twice over (the sparse and dense artifacts, zip records padded to
+# 64 bytes) plus compiled code (an AOTInductor .so is a few MiB), graph dumps and the manifest.
+PACKAGE_WEIGHT_FACTOR = 1.25
+PACKAGE_OVERHEAD_BYTES = 64 * 2**20
+
+
+def check_writable(directory: Path, what: str) -> None:
+    """Raises PackageError unless files can be created in ``directory`` (or, if it does not exist yet, in its
+    nearest existing ancestor): not on a read-only file system, and writable by this user. As root, write
+    permission is granted whatever the mode bits say, so only a read-only mount stops root."""
+    directory = Path(directory)
+    existing = directory
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    try:
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+    except OSError as exc:
+        raise PackageError(f"{what} {existing} cannot be examined: {exc.strerror}") from None
+    if read_only:
+        raise PackageError(f"{what} {existing} is on a read-only file system; choose a writable location")
+    if not existing.is_dir():
+        raise PackageError(f"{what} {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PackageError(f"{what} {existing} is not writable by this user (permission denied); choose a "
+                           "writable location")
+
+
+def estimated_package_bytes(weight_bytes: int) -> int:
+    """About how many bytes a package of a model whose tensors take ``weight_bytes`` (in the export dtype)
+    needs on disk while it is written."""
+    return int(weight_bytes * PACKAGE_WEIGHT_FACTOR) + PACKAGE_OVERHEAD_BYTES
+
+
+def check_free_space(target: Path, weight_bytes: int) -> None:
+    """Raises PackageError when the file system that will hold ``target`` lacks the space the package is
+    estimated to need: refusing before the export is the only clean way out, because torch's zip writer
+    aborts the whole process (``terminate called ... inline_container.cc``) when the disk fills under
+    ``torch.jit.save``."""
+    target = Path(target)
+    needed = estimated_package_bytes(weight_bytes)
+    try:
+        free = shutil.disk_usage(target.parent).free
+    except OSError:
+        return  # check_target has already said what is wrong with the parent directory
+    if free < needed:
+        raise PackageError(
+            f"not enough disk space for the package {target}: it needs about {format_bytes(needed)} "
+            f"({format_bytes(weight_bytes)} of weights x {PACKAGE_WEIGHT_FACTOR} + {format_bytes(PACKAGE_OVERHEAD_BYTES)} "
+            f"for code and graphs), {format_bytes(free)} is free there; free some space or choose another --out"
+        )
+
+
 @contextlib.contextmanager
 def staging_dir(target: Path) -> Iterator[Path]:
     """A hidden temporary directory beside ``target`` (same filesystem, so the final rename is atomic),
-    removed on any failure."""
+    removed on any failure. A file-system failure while the package is written inside the block (full
+    disk, read-only, no permission; see ``file_system_errors``) becomes one ExportError line."""
     remove_stale_partials(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
     try:
-        yield tmp
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
+    except OSError as exc:
+        raise PackageError(f"cannot create the package beside {target}: {_describe_os_error(exc)}; choose "
+                           "another --out") from exc
+    try:
+        with file_system_errors(tmp, f"writing the package {target}"):
+            yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def file_system_errors(where: Path | None, doing: str) -> Iterator[None]:
+    """Turns a file-system failure raised inside the block (an OSError of ``DISK_ERRNOS`` anywhere in the
+    exception's chain, as backends wrap them, or torch's zip writer failing on a full disk) into
+    ``ExportError("<doing> failed: ...")``; anything else passes unchanged. ``where`` is the directory being
+    written, for the free space in the message."""
+    try:
+        yield
+    except BaseException as exc:
+        problem = _file_system_problem(exc, where)
+        if problem is None:
+            raise
+        raise ExportError(f"{doing} failed: {problem}") from exc
+
+
+def _file_system_problem(exc: BaseException, where: Path | None) -> str | None:
+    """What went wrong with the file system, in words, if that is why ``exc`` was raised; else None."""
+    chain = _exception_chain(exc)
+    zip_failed = any(_is_zip_writer_failure(e) for e in chain)
+    if zip_failed:
+        _finalize_zip_writers(chain)
+    for e in chain:
+        if isinstance(e, shutil.Error):  # copytree: one (src, dst, reason) per file that failed
+            for entry in e.args[0] if e.args and isinstance(e.args[0], list) else []:
+                found = re.search(r"\[Errno (\d+)\]", str(entry[-1]) if isinstance(entry, tuple) else "")
+                if found and int(found.group(1)) in DISK_ERRNOS:
+                    code = int(found.group(1))
+                    return f"{os.strerror(code)} ({entry[1]}){_advice(code, where)}"
+        elif isinstance(e, OSError) and e.errno in DISK_ERRNOS:
+            return f"{_describe_os_error(e)}{_advice(e.errno, where)}"
+    if zip_failed and where is not None:
+        # The zip writer reports a short write as "unexpected pos": say what it most likely was.
+        try:
+            free = shutil.disk_usage(where).free
+        except OSError:
+            return None
+        if free < PACKAGE_OVERHEAD_BYTES:
+            return f"{os.strerror(errno.ENOSPC)} while torch wrote an archive{_advice(errno.ENOSPC, where)}"
+    return None
+
+
+def _exception_chain(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    pending: list[BaseException | None] = [exc]
+    while pending and len(chain) < 32:
+        e = pending.pop()
+        if e is None or any(e is seen for seen in chain):
+            continue
+        chain.append(e)
+        pending += [e.__context__, e.__cause__]
+    return chain
+
+
+def _is_zip_writer_failure(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and "inline_container.cc" in text and (
+        "unexpected pos" in text or "failed writing" in text or "write failed" in text)
+
+
+def _finalize_zip_writers(chain: list[BaseException]) -> None:
+    """Marks the torch zip writers that a failed write left open as finished. A ``PyTorchFileWriter`` that
+    was never finished writes its end of archive when it is destroyed, from a C++ destructor: on a full
+    disk that write throws again and the process aborts (exit 134) long after our error was reported.
+    ``write_end_of_file`` marks the writer finished even when it throws, so here it throws harmlessly.
+    The writers are found in the local variables of the frames the exception passed through (AOTInductor's
+    ``PT2ArchiveWriter`` keeps one as ``archive_file``)."""
+    writer_type = getattr(torch._C, "PyTorchFileWriter", None)
+    if writer_type is None:
+        return
+    for e in chain:
+        tb = e.__traceback__
+        while tb is not None:
+            for value in list(tb.tb_frame.f_locals.values()):
+                try:  # an object's attributes, one level down; some objects refuse even to be asked
+                    attributes = [] if isinstance(value, type) else list(vars(value).values())
+                except Exception:
+                    attributes = []
+                for candidate in (value, *attributes):
+                    if isinstance(candidate, writer_type):
+                        try:
+                            candidate.write_end_of_file()
+                        except RuntimeError:
+                            pass  # the disk is still full; the writer is finished all the same
+            tb = tb.tb_next
+
+
+def _describe_os_error(exc: OSError) -> str:
+    reason = exc.strerror or (os.strerror(exc.errno) if exc.errno else type(exc).__name__)
+    return f"{reason} ({exc.filename})" if exc.filename else reason
+
+
+def _advice(code: int, where: Path | None) -> str:
+    if code not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return "; choose a writable location"
+    try:
+        free = f" ({format_bytes(shutil.disk_usage(where).free)} free there now)" if where is not None else ""
+    except OSError:
+        free = ""
+    return f"{free}; free some space or choose another location"
 
 
 def remove_stale_partials(target: Path) -> list[Path]:
@@ -227,9 +421,11 @@ def _process_alive(pid: int) -> bool:
 
 
 def write_manifest(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Writes ``manifest.json`` (with the checksums of every other file) and ``manifest.sha256``."""
     manifest = dict(manifest, format=PACKAGE_FORMAT, format_version=PACKAGE_FORMAT_VERSION, files=checksums(root))
-    text = json.dumps(manifest, indent=2, sort_keys=False, default=str)
-    (root / MANIFEST).write_text(text + "\n")
+    data = (json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n").encode()
+    (root / MANIFEST).write_bytes(data)
+    (root / MANIFEST_SHA256).write_bytes(manifest_sha256_line(data).encode())
     return manifest
 
 
@@ -280,41 +476,95 @@ def _fsync_dir(path: Path) -> None:
 
 
 def read_manifest(root: Path, verify_checksums: bool = True) -> dict[str, Any]:
+    """The decoded manifest of the package at ``root``, after every check of :func:`load_manifest`."""
+    return load_manifest(root, verify_checksums=verify_checksums).raw
+
+
+def load_manifest(root: Path, verify_checksums: bool = True) -> Manifest:
+    """The validated manifest of the package at ``root``. Checks, in order: ``manifest.json`` decodes and is
+    ours; its format version; its own sha256 (``manifest.sha256``); the op namespace; every field (types,
+    values, paths inside the package); with ``verify_checksums``, the sha256 of every file it lists, and
+    no file it does not list. Raises PackageError, naming what is wrong."""
     root = Path(root)
     if not root.is_dir():
         raise PackageError(f"{root}: not a package directory (no such directory)")
     path = root / MANIFEST
     if not path.is_file():
         raise PackageError(f"{root} is not an hstu-export package: {MANIFEST} is missing")
+    resolve_inside(root, MANIFEST)
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise PackageError(f"{path} is {path.stat().st_size} bytes, too large for a manifest (at most "
+                           f"{MAX_MANIFEST_BYTES}); it is not an hstu-export manifest")
+    data = path.read_bytes()
     try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PackageError(f"{path} is corrupt: {exc}") from None
+        manifest = json.loads(data, object_pairs_hook=_without_duplicate_keys)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise PackageError(f"{path} is corrupt: {_first_line(exc)}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != PACKAGE_FORMAT:
-        raise PackageError(f"{path} is not an hstu-export manifest")
-    version = manifest.get("format_version", 0)
-    if isinstance(version, int) and version < PACKAGE_FORMAT_VERSION:
+        found = manifest.get("format", "no format field") if isinstance(manifest, dict) else type(manifest).__name__
+        raise PackageError(f"{path} is not an hstu-export manifest (manifest field format: expected "
+                           f"{PACKAGE_FORMAT!r}, got {str(found)[:80]!r})")
+    version = manifest.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version < PACKAGE_FORMAT_VERSION:
+        why = _OLD_FORMATS.get(version, "an older layout")
         raise PackageError(
-            f"{root} is an hstu-export package of format {version} (its graphs call ops in the hstu:: namespace, "
-            f"now hstu_export::); this hstu-export ({__version__}) reads format {PACKAGE_FORMAT_VERSION}: re-export the "
-            "model with this version"
+            f"{root} is an hstu-export package of format {version} ({why}); this hstu-export ({__version__}) reads "
+            f"format {PACKAGE_FORMAT_VERSION}: re-export the model with this version"
         )
+    if not isinstance(version, int) or isinstance(version, bool) or version > PACKAGE_FORMAT_VERSION:
+        raise PackageError(
+            f"{root} has package format {str(version)[:40]} (manifest field format_version); this hstu-export "
+            f"({__version__}) reads up to {PACKAGE_FORMAT_VERSION}: upgrade hstu-export"
+        )
+    _check_manifest_sha256(root, data)
     if manifest.get("op_namespace", OP_NAMESPACE) != OP_NAMESPACE:
-        raise PackageError(f"{root} calls ops in namespace {manifest.get('op_namespace')!r}, not {OP_NAMESPACE!r}")
-    if not isinstance(version, int) or version > PACKAGE_FORMAT_VERSION:
-        raise PackageError(
-            f"{root} has package format {manifest.get('format_version')}; this hstu-export ({__version__}) reads "
-            f"up to {PACKAGE_FORMAT_VERSION}: upgrade hstu-export"
-        )
+        raise PackageError(f"{root} calls ops in namespace {str(manifest.get('op_namespace'))[:80]!r} (manifest field "
+                           f"op_namespace), not {OP_NAMESPACE!r}")
+    parsed = parse_manifest(manifest, root)
+    for role in parsed.backend.files:
+        parsed.artifact(root, role)
     if verify_checksums:
-        expected: dict[str, str] = manifest.get("files", {})
-        actual = checksums(root)
-        for name, digest in expected.items():
-            if name not in actual:
-                raise PackageError(f"{root}: file {name} listed in the manifest is missing")
-            if actual[name] != digest:
-                raise PackageError(f"{root}: checksum mismatch for {name} (the file is corrupt or was modified)")
-        extra = sorted(set(actual) - set(expected))
-        if extra:
-            raise PackageError(f"{root}: files not in the manifest: {extra[:5]}")
-    return manifest
+        _verify_files(root, parsed.files)
+    return parsed
+
+
+def _without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice (readers disagree on which one counts)."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"key {key[:80]!r} appears twice in one object")
+        obj[key] = value
+    return obj
+
+
+def _check_manifest_sha256(root: Path, data: bytes) -> None:
+    path = root / MANIFEST_SHA256
+    if not path.is_file():
+        raise PackageError(f"{root}: {MANIFEST_SHA256} (the checksum of {MANIFEST}) is missing: the package is "
+                           "incomplete or was modified; re-export it")
+    resolve_inside(root, MANIFEST_SHA256)
+    found = re.fullmatch(rb"([0-9a-f]{64})  " + re.escape(MANIFEST.encode()) + rb"\n?", path.read_bytes()[:200])
+    if found is None:
+        raise PackageError(f"{root}: {MANIFEST_SHA256} is corrupt (expected '<sha256>  {MANIFEST}'); re-export the "
+                           "package")
+    if found.group(1).decode() != hashlib.sha256(data).hexdigest():
+        raise PackageError(f"{root}: checksum mismatch for {MANIFEST} ({MANIFEST_SHA256} holds another sha256: the "
+                           "manifest is corrupt or was modified); re-export the package")
+
+
+def _verify_files(root: Path, expected: dict[str, str]) -> None:
+    for name, digest in expected.items():
+        path = resolve_inside(root, name, f"files[{name!r}]")
+        if not path.is_file():
+            raise PackageError(f"{root}: file {name} listed in the manifest is missing")
+        if sha256_file(path) != digest:
+            raise PackageError(f"{root}: checksum mismatch for {name} (the file is corrupt or was modified)")
+    extra = sorted(set(package_files(root)) - set(expected))
+    if extra:
+        raise PackageError(f"{root}: files not in the manifest: {extra[:5]}")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:200] if lines else type(exc).__name__

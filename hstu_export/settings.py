@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,61 @@ def parse_size(text: str | int) -> int:
     if value < 1:
         raise ConfigError(f"size must be at least one byte, got {text!r}")
     return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``1.5 KiB``: sizes in messages (estimates, free space, memory)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def machine_memory() -> tuple[int, int]:
+    """(total, available) bytes of memory this process may use: ``/proc/meminfo`` (MemAvailable counts the
+    page cache that can be dropped), else ``sysconf``; within a container's cgroup limit (v2 or v1), which
+    /proc/meminfo does not show."""
+    total, available = _host_memory()
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and limit < total:
+            total = limit
+            available = min(available, max(limit - (usage or 0), 0))
+            break
+    return total, available
+
+
+def _host_memory() -> tuple[int, int]:
+    try:
+        fields = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                parts = value.split()
+                if parts and parts[0].isdigit():
+                    fields[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+        return fields["MemTotal"], fields.get("MemAvailable", fields.get("MemFree", fields["MemTotal"]))
+    except (OSError, KeyError, ValueError):
+        pass
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    try:
+        return total, os.sysconf("SC_AVPHYS_PAGES") * page
+    except (ValueError, OSError):
+        return total, total
+
+
+def _read_int(path: str) -> int | None:
+    """The number in a one-line file (a cgroup limit), or None (absent, unreadable, or "max")."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def normalize_dtype(name: str) -> str:
@@ -130,12 +186,19 @@ class ExportSettings:
         self.dtype = normalize_dtype(self.dtype)
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError(f"unknown device {self.device!r}; use cpu or cuda")
-        if self.max_batch_size < 1:
-            raise ConfigError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
-        for name in ("max_seq_len", "max_candidates"):
+        # Integers from the Python API too: 1e9 (a float) or "32" would otherwise fail deep inside the export.
+        for name in ("max_batch_size", "max_seq_len", "max_candidates", "min_block_size"):
             value = getattr(self, name)
-            if value is not None and value < 1:
+            if value is None and name in ("max_seq_len", "max_candidates"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a whole number, got {value!r}")
+            if value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        for feature, bounds in self.lengths.items():
+            if not (isinstance(bounds, tuple | list) and len(bounds) == 2 and all(
+                    v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in bounds)):
+                raise ConfigError(f"--max-length {feature}: expected (MIN or None, MAX) in whole numbers, got {bounds!r}")
         if self.op_target is not None:
             self.op_target = {"rtp": "aten"}.get(self.op_target, self.op_target)
             if self.op_target not in ("triton", "aten", "fbgemm"):

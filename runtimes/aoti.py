@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from hstu_export.errors import ExportError, PackageError
+from hstu_export.manifest import BackendFields, backend_fields
 from hstu_export.runtimes.base import (
     Backend,
     BackendArtifacts,
@@ -19,7 +20,7 @@ from hstu_export.runtimes.base import (
     SplitRunner,
     torch_dynamic_shapes,
 )
-from hstu_export.runtimes.graph_io import export_ready, op_libraries
+from hstu_export.runtimes.graph_io import export_ready, op_libraries, plain_first_line
 from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
 
 DENSE_FILE = "dense/dense.pt2"
@@ -61,14 +62,16 @@ class AotiBackend(Backend):
             op_libraries=sorted(set(sparse_libraries) | set(op_libraries(program.graph_module))),
         )
 
-    def load(self, root: Path, manifest: dict[str, Any], device: torch.device) -> Runner:
-        files = manifest["backend"]["files"]
-        sparse = load_sparse(root, manifest, device)
+    def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device) -> Runner:
+        fields = backend_fields(manifest, root)
+        path = fields.artifact(root, "dense")
+        sparse = load_sparse(root, fields, device)
         try:
-            dense = _load_pt2(root / files["dense"])
+            dense = _load_pt2(path)
         except Exception as exc:
-            raise PackageError(f"{root}: AOTInductor could not load {files['dense']}: {exc}") from exc
-        return SplitRunner(sparse, dense, manifest["dense_passthrough_inputs"], manifest["output_names"])
+            raise PackageError(f"{root}: AOTInductor could not load {fields.backend.files['dense']}: "
+                               f"{plain_first_line(exc)}") from exc
+        return SplitRunner(sparse, dense, list(fields.dense_passthrough_inputs), list(fields.output_names))
 
 
 def _load_pt2(path: Path) -> Any:

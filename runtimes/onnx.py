@@ -9,7 +9,14 @@ from typing import Any
 
 import torch
 
-from hstu_export.errors import BackendUnavailableError, ConfigError, ExportError, UnmappedOpsError
+from hstu_export.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    ExportError,
+    PackageError,
+    UnmappedOpsError,
+)
+from hstu_export.manifest import BackendFields, backend_fields
 from hstu_export.runtimes.aoti import export_dense
 from hstu_export.runtimes.base import (
     Backend,
@@ -106,20 +113,25 @@ class OnnxBackend(Backend):
         return BackendArtifacts(files={"sparse": sparse, "dense": DENSE_FILE}, meta={"opset": OPSET},
                                 op_libraries=sparse_libraries)
 
-    def load(self, root: Path, manifest: dict[str, Any], device: torch.device) -> Runner:
+    def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device) -> Runner:
         import onnxruntime as ort
 
-        files = manifest["backend"]["files"]
-        sparse = load_sparse(root, manifest, device)
+        fields = backend_fields(manifest, root)
+        path = fields.artifact(root, "dense")
+        sparse = load_sparse(root, fields, device)
         options = ort.SessionOptions()
         options.log_severity_level = 3
-        session = ort.InferenceSession(str(root / files["dense"]), options, providers=["CPUExecutionProvider"])
+        try:
+            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise PackageError(f"{root}: onnxruntime could not load {fields.backend.files['dense']}: "
+                               f"{plain_first_line(exc)}") from exc
         input_names = [i.name for i in session.get_inputs()]
-        output_names = manifest["output_names"]
+        output_names = list(fields.output_names)
 
         def dense(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
             feeds = {name: inputs[name].detach().cpu().numpy() for name in input_names}
             results = session.run(output_names, feeds)
             return {name: torch.from_numpy(value).to(device) for name, value in zip(output_names, results)}
 
-        return SplitRunner(sparse, dense, manifest["dense_passthrough_inputs"], output_names)
+        return SplitRunner(sparse, dense, list(fields.dense_passthrough_inputs), output_names)

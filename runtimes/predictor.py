@@ -1,10 +1,13 @@
 """Loading a package and serving it: ``hstu_export.load(path)`` returns a thread-safe Predictor.
 
-Load-time checks, in order: the manifest and every file's sha256; the package format; the torch version
-(compiled artifacts are tied to it); the device and, for CUDA, the GPU architecture; then the op
-libraries the graphs call are imported, and the backend loads its files. Each request's tensors are
-made plain (dense, contiguous, detached), validated against the exported input schema, and moved to the
-package's device, so compiled code only ever sees tensors laid out as it was compiled for.
+A package is untrusted input. Load-time checks, in order: the package format; the manifest's own sha256
+(manifest.sha256); every manifest field (``hstu_export.manifest``: types, values, every path inside the
+package and listed with its sha256); every file's sha256; the torch version (compiled artifacts are
+tied to it); the device and, for CUDA, the GPU architecture; then the op libraries the graphs call are
+imported (only names from a fixed list, each mapped to the module imported for it), and the backend
+loads its files. Each request's tensors are made plain (dense, contiguous, detached), validated against
+the exported input schema, and moved to the package's device, so compiled code only ever sees tensors
+laid out as it was compiled for.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import PackageError, RequestError
-from hstu_export.package import read_manifest, recover_interrupted_replace
+from hstu_export.manifest import OP_LIBRARIES, Manifest, as_manifest
+from hstu_export.package import load_manifest, recover_interrupted_replace
 from hstu_export.runtimes import get_backend
 from hstu_export.runtimes.base import Runner, SplitRunner
 from hstu_export.schema import InputSchema
@@ -29,13 +33,15 @@ class Predictor:
     runners (AOTInductor's model container, TorchScript, onnxruntime) are, and the predictor keeps no
     per-call state."""
 
-    def __init__(self, root: Path, manifest: dict[str, Any], runner: Runner, device: torch.device) -> None:
+    def __init__(self, root: Path, manifest: Manifest | dict[str, Any], runner: Runner, device: torch.device) -> None:
+        checked = as_manifest(manifest, root)
         self.root = root
-        self.manifest = manifest
+        self.package_manifest = checked  # the validated, typed manifest
+        self.manifest = checked.raw  # the decoded manifest.json, as before
         self.device = device
-        self.input_schema = InputSchema.from_json(manifest["input_schema"])
-        self.max_batch_size: int = manifest["ranges"]["max_batch_size"]
-        self.output_names: list[str] = manifest["output_names"]
+        self.input_schema: InputSchema = checked.input_schema
+        self.max_batch_size: int = checked.ranges.max_batch_size
+        self.output_names: list[str] = list(checked.output_names)
         self._feature_names = frozenset(self.input_schema.names)
         self._runner = runner
 
@@ -110,34 +116,42 @@ def _major_minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
-def check_environment(manifest: dict[str, Any], root: Path) -> torch.device:
+def check_environment(manifest: Manifest | dict[str, Any], root: Path) -> torch.device:
     """The device to load on, after checking versions and hardware against the manifest."""
-    built = manifest["versions"]["torch"]
+    manifest = as_manifest(manifest, root)
+    built = manifest.torch_version
     if _major_minor(built) != _major_minor(torch.__version__):
         raise PackageError(
-            f"{root} was built with torch {built} but this process has torch {torch.__version__}; "
+            f"{root} was built with torch {built[:40]} but this process has torch {torch.__version__}; "
             "compiled artifacts only load with the same torch major.minor: re-export it here"
         )
-    device_meta = manifest["device"]
-    if device_meta["type"] == "cuda":
+    device_meta = manifest.device
+    if device_meta.type == "cuda":
         if not torch.cuda.is_available():
             raise PackageError(f"{root} is a CUDA package but this machine has no usable CUDA device")
         major, minor = torch.cuda.get_device_capability()
         here = f"sm_{major}{minor}"
-        if here != device_meta["arch"]:
+        if here != device_meta.arch:
             raise PackageError(
-                f"{root} was compiled for {device_meta['arch']} ({device_meta['name']}) but this GPU is {here} "
+                f"{root} was compiled for {device_meta.arch[:40]} ({device_meta.name[:80]}) but this GPU is {here} "
                 f"({torch.cuda.get_device_name()}); re-export on this GPU"
             )
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def load_op_libraries(names: list[str], root: Path) -> None:
+def load_op_libraries(names: list[str] | tuple[str, ...], root: Path) -> None:
+    """Imports the module OP_LIBRARIES maps each name to; a name not there is refused, never imported."""
     for name in names:
+        module = OP_LIBRARIES.get(name) if isinstance(name, str) else None
+        if module is None:
+            raise PackageError(
+                f"{root} names the op library {str(name)[:80]!r}, which is not one hstu-export loads "
+                f"({', '.join(OP_LIBRARIES)}); a package cannot make the loader import other modules"
+            )
         try:
-            importlib.import_module(name)
-        except ImportError as exc:
+            importlib.import_module(module)
+        except (ImportError, OSError) as exc:
             raise PackageError(
                 f"{root} needs the op library {name!r} at load time, and importing it failed ({exc}); "
                 "install it in this environment"
@@ -149,9 +163,9 @@ def load(path: str | Path, *, verify_checksums: bool = True) -> Predictor:
     root = Path(path)
     # An export killed midway through replacing this package may have left it moved aside: put it back.
     recover_interrupted_replace(root)
-    manifest = read_manifest(root, verify_checksums=verify_checksums)
+    manifest = load_manifest(root, verify_checksums=verify_checksums)
     device = check_environment(manifest, root)
-    load_op_libraries(manifest.get("op_libraries", []), root)
-    backend = get_backend(manifest["backend"]["name"])
+    load_op_libraries(manifest.op_libraries, root)
+    backend = get_backend(manifest.backend.name)  # a registered name: parse_manifest checked it
     runner = backend.load(root, manifest, device)
     return Predictor(root, manifest, runner, device)

@@ -13,9 +13,12 @@ from typing import Any
 
 import torch
 
+from hstu_export.errors import PackageError
+from hstu_export.manifest import BackendFields, backend_fields
 from hstu_export.runtimes.base import CompileInputs, Features, Runner
 from hstu_export.runtimes.graph_io import (
     as_output_dict,
+    plain_first_line,
     save_script,
     script_graph_module,
     scripted_op_libraries,
@@ -31,11 +34,16 @@ def compile_sparse(inputs: CompileInputs, out_dir: Path) -> tuple[str, list[str]
     return SPARSE_FILE, scripted_op_libraries(scripted)
 
 
-def load_sparse(root: Path, manifest: dict[str, Any], device: torch.device) -> Runner:
+def load_sparse(root: Path, manifest: BackendFields | dict[str, Any], device: torch.device) -> Runner:
     """Runs the scripted sparse graph on the features it takes; returns the boundary tensors by name."""
-    relpath = manifest["backend"]["files"]["sparse"]
-    input_names, output_names = manifest["sparse_input_names"], manifest["sparse_output_names"]
-    module = torch.jit.load(str(root / relpath), map_location=device)
+    fields = backend_fields(manifest, root)
+    path = fields.artifact(root, "sparse")
+    input_names, output_names = list(fields.sparse_input_names), list(fields.sparse_output_names)
+    try:
+        module = torch.jit.load(str(path), map_location=device)
+    except Exception as exc:
+        raise PackageError(f"{root}: TorchScript could not load {fields.backend.files['sparse']}: "
+                           f"{plain_first_line(exc)}") from exc
     module.eval()
 
     def run(features: Features) -> Features:

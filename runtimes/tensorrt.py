@@ -31,6 +31,7 @@ from hstu_export.errors import (
     PackageError,
     UnmappedOpsError,
 )
+from hstu_export.manifest import BackendFields, backend_fields
 from hstu_export.runtimes.aoti import export_dense
 from hstu_export.runtimes.base import (
     Backend,
@@ -303,25 +304,29 @@ class TensorRTBackend(Backend):
             op_libraries=sorted(set(sparse_libraries) | {RUNTIME_LIBRARY}),
         )
 
-    def load(self, root: Path, manifest: dict[str, Any], device: torch.device) -> Runner:
+    def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device) -> Runner:
+        fields = backend_fields(manifest, root)
         try:
             import tensorrt
             import torch_tensorrt
         except ImportError as exc:
             raise PackageError(f"{root} is a TensorRT package and loading it needs {exc.name}: {INSTALL_HINT}") from None
-        meta = manifest["backend"]["meta"]
-        built = meta.get("tensorrt", "")
+        built = fields.backend.meta.get("tensorrt", "")
+        if not isinstance(built, str):
+            raise PackageError(f"{root}: manifest field backend.meta.tensorrt: expected a string, got "
+                               f"{type(built).__name__}")
         if built and _major_minor(built) != _major_minor(str(tensorrt.__version__)):
-            raise PackageError(f"{root} holds TensorRT {built} engines but this process has TensorRT "
+            raise PackageError(f"{root} holds TensorRT {built[:40]} engines but this process has TensorRT "
                                f"{tensorrt.__version__}; engines only load with the same TensorRT: re-export it here")
-        files = manifest["backend"]["files"]
-        sparse = load_sparse(root, manifest, device)
+        path = fields.artifact(root, "dense")
+        sparse = load_sparse(root, fields, device)
         try:
             # torch_tensorrt.load is torch.export.load plus the engine op registrations it needs.
-            loaded = torch_tensorrt.load(str(root / files["dense"]))
+            loaded = torch_tensorrt.load(str(path))
             dense = loaded.module() if isinstance(loaded, torch.export.ExportedProgram) else loaded
         except Exception as exc:
-            raise PackageError(f"{root}: could not load the TensorRT program {files['dense']}: {_first_line(exc)}") from exc
+            raise PackageError(f"{root}: could not load the TensorRT program {fields.backend.files['dense']}: "
+                               f"{_first_line(exc)}") from exc
         # Calls into one engine's execution context are serialized, so the Predictor stays thread-safe.
         lock = threading.Lock()
 
@@ -329,7 +334,7 @@ class TensorRTBackend(Backend):
             with lock:
                 return dense(**dense_inputs)
 
-        return SplitRunner(sparse, run_dense, manifest["dense_passthrough_inputs"], manifest["output_names"])
+        return SplitRunner(sparse, run_dense, list(fields.dense_passthrough_inputs), list(fields.output_names))
 
 
 def _count_engines(module: torch.nn.Module) -> int:

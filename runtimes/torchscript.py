@@ -17,7 +17,8 @@ import torch
 import torch.fx
 
 from hstu_export.boundary import DENSE, SPARSE
-from hstu_export.errors import ExportError
+from hstu_export.errors import ExportError, PackageError
+from hstu_export.manifest import BackendFields, backend_fields
 from hstu_export.runtimes.base import Backend, BackendArtifacts, CompileInputs, Features, Runner
 from hstu_export.runtimes.graph_io import (
     as_output_dict,
@@ -49,10 +50,16 @@ class TorchScriptBackend(Backend):
         save_script(scripted, out_dir / MODEL_FILE)
         return BackendArtifacts(files={"model": MODEL_FILE}, meta=meta, op_libraries=scripted_op_libraries(scripted))
 
-    def load(self, root: Path, manifest: dict[str, Any], device: torch.device) -> Runner:
-        module = torch.jit.load(str(root / manifest["backend"]["files"]["model"]), map_location=device)
+    def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device) -> Runner:
+        fields = backend_fields(manifest, root)
+        path = fields.artifact(root, "model")
+        try:
+            module = torch.jit.load(str(path), map_location=device)
+        except Exception as exc:
+            raise PackageError(f"{root}: TorchScript could not load {fields.backend.files['model']}: "
+                               f"{plain_first_line(exc)}") from exc
         module.eval()
-        output_names = manifest["output_names"]
+        output_names = list(fields.output_names)
 
         def run(features: Features) -> Features:
             with torch.no_grad():

@@ -404,3 +404,34 @@ def test_optional_argument_left_out() -> None:
     with torch.no_grad():
         got, expected = gm(**schema.to_graph_inputs(flat)), call_model(model, schema, flat)
     assert sorted(got) == sorted(expected) == ["affinity", "ctr"]
+
+
+torch.library.define("user_test_ops::double", "(Tensor x) -> Tensor")
+
+
+@torch.library.impl("user_test_ops::double", "CompositeExplicitAutograd")
+def _double(x: Tensor) -> Tensor:
+    return x * 2
+
+
+class WithCustomOp(pooled.PooledRanker):
+    def forward(self, sparse_features, dense_features):  # type: ignore[no-untyped-def]
+        out = super().forward(sparse_features, dense_features)
+        return {**out, "ctr": torch.ops.user_test_ops.double(out["ctr"])}
+
+
+def build_with_custom_op() -> WithCustomOp:
+    return WithCustomOp().eval()
+
+
+def test_unknown_op_library_is_refused_at_export(tmp_path: Path) -> None:
+    """A package never imports a module it names: an op kept with --allow-unmapped whose library
+    hstu-export does not know cannot be shipped, and the export says so instead of the first load."""
+    path = hstu_export.save_bundle(build_with_custom_op(), tmp_path / "m.pt", example_inputs=pooled.example_inputs(3),
+                                   factory="test_user_models:build_with_custom_op", ranges={"sparse_features": (1, 6)})
+    with pytest.raises(hstu_export.errors.UnmappedOpsError, match="user_test_ops::double"):
+        hstu_export.export(path, tmp_path / "pkg", ExportSettings(backend="torchscript", max_batch_size=3))
+    with pytest.raises(hstu_export.errors.ExportError, match="user_test_ops, a library packages do not load"):
+        hstu_export.export(path, tmp_path / "pkg", ExportSettings(backend="torchscript", max_batch_size=3,
+                                                                  allow_unmapped=True))
+    assert not (tmp_path / "pkg").exists()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,11 +42,19 @@ class HSTUConfig:
     kernel: str = "pytorch"  # hstu_export.ops.Kernel value
 
     def __post_init__(self) -> None:
-        for name in ("embedding_dim", "num_heads", "attention_dim", "linear_dim", "num_layers",
-                     "max_history_len", "max_num_candidates", "item_vocab_size", "action_vocab_size",
-                     "num_time_buckets"):
-            if int(getattr(self, name)) < 1:
-                raise ConfigError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
+        _check_field_types(self)
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            values = value if isinstance(value, tuple) else (value,)
+            if hints.get(f.name) in (int, tuple[int, ...]) and values:
+                floor = 0 if f.name in ZERO_ALLOWED else 1
+                if min(values) < floor:
+                    what = "integers" if isinstance(value, tuple) else "an integer"
+                    shown = list(value) if isinstance(value, tuple) else value
+                    raise ConfigError(f"model config {f.name!r}: expected {what} >= {floor}, got {_short(shown)}")
+        if not 0 < self.time_bucket_base < math.inf:
+            raise ConfigError(f"model config 'time_bucket_base': expected a number > 0, got {_short(self.time_bucket_base)}")
         if len(self.contextual_features) != len(self.contextual_vocab_sizes):
             raise ConfigError("model config: contextual_features and contextual_vocab_sizes differ in length")
         if self.postprocessor not in ("layernorm", "l2norm"):
@@ -68,6 +78,29 @@ class HSTUConfig:
     def attn_alpha(self) -> float:
         return self.alpha or 1.0 / self.attention_dim**0.5
 
+    def parameter_counts(self) -> dict[str, int]:
+        """Parameters of the ranking model built from this config (``hstu_export.models.ranking``), by
+        part, computed without building it: bundles refuse sizes the machine cannot hold before anything
+        is allocated."""
+        d, h = self.embedding_dim, self.num_heads
+        uvqk = (2 * self.linear_dim + 2 * self.attention_dim) * h
+        heads = 0
+        for _ in self.task_names:
+            width = d
+            for hidden in (*self.task_hidden_dims, 1):
+                heads += width * hidden + hidden
+                width = hidden
+        return {
+            f"the item table (item_vocab_size {self.item_vocab_size:,} x embedding_dim {d:,})": self.item_vocab_size * d,
+            "the action and contextual tables": (self.action_vocab_size + sum(self.contextual_vocab_sizes)) * d,
+            "the preprocessor": (2 * d * d + d) + (d * d + d) + len(self.contextual_features) * (d * d + d),
+            "the position and time tables": (self.max_seq_len + self.num_time_buckets) * d,
+            f"the {self.num_layers:,} STU layers": self.num_layers * (
+                2 * d + d * uvqk + uvqk + 2 * self.linear_dim * h + 3 * self.linear_dim * h * d),
+            "the output norm": 2 * d,
+            "the task heads": heads,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
                 for f in dataclasses.fields(self)}
@@ -83,6 +116,43 @@ class HSTUConfig:
 
     def replace(self, **changes: Any) -> HSTUConfig:
         return dataclasses.replace(self, **changes)
+
+
+# Fields that may be 0 (meaning "derive it"); every other integer is a size >= 1.
+ZERO_ALLOWED = ("scaling_seqlen", "max_attn_len")
+
+# How a field's expected type is named in messages: (one value, a list of them).
+_TYPE_WORDS = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("a string", "strings"),
+               bool: ("true or false", "booleans")}
+
+
+def _check_field_types(config: Any) -> None:
+    """Each field holds its annotated type (int, float, str, bool, tuple[X, ...]): a bundle's config is
+    data from a file, and ``embedding_dim="abc"`` must fail here, naming the field."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        hint = hints.get(f.name)
+        if hint in _TYPE_WORDS and not _fits(hint, value):
+            raise ConfigError(f"model config {f.name!r}: expected {_TYPE_WORDS[hint][0]}, got {_short(value)}")
+        args = typing.get_args(hint)
+        if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis and args[0] in _TYPE_WORDS:
+            if not isinstance(value, tuple) or not all(_fits(args[0], v) for v in value):
+                raise ConfigError(f"model config {f.name!r}: expected a list of {_TYPE_WORDS[args[0]][1]}, "
+                                  f"got {_short(list(value) if isinstance(value, tuple) else value)}")
+
+
+def _fits(kind: type, value: Any) -> bool:
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass(frozen=True)
