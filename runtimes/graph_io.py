@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import re
 from collections import Counter
 from pathlib import Path
@@ -134,8 +135,13 @@ def script_graph_module(gm: GraphModule, what: str) -> torch.jit.ScriptModule:
 
 
 def save_script(module: torch.jit.ScriptModule, path: Path) -> None:
+    """Serialised in memory, then written from Python: torch.jit.save's own file writer aborts the
+    process from C++ when the disk fills up, where a Python write raises an OSError we report."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.jit.save(module, str(path))
+    buffer = io.BytesIO()
+    torch.jit.save(module, buffer)
+    with open(path, "wb") as f:
+        f.write(buffer.getbuffer())
 
 
 def as_output_dict(value: Any, names: list[str]) -> dict[str, Tensor]:

@@ -230,6 +230,27 @@ def test_torch_zip_writer_failing_does_not_abort_the_process(tmp_path, disk):
     assert entries(tmp_path) == set()
 
 
+SCRIPT_ON_FULL_DEVICE = """
+import torch
+from pathlib import Path
+from hstu_export.runtimes.graph_io import save_script
+try:
+    save_script(torch.jit.script(torch.nn.Linear(4, 4)), Path("/dev/full"))
+except OSError as exc:
+    print(type(exc).__name__, exc.errno)
+"""
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_torchscript_writer_on_a_full_device_raises_instead_of_aborting(tmp_path):
+    """Real: torch.jit.save's own writer aborts from C++ on a full disk; the artifact is serialised in
+    memory and written from Python, where the failure is an OSError the export reports."""
+    proc = subprocess.run([sys.executable, "-c", SCRIPT_ON_FULL_DEVICE], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == f"OSError {errno.ENOSPC}"
+
+
 # A CLI export with the disk-space pre-check turned off, so the write itself meets the full disk.
 EXPORT_WITHOUT_PRECHECK = """
 import sys
