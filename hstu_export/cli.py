@@ -541,7 +541,11 @@ def main(argv: list[str] | None = None) -> int:
         err_console.print("aborted")
         return 130
     except click.ClickException as exc:
-        exc.show()
+        # One line, as for our own errors (click's usage block would be three and a blank).
+        hint = ""
+        if isinstance(exc, click.UsageError) and exc.ctx is not None:
+            hint = f" (see {exc.ctx.command_path} --help)"
+        err_console.print(f"[red]error:[/red] {escape(exc.format_message())}{escape(hint)}", soft_wrap=True)
         return exc.exit_code
     except click.exceptions.Exit as exc:
         return exc.exit_code
