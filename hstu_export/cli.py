@@ -321,16 +321,30 @@ def _parity_table(parity: dict[str, Any]) -> Table:
 @click.option("--seed", type=int, default=7, show_default=True)
 @click.option("--rtol", type=float, default=None, help="Relative L2 tolerance [default: the export's].")
 @click.option("--atol", type=float, default=None, help="Max absolute tolerance [default: the export's].")
+@click.option("--key", "public_key", type=click.Path(dir_okay=False), default=None,
+              help="Public key (PEM): the package must be signed by its private key (hstu-export sign).")
+@click.option("--signature-only", is_flag=True, help="With --key: check the signature only, not the parity.")
 @click.option("--allow-pickle", is_flag=True)
 @_import_option
 @_verbose_option
 def verify(package: str, model_path: str | None, batches: int, seed: int, rtol: float | None, atol: float | None,
-           allow_pickle: bool, imports: tuple[str, ...], verbose: bool) -> None:
-    """Check a package against the model it came from on fresh batches (exit 1 on mismatch)."""
-    from hstu_export.errors import VerificationError
+           public_key: str | None, signature_only: bool, allow_pickle: bool, imports: tuple[str, ...],
+           verbose: bool) -> None:
+    """Check a package against the model it came from on fresh batches (exit 1 on mismatch), and with
+    --key its signature first."""
+    from hstu_export.errors import ConfigError, VerificationError
     from hstu_export.settings import VerifySettings
     from hstu_export.verify import mismatch_summary, verify_package
 
+    if signature_only and public_key is None:
+        raise ConfigError("--signature-only needs --key PUBLIC_KEY")
+    if public_key is not None:
+        from hstu_export.signing import verify_signature
+
+        verify_signature(package, public_key)
+        console.print(f"[green]signature ok[/green] ({escape(public_key)})")
+        if signature_only:
+            return
     VerifySettings(rtol=rtol, atol=atol)  # checks the values
     report = verify_package(package, model_path, num_random=batches, seed=seed, allow_pickle=allow_pickle,
                             rtol=rtol, atol=atol, imports=imports)
@@ -338,6 +352,26 @@ def verify(package: str, model_path: str | None, batches: int, seed: int, rtol: 
     if not report["passed"]:
         raise VerificationError(f"{package} does not match the model: {mismatch_summary(report)}")
     console.print(f"[green]parity ok[/green] on {len(report['batches'])} batches")
+
+
+@cli.command()
+@click.argument("package", type=click.Path(file_okay=False))
+@click.option("--key", "private_key", type=click.Path(dir_okay=False), required=True,
+              help="Private key (PEM, elliptic curve) to sign with.")
+@_verbose_option
+def sign(package: str, private_key: str, verbose: bool) -> None:
+    """Sign a package (OpenSSF model-signing, offline): writes PACKAGE/package.sig over all its files.
+
+    \b
+      openssl ecparam -name prime256v1 -genkey -noout -out key.pem
+      openssl ec -in key.pem -pubout -out pub.pem
+      hstu-export sign model.aoti --key key.pem
+      hstu-export verify model.aoti --key pub.pem --signature-only
+    """
+    from hstu_export.signing import sign_package
+
+    path = sign_package(package, private_key)
+    console.print(f"signed: {escape(str(path))}")
 
 
 @cli.command()

@@ -45,6 +45,7 @@ PACKAGE_FORMAT_VERSION = 3
 OP_NAMESPACE = "hstu_export"
 MANIFEST = "manifest.json"
 MANIFEST_SHA256 = "manifest.sha256"
+SIGNATURE = "package.sig"  # hstu_export.signing writes it
 MAX_MANIFEST_BYTES = 64 * 2**20  # a manifest is kilobytes; more is not one of ours (and not read into memory)
 # Why a package of an older format cannot be read, by format version.
 _OLD_FORMATS = {
@@ -97,10 +98,10 @@ def checksums(root: Path) -> dict[str, str]:
 
 
 def package_files(root: Path) -> list[str]:
-    """POSIX relative paths of the files under ``root`` that ``files`` lists: all but the manifest and its
-    checksum (top level only: a ``manifest.json`` deeper down is an ordinary file)."""
+    """POSIX relative paths of the files under ``root`` that ``files`` lists: all but the manifest, its
+    checksum and a signature (top level only: a ``manifest.json`` deeper down is an ordinary file)."""
     names = (p.relative_to(root).as_posix() for p in sorted(root.rglob("*")) if p.is_file())
-    return [name for name in names if name not in (MANIFEST, MANIFEST_SHA256)]
+    return [name for name in names if name not in (MANIFEST, MANIFEST_SHA256, SIGNATURE)]
 
 
 def manifest_sha256_line(manifest_bytes: bytes) -> str:

@@ -158,11 +158,17 @@ def load_op_libraries(names: list[str] | tuple[str, ...], root: Path) -> None:
             ) from None
 
 
-def load(path: str | Path, *, verify_checksums: bool = True) -> Predictor:
-    """Load a package written by ``hstu_export.export`` / ``hstu-export MODEL``."""
+def load(path: str | Path, *, verify_checksums: bool = True, require_signature: str | Path | None = None) -> Predictor:
+    """Load a package written by ``hstu_export.export`` / ``hstu-export MODEL``. With
+    ``require_signature`` (a public key, PEM), the package must carry a signature by its private key over
+    exactly its files (``hstu-export sign``), checked before anything of it is read."""
     root = Path(path)
     # An export killed midway through replacing this package may have left it moved aside: put it back.
     recover_interrupted_replace(root)
+    if require_signature is not None:
+        from hstu_export.signing import verify_signature
+
+        verify_signature(root, require_signature)
     manifest = load_manifest(root, verify_checksums=verify_checksums)
     device = check_environment(manifest, root)
     load_op_libraries(manifest.op_libraries, root)
