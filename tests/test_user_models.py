@@ -435,3 +435,131 @@ def test_unknown_op_library_is_refused_at_export(tmp_path: Path) -> None:
         hstu_export.export(path, tmp_path / "pkg", ExportSettings(backend="torchscript", max_batch_size=3,
                                                                   allow_unmapped=True))
     assert not (tmp_path / "pkg").exists()
+
+
+# ---- foreign cached attention and jagged helpers, by qualified name ------------------------------
+# Stand-ins written by us from the documented semantics (see hstu_export/ops/mappings/*): the cached
+# attention is the last L // B rows of each sequence's attention; concat puts each user's left rows
+# before its right rows, a side without offsets being dense (max_len rows per user); split undoes it.
+
+
+def gr_pytorch_cached_hstu_mha(max_seq_len, alpha, delta_q, k, v, seq_offsets, num_targets=None,  # type: ignore[no-untyped-def]
+                               max_attn_len=0, contextual_seq_len=0):
+    batch = seq_offsets.size(0) - 1
+    delta = delta_q.size(0) // batch
+    # Full queries: the cached ones replace the last `delta` rows of each sequence.
+    rows = (seq_offsets[1:].unsqueeze(1) - delta + torch.arange(delta)).reshape(-1)
+    q = torch.zeros_like(k).index_copy(0, rows, delta_q)
+    full = _USER_ATTENTION_FN(max_seq_len, alpha, q, k, v, seq_offsets, num_targets)
+    return full[rows]
+
+
+def gr_pytorch_concat_2D_jagged(values_left, values_right, max_len_left, max_len_right, offsets_left,  # type: ignore[no-untyped-def]
+                                offsets_right):
+    def offsets(values, given, max_len):  # type: ignore[no-untyped-def]
+        if given is not None:
+            return given
+        return max_len * torch.arange(values.size(0) // max_len + 1)
+
+    left, right = offsets(values_left, offsets_left, max_len_left), offsets(values_right, offsets_right, max_len_right)
+    parts = []
+    for b in range(left.size(0) - 1):
+        parts += [values_left[left[b]:left[b + 1]], values_right[right[b]:right[b + 1]]]
+    return torch.cat(parts)
+
+
+def gr_pytorch_split_2D_jagged(max_seq_len, values, max_len_left, max_len_right, offsets_left, offsets_right):  # type: ignore[no-untyped-def]
+    left_len = offsets_left[1:] - offsets_left[:-1]
+    right_len = offsets_right[1:] - offsets_right[:-1]
+    starts = offsets_left[:-1] + offsets_right[:-1]
+    lefts = [values[s:s + n] for s, n in zip(starts.tolist(), left_len.tolist())]
+    rights = [values[s + n:s + n + m] for s, n, m in zip(starts.tolist(), left_len.tolist(), right_len.tolist())]
+    return torch.cat(lefts), torch.cat(rights)
+
+
+class ForeignHelpers(nn.Module):
+    """Calls the three stand-ins as a model of that library would: contextual rows (dense, 2 per user)
+    before the history, then cached attention of the last candidates, then the candidates split off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 3 * 2 * 4)
+
+    def forward(self, features: dict[str, Tensor]) -> Tensor:
+        from generative_recommenders.ops.pytorch import pt_hstu_attention, pt_jagged_tensors
+
+        history, history_lengths = features["history"], features["history_lengths"]
+        contextual, num_candidates = features["contextual"], features["num_candidates"]
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(history_lengths)
+        x = pt_jagged_tensors.pytorch_concat_2D_jagged(
+            values_left=contextual, values_right=history, max_len_left=2, max_len_right=None,
+            offsets_left=None, offsets_right=offsets)
+        seq_offsets = offsets + 2 * torch.arange(offsets.size(0))
+        q, k, v = self.proj(x).split(8, dim=-1)
+        max_len = int((seq_offsets[1:] - seq_offsets[:-1]).max().item())
+        last = (seq_offsets[1:].unsqueeze(1) - 2 + torch.arange(2)).reshape(-1)  # 2 cached rows per user
+        delta = pt_hstu_attention.pytorch_cached_hstu_mha(
+            max_seq_len=max_len, alpha=0.5, delta_q=q[last].view(-1, 2, 4), k=k.view(-1, 2, 4), v=v.view(-1, 2, 4),
+            seq_offsets=seq_offsets, num_targets=num_candidates)
+        _, right = pt_jagged_tensors.pytorch_split_2D_jagged(
+            max_seq_len=max_len, values=x, max_len_left=None, max_len_right=None,
+            offsets_left=torch.ops.fbgemm.asynchronous_complete_cumsum(
+                seq_offsets[1:] - seq_offsets[:-1] - num_candidates),
+            offsets_right=torch.ops.fbgemm.asynchronous_complete_cumsum(num_candidates))
+        return right.sum(-1) + delta.sum()
+
+
+@pytest.fixture
+def gr_helpers(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    package = "generative_recommenders.ops.pytorch"
+    for i, part in enumerate(package.split(".")):
+        name = ".".join(package.split(".")[: i + 1])
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    functions = {
+        "pt_hstu_attention": {"pytorch_cached_hstu_mha": gr_pytorch_cached_hstu_mha},
+        "pt_jagged_tensors": {"pytorch_concat_2D_jagged": gr_pytorch_concat_2D_jagged,
+                              "pytorch_split_2D_jagged": gr_pytorch_split_2D_jagged},
+    }
+    for module_name, fns in functions.items():
+        module = types.ModuleType(f"{package}.{module_name}")
+        for name, fn in fns.items():
+            fn.__module__, fn.__qualname__ = module.__name__, name
+            setattr(module, name, fn)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        monkeypatch.setattr(sys.modules[package], module_name, module, raising=False)
+
+
+@pytest.mark.parametrize("op_target", ["aten", "triton"])
+def test_foreign_cached_attention_and_jagged_helpers_are_mapped(gr_helpers: None, op_target: str) -> None:
+    if op_target == "triton":
+        pytest.importorskip("triton")
+    from hstu_export.ops.mappings import function_mappings, imported_functions
+
+    model = ForeignHelpers().eval()
+    lengths = torch.tensor([5, 3, 7])
+    batch = {"history": torch.randn(15, 8), "history_lengths": lengths, "contextual": torch.randn(6, 8),
+             "num_candidates": torch.tensor([2, 2, 3])}
+    gm = trace(model, batch, opaque_functions=imported_functions(list(function_mappings())))
+    # The padding bound of the mapped attention is what observe_values sees at the maxima (8 history
+    # items + 2 contextual rows here); longer sequences would be refused by the mapped graph.
+    longest = {"history": torch.randn(32, 8), "history_lengths": torch.full((4,), 8),
+               "contextual": torch.randn(8, 8), "num_candidates": torch.full((4,), 2)}
+    result = run_passes(gm, PassContext(example_inputs=batch, op_target=op_target, probe_inputs=[longest]),
+                        passes=["observe_values", "map_ops", "eliminate_dead_code"])
+    foreign = result.report["map_ops"].stats["foreign"]
+    assert {name.split(" ")[0].rsplit(".", 1)[1]: n for name, n in foreign.items()} == {
+        "pytorch_concat_2D_jagged": 1, "pytorch_cached_hstu_mha": 1, "pytorch_split_2D_jagged": 1}
+    targets = {str(n.target) for n in result.graph.graph.nodes if n.op == "call_function"}
+    assert not [t for t in targets if "generative_recommenders" in t or t.startswith("fbgemm.")]
+    if op_target == "aten":
+        for seed in range(3):
+            gen = torch.Generator().manual_seed(seed)
+            lengths = torch.randint(3, 9, (4,), generator=gen)
+            other = {"history": torch.randn(int(lengths.sum()), 8, generator=gen), "history_lengths": lengths,
+                     "contextual": torch.randn(8, 8, generator=gen),
+                     "num_candidates": torch.randint(1, 3, (4,), generator=gen)}
+            with torch.no_grad():
+                torch.testing.assert_close(result.graph(**other)["output"], model(other), rtol=1e-5, atol=1e-5)
+    else:
+        assert {"hstu_export.cached_hstu_mha_triton.default", "hstu_export.concat_2D_jagged_triton.default",
+                "hstu_export.split_2D_jagged_triton.default"} <= targets
