@@ -512,8 +512,9 @@ class ForeignHelpers(nn.Module):
 @pytest.fixture
 def gr_helpers(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     package = "generative_recommenders.ops.pytorch"
-    for i, part in enumerate(package.split(".")):
-        name = ".".join(package.split(".")[: i + 1])
+    parts = package.split(".")
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
         monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
     functions = {
         "pt_hstu_attention": {"pytorch_cached_hstu_mha": gr_pytorch_cached_hstu_mha},
