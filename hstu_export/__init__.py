@@ -17,13 +17,12 @@ Python API (release scripts):
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from hstu_export.batch import generate_batch
 from hstu_export.bundle import ModelBundle, load_bundle, save_bundle
 from hstu_export.errors import HstuExportError
 from hstu_export.registry import build_model, register_model, registered_models
 from hstu_export.schema import FeatureSpec, InputSchema
+from hstu_export.version import __version__
 
 
 def _source_checkout_subpackages() -> None:

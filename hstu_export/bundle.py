@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hstu_export import __version__
 from hstu_export.errors import BundleError, ConfigError, ModelRegistryError
 from hstu_export.registry import (
     build_model,
@@ -48,6 +47,7 @@ from hstu_export.registry import (
 )
 from hstu_export.schema import InputSchema
 from hstu_export.settings import format_bytes, machine_memory
+from hstu_export.version import __version__
 
 BUNDLE_FORMAT = "hstu-export-bundle"
 BUNDLE_VERSION = 2

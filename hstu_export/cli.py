@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from hstu_export import __version__
 from hstu_export.errors import HstuExportError
 from hstu_export.inspection import human_bytes
+from hstu_export.version import __version__
 
 err_console = Console(stderr=True, highlight=False)
 console = Console(highlight=False)

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from hstu_export import __version__
 from hstu_export.errors import ExportError, PackageError
 from hstu_export.manifest import Manifest, parse_manifest, resolve_inside
 from hstu_export.settings import format_bytes
+from hstu_export.version import __version__
 
 PACKAGE_FORMAT = "hstu-export-package"
 # 3: manifest.sha256 holds the sha256 of manifest.json. 2: ops in the hstu_export:: namespace (1: hstu::),
