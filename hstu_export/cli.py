@@ -189,6 +189,8 @@ def _stage_progress(quiet: bool) -> Any:
               help="Package directory to write [default: <model>.<backend> beside the model].")
 @click.option("--dump-graphs", type=click.Path(file_okay=False), default=None,
               help="Write every pass's graph before/after, diffs, SVGs and report.html here.")
+@click.option("--graphs-in-package", is_flag=True,
+              help="With --dump-graphs: also copy the dumps into the package (graphs/), checksummed.")
 @_capture_options
 @click.option("--skip-pass", multiple=True, help="Pass to leave out (repeatable).")
 @click.option("--passes", default=None, help="Comma-separated pass list to run instead of the default.")
@@ -207,7 +209,7 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
                    max_seq_len: int | None, max_candidates: int | None, op_target: str | None,
                    allow_unmapped: bool, workspace: str | None, min_block_size: int,
                    torch_executed_op: tuple[str, ...], dryrun: bool, out: str | None, dump_graphs: str | None,
-                   leaf_module: tuple[str, ...], opaque_function: tuple[str, ...], map_function: tuple[str, ...],
+                   graphs_in_package: bool, leaf_module: tuple[str, ...], opaque_function: tuple[str, ...], map_function: tuple[str, ...],
                    attention_scale: str, max_length: tuple[str, ...], skip_pass: tuple[str, ...],
                    passes: str | None, check_each_pass: bool, force: bool, no_verify: bool, verify_batches: int,
                    rtol: float | None, atol: float | None, allow_pickle: bool, imports: tuple[str, ...],
@@ -232,7 +234,8 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
         torch_executed_ops=tuple(torch_executed_op), dryrun=dryrun,
         passes=tuple(p.strip() for p in passes.split(",") if p.strip()) if passes else None,
         skip_passes=tuple(skip_pass), leaf_modules=tuple(leaf_module), check_each_pass=check_each_pass,
-        dump_dir=Path(dump_graphs) if dump_graphs else None, opaque_functions=tuple(opaque_function),
+        dump_dir=Path(dump_graphs) if dump_graphs else None, graphs_in_package=graphs_in_package,
+        opaque_functions=tuple(opaque_function),
         op_mappings=_parse_mappings(map_function), attention_scale=attention_scale,
         lengths=_parse_lengths(max_length), imports=tuple(imports),
         verify=VerifySettings(enabled=not no_verify, num_random_batches=verify_batches, rtol=rtol, atol=atol),

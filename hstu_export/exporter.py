@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hstu_export.artifacts import describe as describe_artifacts
+from hstu_export.artifacts import op_library_files
 from hstu_export.batch import generate_batch
 from hstu_export.bundle import ModelBundle, load_bundle
 from hstu_export.errors import ConfigError, ExportError, VerificationError
@@ -302,8 +304,8 @@ def export(
         with _timed(timings, progress, "compile"), torch.no_grad(), _collecting_triton_configs() as configs:
             artifacts = backend.compile(inputs, staged)
         _check_op_libraries(artifacts.op_libraries)
-        if result.report_path is not None:
-            # The graph dumps travel inside the package (graphs/report.html), so it explains itself.
+        if result.report_path is not None and settings.graphs_in_package:
+            # Asked for: the graph dumps travel inside the package (graphs/report.html).
             shutil.copytree(result.report_path.parent, staged / "graphs")
         graph_names = set(schema.graph_names)
         manifest: dict[str, Any] = {
@@ -332,6 +334,8 @@ def export(
             "dense_input_names": inputs.dense_input_names,
             "dense_passthrough_inputs": [n for n in inputs.dense_input_names if n in graph_names],
             "output_names": inputs.output_names,
+            "artifacts": describe_artifacts(backend.name, artifacts.files, inputs, feature_dims(schema, ranges)),
+            "op_library_files": op_library_files(artifacts.op_libraries),
             "boundary": result.boundary.to_json(),
             "passes": result.report.to_json(),
             "capture": captured.summary,
@@ -497,6 +501,7 @@ def _compile_inputs(result: Any, example: dict[str, Tensor], schema: InputSchema
         sparse_dynamic_dims={n: fdims[n] for n in sparse_names}, dense_dynamic_dims=dense_dims,
         settings=settings, combined=result.graph,
         user_packages=frozenset(result.graph.meta.get("user_packages", ())),
+        example_sparse_outputs=sparse_out, example_outputs=dict(outputs),
     )
 
 

@@ -179,6 +179,7 @@ class ExportSettings:
     imports: tuple[str, ...] = ()  # modules imported before the bundle is read (--import)
     check_each_pass: bool = False
     dump_dir: Path | None = None
+    graphs_in_package: bool = False  # copy the graph dumps into the package (graphs/)
     verify: VerifySettings = field(default_factory=VerifySettings)
     force: bool = False
 

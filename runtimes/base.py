@@ -54,6 +54,9 @@ class CompileInputs:
     combined: GraphModule | None = None
     # Top-level packages of the user's code (opaque calls into it run during torch.export).
     user_packages: frozenset[str] = frozenset()
+    # What the halves returned on the export example (the manifest describes the artifacts with them).
+    example_sparse_outputs: Features = field(default_factory=dict)
+    example_outputs: Features = field(default_factory=dict)
 
 
 @dataclass

@@ -93,7 +93,8 @@ def export_ready(gm: GraphModule) -> GraphModule:
     """``gm`` (sharing its parameters) with the spellings torch.export cannot trace replaced: ``int()``
     and ``float()`` of tensor data become their symbolic forms, and ints read from tensor data
     (``x.item()``, ``int(x)``) that were never negative on the batches ``observe_values`` ran are
-    declared non-negative, so they can be sizes. TorchScript keeps the original spellings."""
+    declared non-negative, so they can be sizes; a dict output becomes a tuple in its key order.
+    TorchScript keeps the original spellings."""
     graph = copy.deepcopy(gm.graph)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is int:
@@ -110,6 +111,11 @@ def export_ready(gm: GraphModule) -> GraphModule:
                 checked = graph.call_function(check_non_negative, (node,))
             for user in [u for u in node.users if u is not checked]:
                 user.replace_input_with(node, checked)
+    # Plain positional outputs (the manifest's output_names order): stock loaders then get a tuple, not
+    # the fx immutable_dict a dict output becomes, and C++ gets the same order.
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    if isinstance(output.args[0], dict):
+        output.args = (tuple(output.args[0].values()),)
     ready = GraphModule(gm, graph, class_name=type(gm).__name__)
     ready.meta.update(gm.meta)
     return ready
@@ -120,6 +126,10 @@ def script_graph_module(gm: GraphModule, what: str) -> torch.jit.ScriptModule:
     node type annotations (FX renders ``from __future__`` annotations as unknown names) and op overloads
     (``torch.ops.ns.op.default`` becomes the packet ``torch.ops.ns.op``, which TorchScript resolves)."""
     gm = copy.deepcopy(gm)
+    # Inference artifacts: nothing in them requires grad (a C++ caller without a no-grad guard would
+    # otherwise get outputs that do).
+    for tensor in (*gm.parameters(), *gm.buffers()):
+        tensor.requires_grad_(False)
     for module in gm.modules():
         if isinstance(module, GraphModule):
             for node in module.graph.nodes:

@@ -73,10 +73,13 @@ def _script_with_traced_dense(inputs: CompileInputs) -> torch.jit.ScriptModule:
     records the example's data-dependent Python values (a max length read with ``.item()``) as
     constants; verification on other sizes then fails, naming the batch."""
     combined = copy.copy(inputs.combined)
+    dense_copy = copy.deepcopy(inputs.dense)
+    for tensor in (*dense_copy.parameters(), *dense_copy.buffers()):
+        tensor.requires_grad_(False)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            dense = torch.jit.trace(inputs.dense, example_kwarg_inputs=dict(inputs.example_dense_inputs),
+            dense = torch.jit.trace(dense_copy, example_kwarg_inputs=dict(inputs.example_dense_inputs),
                                     strict=False, check_trace=False)
     except Exception as exc:
         raise ExportError(f"TorchScript could neither script nor trace the dense graph: {plain_first_line(exc)}") from exc

@@ -380,8 +380,18 @@ def test_cli_export_summary(bundle, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "parity" in out and "passed" in out and str(target) in out.replace("\n", "")
     assert os.path.exists(target / "manifest.json")
-    # The graph dumps travel inside the package and are covered by the checksums.
+    # The graph dumps stay beside the package, and the summary lists the artifacts only.
     manifest = json.loads((target / "manifest.json").read_text())
-    assert "graphs/report.html" in manifest["files"]
-    assert (target / "graphs" / "report.html").read_text() == (tmp_path / "graphs" / "report.html").read_text()
+    assert (tmp_path / "graphs" / "report.html").is_file() and not (target / "graphs").exists()
+    assert not [f for f in manifest["files"] if f.startswith("graphs/")]
+    assert "graphs/" not in out.split("files", 1)[1].split("size", 1)[0]
     hstu_export.load(target)
+    # Asked for, they travel inside the package, covered by the checksums.
+    inside = tmp_path / "cli-pkg-graphs"
+    args = [str(bundle), "--backend", "torchscript", "--out", str(inside), "--max-batch-size", "2",
+            "--verify-batches", "1", "--dump-graphs", str(tmp_path / "graphs2"), "--graphs-in-package", "-q"]
+    assert cli_main(args) == 0
+    manifest = json.loads((inside / "manifest.json").read_text())
+    assert "graphs/report.html" in manifest["files"]
+    assert (inside / "graphs" / "report.html").read_text() == (tmp_path / "graphs2" / "report.html").read_text()
+    hstu_export.load(inside)

@@ -1,0 +1,93 @@
+"""What each artifact of a package takes and returns, in order: the manifest's ``artifacts`` section and
+``op_library_files`` (docs/PACKAGE.md), so a server in another language calls the files without reading
+our code.
+
+Every tensor is described by name, dtype and shape; a dim is an int (static) or the name of a dynamic
+dim from ``ranges.dims`` (``batch``, ``<lengths feature>.total``), optionally with an offset or a factor
+(``batch+1``, ``2*batch``). Inputs and outputs are listed in the positional order the artifact takes and
+returns them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from hstu_export.runtimes.base import CompileInputs, DimSpec
+
+# Artifact formats by (backend, role).
+FORMATS = {
+    ("aoti", "sparse"): "torchscript", ("aoti", "dense"): "aoti",
+    ("onnx", "sparse"): "torchscript", ("onnx", "dense"): "onnx",
+    ("trt", "sparse"): "torchscript", ("trt", "dense"): "torch_tensorrt",
+    ("torchscript", "model"): "torchscript",
+}
+
+# What C++ (or any non-Python process) loads for each op library a manifest names. fbgemm_gpu's ops are
+# registered by its shared library, found in the installed fbgemm_gpu package; load it with
+# dlopen(RTLD_NOW | RTLD_GLOBAL) before the artifacts. Our own ops are defined in Python only.
+OP_LIBRARY_FILES: dict[str, dict[str, Any]] = {
+    "fbgemm_gpu": {"package": "fbgemm_gpu", "shared_libraries": {"linux": ["fbgemm_gpu_py.so"]},
+                   "load": "dlopen RTLD_NOW|RTLD_GLOBAL, before the artifacts"},
+    "hstu_export.ops": {"package": "hstu_export", "shared_libraries": {},
+                        "load": "Python only (torch.library ops defined in Python): no C++ equivalent"},
+    "torch_tensorrt": {"package": "torch_tensorrt", "shared_libraries": {"linux": ["lib/libtorchtrt_runtime.so"]},
+                       "load": "dlopen RTLD_NOW|RTLD_GLOBAL, before the artifacts"},
+}
+
+
+def dim_text(spec: DimSpec) -> str:
+    text = spec.name if spec.scale == 1 else f"{spec.scale}*{spec.name}"
+    return f"{text}+{spec.offset}" if spec.offset else text
+
+
+def tensor_entry(name: str, tensor: Tensor, dims: dict[int, DimSpec] | None = None,
+                 sizes: dict[int, str] | None = None) -> dict[str, Any]:
+    """``{name, dtype, shape}``: dims from ``dims`` (by axis), else a dynamic dim recognised by its size
+    on the export example (``sizes``: example size -> dim text), else the static size."""
+    shape: list[int | str] = []
+    for axis, size in enumerate(tensor.shape):
+        if dims and axis in dims:
+            shape.append(dim_text(dims[axis]))
+        elif axis == 0 and sizes and int(size) in sizes:
+            shape.append(sizes[int(size)])
+        else:
+            shape.append(int(size))
+    return {"name": name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": shape}
+
+
+def describe(backend: str, files: dict[str, str], inputs: CompileInputs,
+             feature_dims: dict[str, dict[int, DimSpec]]) -> dict[str, dict[str, Any]]:
+    """The ``artifacts`` section: for each file of the backend, its format and ordered inputs/outputs.
+    ``feature_dims``: the dynamic dims of every request feature, by graph-input name."""
+    features = inputs.example_features
+    dense_dims = inputs.dense_dynamic_dims
+    outputs, sparse_outputs = inputs.example_outputs, inputs.example_sparse_outputs
+    # Dynamic dims by their (pairwise distinct) sizes on the export example, to name output dims.
+    sizes = {int(features[n].size(0)): dim_text(d[0]) for n, d in dense_dims.items() if 0 in d and n in features}
+    sizes.update({int(inputs.example_dense_inputs[n].size(0)): dim_text(d[0])
+                  for n, d in dense_dims.items() if 0 in d})
+    ordered_outputs = [tensor_entry(n, outputs[n], sizes=sizes) for n in inputs.output_names]
+    out: dict[str, dict[str, Any]] = {}
+    for role, relpath in files.items():
+        entry: dict[str, Any] = {"file": relpath, "format": FORMATS.get((backend, role), "unknown")}
+        if role == "sparse":
+            entry["inputs"] = [tensor_entry(n, features[n], feature_dims.get(n)) for n in inputs.sparse_input_names]
+            entry["outputs"] = [tensor_entry(n, sparse_outputs[n], dense_dims.get(n)) for n in sparse_outputs]
+            entry["returns"] = "a dict of the outputs by name"
+        elif role == "dense":
+            entry["inputs"] = [tensor_entry(n, inputs.example_dense_inputs[n], dense_dims.get(n))
+                               for n in inputs.dense_input_names]
+            entry["outputs"] = ordered_outputs
+            entry["returns"] = "a tuple of the outputs in this order"
+        elif role == "model":
+            entry["inputs"] = [tensor_entry(n, features[n], feature_dims.get(n)) for n in features]
+            entry["outputs"] = ordered_outputs
+            entry["returns"] = "a dict of the outputs by name"
+        out[role] = entry
+    return out
+
+
+def op_library_files(libraries: list[str]) -> dict[str, dict[str, Any]]:
+    return {name: OP_LIBRARY_FILES[name] for name in libraries if name in OP_LIBRARY_FILES}

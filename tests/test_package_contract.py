@@ -1,0 +1,68 @@
+"""The package contract (docs/PACKAGE.md, docs/manifest.schema.json): a real manifest validates, and the
+schema refuses what the contract forbids. (tests/conftest.py validates every manifest the suite writes.)"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+import hstu_export
+from hstu_export import ExportSettings, VerifySettings, generate_batch, save_bundle
+from hstu_export.models import build_preset
+
+SCHEMA = json.loads((Path(__file__).resolve().parent.parent / "docs" / "manifest.schema.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("contract")
+    model = build_preset("tiny", seed=1)
+    bundle = save_bundle(model, root / "tiny.pt", generate_batch(model.input_schema(), 4, seed=2))
+    settings = ExportSettings(backend="torchscript", max_batch_size=4, verify=VerifySettings(num_random_batches=1))
+    return hstu_export.export(bundle, root / "pkg", settings).path
+
+
+def test_manifest_validates_and_describes_the_artifact(package: Path) -> None:
+    manifest = json.loads((package / "manifest.json").read_text())
+    jsonschema.validate(manifest, SCHEMA)
+    model = manifest["artifacts"]["model"]
+    assert model["file"] == manifest["backend"]["files"]["model"] and model["format"] == "torchscript"
+    assert [t["name"] for t in model["inputs"]] == [f["name"] for f in manifest["input_schema"]["features"]]
+    assert [t["name"] for t in model["outputs"]] == manifest["output_names"]
+    assert model["outputs"][0]["shape"] == ["candidate_lengths.total"]
+    # The artifact really takes its inputs in that order and returns those names, with no grad.
+    module = torch.jit.load(str(package / model["file"]))
+    batch = generate_batch(hstu_export.InputSchema.from_json(manifest["input_schema"]), 2, seed=3)
+    out = module(*[batch[t["name"]] for t in model["inputs"]])
+    assert list(out) == manifest["output_names"] and not any(t.requires_grad for t in out.values())
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("format_version",), 2),
+    (("backend", "files", "model"), "../model.ts"),
+    (("backend", "files", "model"), "/etc/passwd"),
+    (("files",), {"a//b": "0" * 64}),
+    (("artifacts", "model", "inputs", 0, "shape", 0), "a*b"),
+    (("op_libraries",), ["os"]),
+    (("input_schema", "features", 0, "kind"), "ragged"),
+])
+def test_schema_refuses_what_the_contract_forbids(package: Path, path: tuple, value: object) -> None:
+    manifest = copy.deepcopy(json.loads((package / "manifest.json").read_text()))
+    target = manifest
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(manifest, SCHEMA)
+
+
+def test_missing_artifacts_section_is_refused(package: Path) -> None:
+    manifest = json.loads((package / "manifest.json").read_text())
+    del manifest["artifacts"]
+    with pytest.raises(jsonschema.ValidationError, match="'artifacts' is a required property"):
+        jsonschema.validate(manifest, SCHEMA)
