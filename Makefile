@@ -14,22 +14,27 @@ DEV      := pytest pytest-timeout hypothesis ruff jsonschema
 
 DEMO_DIR ?= out/demo
 
-.PHONY: install system-tools test test-fast demo lint clean
+.PHONY: install system-tools test test-fast demo lint clean cpp-runtime
 
 install: $(STAMP)
 
-# System tools the tests use: graphviz (SVG graph dumps) and chromium (the report opened in a real
-# browser). Installed with apt-get when running as root; otherwise graph dumps fall back to .dot files
-# and the browser test is skipped, as the product itself does without them.
+# System tools the tests use: cmake and a C++ compiler (the C++ runtime, runtimes/cpp), graphviz (SVG
+# graph dumps) and chromium (the report opened in a real browser). Installed with apt-get when running as
+# root; otherwise graph dumps fall back to .dot files and the browser test is skipped, as the product
+# itself does without them, and the C++ runtime tests fail naming what is missing.
+SYSTEM_TOOLS := cmake:cmake c++:g++ dot:graphviz chromium:chromium
 system-tools:
-	@if ! command -v dot >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1; then \
+	@missing=""; for pair in $(SYSTEM_TOOLS); do \
+	  command -v "$${pair%%:*}" >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing graphviz and chromium (apt-get)"; \
+	    echo "installing$$missing (apt-get)"; \
 	    (DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null && \
-	     DEBIAN_FRONTEND=noninteractive apt-get install -y -q graphviz chromium >/dev/null) || \
-	    echo "note: apt-get failed; graph dumps fall back to .dot and the browser test is skipped"; \
+	     DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null) || \
+	    echo "note: apt-get failed; missing:$$missing"; \
 	  else \
-	    echo "note: graphviz or chromium is missing (not root, no apt-get): graph dumps fall back to .dot, the browser test is skipped"; \
+	    echo "note: missing$$missing (not root, no apt-get): graph dumps fall back to .dot, the browser test is skipped, the C++ runtime tests fail"; \
 	  fi; \
 	fi
 
@@ -57,8 +62,13 @@ demo: $(STAMP)
 		--out $(DEMO_DIR)/model.aoti --dump-graphs $(DEMO_DIR)/graphs --force
 	$(BIN)/hstu-export run $(DEMO_DIR)/model.aoti --batch $(DEMO_DIR)/model.pt
 
+# The C++ runtime (runtimes/cpp) against this environment's torch: build/cpp/hstu-export-run and
+# build/cpp/libhstu_export_runtime.so.
+cpp-runtime: $(STAMP)
+	PYTHON=$(BIN)/python runtimes/cpp/build.sh build/cpp
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) out .pytest_cache .ruff_cache
+	rm -rf $(VENV) out build .pytest_cache .ruff_cache

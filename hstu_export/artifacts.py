@@ -58,9 +58,11 @@ def tensor_entry(name: str, tensor: Tensor, dims: dict[int, DimSpec] | None = No
 
 
 def describe(backend: str, files: dict[str, str], inputs: CompileInputs,
-             feature_dims: dict[str, dict[int, DimSpec]]) -> dict[str, dict[str, Any]]:
+             feature_dims: dict[str, dict[int, DimSpec]], feature_names: dict[str, str]) -> dict[str, dict[str, Any]]:
     """The ``artifacts`` section: for each file of the backend, its format and ordered inputs/outputs.
-    ``feature_dims``: the dynamic dims of every request feature, by graph-input name."""
+    ``feature_dims``: the dynamic dims of every request feature, by graph-input name; ``feature_names``:
+    the request name of each graph input that is a request feature (inputs fed from the request carry
+    it as ``feature``; the others are outputs of the sparse artifact)."""
     features = inputs.example_features
     dense_dims = inputs.dense_dynamic_dims
     outputs, sparse_outputs = inputs.example_outputs, inputs.example_sparse_outputs
@@ -69,20 +71,29 @@ def describe(backend: str, files: dict[str, str], inputs: CompileInputs,
     sizes.update({int(inputs.example_dense_inputs[n].size(0)): dim_text(d[0])
                   for n, d in dense_dims.items() if 0 in d})
     ordered_outputs = [tensor_entry(n, outputs[n], sizes=sizes) for n in inputs.output_names]
+    def feature_input(name: str, tensor: Tensor, dims: dict[int, DimSpec] | None) -> dict[str, Any]:
+        entry = tensor_entry(name, tensor, dims)
+        if name in feature_names:
+            entry["feature"] = feature_names[name]
+        return entry
+
     out: dict[str, dict[str, Any]] = {}
     for role, relpath in files.items():
         entry: dict[str, Any] = {"file": relpath, "format": FORMATS.get((backend, role), "unknown")}
         if role == "sparse":
-            entry["inputs"] = [tensor_entry(n, features[n], feature_dims.get(n)) for n in inputs.sparse_input_names]
+            entry["inputs"] = [feature_input(n, features[n], feature_dims.get(n)) for n in inputs.sparse_input_names]
             entry["outputs"] = [tensor_entry(n, sparse_outputs[n], dense_dims.get(n)) for n in sparse_outputs]
             entry["returns"] = "a dict of the outputs by name"
         elif role == "dense":
-            entry["inputs"] = [tensor_entry(n, inputs.example_dense_inputs[n], dense_dims.get(n))
-                               for n in inputs.dense_input_names]
+            entry["inputs"] = [
+                feature_input(n, inputs.example_dense_inputs[n], dense_dims.get(n)) if n not in sparse_outputs
+                else tensor_entry(n, inputs.example_dense_inputs[n], dense_dims.get(n))
+                for n in inputs.dense_input_names
+            ]
             entry["outputs"] = ordered_outputs
             entry["returns"] = "a tuple of the outputs in this order"
         elif role == "model":
-            entry["inputs"] = [tensor_entry(n, features[n], feature_dims.get(n)) for n in features]
+            entry["inputs"] = [feature_input(n, features[n], feature_dims.get(n)) for n in features]
             entry["outputs"] = ordered_outputs
             entry["returns"] = "a dict of the outputs by name"
         out[role] = entry

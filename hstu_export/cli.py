@@ -379,15 +379,20 @@ def sign(package: str, private_key: str, verbose: bool) -> None:
 
 @cli.command()
 @click.argument("package", type=click.Path(file_okay=False))
-@click.option("--batch", "batch_path", type=click.Path(dir_okay=False), required=True,
-              help="A torch.save'd dict of named tensors, or a model bundle (its example batch is used).")
-@click.option("--output", type=click.Path(dir_okay=False), default=None, help="torch.save the outputs here.")
+@click.option("--batch", "batch_path", type=click.Path(), required=True,
+              help="A request directory (hstu-export request), a torch.save'd dict of named tensors, "
+                   "or a model bundle (its example batch is used).")
+@click.option("--output", type=click.Path(dir_okay=False), default=None,
+              help="torch.save the outputs here, as one dict.")
+@click.option("--output-dir", type=click.Path(file_okay=False), default=None,
+              help="Write the outputs here, one <name>.pt per output (what hstu-export-run --out writes).")
 @_verbose_option
-def run(package: str, batch_path: str, output: str | None, verbose: bool) -> None:
+def run(package: str, batch_path: str, output: str | None, output_dir: str | None, verbose: bool) -> None:
     """Run a package on one batch and print its outputs."""
     import torch
 
     from hstu_export.runtimes.predictor import load
+    from hstu_export.tensor_dir import save_tensors
     from hstu_export.verify import load_batch_file
 
     predictor = load(package)
@@ -400,7 +405,39 @@ def run(package: str, batch_path: str, output: str | None, verbose: bool) -> Non
     console.print(table)
     if output:
         torch.save({k: v.detach().cpu() for k, v in outputs.items()}, output)
-        console.print(f"wrote {output}")
+        console.print(f"wrote {escape(output)}")
+    if output_dir:
+        save_tensors(outputs, output_dir)
+        console.print(f"wrote {len(outputs)} outputs to {escape(output_dir)}")
+
+
+@cli.command()
+@click.argument("package", type=click.Path(file_okay=False))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
+              help="Directory to write the request to (one <feature>.pt per feature).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="[default: the package's max]")
+@click.option("--seed", type=int, default=0, show_default=True)
+@_verbose_option
+def request(package: str, out_dir: str, batch_size: int | None, seed: int, verbose: bool) -> None:
+    """Write a random request that fits the package's input schema, as a directory of tensors (what
+    hstu-export-run, the C++ runtime's CLI, and `hstu-export run --batch DIR` read)."""
+    from pathlib import Path
+
+    from hstu_export.batch import generate_batch
+    from hstu_export.errors import ConfigError
+    from hstu_export.package import load_manifest
+    from hstu_export.tensor_dir import save_tensors
+
+    manifest = load_manifest(Path(package))
+    size = batch_size or manifest.ranges.max_batch_size
+    if size > manifest.ranges.max_batch_size:
+        raise ConfigError(f"--batch-size {size} is beyond the package's maximum {manifest.ranges.max_batch_size}")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out_dir} exists and is not empty; choose a new directory")
+    batch = generate_batch(manifest.input_schema, size, seed=seed)
+    save_tensors(batch, out)
+    console.print(f"wrote a request of {size} users ({len(batch)} features) to {escape(out_dir)}")
 
 
 @cli.command()

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from hstu_export.errors import ConfigError, PackageError
 from hstu_export.runtimes import backend_names
-from hstu_export.schema import InputSchema
+from hstu_export.schema import DTYPES, InputSchema
 from hstu_export.settings import TORCH_DTYPES
 
 # Op libraries a package may name, and the module the loader imports for each. Kept in step with
@@ -43,6 +43,8 @@ OP_LIBRARIES: dict[str, str] = {
 }
 OP_TARGETS = ("triton", "aten", "fbgemm")
 DEVICE_TYPES = ("cpu", "cuda")
+# What an artifact file is (manifest artifacts.<role>.format).
+ARTIFACT_FORMATS = ("torchscript", "aoti", "onnx", "torch_tensorrt")
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -118,6 +120,8 @@ class Manifest(BackendFields):
     files: dict[str, str]  # plain relative path -> sha256 (hex); backend.files are all listed here
     parity: dict[str, Any]
     model_bundle: str | None
+    # Per role of backend.files: file, format, inputs/outputs in positional order (docs/PACKAGE.md).
+    artifacts: dict[str, dict[str, Any]]
     raw: dict[str, Any] = field(repr=False, compare=False)
 
     @property
@@ -331,6 +335,7 @@ def _parse(data: Any) -> Manifest:
         files=files,
         parity=_parity(get("parity")),
         model_bundle=_optional(model, "bundle", "model", _optional_string),
+        artifacts=_artifacts(get("artifacts"), backend, schema),
         raw=top,
     )
 
@@ -505,6 +510,45 @@ def _parity(value: Any) -> dict[str, Any]:
     return section
 
 
+_TENSOR_KEYS: dict[str, Callable[[Any, str], Any]] = {
+    "name": _string,
+    "dtype": lambda v, n: _string(v, n, list(DTYPES)),
+    "shape": lambda v, n: [d if isinstance(d, str) else _integer(d, n, minimum=0) for d in _array(v, n)],
+    "feature": _string,
+}
+_ARTIFACT_KEYS: dict[str, Callable[[Any, str], Any]] = {
+    "file": _relpath,
+    "format": lambda v, n: _string(v, n, ARTIFACT_FORMATS),
+    "inputs": _array,
+    "outputs": _array,
+    "returns": _string,
+}
+
+
+def _artifacts(value: Any, backend: BackendSection, schema: InputSchema) -> dict[str, dict[str, Any]]:
+    """One description per role of ``backend.files``, naming the same file; inputs fed from the request
+    name a feature of the input schema."""
+    section = _object(value, "artifacts")
+    for role in backend.files:
+        _get(section, role, "artifacts")
+    for role in section:
+        if role not in backend.files:
+            raise _FieldError(f"backend.files.{role}", f"missing (artifacts.{role} describes it)")
+    features = set(schema.names)
+    for role, entry in section.items():
+        name = _child("artifacts", role)
+        _record(entry, name, _ARTIFACT_KEYS, tuple(_ARTIFACT_KEYS))
+        if entry["file"] != backend.files[role]:
+            raise _FieldError(_child(name, "file"), f"{entry['file']} is not backend.files.{role}")
+        for key in ("inputs", "outputs"):
+            for i, tensor in enumerate(entry[key]):
+                where = _child(_child(name, key), i)
+                _record(tensor, where, _TENSOR_KEYS, ("name", "dtype", "shape"))
+                if "feature" in tensor and tensor["feature"] not in features:
+                    raise _FieldError(_child(where, "feature"), f"{tensor['feature'][:80]!r} is not a feature of input_schema")
+    return section
+
+
 # Top-level fields no load reads; their JSON type is still checked (reports and tools read them).
 _OPTIONAL_TOP: dict[str, Callable[[Any, str], Any]] = {
     "created": _string,
@@ -514,4 +558,5 @@ _OPTIONAL_TOP: dict[str, Callable[[Any, str], Any]] = {
     "capture": _object,
     "settings": _object,
     "timings": lambda v, n: _mapping(v, n, _number),
+    "op_library_files": _object,
 }

@@ -39,9 +39,11 @@ from hstu_export.settings import format_bytes
 from hstu_export.version import __version__
 
 PACKAGE_FORMAT = "hstu-export-package"
-# 3: manifest.sha256 holds the sha256 of manifest.json. 2: ops in the hstu_export:: namespace (1: hstu::),
-# input schema with arguments, graph-input names.
-PACKAGE_FORMAT_VERSION = 3
+# 4: the manifest describes each artifact's positional inputs and outputs (artifacts) and the op
+# libraries' shared libraries (op_library_files): docs/PACKAGE.md. 3: manifest.sha256 holds the sha256
+# of manifest.json. 2: ops in the hstu_export:: namespace (1: hstu::), input schema with arguments,
+# graph-input names.
+PACKAGE_FORMAT_VERSION = 4
 OP_NAMESPACE = "hstu_export"
 MANIFEST = "manifest.json"
 MANIFEST_SHA256 = "manifest.sha256"
@@ -51,6 +53,7 @@ MAX_MANIFEST_BYTES = 64 * 2**20  # a manifest is kilobytes; more is not one of o
 _OLD_FORMATS = {
     1: "its graphs call ops in the hstu:: namespace, now hstu_export::",
     2: f"its manifest has no checksum of its own ({MANIFEST_SHA256})",
+    3: "its manifest does not describe its artifacts' inputs and outputs, which servers outside Python read",
 }
 
 

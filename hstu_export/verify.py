@@ -223,13 +223,17 @@ def bench_package(package: Any, model_path: str | None, *, batch_size: int | Non
 
 
 def load_batch_file(path: str) -> dict[str, Tensor]:
-    """A request batch from a file: a torch.save'd dict of tensors, or a model bundle's example batch."""
+    """A request batch: a directory of tensors (``hstu_export.tensor_dir``), a torch.save'd dict of
+    tensors, or a model bundle's example batch."""
     from pathlib import Path
 
     from hstu_export.bundle import BUNDLE_FORMAT
     from hstu_export.errors import RequestError
+    from hstu_export.tensor_dir import load_tensors
 
     p = Path(path)
+    if p.is_dir():
+        return load_tensors(p)
     if not p.is_file():
         raise RequestError(f"{path}: no such batch file")
     try:

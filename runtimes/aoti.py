@@ -4,7 +4,9 @@ by ``aoti_compile_and_package`` into one ``.pt2`` (CPU or CUDA). The sparse grap
 from __future__ import annotations
 
 import inspect
+import json
 import threading
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,12 @@ from hstu_export.runtimes.base import (
     SplitRunner,
     torch_dynamic_shapes,
 )
-from hstu_export.runtimes.graph_io import export_ready, op_libraries, plain_first_line
+from hstu_export.runtimes.graph_io import (
+    BUILTIN_NAMESPACES,
+    OP_LIBRARY_MODULES,
+    export_ready,
+    plain_first_line,
+)
 from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
 
 DENSE_FILE = "dense/dense.pt2"
@@ -59,7 +66,7 @@ class AotiBackend(Backend):
         return BackendArtifacts(
             files={"sparse": sparse, "dense": DENSE_FILE},
             meta={"dense_exported_nodes": len(program.graph.nodes)},
-            op_libraries=sorted(set(sparse_libraries) | set(op_libraries(program.graph_module))),
+            op_libraries=sorted(set(sparse_libraries) | package_op_libraries(out_dir / DENSE_FILE)),
         )
 
     def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device) -> Runner:
@@ -72,6 +79,22 @@ class AotiBackend(Backend):
             raise PackageError(f"{root}: AOTInductor could not load {fields.backend.files['dense']}: "
                                f"{plain_first_line(exc)}") from exc
         return SplitRunner(sparse, dense, list(fields.dense_passthrough_inputs), list(fields.output_names))
+
+
+def package_op_libraries(path: Path) -> set[str]:
+    """Op libraries the compiled package calls at run time: the ops AOTInductor did not compile but calls
+    through its proxy executor, listed in the package's ``*.wrapper.json`` (one node per call). Ops it
+    compiled (``triton_op`` kernels, decomposed ops) need nothing at load time, so a ``triton`` package
+    whose ops all compiled is served without our Python ops."""
+    namespaces: set[str] = set()
+    with zipfile.ZipFile(path) as package:
+        for name in package.namelist():
+            if name.endswith(".wrapper.json"):
+                for node in json.loads(package.read(name)).get("nodes", []):
+                    target = str(node.get("node", {}).get("target", ""))
+                    if "::" in target:
+                        namespaces.add(target.partition("::")[0])
+    return {OP_LIBRARY_MODULES.get(ns, ns) for ns in namespaces - BUILTIN_NAMESPACES}
 
 
 def _load_pt2(path: Path) -> Any:

@@ -1,14 +1,21 @@
-"""Suite-wide checks: every manifest a test writes validates against docs/manifest.schema.json (the
-package contract of docs/PACKAGE.md)."""
+"""Suite-wide checks and fixtures: every manifest a test writes validates against
+docs/manifest.schema.json (the package contract of docs/PACKAGE.md); ``cpp_runtime`` builds the C++
+runtime (runtimes/cpp) once per session."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-SCHEMA = Path(__file__).resolve().parent.parent / "docs" / "manifest.schema.json"
+REPO = Path(__file__).resolve().parent.parent
+SCHEMA = REPO / "docs" / "manifest.schema.json"
+CPP_BUILD = REPO / "build" / "cpp"
 validated: list[Path] = []
 
 
@@ -38,3 +45,33 @@ def _manifests_follow_the_contract():  # type: ignore[no-untyped-def]
     yield
     package.write_manifest = original
     exporter.write_manifest = original
+
+
+def _cpp_env() -> dict[str, str]:
+    # The op libraries are found the way a deployment finds them: the build's default directory.
+    return {k: v for k, v in os.environ.items() if k != "HSTU_EXPORT_OP_LIBRARY_PATH"}
+
+
+class CppRuntime:
+    """The built ``hstu-export-run``; ``run(*args)`` runs it (text output, 10 minute limit)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def run(self, *args: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(self.path), *map(str, args)], capture_output=True, text=True, env=_cpp_env(),
+                              timeout=600)
+
+
+@pytest.fixture(scope="session")
+def cpp_runtime() -> CppRuntime:
+    """hstu-export-run, built with runtimes/cpp/build.sh against this environment's torch (incremental:
+    a second session in the same checkout only rebuilds what changed). No toolchain fails, never skips."""
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing:
+        pytest.fail(f"{' and '.join(missing)} missing: the C++ runtime tests need cmake and a C++20 compiler "
+                    "(apt-get install cmake g++; `make install` does it when run as root)")
+    done = subprocess.run(["bash", str(REPO / "runtimes" / "cpp" / "build.sh"), str(CPP_BUILD)],
+                          env={**_cpp_env(), "PYTHON": sys.executable}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return CppRuntime(CPP_BUILD / "hstu-export-run")

@@ -43,7 +43,7 @@ def test_manifest_validates_and_describes_the_artifact(package: Path) -> None:
 
 
 @pytest.mark.parametrize(("path", "value"), [
-    (("format_version",), 2),
+    (("format_version",), 3),
     (("backend", "files", "model"), "../model.ts"),
     (("backend", "files", "model"), "/etc/passwd"),
     (("files",), {"a//b": "0" * 64}),
@@ -66,3 +66,32 @@ def test_missing_artifacts_section_is_refused(package: Path) -> None:
     del manifest["artifacts"]
     with pytest.raises(jsonschema.ValidationError, match="'artifacts' is a required property"):
         jsonschema.validate(manifest, SCHEMA)
+
+
+@torch.library.custom_op("contract_probe::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _twice_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class _CallsCustomOp(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.contract_probe.twice(x).sin() + 1
+
+
+@pytest.mark.slow
+def test_aoti_package_lists_the_ops_it_calls_at_run_time(tmp_path: Path) -> None:
+    """The op libraries of an AOTInductor artifact are those it calls through its proxy executor (what it
+    did not compile), read from the compiled package: decomposed aten code needs none."""
+    from hstu_export.runtimes.aoti import package_op_libraries
+
+    program = torch.export.export(_CallsCustomOp(), (torch.randn(4, 3),))
+    path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "probe.pt2"))
+    assert package_op_libraries(Path(path)) == {"contract_probe"}
+    plain = torch.export.export(torch.nn.Linear(3, 2), (torch.randn(4, 3),))
+    path = torch._inductor.aoti_compile_and_package(plain, package_path=str(tmp_path / "plain.pt2"))
+    assert package_op_libraries(Path(path)) == set()

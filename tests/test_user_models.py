@@ -21,6 +21,7 @@ from hstu_export.errors import ConfigError, TraceError, VerificationError
 from hstu_export.outputs import call_model
 from hstu_export.pipeline import PassContext, run_passes
 from hstu_export.schema_inference import flatten_example, infer_schema
+from hstu_export.tensor_dir import load_tensors, save_tensors
 
 GR_ATTENTION = "generative_recommenders.ops.pytorch.pt_hstu_attention.pytorch_hstu_mha"
 USER_ATTENTION = "user_models.dlrm_hstu.jagged_hstu_attention"
@@ -183,7 +184,8 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aoti", "torchscript", "onnx"])
 @pytest.mark.parametrize("which", ["dlrm_hstu", "pooled"])
-def test_export_matches_the_model(bundles: dict[str, Path], tmp_path: Path, which: str, backend: str) -> None:
+def test_export_matches_the_model(bundles: dict[str, Path], tmp_path: Path, which: str, backend: str,
+                                  request: pytest.FixtureRequest) -> None:
     settings = ExportSettings(backend=backend, max_batch_size=MAX_BATCH, verify=VerifySettings(num_random_batches=2),
                               op_mappings={USER_ATTENTION: GR_ATTENTION} if which == "dlrm_hstu" else {})
     result = hstu_export.export(bundles[which], tmp_path / "pkg", settings)
@@ -206,13 +208,22 @@ def test_export_matches_the_model(bundles: dict[str, Path], tmp_path: Path, whic
     module = dlrm_hstu if which == "dlrm_hstu" else pooled
     example = module.example_inputs(2, seed=42)
     schema = predictor.input_schema
-    request = flatten_example(schema, example, None, model)
+    request_batch = flatten_example(schema, example, None, model)
     with torch.no_grad():
-        expected = call_model(model, schema, request)
-    got = predictor(request)
+        expected = call_model(model, schema, request_batch)
+    got = predictor(request_batch)
     assert sorted(got) == sorted(expected)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5)
+
+    if backend in ("aoti", "torchscript"):
+        # The C++ runtime serves the user's model (KeyedJaggedTensor features, dotted request names) bit
+        # for bit like the Python predictor.
+        runtime = request.getfixturevalue("cpp_runtime")
+        done = runtime.run(result.path, save_tensors(request_batch, tmp_path / "request"), "--out", tmp_path / "out")
+        assert done.returncode == 0, done.stderr
+        cpp = load_tensors(tmp_path / "out")
+        assert sorted(cpp) == sorted(got) and all(torch.equal(cpp[k], got[k]) for k in got)
 
 
 @pytest.mark.slow

@@ -128,7 +128,7 @@ def outside_copy_of_model(pkg: Path) -> Path:
 
 def test_fresh_package_loads_and_its_manifest_checksum_is_sha256sum_format(package, example):
     predictor = hstu_export.load(package)
-    assert isinstance(predictor.manifest, dict) and predictor.manifest["format_version"] == 3
+    assert isinstance(predictor.manifest, dict) and predictor.manifest["format_version"] == 4
     typed = predictor.package_manifest
     assert isinstance(typed, Manifest)
     assert typed.backend.files == {"model": MODEL_FILE} and set(typed.files) == {MODEL_FILE}
@@ -251,13 +251,16 @@ FIELDS = [
     ("sparse_output_names",), ("dense_input_names",), ("dense_passthrough_inputs",), ("output_names",),
     ("output_names", 0), ("files",), ("files", MODEL_FILE), ("parity",), ("parity", "tolerances"),
     ("parity", "tolerances", "rel_l2"), ("parity", "passed"), ("created",), ("timings",), ("passes",),
-    ("capture",), ("settings",),
+    ("capture",), ("settings",), ("artifacts",), ("artifacts", "model"), ("artifacts", "model", "file"),
+    ("artifacts", "model", "format"), ("artifacts", "model", "inputs"), ("artifacts", "model", "inputs", 0),
+    ("artifacts", "model", "inputs", 0, "name"), ("artifacts", "model", "inputs", 0, "shape"),
+    ("artifacts", "model", "inputs", 0, "feature"), ("artifacts", "model", "outputs"), ("op_library_files",),
 ]
 # Fields a package may leave out (their absence has a meaning), and list items (removing one is
 # a different list, tested by value below).
 OPTIONAL = {("model", "bundle"), (*FEATURE0, "max_value"), (*FEATURE0, "trailing"), (*FEATURE0, "same_as"),
             ("parity", "tolerances"), ("parity", "passed"), ("created",), ("timings",), ("passes",),
-            ("capture",), ("settings",)}
+            ("capture",), ("settings",), ("artifacts", "model", "inputs", 0, "feature"), ("op_library_files",)}
 REQUIRED = [f for f in FIELDS if f not in OPTIONAL and not isinstance(f[-1], int)]
 # Where removing a field is reported under another name.
 REMOVED_AS = {("files", MODEL_FILE): "backend.files.model"}
@@ -384,7 +387,24 @@ def test_missing_manifest_checksum_is_refused(pkg):
 def test_package_of_format_2_is_refused_with_re_export(pkg):
     edit(pkg, ("format_version",), 2)  # written before manifests had their own checksum
     refused(pkg, r"package of format 2 \(its manifest has no checksum of its own \(manifest\.sha256\)\).*"
-                 r"reads format 3: re-export the model")
+                 r"reads format 4: re-export the model")
+
+
+def test_package_of_format_3_is_refused_with_re_export(pkg):
+    edit(pkg, ("format_version",), 3)  # written before manifests described their artifacts
+    refused(pkg, r"package of format 3 \(its manifest does not describe its artifacts' inputs and outputs.*"
+                 r"reads format 4: re-export the model")
+
+
+@pytest.mark.parametrize(("path", "value", "message"), [
+    (("artifacts", "model", "file"), "model/other.ts", r"artifacts\.model\.file: model/other\.ts is not backend\.files\.model"),
+    (("artifacts", "model", "inputs", 5, "feature"), "nope", r"artifacts\.model\.inputs\[5\]\.feature: 'nope' is not a feature"),
+    (("artifacts", "model", "outputs", 0, "dtype"), "complex64", r"artifacts\.model\.outputs\[0\]\.dtype"),
+    (("artifacts", "extra"), {}, r"backend\.files\.extra: missing \(artifacts\.extra describes it\)"),
+])
+def test_artifact_descriptions_are_checked(pkg, path, value, message):
+    edit(pkg, path, value)
+    refused(pkg, message)
 
 
 def flipped_packages(root: Path, seed: int, count: int) -> list[tuple[int, int, bytes]]:

@@ -1,0 +1,106 @@
+// hstu-export C++ runtime: open an hstu-export package (docs/PACKAGE.md), check it, and serve requests
+// from C++ with no Python in the process.
+//
+//   auto package = hstu_export::Package::open("model.aoti");
+//   hstu_export::Tensors request = ...;               // feature name -> tensor, as the manifest's input_schema
+//   for (auto& [name, tensor] : package->run(request)) ...   // outputs in the manifest's output_names order
+//
+// Package::open checks, in order: manifest.sha256 against manifest.json, the package format and its
+// format_version, every path (inside the package, no links), every file's sha256, the torch major.minor
+// the package was built with, the device; then loads the op libraries the package needs (from a fixed
+// list, never a path the manifest names) and the artifacts. A Package is immutable once open, and run()
+// may be called from many threads at once.
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace hstu_export {
+
+// Every error the runtime raises on purpose: one line that says what is wrong and what to do.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+// The package cannot be opened (missing, tampered with, another format, another torch, a missing library).
+class PackageError : public Error {
+ public:
+  using Error::Error;
+};
+// A request does not fit the package's input schema or exported ranges; the package stays usable.
+class RequestError : public Error {
+ public:
+  using Error::Error;
+};
+
+struct Options {
+  // Directories searched for op libraries (fbgemm_gpu_py.so, ...) before $HSTU_EXPORT_OP_LIBRARY_PATH
+  // (':'-separated) and the directories found when the runtime was built.
+  std::vector<std::string> op_library_dirs;
+  // Check every file's sha256 against the manifest (manifest.sha256 is always checked).
+  bool verify_checksums = true;
+  // AOTInductor model instances that may run at once; calls beyond wait for a free one.
+  size_t concurrency = 1;
+};
+
+// One request feature, as the manifest's input_schema describes it.
+struct Feature {
+  std::string name;
+  std::string dtype;  // int64, int32, float32, bfloat16, float16, float64, bool
+  std::string kind;   // lengths, jagged, per_user
+  std::string jagged_by;
+  std::string same_as;
+  std::optional<double> min_value;
+  std::optional<double> max_value;
+  std::vector<int64_t> trailing;  // sizes after the first dim
+};
+
+using Tensors = std::unordered_map<std::string, at::Tensor>;
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+class Package {
+ public:
+  static std::shared_ptr<const Package> open(const std::string& path, const Options& options = {});
+  ~Package();
+  Package(const Package&) = delete;
+  Package& operator=(const Package&) = delete;
+
+  // Validates the request (RequestError naming the first problem), runs it, and returns the outputs in
+  // output_names() order, on the package's device. Thread-safe.
+  NamedTensors run(const Tensors& request) const;
+  // The request's batch size, or RequestError: names, dtypes, shapes, value ranges, batch size, jagged totals.
+  int64_t validate(const Tensors& request) const;
+
+  const std::string& path() const;
+  const std::string& backend() const;
+  c10::Device device() const;
+  int64_t max_batch_size() const;
+  const std::vector<Feature>& features() const;
+  const std::vector<std::string>& output_names() const;
+
+  struct Impl;
+
+ private:
+  explicit Package(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The package format_version this runtime reads.
+constexpr int kPackageFormatVersion = 4;
+
+// Directories of named tensors, one torch.save'd tensor per <name>.pt with the name percent-encoded
+// (docs/PACKAGE.md, "Requests on disk"): what hstu-export request writes and hstu-export-run reads.
+std::string tensor_file_name(const std::string& name);
+Tensors load_tensor_dir(const std::string& directory);  // RequestError on anything but tensors
+void save_tensor_dir(const NamedTensors& tensors, const std::string& directory);
+
+}  // namespace hstu_export

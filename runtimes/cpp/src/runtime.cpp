@@ -1,0 +1,731 @@
+// Package::open and Package::run: the package contract of docs/PACKAGE.md, read from C++.
+#include "hstu_export/runtime.h"
+
+#include <c10/core/InferenceMode.h>
+#include <dlfcn.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/cuda.h>
+#include <torch/script.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <sstream>
+
+#include "json.h"
+#include "sha256.h"
+
+#ifndef HSTU_EXPORT_DEFAULT_OP_LIBRARY_DIRS
+#define HSTU_EXPORT_DEFAULT_OP_LIBRARY_DIRS ""
+#endif
+
+namespace hstu_export {
+
+namespace fs = std::filesystem;
+using json::Value;
+
+namespace {
+
+constexpr const char* kFormat = "hstu-export-package";
+constexpr const char* kManifest = "manifest.json";
+constexpr const char* kManifestSha256 = "manifest.sha256";
+constexpr size_t kMaxManifestBytes = size_t{64} << 20;
+
+// The op libraries a package may name, and the shared library that registers each one's ops. The files
+// come from this table, never from the manifest: a package cannot make the runtime load other code.
+struct OpLibrary {
+  const char* name;
+  const char* file;         // nullptr: no C++ equivalent
+  const char* no_cpp_hint;  // why not, and what to do
+};
+constexpr OpLibrary kOpLibraries[] = {
+    {"fbgemm_gpu", "fbgemm_gpu_py.so", nullptr},
+    {"torch_tensorrt", "libtorchtrt_runtime.so", nullptr},
+    {"hstu_export.ops", nullptr,
+     "its graphs call hstu-export's own ops, which are defined in Python only; re-export with "
+     "--op-target aten (or fbgemm) to serve it from C++"},
+};
+
+std::string first_line(const std::string& text) {
+  std::istringstream lines(text);
+  std::string line;
+  while (std::getline(lines, line)) {
+    auto start = line.find_first_not_of(" \t\r");
+    if (start == std::string::npos) continue;
+    line = line.substr(start);
+    return line.size() > 400 ? line.substr(0, 397) + "..." : line;
+  }
+  return "unknown error";
+}
+
+std::string error_text(const std::exception& exc) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&exc)) {
+    return first_line(c10_error->what_without_backtrace());
+  }
+  return first_line(exc.what());
+}
+
+// "a, b, c"
+template <typename Container>
+std::string joined(const Container& items) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : ", ") + std::string(item);
+  return out;
+}
+
+std::string in_quotes(const std::string& text) { return "'" + text.substr(0, 200) + "'"; }
+
+// Typed reads of manifest fields; errors name the field.
+class Fields {
+ public:
+  explicit Fields(std::string root) : root_(std::move(root)) {}
+
+  [[noreturn]] void fail(const std::string& where, const std::string& what) const {
+    throw PackageError(root_ + ": " + kManifest + " field '" + where + "' " + what +
+                       "; the package is damaged or was not written by hstu-export: re-export it");
+  }
+
+  const Value& member(const Value& object, const std::string& key, const std::string& where) const {
+    if (object.type != Value::Type::Object) fail(where, "is " + json::type_name(object.type) + ", expected an object");
+    const Value* value = object.find(key);
+    if (value == nullptr) fail(join(where, key), "is missing");
+    return *value;
+  }
+
+  const Value& of_type(const Value& value, Value::Type type, const std::string& where) const {
+    if (value.type != type) fail(where, "is " + json::type_name(value.type) + ", expected " + json::type_name(type));
+    return value;
+  }
+
+  std::string string(const Value& object, const std::string& key, const std::string& where) const {
+    return of_type(member(object, key, where), Value::Type::String, join(where, key)).string;
+  }
+
+  // A string, or "" for null/absent.
+  std::string optional_string(const Value& object, const std::string& key, const std::string& where) const {
+    const Value* value = object.find(key);
+    if (value == nullptr || value->is_null()) return "";
+    return of_type(*value, Value::Type::String, join(where, key)).string;
+  }
+
+  int64_t integer(const Value& value, const std::string& where) const {
+    of_type(value, Value::Type::Number, where);
+    if (!value.integer) fail(where, "is not an integer");
+    return *value.integer;
+  }
+
+  std::optional<double> optional_number(const Value& object, const std::string& key, const std::string& where) const {
+    const Value* value = object.find(key);
+    if (value == nullptr || value->is_null()) return std::nullopt;
+    return of_type(*value, Value::Type::Number, join(where, key)).number;
+  }
+
+  std::vector<std::string> strings(const Value& value, const std::string& where) const {
+    std::vector<std::string> out;
+    const auto& items = of_type(value, Value::Type::Array, where).array;
+    for (size_t i = 0; i < items.size(); ++i) {
+      out.push_back(of_type(items[i], Value::Type::String, where + "[" + std::to_string(i) + "]").string);
+    }
+    return out;
+  }
+
+  static std::string join(const std::string& where, const std::string& key) {
+    return where.empty() ? key : where + "." + key;
+  }
+
+  const std::string& root() const { return root_; }
+
+ private:
+  std::string root_;
+};
+
+std::string read_small_file(const fs::path& path, size_t limit, const std::string& root) {
+  std::error_code ec;
+  auto status = fs::symlink_status(path, ec);
+  if (ec || !fs::exists(status)) {
+    throw PackageError(root + " is not an hstu-export package: " + path.filename().string() + " is missing");
+  }
+  if (!fs::is_regular_file(status)) {
+    throw PackageError(root + ": " + path.filename().string() + " is not a regular file (links are refused)");
+  }
+  auto size = fs::file_size(path, ec);
+  if (ec || size > limit) {
+    throw PackageError(root + ": " + path.filename().string() + " is larger than " + std::to_string(limit >> 20) +
+                       " MiB; it is not a manifest hstu-export wrote");
+  }
+  std::ifstream in(path, std::ios::binary);
+  std::string data(static_cast<size_t>(size), '\0');
+  if (!in.read(data.data(), static_cast<std::streamsize>(size))) {
+    throw PackageError(root + ": cannot read " + path.filename().string());
+  }
+  return data;
+}
+
+// A plain relative POSIX path: not empty, no leading '/', no '\', no control characters, no empty,
+// '.' or '..' part.
+bool plain_relative_path(const std::string& path) {
+  if (path.empty() || path.front() == '/' || path.back() == '/') return false;
+  for (char c : path) {
+    if (c == '\\' || static_cast<unsigned char>(c) < 0x20) return false;
+  }
+  size_t start = 0;
+  while (start <= path.size()) {
+    size_t end = path.find('/', start);
+    if (end == std::string::npos) end = path.size();
+    std::string part = path.substr(start, end - start);
+    if (part.empty() || part == "." || part == "..") return false;
+    start = end + 1;
+  }
+  return true;
+}
+
+// root/relative as a regular file reached through real directories only (no links anywhere).
+fs::path inside(const fs::path& root, const std::string& relative, const std::string& what) {
+  if (!plain_relative_path(relative)) {
+    throw PackageError(root.string() + ": " + what + " " + in_quotes(relative) +
+                       " is not a plain relative path inside the package; refusing it");
+  }
+  fs::path current = root;
+  std::error_code ec;
+  std::string rest = relative;
+  while (true) {
+    size_t slash = rest.find('/');
+    current /= rest.substr(0, slash);
+    auto status = fs::symlink_status(current, ec);
+    if (ec || !fs::exists(status)) throw PackageError(root.string() + ": " + what + " " + in_quotes(relative) + " is missing");
+    if (fs::is_symlink(status)) {
+      throw PackageError(root.string() + ": " + what + " " + in_quotes(relative) + " goes through a link; refusing it");
+    }
+    if (slash == std::string::npos) {
+      if (!fs::is_regular_file(status)) {
+        throw PackageError(root.string() + ": " + what + " " + in_quotes(relative) + " is not a regular file");
+      }
+      return current;
+    }
+    if (!fs::is_directory(status)) {
+      throw PackageError(root.string() + ": " + what + " " + in_quotes(relative) + " is missing");
+    }
+    rest = rest.substr(slash + 1);
+  }
+}
+
+std::optional<at::ScalarType> scalar_type(const std::string& name) {
+  static const std::pair<const char*, at::ScalarType> kTypes[] = {
+      {"int64", at::kLong},     {"int32", at::kInt},      {"float32", at::kFloat}, {"bfloat16", at::kBFloat16},
+      {"float16", at::kHalf},   {"float64", at::kDouble}, {"bool", at::kBool},
+  };
+  for (const auto& [text, type] : kTypes) {
+    if (name == text) return type;
+  }
+  return std::nullopt;
+}
+
+std::string dtype_name(at::ScalarType type) {
+  static const std::pair<at::ScalarType, const char*> kNames[] = {
+      {at::kLong, "int64"},   {at::kInt, "int32"},      {at::kFloat, "float32"}, {at::kBFloat16, "bfloat16"},
+      {at::kHalf, "float16"}, {at::kDouble, "float64"}, {at::kBool, "bool"},
+  };
+  for (const auto& [type_, text] : kNames) {
+    if (type_ == type) return text;
+  }
+  return c10::toString(type);
+}
+
+std::vector<std::string> split(const std::string& text, char sep) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t end = text.find(sep, start);
+    if (end == std::string::npos) end = text.size();
+    if (end > start) out.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
+// Loads each named op library once per process (dlopen RTLD_NOW | RTLD_GLOBAL: the library registers its
+// ops with the dispatcher, and later libraries and artifacts resolve against its symbols).
+void load_op_libraries(const std::vector<std::string>& names, const Options& options, const std::string& root) {
+  static std::mutex mutex;
+  static std::set<std::string> loaded;
+  std::lock_guard<std::mutex> lock(mutex);
+  std::vector<std::string> dirs = options.op_library_dirs;
+  if (const char* env = std::getenv("HSTU_EXPORT_OP_LIBRARY_PATH")) {
+    for (auto& dir : split(env, ':')) dirs.push_back(dir);
+  }
+  for (auto& dir : split(HSTU_EXPORT_DEFAULT_OP_LIBRARY_DIRS, ':')) dirs.push_back(dir);
+  for (const auto& name : names) {
+    if (loaded.count(name)) continue;
+    const OpLibrary* library = nullptr;
+    for (const auto& known : kOpLibraries) {
+      if (name == known.name) library = &known;
+    }
+    if (library == nullptr) {
+      throw PackageError(root + " names the op library " + in_quotes(name) + ", which is not one the runtime loads (" +
+                         "fbgemm_gpu, torch_tensorrt); a package cannot make the runtime load other code");
+    }
+    if (library->file == nullptr) throw PackageError(root + " cannot be served from C++: " + library->no_cpp_hint);
+    std::string found;
+    for (const auto& dir : dirs) {
+      std::error_code ec;
+      if (fs::is_regular_file(fs::path(dir) / library->file, ec)) {
+        found = (fs::path(dir) / library->file).string();
+        break;
+      }
+    }
+    if (found.empty()) {
+      throw PackageError(root + " needs the op library " + name + " (" + library->file + "), found in none of [" +
+                         joined(dirs) + "]; pass its directory with --op-library-dir (Options::op_library_dirs) or " +
+                         "HSTU_EXPORT_OP_LIBRARY_PATH (for fbgemm_gpu: the fbgemm_gpu folder of its installed package)");
+    }
+    if (dlopen(found.c_str(), RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+      const char* why = dlerror();
+      throw PackageError(root + ": loading the op library " + found + " failed: " + first_line(why ? why : "?") +
+                         "; it must be the build that matches this libtorch");
+    }
+    loaded.insert(name);
+  }
+}
+
+struct TensorSpec {
+  std::string name;
+  std::string feature;  // the request feature it is fed from; "" for an output of the sparse artifact
+};
+
+struct Artifact {
+  std::string file;
+  std::string format;
+  std::vector<TensorSpec> inputs;
+  std::vector<std::string> outputs;
+};
+
+// Outputs of a TorchScript call (a dict by name, or a tuple/list/tensor in the declared order).
+NamedTensors named_outputs(const c10::IValue& value, const std::vector<std::string>& names, const std::string& what) {
+  NamedTensors out;
+  auto add = [&](const std::string& name, const c10::IValue& item) {
+    if (!item.isTensor()) throw Error(what + " returned a non-tensor for " + in_quotes(name));
+    out.emplace_back(name, item.toTensor());
+  };
+  if (value.isGenericDict()) {
+    auto dict = value.toGenericDict();
+    for (const auto& name : names) {
+      auto it = dict.find(c10::IValue(name));
+      if (it == dict.end()) throw Error(what + " returned no output " + in_quotes(name));
+      add(name, it->value());
+    }
+    return out;
+  }
+  std::vector<c10::IValue> items;
+  if (value.isTuple()) {
+    items = value.toTupleRef().elements().vec();
+  } else if (value.isList()) {
+    items = value.toListRef().vec();
+  } else {
+    items = {value};
+  }
+  if (items.size() != names.size()) {
+    throw Error(what + " returned " + std::to_string(items.size()) + " outputs, the manifest names " +
+                std::to_string(names.size()));
+  }
+  for (size_t i = 0; i < names.size(); ++i) add(names[i], items[i]);
+  return out;
+}
+
+}  // namespace
+
+struct Package::Impl {
+  std::string root;
+  std::string backend;
+  c10::Device device = c10::Device(c10::kCPU);
+  int64_t max_batch_size = 0;
+  std::vector<Feature> features;
+  std::vector<std::string> output_names;
+  std::map<std::string, Artifact> artifacts;  // by role: model | sparse + dense
+  // TorchScript modules: forward is safe to call from several threads; Module's API is not const.
+  mutable torch::jit::Module model;
+  mutable torch::jit::Module sparse;
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> dense;
+
+  Tensors plain(const Tensors& request) const;
+  NamedTensors run(const Tensors& inputs) const;
+};
+
+Package::Package(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Package::~Package() = default;
+
+const std::string& Package::path() const { return impl_->root; }
+const std::string& Package::backend() const { return impl_->backend; }
+c10::Device Package::device() const { return impl_->device; }
+int64_t Package::max_batch_size() const { return impl_->max_batch_size; }
+const std::vector<Feature>& Package::features() const { return impl_->features; }
+const std::vector<std::string>& Package::output_names() const { return impl_->output_names; }
+
+std::shared_ptr<const Package> Package::open(const std::string& path, const Options& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->root = path;
+  const fs::path root(path);
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) throw PackageError(path + " is not a package directory (no such directory)");
+
+  // The manifest's own checksum first: nothing of it is trusted before.
+  std::string manifest_bytes = read_small_file(root / kManifest, kMaxManifestBytes, path);
+  std::string sum_line = read_small_file(root / kManifestSha256, 4096, path);
+  std::string expected = sum_line.substr(0, sum_line.find_first_of(" \t\n"));
+  if (expected.size() != 64 || sum_line.find(kManifest) == std::string::npos) {
+    throw PackageError(path + ": " + kManifestSha256 + " is not a sha256sum line for " + kManifest + "; re-export it");
+  }
+  if (sha256_hex(manifest_bytes) != expected) {
+    throw PackageError(path + ": " + kManifest + " does not match " + kManifestSha256 +
+                       " (edited or damaged after export); re-export it or restore the original");
+  }
+  Value manifest;
+  try {
+    manifest = json::parse(manifest_bytes);
+  } catch (const json::ParseError& exc) {
+    throw PackageError(path + ": " + kManifest + " is not valid JSON (" + exc.what() + ")");
+  }
+  Fields fields(path);
+  if (manifest.type != Value::Type::Object || manifest.find("format") == nullptr ||
+      !manifest.find("format")->string.starts_with(kFormat)) {
+    throw PackageError(path + " is not an hstu-export package (its manifest has no format '" + kFormat + "')");
+  }
+  if (fields.string(manifest, "format", "") != kFormat) {
+    throw PackageError(path + ": unknown package format " + in_quotes(manifest.find("format")->string));
+  }
+  int64_t version = fields.integer(fields.member(manifest, "format_version", ""), "format_version");
+  if (version != kPackageFormatVersion) {
+    throw PackageError(path + " is package format " + std::to_string(version) + "; this runtime reads format " +
+                       std::to_string(kPackageFormatVersion) + ": re-export the model with a matching hstu-export");
+  }
+  if (fields.string(manifest, "op_namespace", "") != "hstu_export") {
+    throw PackageError(path + ": op namespace " + in_quotes(fields.string(manifest, "op_namespace", "")) +
+                       " is not hstu_export; re-export it");
+  }
+
+  // Every file the manifest lists: inside the package, and unchanged.
+  const auto& files = fields.of_type(fields.member(manifest, "files", ""), Value::Type::Object, "files");
+  std::map<std::string, fs::path> listed;
+  for (const auto& [relative, digest] : files.object) {
+    const std::string& hex = fields.of_type(digest, Value::Type::String, "files." + relative).string;
+    fs::path file = inside(root, relative, "file");
+    listed[relative] = file;
+    if (options.verify_checksums) {
+      std::string actual;
+      try {
+        actual = sha256_file_hex(file.string());
+      } catch (const std::exception& exc) {
+        throw PackageError(path + ": " + exc.what());
+      }
+      if (actual != hex) {
+        throw PackageError(path + ": " + relative + " does not match its checksum in the manifest (changed or " +
+                           "damaged after export); re-export the package");
+      }
+    }
+  }
+
+  // The torch the artifacts were compiled with.
+  std::string built = fields.string(fields.member(manifest, "versions", ""), "torch", "versions");
+  std::string here = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
+  auto parts = split(built.substr(0, built.find('+')), '.');
+  if (parts.size() < 2 || parts[0] + "." + parts[1] != here) {
+    throw PackageError(path + " was built with torch " + built.substr(0, 40) + " but this runtime uses libtorch " +
+                       here + "; compiled artifacts only load with the same torch major.minor: re-export it with " +
+                       "torch " + here + " or build the runtime against torch " + built.substr(0, 40));
+  }
+  std::string device_type = fields.string(fields.member(manifest, "device", ""), "type", "device");
+  if (device_type == "cuda") {
+    if (!torch::cuda::is_available()) {
+      throw PackageError(path + " is a CUDA package but this process has no usable CUDA device (or a CPU libtorch)");
+    }
+    impl->device = c10::Device(c10::kCUDA, 0);
+  } else if (device_type != "cpu") {
+    fields.fail("device.type", "is " + in_quotes(device_type) + ", expected cpu or cuda");
+  }
+
+  // The request schema and ranges.
+  const auto& schema = fields.member(manifest, "input_schema", "");
+  const auto& feature_list =
+      fields.of_type(fields.member(schema, "features", "input_schema"), Value::Type::Array, "input_schema.features");
+  std::set<std::string> feature_names;
+  for (size_t i = 0; i < feature_list.array.size(); ++i) {
+    const Value& item = feature_list.array[i];
+    std::string where = "input_schema.features[" + std::to_string(i) + "]";
+    Feature f;
+    f.name = fields.string(item, "name", where);
+    f.dtype = fields.string(item, "dtype", where);
+    if (!scalar_type(f.dtype)) fields.fail(where + ".dtype", "is " + in_quotes(f.dtype) + ", not a dtype a request may have");
+    f.kind = fields.string(item, "kind", where);
+    if (f.kind != "lengths" && f.kind != "jagged" && f.kind != "per_user") {
+      fields.fail(where + ".kind", "is " + in_quotes(f.kind) + ", expected lengths, jagged or per_user");
+    }
+    f.jagged_by = fields.optional_string(item, "jagged_by", where);
+    f.same_as = fields.optional_string(item, "same_as", where);
+    f.min_value = fields.optional_number(item, "min_value", where);
+    f.max_value = fields.optional_number(item, "max_value", where);
+    if (const Value* trailing = item.find("trailing")) {
+      const auto& sizes = fields.of_type(*trailing, Value::Type::Array, where + ".trailing").array;
+      for (size_t k = 0; k < sizes.size(); ++k) {
+        int64_t size = fields.integer(sizes[k], where + ".trailing[" + std::to_string(k) + "]");
+        if (size < 0) fields.fail(where + ".trailing", "has a negative size");
+        f.trailing.push_back(size);
+      }
+    }
+    if (!feature_names.insert(f.name).second) fields.fail(where + ".name", "repeats " + in_quotes(f.name));
+    impl->features.push_back(std::move(f));
+  }
+  for (const auto& f : impl->features) {
+    const std::string& by = f.kind == "jagged" ? f.jagged_by : f.same_as;
+    if (by.empty() && f.kind != "jagged") continue;
+    auto target = std::find_if(impl->features.begin(), impl->features.end(), [&](const Feature& g) { return g.name == by; });
+    if (target == impl->features.end() || target->kind != "lengths") {
+      fields.fail("input_schema", "feature " + in_quotes(f.name) + " refers to " + in_quotes(by) + ", which is no lengths feature");
+    }
+  }
+  impl->max_batch_size = fields.integer(fields.member(fields.member(manifest, "ranges", ""), "max_batch_size", "ranges"),
+                                        "ranges.max_batch_size");
+  if (impl->max_batch_size < 1) fields.fail("ranges.max_batch_size", "is below 1");
+  impl->output_names = fields.strings(fields.member(manifest, "output_names", ""), "output_names");
+  if (impl->output_names.empty()) fields.fail("output_names", "is empty");
+
+  // The artifacts: file, format, positional inputs (fed from which feature) and outputs.
+  const auto& backend = fields.member(manifest, "backend", "");
+  impl->backend = fields.string(backend, "name", "backend");
+  const auto& backend_files = fields.of_type(fields.member(backend, "files", "backend"), Value::Type::Object, "backend.files");
+  const auto& artifacts = fields.member(manifest, "artifacts", "");
+  for (const auto& [role, file_value] : backend_files.object) {
+    std::string where = "artifacts." + role;
+    const std::string& file = fields.of_type(file_value, Value::Type::String, "backend.files." + role).string;
+    const Value& entry = fields.member(artifacts, role, "artifacts");
+    Artifact artifact;
+    artifact.file = fields.string(entry, "file", where);
+    if (artifact.file != file) fields.fail(where + ".file", "is not backend.files." + role);
+    if (!listed.count(file)) fields.fail("files", "does not list the artifact " + in_quotes(file));
+    artifact.format = fields.string(entry, "format", where);
+    const auto& inputs = fields.of_type(fields.member(entry, "inputs", where), Value::Type::Array, where + ".inputs");
+    for (size_t i = 0; i < inputs.array.size(); ++i) {
+      std::string at = where + ".inputs[" + std::to_string(i) + "]";
+      TensorSpec spec{fields.string(inputs.array[i], "name", at), fields.optional_string(inputs.array[i], "feature", at)};
+      if (!spec.feature.empty() && !feature_names.count(spec.feature)) {
+        fields.fail(at + ".feature", "names " + in_quotes(spec.feature) + ", which is not in input_schema");
+      }
+      artifact.inputs.push_back(std::move(spec));
+    }
+    const auto& outputs = fields.of_type(fields.member(entry, "outputs", where), Value::Type::Array, where + ".outputs");
+    for (size_t i = 0; i < outputs.array.size(); ++i) {
+      artifact.outputs.push_back(fields.string(outputs.array[i], "name", where + ".outputs[" + std::to_string(i) + "]"));
+    }
+    impl->artifacts[role] = std::move(artifact);
+  }
+  auto expect_roles = [&](std::set<std::string> roles, const std::string& formats) {
+    std::set<std::string> have;
+    for (const auto& [role, artifact] : impl->artifacts) have.insert(role);
+    if (have != roles) fields.fail("backend.files", "does not hold the " + joined(roles) + " artifact(s) of " + impl->backend);
+    for (const auto& [role, artifact] : impl->artifacts) {
+      if (formats.find(role + "=" + artifact.format + ";") == std::string::npos) {
+        fields.fail("artifacts." + role + ".format", "is " + in_quotes(artifact.format) + ", unexpected for " + impl->backend);
+      }
+    }
+  };
+  if (impl->backend == "torchscript") {
+    expect_roles({"model"}, "model=torchscript;");
+    for (const auto& spec : impl->artifacts["model"].inputs) {
+      if (spec.feature.empty()) fields.fail("artifacts.model.inputs", "has an input not fed from the request");
+    }
+    if (impl->artifacts["model"].outputs != impl->output_names) fields.fail("artifacts.model.outputs", "differs from output_names");
+  } else if (impl->backend == "aoti") {
+    expect_roles({"sparse", "dense"}, "sparse=torchscript;dense=aoti;");
+    const auto& sparse_outputs = impl->artifacts["sparse"].outputs;
+    for (const auto& spec : impl->artifacts["sparse"].inputs) {
+      if (spec.feature.empty()) fields.fail("artifacts.sparse.inputs", "has an input not fed from the request");
+    }
+    for (const auto& spec : impl->artifacts["dense"].inputs) {
+      if (spec.feature.empty() &&
+          std::find(sparse_outputs.begin(), sparse_outputs.end(), spec.name) == sparse_outputs.end()) {
+        fields.fail("artifacts.dense.inputs", "takes " + in_quotes(spec.name) + ", neither a feature nor a sparse output");
+      }
+    }
+    if (impl->artifacts["dense"].outputs != impl->output_names) fields.fail("artifacts.dense.outputs", "differs from output_names");
+  } else {
+    throw PackageError(path + " is a " + impl->backend + " package; the C++ runtime serves aoti and torchscript " +
+                       "packages (export with --backend aoti or --backend torchscript)");
+  }
+
+  // Op libraries before the artifacts that call them.
+  load_op_libraries(fields.strings(fields.member(manifest, "op_libraries", ""), "op_libraries"), options, path);
+
+  auto load_script = [&](const std::string& role) {
+    try {
+      auto module = torch::jit::load(listed.at(impl->artifacts[role].file).string(), impl->device);
+      module.eval();
+      return module;
+    } catch (const std::exception& exc) {
+      throw PackageError(path + ": TorchScript could not load " + impl->artifacts[role].file + ": " + error_text(exc));
+    }
+  };
+  if (impl->backend == "torchscript") {
+    impl->model = load_script("model");
+  } else {
+    impl->sparse = load_script("sparse");
+    try {
+      c10::DeviceIndex index = impl->device.is_cuda() ? impl->device.index() : -1;
+      impl->dense = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
+          listed.at(impl->artifacts["dense"].file).string(), "model", false, std::max<size_t>(options.concurrency, 1), index);
+    } catch (const std::exception& exc) {
+      throw PackageError(path + ": AOTInductor could not load " + impl->artifacts["dense"].file + ": " + error_text(exc));
+    }
+  }
+  return std::shared_ptr<const Package>(new Package(std::move(impl)));
+}
+
+int64_t Package::validate(const Tensors& request) const {
+  const auto& features = impl_->features;
+  std::vector<std::string> missing, unknown, expected;
+  for (const auto& f : features) {
+    expected.push_back(f.name);
+    if (!request.count(f.name)) missing.push_back(f.name);
+  }
+  for (const auto& [name, tensor] : request) {
+    if (std::find(expected.begin(), expected.end(), name) == expected.end()) unknown.push_back(name);
+  }
+  std::sort(unknown.begin(), unknown.end());
+  if (!missing.empty()) throw RequestError("request is missing feature(s) [" + joined(missing) + "]; the package expects [" + joined(expected) + "]");
+  if (!unknown.empty()) throw RequestError("request has unknown feature(s) [" + joined(unknown) + "]; the package expects [" + joined(expected) + "]");
+  std::optional<int64_t> batch_size;
+  for (const auto& f : features) {
+    const at::Tensor& t = request.at(f.name);
+    const std::string name = in_quotes(f.name);
+    if (!t.defined()) throw RequestError("feature " + name + " is an undefined tensor");
+    if (t.is_meta()) throw RequestError("feature " + name + " is a meta tensor (it has a shape but no data); pass real values");
+    if (t.is_nested()) throw RequestError("feature " + name + " is a nested tensor; pass a dense tensor (jagged values flat, with their lengths feature)");
+    if (t.layout() != c10::kStrided) throw RequestError("feature " + name + " is not a dense tensor; pass a dense (strided) tensor");
+    if (t.is_quantized()) throw RequestError("feature " + name + " is a quantized tensor; pass it with its plain dtype");
+    if (t.scalar_type() != *scalar_type(f.dtype)) {
+      throw RequestError("feature " + name + " has dtype " + dtype_name(t.scalar_type()) + ", expected " + f.dtype);
+    }
+    bool shape_ok = t.dim() == static_cast<int64_t>(1 + f.trailing.size());
+    for (size_t k = 0; shape_ok && k < f.trailing.size(); ++k) shape_ok = t.size(static_cast<int64_t>(k + 1)) == f.trailing[k];
+    if (!shape_ok) {
+      std::string want = "[n";
+      for (auto size : f.trailing) want += ", " + std::to_string(size);
+      throw RequestError("feature " + name + " must have shape " + want + "], got " + c10::str(t.sizes()));
+    }
+    if (f.kind == "lengths" || f.kind == "per_user") {
+      if (!batch_size) {
+        batch_size = t.size(0);
+      } else if (t.size(0) != *batch_size) {
+        throw RequestError("feature " + name + " has " + std::to_string(t.size(0)) + " entries but the batch has " +
+                           std::to_string(*batch_size) + " users");
+      }
+    }
+    if (t.numel() > 0 && (f.min_value || f.max_value)) {
+      bool integral = !at::isFloatingType(t.scalar_type());
+      auto text = [&](const at::Tensor& v) {
+        return integral ? std::to_string(v.item<int64_t>()) : c10::str(v.item<double>());
+      };
+      if (f.min_value) {
+        at::Tensor low = t.min();
+        if (low.item<double>() < *f.min_value) {
+          throw RequestError("feature " + name + " has value " + text(low) + " below the minimum " + c10::str(*f.min_value));
+        }
+      }
+      if (f.max_value) {
+        at::Tensor high = t.max();
+        if (high.item<double>() > *f.max_value) {
+          throw RequestError("feature " + name + " has " + (f.kind == "lengths" ? "length " : "value ") + text(high) +
+                             " beyond the exported maximum " + c10::str(static_cast<int64_t>(*f.max_value)));
+        }
+      }
+    }
+  }
+  if (!batch_size || *batch_size < 1) throw RequestError("request has no users (batch size 0)");
+  if (*batch_size > impl_->max_batch_size) {
+    throw RequestError("batch size " + std::to_string(*batch_size) + " is beyond the exported maximum " +
+                       std::to_string(impl_->max_batch_size));
+  }
+  for (const auto& f : features) {
+    if (f.kind == "lengths" && !f.same_as.empty() && !request.at(f.name).equal(request.at(f.same_as))) {
+      throw RequestError("feature " + in_quotes(f.name) + " must equal " + in_quotes(f.same_as) + " (the model reads them as one length)");
+    }
+    if (f.kind == "jagged") {
+      int64_t total = request.at(f.jagged_by).sum().item<int64_t>();
+      if (request.at(f.name).size(0) != total) {
+        throw RequestError("feature " + in_quotes(f.name) + " has " + std::to_string(request.at(f.name).size(0)) +
+                           " values but " + in_quotes(f.jagged_by) + " sums to " + std::to_string(total));
+      }
+    }
+  }
+  return *batch_size;
+}
+
+// Row-major strides exactly (is_contiguous() ignores the strides of size-1 dims; compiled code may not).
+bool plain_strides(const at::Tensor& t) {
+  int64_t step = 1;
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {
+    if (t.stride(d) != step) return false;
+    step *= std::max<int64_t>(t.size(d), 1);
+  }
+  return true;
+}
+
+// The request as compiled code may read it: row-major, no autograd history, on the package's device.
+Tensors Package::Impl::plain(const Tensors& request) const {
+  Tensors out;
+  for (const auto& f : features) {
+    at::Tensor t = request.at(f.name).detach().resolve_conj().resolve_neg();
+    if (!plain_strides(t)) t = t.clone(at::MemoryFormat::Contiguous);
+    if (t.device() != device) t = t.to(device, /*non_blocking=*/device.is_cuda());
+    out.emplace(f.name, std::move(t));
+  }
+  return out;
+}
+
+NamedTensors Package::Impl::run(const Tensors& request) const {
+  if (backend == "torchscript") {
+    const Artifact& artifact = artifacts.at("model");
+    torch::jit::Kwargs kwargs;
+    for (const auto& spec : artifact.inputs) kwargs.emplace(spec.name, request.at(spec.feature));
+    return named_outputs(model.forward({}, kwargs), output_names, artifact.file);
+  }
+  const Artifact& sparse_artifact = artifacts.at("sparse");
+  const Artifact& dense_artifact = artifacts.at("dense");
+  torch::jit::Kwargs kwargs;
+  for (const auto& spec : sparse_artifact.inputs) kwargs.emplace(spec.name, request.at(spec.feature));
+  NamedTensors boundary = named_outputs(sparse.forward({}, kwargs), sparse_artifact.outputs, sparse_artifact.file);
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(dense_artifact.inputs.size());
+  for (const auto& spec : dense_artifact.inputs) {
+    if (!spec.feature.empty()) {
+      inputs.push_back(request.at(spec.feature));
+      continue;
+    }
+    auto it = std::find_if(boundary.begin(), boundary.end(), [&](const auto& item) { return item.first == spec.name; });
+    // The sparse half may return views (a KeyedTensor's per-key slices); AOTInductor reads contiguous memory.
+    inputs.push_back(it->second.contiguous());
+  }
+  std::vector<at::Tensor> outputs = dense->run(inputs);
+  if (outputs.size() != output_names.size()) {
+    throw Error(dense_artifact.file + " returned " + std::to_string(outputs.size()) + " outputs, the manifest names " +
+                std::to_string(output_names.size()));
+  }
+  NamedTensors out;
+  for (size_t i = 0; i < outputs.size(); ++i) out.emplace_back(output_names[i], std::move(outputs[i]));
+  return out;
+}
+
+NamedTensors Package::run(const Tensors& request) const {
+  validate(request);
+  c10::InferenceMode guard;
+  try {
+    return impl_->run(impl_->plain(request));
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& exc) {
+    throw Error(impl_->root + ": running the package failed: " + error_text(exc));
+  }
+}
+
+}  // namespace hstu_export

@@ -1,0 +1,192 @@
+"""The C++ runtime (runtimes/cpp): built here with CMake against the installed torch, it serves the tiny
+model's aoti and torchscript packages bit for bit like ``hstu_export.load``, refuses requests beyond the
+exported ranges and tampered packages with one clear line, and runs from several threads at once.
+
+Needs cmake and a C++20 compiler (``make install`` puts them there when it can); without them the test
+fails, it is not skipped."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import hstu_export
+from hstu_export import ExportSettings, VerifySettings, generate_batch, save_bundle
+from hstu_export.cli import main as cli_main
+from hstu_export.errors import RequestError
+from hstu_export.models import build_preset
+from hstu_export.package import manifest_sha256_line
+from hstu_export.tensor_dir import file_name, load_tensors, save_tensors, tensor_name
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cpp")
+    model = build_preset("tiny", seed=3)
+    bundle = save_bundle(model, root / "tiny.pt", generate_batch(model.input_schema(), 4, seed=4))
+    out = {}
+    for backend in ("aoti", "torchscript"):
+        settings = ExportSettings(backend=backend, max_batch_size=4, verify=VerifySettings(num_random_batches=1))
+        out[backend] = hstu_export.export(bundle, root / f"pkg.{backend}", settings).path
+    return out
+
+
+@pytest.fixture(scope="module")
+def runner(cpp_runtime):  # type: ignore[no-untyped-def]
+    return cpp_runtime
+
+
+def write_request(package: Path, directory: Path, batch_size: int, seed: int) -> Path:
+    assert cli_main(["request", str(package), "--out", str(directory), "--batch-size", str(batch_size),
+                     "--seed", str(seed)]) == 0
+    return directory
+
+
+@pytest.mark.parametrize("backend", ["aoti", "torchscript"])
+@pytest.mark.parametrize(("batch_size", "seed"), [(1, 10), (4, 11), (3, 12)])
+def test_cpp_matches_python_bit_for_bit(runner, packages, tmp_path, backend, batch_size, seed) -> None:
+    package = packages[backend]
+    request = write_request(package, tmp_path / "request", batch_size, seed)
+    done = runner.run(package, request, "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    assert f"{backend} package on cpu, batch of {batch_size} users" in done.stdout
+    cpp = load_tensors(tmp_path / "out")
+    python = hstu_export.load(package)(load_tensors(request))
+    assert list(cpp) == sorted(python)  # the directory lists files by name
+    for name, value in python.items():
+        assert cpp[name].dtype == value.dtype and cpp[name].shape == value.shape
+        assert torch.equal(cpp[name], value), (name, (cpp[name] - value).abs().max().item())
+        assert value.numel() > 0 and not torch.equal(value, torch.zeros_like(value))
+
+
+def test_python_run_writes_the_same_directory(runner, packages, tmp_path) -> None:
+    package = packages["aoti"]
+    request = write_request(package, tmp_path / "request", 2, 20)
+    assert runner.run(package, request, "--out", tmp_path / "cpp", "-q").returncode == 0
+    assert cli_main(["run", str(package), "--batch", str(request), "--output-dir", str(tmp_path / "py")]) == 0
+    cpp, py = load_tensors(tmp_path / "cpp"), load_tensors(tmp_path / "py")
+    assert list(cpp) == list(py) and all(torch.equal(cpp[k], py[k]) for k in cpp)
+
+
+def test_many_threads_get_the_same_outputs(runner, packages, tmp_path) -> None:
+    for backend, package in packages.items():
+        request = write_request(package, tmp_path / backend, 4, 30)
+        done = runner.run(package, request, "--threads", 4, "--repeat", 5)
+        assert done.returncode == 0, done.stderr
+        assert "latency over 20 runs on 4 thread(s)" in done.stdout and "all outputs equal" in done.stdout
+
+
+def _edited_request(package: Path, directory: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+    request = load_tensors(write_request(package, directory.with_name(directory.name + "-base"), 2, 40))
+    edit(request)
+    return save_tensors(request, directory)
+
+
+def _too_long(request: dict[str, torch.Tensor]) -> None:
+    extra = 47 - int(request["uih_lengths"][0])
+    request["uih_lengths"][0] = 47
+    for name in ("uih_item_ids", "uih_action_ids", "uih_timestamps"):
+        request[name] = torch.cat([request[name], request[name][:1].repeat(extra)])
+
+
+def _too_many_users(request: dict[str, torch.Tensor]) -> None:
+    for name in ("uih_lengths", "candidate_lengths", "query_time", "user_id", "user_age"):
+        request[name] = request[name].repeat(3)
+    for name in ("uih_item_ids", "uih_action_ids", "uih_timestamps", "candidate_item_ids"):
+        request[name] = request[name].repeat(3)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_too_long, "feature 'uih_lengths' has length 47 beyond the exported maximum 46"),
+    (_too_many_users, "batch size 6 is beyond the exported maximum 4"),
+    (lambda r: r.update(user_id=r["user_id"].int()), "feature 'user_id' has dtype int32, expected int64"),
+    (lambda r: r.pop("query_time"), "request is missing feature(s) [query_time]"),
+    (lambda r: r.update({"a/b c": torch.zeros(1)}), "request has unknown feature(s) [a/b c]"),
+    (lambda r: r.update(uih_item_ids=r["uih_item_ids"][1:]), "values but 'uih_lengths' sums to"),
+    (lambda r: r.update(candidate_item_ids=r["candidate_item_ids"] + 5000), "beyond the exported maximum 999"),
+])
+def test_bad_requests_are_refused_in_one_line(runner, packages, tmp_path, edit, message) -> None:
+    package = packages["aoti"]
+    request = _edited_request(package, tmp_path / "request", edit)
+    done = runner.run(package, request, "--out", tmp_path / "out")
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("hstu-export-run: error: ") and message in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+    # Python refuses the same request for the same reason.
+    with pytest.raises(RequestError):
+        hstu_export.load(package)(load_tensors(request))
+
+
+def _rewrite_manifest(package: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    manifest = json.loads((package / "manifest.json").read_text())
+    edit(manifest)
+    data = json.dumps(manifest).encode()
+    (package / "manifest.json").write_bytes(data)
+    (package / "manifest.sha256").write_text(manifest_sha256_line(data))
+
+
+def _write_raw_manifest(package: Path, data: bytes) -> None:
+    (package / "manifest.json").write_bytes(data)
+    (package / "manifest.sha256").write_text(manifest_sha256_line(data))
+
+
+def _set_path(manifest: dict, value: str) -> None:
+    digest = manifest["files"].pop("sparse/sparse.ts")
+    manifest["files"][value] = digest
+    manifest["backend"]["files"]["sparse"] = manifest["artifacts"]["sparse"]["file"] = value
+
+
+@pytest.mark.parametrize(("tamper", "message"), [
+    (lambda p: (p / "sparse" / "sparse.ts").write_bytes((p / "sparse" / "sparse.ts").read_bytes()[:-1] + b"x"),
+     "sparse/sparse.ts does not match its checksum in the manifest"),
+    (lambda p: (p / "manifest.json").write_text((p / "manifest.json").read_text().replace('"ctr"', '"CTR"', 1)),
+     "manifest.json does not match manifest.sha256"),
+    (lambda p: (p / "manifest.sha256").unlink(), "manifest.sha256 is missing"),
+    (lambda p: _rewrite_manifest(p, lambda m: m.update(format_version=3)),
+     "is package format 3; this runtime reads format 4"),
+    (lambda p: _rewrite_manifest(p, lambda m: _set_path(m, "../sparse.ts")), "is not a plain relative path"),
+    (lambda p: _rewrite_manifest(p, lambda m: m.update(op_libraries=["os"])), "names the op library 'os'"),
+    (lambda p: _rewrite_manifest(p, lambda m: m.update(op_libraries=["hstu_export.ops"])),
+     "defined in Python only; re-export with --op-target aten"),
+    (lambda p: _rewrite_manifest(p, lambda m: m["versions"].update(torch="1.13.1")), "was built with torch 1.13.1"),
+    (lambda p: _rewrite_manifest(p, lambda m: m["backend"].update(name="onnx")), "the C++ runtime serves aoti"),
+    (lambda p: _write_raw_manifest(p, b'{"format": "hstu-export-package", "format_version": 4,'), "is not valid JSON"),
+    (lambda p: _write_raw_manifest(p, b'[' * 100000), "nested deeper than 64 levels"),
+])
+def test_bad_packages_are_refused_in_one_line(runner, packages, tmp_path, tamper, message) -> None:
+    package = tmp_path / "pkg"
+    shutil.copytree(packages["aoti"], package)
+    request = write_request(packages["aoti"], tmp_path / "request", 1, 50)
+    tamper(package)
+    done = runner.run(package, request)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("hstu-export-run: error: ") and message in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+def test_usage_errors(runner, packages, tmp_path) -> None:
+    done = runner.run(packages["aoti"])
+    assert done.returncode == 2 and "expected PACKAGE and REQUEST_DIR" in done.stderr
+    done = runner.run(packages["aoti"], tmp_path, "--repeat", "0")
+    assert done.returncode == 2 and "--repeat needs a positive integer" in done.stderr
+    done = runner.run("--help")
+    assert done.returncode == 0 and "usage: hstu-export-run PACKAGE REQUEST_DIR" in done.stdout
+    done = runner.run(packages["aoti"], tmp_path / "nothing")
+    assert done.returncode == 1 and "no such directory of tensors" in done.stderr
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.pt").write_bytes(b"not a tensor")
+    done = runner.run(packages["aoti"], tmp_path / "bad")
+    assert done.returncode == 1 and "is not a torch.save'd tensor" in done.stderr and done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("name", ["uih_lengths", "features.item.values", "a/b c", ".hidden", "naïve", "%", "x.pt"])
+def test_tensor_file_names_round_trip(name: str) -> None:
+    encoded = file_name(name)
+    assert "/" not in encoded and not encoded.startswith(".") and encoded.endswith(".pt")
+    assert tensor_name(encoded) == name
