@@ -44,6 +44,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(PINNED) $(RUNTIME) $(DEV)
 	$(BIN)/python -m pip install -q --no-deps torchrec==1.8.0
+	# The tests parse serving configs with tritonclient's model_config protobuf only (protobuf is here via
+	# onnx); --no-deps keeps its client pins (ml-dtypes<=0.5.4) from downgrading onnx's.
+	$(BIN)/python -m pip install -q --no-deps tritonclient==2.73.0
 	# Dependencies are all in place above; --no-deps keeps pip from pulling the CUDA fbgemm-gpu via torchrec.
 	$(BIN)/python -m pip install -q --no-deps -e '.[dev]'
 	touch $@

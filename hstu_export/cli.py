@@ -189,6 +189,8 @@ def _stage_progress(quiet: bool) -> Any:
               help="Package directory to write [default: <model>.<backend> beside the model].")
 @click.option("--dump-graphs", type=click.Path(file_okay=False), default=None,
               help="Write every pass's graph before/after, diffs, SVGs and report.html here.")
+@click.option("--emit-serving-repo", "serving_repo", type=click.Path(file_okay=False), default=None,
+              help="Also write a Triton Inference Server model repository for the package here (docs/SERVING.md).")
 @click.option("--graphs-in-package", is_flag=True,
               help="With --dump-graphs: also copy the dumps into the package (graphs/), checksummed.")
 @_capture_options
@@ -209,7 +211,7 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
                    max_seq_len: int | None, max_candidates: int | None, op_target: str | None,
                    allow_unmapped: bool, workspace: str | None, min_block_size: int,
                    torch_executed_op: tuple[str, ...], dryrun: bool, out: str | None, dump_graphs: str | None,
-                   graphs_in_package: bool, leaf_module: tuple[str, ...], opaque_function: tuple[str, ...], map_function: tuple[str, ...],
+                   serving_repo: str | None, graphs_in_package: bool, leaf_module: tuple[str, ...], opaque_function: tuple[str, ...], map_function: tuple[str, ...],
                    attention_scale: str, max_length: tuple[str, ...], skip_pass: tuple[str, ...],
                    passes: str | None, check_each_pass: bool, force: bool, no_verify: bool, verify_batches: int,
                    rtol: float | None, atol: float | None, allow_pickle: bool, imports: tuple[str, ...],
@@ -242,14 +244,25 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
         force=force,
     )
     target = Path(out) if out else Path(model).with_suffix(f".{backend}")
+    if serving_repo:  # refused before the export, not after it
+        from hstu_export.serving.triton_repo import check_out
+
+        check_out(Path(serving_repo), force)
     result = export(model, target, settings, allow_pickle=allow_pickle, progress=_stage_progress(quiet))
     if result.dryrun_report is not None:
         console.print(result.dryrun_report, markup=False, highlight=False, soft_wrap=True)
         return
+    repo = None
+    if serving_repo:
+        from hstu_export.serving.triton_repo import write_serving_repo
+
+        repo = write_serving_repo(result.path, serving_repo, force=force)
     if quiet:
         console.print(str(result.path))
         return
     _print_summary(result.manifest, result.path)
+    if repo is not None:
+        console.print(f"Triton model repository: {escape(str(repo.parent))} (model {escape(repo.name)})")
 
 
 def _print_summary(manifest: dict[str, Any], path: Any) -> None:
@@ -409,6 +422,32 @@ def run(package: str, batch_path: str, output: str | None, output_dir: str | Non
     if output_dir:
         save_tensors(outputs, output_dir)
         console.print(f"wrote {len(outputs)} outputs to {escape(output_dir)}")
+
+
+@cli.command("serving-repo")
+@click.argument("package", type=click.Path(file_okay=False))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
+              help="The model repository directory to write.")
+@click.option("--name", default=None, help="Model name in the repository [default: the package's name].")
+@click.option("--max-requests-per-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests Triton's dynamic batcher may group (its max_batch_size).")
+@click.option("--max-queue-delay-us", type=click.IntRange(min=0), default=500, show_default=True,
+              help="How long a request may wait for others to batch with, in microseconds.")
+@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Model instances per device.")
+@click.option("--force", is_flag=True, help="Replace a repository this tool wrote before.")
+@_verbose_option
+def serving_repo(package: str, out_dir: str, name: str | None, max_requests_per_batch: int, max_queue_delay_us: int,
+                 instances: int, force: bool, verbose: bool) -> None:
+    """Write a Triton Inference Server model repository for PACKAGE (Python backend, dynamic batching of
+    ragged requests). docs/SERVING.md says how to run it."""
+    from hstu_export.serving.triton_repo import TRITON_SERVER_VERSION, ServingRepoSettings, write_serving_repo
+
+    settings = ServingRepoSettings(name=name, max_requests_per_batch=max_requests_per_batch,
+                                   max_queue_delay_us=max_queue_delay_us, instances=instances)
+    model_dir = write_serving_repo(package, out_dir, settings, force=force)
+    console.print(f"wrote {escape(str(model_dir.parent))}: model {escape(model_dir.name)} for Triton Inference "
+                  f"Server {TRITON_SERVER_VERSION}\n  tritonserver --model-repository {escape(str(model_dir.parent))}")
 
 
 @cli.command()

@@ -64,6 +64,15 @@ def save_tensors(tensors: dict[str, Tensor], directory: str | Path) -> Path:
     return root
 
 
+def load_untrusted(path: Path, what: str) -> object:
+    """``torch.load`` of request data from disk, tensors and plain containers only (``weights_only``); a
+    file it cannot read is a RequestError naming it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise RequestError(f"{path} is not a torch.save'd {what}: {str(exc).splitlines()[0][:200]}") from None
+
+
 def load_tensors(directory: str | Path) -> dict[str, Tensor]:
     """The tensors of a directory written by :func:`save_tensors` (or by the C++ runtime), by name.
     Untrusted input: files are read with ``weights_only``, anything but one tensor per file is refused."""
@@ -77,10 +86,7 @@ def load_tensors(directory: str | Path) -> dict[str, Tensor]:
         name = tensor_name(path.name)
         if not path.is_file():
             raise RequestError(f"{path}: not a regular file")
-        try:
-            value = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise RequestError(f"{path} is not a torch.save'd tensor: {str(exc).splitlines()[0][:200]}") from None
+        value = load_untrusted(path, "tensor")
         if not isinstance(value, Tensor):
             raise RequestError(f"{path} holds a {type(value).__name__}, not a tensor")
         out[name] = value

@@ -229,17 +229,14 @@ def load_batch_file(path: str) -> dict[str, Tensor]:
 
     from hstu_export.bundle import BUNDLE_FORMAT
     from hstu_export.errors import RequestError
-    from hstu_export.tensor_dir import load_tensors
+    from hstu_export.tensor_dir import load_tensors, load_untrusted
 
     p = Path(path)
     if p.is_dir():
         return load_tensors(p)
     if not p.is_file():
         raise RequestError(f"{path}: no such batch file")
-    try:
-        data = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise RequestError(f"{path} is not a torch.save'd dict of tensors: {str(exc).splitlines()[0][:200]}") from None
+    data = load_untrusted(p, "dict of tensors")
     if isinstance(data, dict) and data.get("format") == BUNDLE_FORMAT:
         data = data.get("example_batch")
     if not isinstance(data, dict) or not all(isinstance(v, Tensor) for v in data.values()):

@@ -1,0 +1,149 @@
+"""Several requests in one package call, and each request's outputs back.
+
+Every feature of a request is laid out users back to back (lengths and per-user features: one row per
+user; jagged features: each user's values in order), so requests concatenated feature by feature form
+one valid request of their summed batch size. An output whose first dim counts users (``batch``) or a
+lengths feature's values (``<lengths>.total``, say one score per candidate), possibly times a fixed
+factor, splits back per request by those counts; the manifest's ``artifacts`` says which it is
+(docs/PACKAGE.md). An output of any other first dim (static, or ``batch+1``) cannot be split, and such a
+package is served one request per call.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hstu_export.errors import HstuExportError, RequestError
+from hstu_export.manifest import Manifest
+
+_DIM = re.compile(r"^(?:(?P<scale>[0-9]+)\*)?(?P<name>[^*+]+?)(?:\+(?P<offset>[0-9]+))?$")
+BATCH = "batch"
+TOTAL = ".total"
+
+
+@dataclass(frozen=True)
+class OutputRows:
+    """How many first-dim rows of output ``name`` a request gets: ``scale`` times its batch size
+    (``lengths`` None) or the sum of its ``lengths`` feature."""
+
+    name: str
+    lengths: str | None
+    scale: int = 1
+
+    def rows(self, request: Mapping[str, Tensor]) -> int:
+        if self.lengths is None:
+            count = next(t.size(0) for t in request.values())
+            return self.scale * count
+        return self.scale * int(request[self.lengths].sum())
+
+
+def output_rows(manifest: Manifest) -> dict[str, OutputRows] | None:
+    """Per output, how it splits per request; None when one cannot (the package is then served one
+    request per call)."""
+    final = manifest.artifacts.get("dense") or manifest.artifacts.get("model")
+    if final is None:
+        return None
+    lengths = {f.name for f in manifest.input_schema.features if f.kind == "lengths"}
+    out: dict[str, OutputRows] = {}
+    for tensor in final["outputs"]:
+        first = tensor["shape"][0] if tensor["shape"] else None
+        found = _DIM.match(first) if isinstance(first, str) else None
+        if found is None or found["offset"]:
+            return None
+        name, scale = found["name"], int(found["scale"] or 1)
+        if name == BATCH:
+            out[tensor["name"]] = OutputRows(tensor["name"], None, scale)
+        elif name.endswith(TOTAL) and name[: -len(TOTAL)] in lengths:
+            out[tensor["name"]] = OutputRows(tensor["name"], name[: -len(TOTAL)], scale)
+        else:
+            return None
+    return out
+
+
+def batch_size(schema_features: Sequence[Any], request: Mapping[str, Tensor]) -> int:
+    """Users in a (validated) request: the first dim of its lengths / per-user features."""
+    first = next(f for f in schema_features if f.kind in ("lengths", "per_user"))
+    return int(request[first.name].size(0))
+
+
+def plan_groups(sizes: Sequence[int], max_users: int) -> list[list[int]]:
+    """Consecutive groups of request indices whose users add up to at most ``max_users`` (in arrival
+    order, so no request waits behind a later one). Every size must be <= max_users."""
+    groups: list[list[int]] = []
+    users = 0
+    for index, size in enumerate(sizes):
+        if not groups or users + size > max_users:
+            groups.append([])
+            users = 0
+        groups[-1].append(index)
+        users += size
+    return groups
+
+
+def combine(requests: Sequence[Mapping[str, Tensor]], names: Sequence[str]) -> dict[str, Tensor]:
+    """One request holding all of ``requests``' users, in order."""
+    if len(requests) == 1:
+        return {name: requests[0][name] for name in names}
+    return {name: torch.cat([r[name] for r in requests]) for name in names}
+
+
+def split_outputs(outputs: Mapping[str, Tensor], requests: Sequence[Mapping[str, Tensor]],
+                  rows: Mapping[str, OutputRows]) -> list[dict[str, Tensor]]:
+    """Each request's share of the outputs of their combined call."""
+    if len(requests) == 1:
+        return [dict(outputs)]
+    parts: list[dict[str, Tensor]] = [{} for _ in requests]
+    for name, value in outputs.items():
+        counts = [rows[name].rows(r) for r in requests]
+        if sum(counts) != value.size(0):
+            raise RequestError(f"output {name!r} has {value.size(0)} rows, the requests account for {sum(counts)}; "
+                               "it cannot be split per request")
+        for part, piece in zip(parts, torch.split(value, counts)):
+            part[name] = piece
+    return parts
+
+
+class BatchingPredictor:
+    """Runs many requests with as few package calls as the exported maximum batch size allows; each
+    request gets its own outputs or its own error (a bad request never fails the others)."""
+
+    def __init__(self, predictor: Any) -> None:
+        self.predictor = predictor
+        self.schema = predictor.input_schema
+        self.max_batch_size: int = predictor.max_batch_size
+        self.rows = output_rows(predictor.package_manifest)
+
+    @property
+    def batches_requests(self) -> bool:
+        return self.rows is not None
+
+    def __call__(self, requests: Sequence[Mapping[str, Tensor]]) -> list[dict[str, Tensor] | HstuExportError]:
+        results: list[dict[str, Tensor] | HstuExportError] = [RequestError("not run")] * len(requests)
+        valid: list[int] = []
+        sizes: list[int] = []
+        for index, request in enumerate(requests):
+            try:
+                sizes.append(self.schema.validate(dict(request), self.max_batch_size))
+                valid.append(index)
+            except HstuExportError as exc:
+                results[index] = exc
+        groups = plan_groups(sizes, self.max_batch_size) if self.rows is not None else [[i] for i in range(len(valid))]
+        names = self.schema.names
+        for group in groups:
+            members = [requests[valid[i]] for i in group]
+            try:
+                outputs = self.predictor(combine(members, names))
+                shares = split_outputs(outputs, members, self.rows or {})
+            except HstuExportError as exc:
+                for i in group:
+                    results[valid[i]] = exc
+                continue
+            for i, share in zip(group, shares):
+                results[valid[i]] = share
+        return results

@@ -1,0 +1,161 @@
+"""A Triton Inference Server model repository for a package: ``hstu-export serving-repo PKG --out DIR``
+(or ``hstu-export MODEL --emit-serving-repo DIR``). docs/SERVING.md says how to run it.
+
+    DIR/
+      serving.json            what wrote it, for which package and server (hstu-export's marker)
+      README.md               how to start the server and call the model
+      NAME/config.pbtxt       Python backend; one input per request feature, one output per package output,
+                              ragged dynamic batching; GPU or CPU instances as the package's device
+      NAME/1/model.py         hstu_export/serving/triton_model.py
+      NAME/1/package/         the package, unchanged (its checksums still hold)
+
+Written for Triton Inference Server 2.73.0's model configuration (the release of tritonclient 2.73.0,
+whose model_config protobuf the tests parse the config with); the server itself was not run here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hstu_export.errors import ConfigError
+from hstu_export.manifest import Manifest
+from hstu_export.package import load_manifest
+from hstu_export.serving.batching import output_rows
+from hstu_export.version import __version__
+
+TRITON_SERVER_VERSION = "2.73.0"
+MARKER = "serving.json"
+DATA_TYPES = {"int64": "TYPE_INT64", "int32": "TYPE_INT32", "float32": "TYPE_FP32", "bfloat16": "TYPE_BF16",
+              "float16": "TYPE_FP16", "float64": "TYPE_FP64", "bool": "TYPE_BOOL"}
+MODEL_FILE = Path(__file__).with_name("triton_model.py")
+
+
+@dataclass(frozen=True)
+class ServingRepoSettings:
+    name: str | None = None  # model name [default: the package directory's stem]
+    max_requests_per_batch: int = 8  # Triton's max_batch_size: requests the dynamic batcher groups
+    max_queue_delay_us: int = 500  # how long a request may wait for others to batch with
+    instances: int = 1  # model instances (processes) per device
+
+
+def model_name(package: Path, settings: ServingRepoSettings) -> str:
+    name = settings.name or package.resolve().name.split(".")[0] or "model"
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+        raise ConfigError(f"model name {name!r}: use letters, digits, '_', '.' and '-' (a directory of the repository)")
+    return name
+
+
+def _dims(shape: list[Any]) -> str:
+    # Triton adds the leading batch dim (max_batch_size > 0): the tensor is [1, n, *trailing].
+    return ", ".join("-1" if isinstance(d, str) else str(d) for d in shape)
+
+
+def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings) -> str:
+    """config.pbtxt for the package: inputs from the request schema, outputs from the final artifact."""
+    final = manifest.artifacts.get("dense") or manifest.artifacts.get("model") or {}
+    lines = [
+        f"# Written by hstu-export {__version__} for Triton Inference Server {TRITON_SERVER_VERSION} (Python backend).",
+        "# Each feature is sent as [1, n, ...]: one package request per Triton batch element (docs/SERVING.md).",
+        f'name: "{name}"',
+        'backend: "python"',
+        f"max_batch_size: {settings.max_requests_per_batch}",
+        f"dynamic_batching {{ max_queue_delay_microseconds: {settings.max_queue_delay_us} }}",
+        "input [",
+    ]
+    features = manifest.input_schema.features
+    for i, f in enumerate(features):
+        dims = _dims(["n", *f.trailing])
+        comma = "," if i < len(features) - 1 else ""
+        lines.append(f'  {{ name: "{f.name}" data_type: {DATA_TYPES[f.dtype]} dims: [ {dims} ] '
+                     f"allow_ragged_batch: true }}{comma}")
+    lines.append("]")
+    lines.append("output [")
+    outputs = final.get("outputs", [])
+    for i, tensor in enumerate(outputs):
+        comma = "," if i < len(outputs) - 1 else ""
+        lines.append(f'  {{ name: "{tensor["name"]}" data_type: {DATA_TYPES[tensor["dtype"]]} '
+                     f"dims: [ {_dims(tensor['shape'])} ] }}{comma}")
+    lines.append("]")
+    kind = "KIND_GPU" if manifest.device.type == "cuda" else "KIND_CPU"
+    lines.append(f"instance_group [ {{ kind: {kind} count: {settings.instances} }} ]")
+    lines.append('parameters { key: "package" value: { string_value: "package" } }')
+    return "\n".join(lines) + "\n"
+
+
+def _readme(name: str, manifest: Manifest, batching: bool) -> str:
+    features = "\n".join(f"- `{f.name}`: {f.dtype}, [1, n{''.join(f', {d}' for d in f.trailing)}] ({f.kind})"
+                         for f in manifest.input_schema.features)
+    how = ("Requests the dynamic batcher groups run in as few package calls as its maximum batch size "
+           f"({manifest.ranges.max_batch_size} users) allows." if batching else
+           "This package's outputs cannot be split per request, so each request runs alone.")
+    return f"""# Triton model repository for `{name}` (hstu-export {__version__})
+
+Start the server (Triton Inference Server {TRITON_SERVER_VERSION}, whose Python environment has hstu-export
+and torch {manifest.torch_version} installed):
+
+    tritonserver --model-repository $PWD
+
+Each request is one request of the package: every feature as a tensor of shape [1, n, ...] (Triton's
+leading batch dim is 1; n users, or for a jagged feature all its values):
+
+{features}
+
+Outputs come back as [1, m, ...]. {how} A request that does not fit the exported schema or ranges gets
+an error naming the feature; the others in its batch are unaffected.
+"""
+
+
+def check_out(out: Path, force: bool) -> None:
+    """ConfigError unless ``out`` is new, empty, or (with ``force``) a repository this tool wrote."""
+    if out.exists():
+        if not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file()):
+            raise ConfigError(f"{out} exists and is not a serving repository hstu-export wrote; choose a new "
+                              "directory")
+        if any(out.iterdir()) and not force:
+            raise ConfigError(f"{out} exists; pass --force to replace it")
+
+
+def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRepoSettings | None = None,
+                       *, force: bool = False) -> Path:
+    """Writes the repository (atomically: built beside ``out`` and renamed in); returns the model's directory."""
+    settings = settings or ServingRepoSettings()
+    if settings.max_requests_per_batch < 1 or settings.instances < 1 or settings.max_queue_delay_us < 0:
+        raise ConfigError("max requests per batch and instances must be >= 1, the queue delay >= 0")
+    package, out = Path(package), Path(out)
+    manifest = load_manifest(package)  # the package is checked before it is copied
+    name = model_name(package, settings)
+    if manifest.backend.name not in ("aoti", "torchscript", "onnx", "trt"):
+        raise ConfigError(f"backend {manifest.backend.name!r} has no serving repository")
+    check_out(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        model_dir = staged / name
+        (model_dir / "1").mkdir(parents=True)
+        shutil.copytree(package, model_dir / "1" / "package", symlinks=False)
+        shutil.copyfile(MODEL_FILE, model_dir / "1" / "model.py")
+        (model_dir / "config.pbtxt").write_text(config_text(manifest, name, settings))
+        batching = output_rows(manifest) is not None
+        (staged / "README.md").write_text(_readme(name, manifest, batching))
+        (staged / MARKER).write_text(json.dumps({
+            "written_by": f"hstu-export {__version__}", "triton_server": TRITON_SERVER_VERSION, "model": name,
+            "package": str(package.resolve()), "backend": "python", "batches_requests": batching,
+        }, indent=2) + "\n")
+        if out.exists():  # moved aside first, so a failure in between leaves a whole repository
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            staged.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            staged.rename(out)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    return out / name

@@ -1,0 +1,210 @@
+"""Serving in a server: micro-batching requests into package calls, and the Triton Inference Server model
+repository (config checked with Triton's own model_config protobuf; model.py run against a stand-in of the
+Python-backend API it uses). Triton Inference Server itself is not run here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from google.protobuf import text_format
+
+import hstu_export
+from hstu_export import ExportSettings, VerifySettings, generate_batch, save_bundle
+from hstu_export.cli import main as cli_main
+from hstu_export.errors import ConfigError, RequestError
+from hstu_export.models import build_preset
+from hstu_export.serving.batching import BatchingPredictor, OutputRows, output_rows, plan_groups
+from hstu_export.serving.triton_repo import ServingRepoSettings, write_serving_repo
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("serving")
+    model = build_preset("tiny", seed=5)
+    bundle = save_bundle(model, root / "tiny.pt", generate_batch(model.input_schema(), 4, seed=6))
+    settings = ExportSettings(backend="torchscript", max_batch_size=4, verify=VerifySettings(num_random_batches=1))
+    return hstu_export.export(bundle, root / "ranker.torchscript", settings).path
+
+
+@pytest.fixture(scope="module")
+def predictor(package: Path):  # type: ignore[no-untyped-def]
+    return hstu_export.load(package)
+
+
+class CountingPredictor:
+    def __init__(self, predictor) -> None:  # type: ignore[no-untyped-def]
+        self.inner, self.calls = predictor, []
+
+    def __getattr__(self, name):  # type: ignore[no-untyped-def]
+        return getattr(self.inner, name)
+
+    def __call__(self, batch):  # type: ignore[no-untyped-def]
+        self.calls.append(int(batch["uih_lengths"].size(0)))
+        return self.inner(batch)
+
+
+def test_groups_fill_the_exported_batch_size_in_arrival_order() -> None:
+    assert plan_groups([1, 3, 2, 4, 1], 4) == [[0, 1], [2], [3], [4]]
+    assert plan_groups([2, 2, 2, 2, 2], 4) == [[0, 1], [2, 3], [4]]
+    assert plan_groups([4], 4) == [[0]] and plan_groups([], 4) == []
+
+
+def test_outputs_split_by_what_their_first_dim_counts(predictor) -> None:  # type: ignore[no-untyped-def]
+    rows = output_rows(predictor.package_manifest)
+    assert rows == {"ctr": OutputRows("ctr", "candidate_lengths"), "cvr": OutputRows("cvr", "candidate_lengths")}
+    manifest = predictor.package_manifest
+    manifest.artifacts["model"]["outputs"][0]["shape"] = ["batch+1"]
+    try:
+        assert output_rows(manifest) is None  # offsets do not concatenate: one request per call
+    finally:
+        manifest.artifacts["model"]["outputs"][0]["shape"] = ["candidate_lengths.total"]
+
+
+def test_batched_requests_get_their_own_outputs_and_errors(predictor) -> None:  # type: ignore[no-untyped-def]
+    counting = CountingPredictor(predictor)
+    batcher = BatchingPredictor(counting)
+    sizes = [1, 3, 2, 4, 1]
+    requests = [generate_batch(predictor.input_schema, b, seed=70 + i) for i, b in enumerate(sizes)]
+    bad = dict(requests[2], user_id=requests[2]["user_id"].int())
+    results = batcher([*requests[:2], bad, *requests[3:]])
+    assert counting.calls == [4, 4, 1]  # [1+3], [4], [1]: the bad request left out, 3 calls for 4 requests
+    assert isinstance(results[2], RequestError) and "user_id" in str(results[2])
+    for request, result in zip(requests, results):
+        if request is requests[2]:
+            continue
+        alone = predictor(request)
+        assert sorted(result) == sorted(alone)
+        for name in alone:
+            assert result[name].shape == alone[name].shape
+            torch.testing.assert_close(result[name], alone[name], rtol=1e-6, atol=1e-7)
+
+
+def _model_config_pb2():  # type: ignore[no-untyped-def]
+    import tritonclient
+
+    path = Path(tritonclient.__file__).parent / "grpc" / "model_config_pb2.py"
+    spec = importlib.util.spec_from_file_location("triton_model_config_pb2", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def test_config_parses_with_tritons_protobuf_and_matches_the_manifest(package: Path, tmp_path: Path) -> None:
+    settings = ServingRepoSettings(max_requests_per_batch=16, max_queue_delay_us=250, instances=2)
+    model_dir = write_serving_repo(package, tmp_path / "repo", settings)
+    assert model_dir.name == "ranker"
+    pb2 = _model_config_pb2()
+    config = text_format.Parse((model_dir / "config.pbtxt").read_text(), pb2.ModelConfig())
+    manifest = json.loads((package / "manifest.json").read_text())
+    assert config.name == "ranker" and config.backend == "python" and config.max_batch_size == 16
+    assert config.dynamic_batching.max_queue_delay_microseconds == 250
+    types_ = {v: k for k, v in pb2.DataType.items()}
+    features = manifest["input_schema"]["features"]
+    assert [i.name for i in config.input] == [f["name"] for f in features]
+    assert [types_[i.data_type] for i in config.input] == ["TYPE_INT64"] * len(features)
+    assert all(list(i.dims) == [-1] and i.allow_ragged_batch for i in config.input)
+    outputs = manifest["artifacts"]["model"]["outputs"]
+    assert [o.name for o in config.output] == manifest["output_names"] == [o["name"] for o in outputs]
+    assert all(types_[o.data_type] == "TYPE_FP32" and list(o.dims) == [-1] for o in config.output)
+    assert config.instance_group[0].kind == pb2.ModelInstanceGroup.Kind.Value("KIND_CPU")
+    assert config.instance_group[0].count == 2
+    assert config.parameters["package"].string_value == "package"
+    # The package travels unchanged, and still loads.
+    copied = model_dir / "1" / "package"
+    assert (copied / "manifest.json").read_bytes() == (package / "manifest.json").read_bytes()
+    hstu_export.load(copied)
+    marker = json.loads((tmp_path / "repo" / "serving.json").read_text())
+    assert marker["triton_server"] == "2.73.0" and marker["batches_requests"] is True
+
+
+class _StandInTensor:
+    """The part of triton_python_backend_utils.Tensor model.py uses (a test double, not Triton)."""
+
+    def __init__(self, name: str, value: torch.Tensor) -> None:
+        self._name, self.value = name, value
+
+    def name(self) -> str:
+        return self._name
+
+    def to_dlpack(self):  # type: ignore[no-untyped-def]
+        return torch.utils.dlpack.to_dlpack(self.value)
+
+    @classmethod
+    def from_dlpack(cls, name, capsule):  # type: ignore[no-untyped-def]
+        return cls(name, torch.utils.dlpack.from_dlpack(capsule))
+
+
+def _stand_in_backend_utils() -> types.ModuleType:
+    module = types.ModuleType("triton_python_backend_utils")
+
+    class InferenceResponse:
+        def __init__(self, output_tensors, error=None):  # type: ignore[no-untyped-def]
+            self.output_tensors, self.error = output_tensors, error
+
+    class TritonError(Exception):
+        pass
+
+    module.Tensor = _StandInTensor  # type: ignore[attr-defined]
+    module.InferenceResponse = InferenceResponse  # type: ignore[attr-defined]
+    module.TritonError = TritonError  # type: ignore[attr-defined]
+    module.get_input_tensor_by_name = lambda request, name: request.get(name)  # type: ignore[attr-defined]
+    return module
+
+
+def test_model_py_serves_a_dynamic_batch(package: Path, predictor, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    model_dir = write_serving_repo(package, tmp_path / "repo", ServingRepoSettings(name="hstu"))
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _stand_in_backend_utils())
+    spec = importlib.util.spec_from_file_location("triton_model_under_test", model_dir / "1" / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    pb2 = _model_config_pb2()
+    config = text_format.Parse((model_dir / "config.pbtxt").read_text(), pb2.ModelConfig())
+    from google.protobuf import json_format
+
+    model = module.TritonPythonModel()
+    model.initialize({"model_config": json.dumps(json_format.MessageToDict(config, preserving_proto_field_name=True)),
+                      "model_repository": str(model_dir), "model_version": "1", "model_instance_kind": "CPU"})
+    batches = [generate_batch(predictor.input_schema, b, seed=90 + b) for b in (2, 1, 3)]
+    requests = [{n: _StandInTensor(n, t.unsqueeze(0)) for n, t in b.items()} for b in batches]
+    requests[1]["uih_lengths"] = _StandInTensor("uih_lengths", torch.full((1, 1), 99))  # beyond 46
+    responses = model.execute(requests)
+    assert len(responses) == 3
+    assert responses[1].error is not None and "beyond the exported maximum" in str(responses[1].error)
+    for index in (0, 2):
+        assert responses[index].error is None
+        got = {t.name(): t.value for t in responses[index].output_tensors}
+        expected = predictor(batches[index])
+        assert sorted(got) == sorted(expected)
+        for name, value in expected.items():
+            assert got[name].shape == (1, *value.shape)
+            torch.testing.assert_close(got[name][0], value, rtol=1e-6, atol=1e-7)
+
+
+def test_repository_targets_are_checked(package: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="not a serving repository hstu-export wrote"):
+        write_serving_repo(package, foreign, force=True)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    repo = tmp_path / "repo"
+    assert cli_main(["serving-repo", str(package), "--out", str(repo), "--name", "first"]) == 0
+    assert "tritonserver --model-repository" in capsys.readouterr().out
+    assert cli_main(["serving-repo", str(package), "--out", str(repo), "--name", "second"]) == 2
+    assert "pass --force" in capsys.readouterr().err
+    assert cli_main(["serving-repo", str(package), "--out", str(repo), "--name", "second", "--force"]) == 0
+    assert (repo / "second" / "config.pbtxt").is_file() and not (repo / "first").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging or old copies left
+    assert cli_main(["serving-repo", str(package), "--out", str(tmp_path / "r2"), "--name", "bad/name"]) == 2
+    # --emit-serving-repo is refused before the export starts.
+    assert cli_main([str(package.parent / "tiny.pt"), "--backend", "torchscript", "--out", str(tmp_path / "pkg"),
+                     "--emit-serving-repo", str(foreign)]) == 2
+    assert not (tmp_path / "pkg").exists()
