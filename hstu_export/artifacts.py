@@ -42,35 +42,57 @@ def dim_text(spec: DimSpec) -> str:
     return f"{text}+{spec.offset}" if spec.offset else text
 
 
-def tensor_entry(name: str, tensor: Tensor, dims: dict[int, DimSpec] | None = None,
-                 sizes: dict[int, str] | None = None) -> dict[str, Any]:
-    """``{name, dtype, shape}``: dims from ``dims`` (by axis), else a dynamic dim recognised by its size
-    on the export example (``sizes``: example size -> dim text), else the static size."""
+def tensor_entry(name: str, tensor: Tensor, dims: dict[int, DimSpec] | None = None) -> dict[str, Any]:
+    """``{name, dtype, shape}``: dims from ``dims`` (by axis), else the static size."""
     shape: list[int | str] = []
     for axis, size in enumerate(tensor.shape):
-        if dims and axis in dims:
-            shape.append(dim_text(dims[axis]))
-        elif axis == 0 and sizes and int(size) in sizes:
-            shape.append(sizes[int(size)])
-        else:
-            shape.append(int(size))
+        shape.append(dim_text(dims[axis]) if dims and axis in dims else int(size))
     return {"name": name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": shape}
 
 
+def name_dims(first: dict[str, Tensor], first_dims: dict[str, int], second: dict[str, Tensor],
+              second_dims: dict[str, int]) -> dict[str, list[int | str]]:
+    """Output shapes from two runs whose named input dims (``first_dims``, ``second_dims``: name -> size)
+    all changed: an axis of the same size in both is static; one that changed is the input dim that
+    changed alike, or ``k*dim``, or ``dim+c``; otherwise ``dynamic`` (data-dependent, no named dim)."""
+    shapes: dict[str, list[int | str]] = {}
+    for name, tensor in first.items():
+        other = second[name]
+        shape: list[int | str] = []
+        for axis, size in enumerate(tensor.shape):
+            a, b = int(size), int(other.shape[axis]) if axis < other.dim() else -1
+            shape.append(a if a == b else _matching_dim(a, b, first_dims, second_dims))
+        shapes[name] = shape
+    return shapes
+
+
+def _matching_dim(a: int, b: int, first: dict[str, int], second: dict[str, int]) -> str:
+    pairs = [(name, first[name], second[name]) for name in first if name in second and first[name] != second[name]]
+    for name, x, y in pairs:
+        if (a, b) == (x, y):
+            return name
+    for name, x, y in pairs:
+        if a % x == 0 and a // x > 1 and b == (a // x) * y:
+            return f"{a // x}*{name}"
+    for name, x, y in pairs:
+        if a - x == b - y and a > x:
+            return f"{name}+{a - x}"
+    return "dynamic"
+
+
 def describe(backend: str, files: dict[str, str], inputs: CompileInputs,
-             feature_dims: dict[str, dict[int, DimSpec]], feature_names: dict[str, str]) -> dict[str, dict[str, Any]]:
+             feature_dims: dict[str, dict[int, DimSpec]], feature_names: dict[str, str],
+             output_shapes: dict[str, list[int | str]]) -> dict[str, dict[str, Any]]:
     """The ``artifacts`` section: for each file of the backend, its format and ordered inputs/outputs.
     ``feature_dims``: the dynamic dims of every request feature, by graph-input name; ``feature_names``:
     the request name of each graph input that is a request feature (inputs fed from the request carry
-    it as ``feature``; the others are outputs of the sparse artifact)."""
+    it as ``feature``; the others are outputs of the sparse artifact); ``output_shapes``: the outputs'
+    shapes with dims named (``name_dims``)."""
     features = inputs.example_features
     dense_dims = inputs.dense_dynamic_dims
     outputs, sparse_outputs = inputs.example_outputs, inputs.example_sparse_outputs
-    # Dynamic dims by their (pairwise distinct) sizes on the export example, to name output dims.
-    sizes = {int(features[n].size(0)): dim_text(d[0]) for n, d in dense_dims.items() if 0 in d and n in features}
-    sizes.update({int(inputs.example_dense_inputs[n].size(0)): dim_text(d[0])
-                  for n, d in dense_dims.items() if 0 in d})
-    ordered_outputs = [tensor_entry(n, outputs[n], sizes=sizes) for n in inputs.output_names]
+    ordered_outputs = [dict(tensor_entry(n, outputs[n]), shape=output_shapes[n]) for n in inputs.output_names]
+
     def feature_input(name: str, tensor: Tensor, dims: dict[int, DimSpec] | None) -> dict[str, Any]:
         entry = tensor_entry(name, tensor, dims)
         if name in feature_names:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from hstu_export.artifacts import describe as describe_artifacts
-from hstu_export.artifacts import op_library_files
+from hstu_export.artifacts import name_dims, op_library_files
 from hstu_export.batch import generate_batch
 from hstu_export.bundle import ModelBundle, load_bundle
 from hstu_export.errors import ConfigError, ExportError, VerificationError
@@ -130,10 +130,15 @@ def total_dim(lengths_name: str, ranges: ExportRanges) -> DimSpec:
     return DimSpec(f"{lengths_name}.total", 1, max(b_max * ranges.max_lengths[lengths_name], 4))
 
 
-def export_example_batch(schema: InputSchema, ranges: ExportRanges, seed: int) -> dict[str, Tensor]:
+def export_example_batch(schema: InputSchema, ranges: ExportRanges, seed: int,
+                         unlike: dict[str, int] | None = None) -> dict[str, Tensor]:
     """A batch whose dynamic sizes are all >= 2 and pairwise different, so torch.export neither
-    specialises a dim to 0/1 nor unifies two independent dims that happen to be equal."""
+    specialises a dim to 0/1 nor unifies two independent dims that happen to be equal. With ``unlike``
+    (``dim_values`` of another batch), every dynamic size differs from that batch's too where the ranges
+    allow, so that comparing the two tells which output dims follow which input dims."""
     b = 3 if ranges.max_batch_size >= 3 else 2
+    if unlike and unlike.get(BATCH_DIM) == b and ranges.max_batch_size >= 4:
+        b = 4
     canonical = [f for f in schema.lengths_features() if not f.same_as]
     fixed = {f.name for f in canonical if ranges.min_lengths[f.name] == ranges.max_lengths[f.name]}
     for attempt in range(200):
@@ -143,10 +148,28 @@ def export_example_batch(schema: InputSchema, ranges: ExportRanges, seed: int) -
             lo, hi = max(ranges.min_lengths[f.name], 1), ranges.max_lengths[f.name]
             chosen[f.name] = torch.randint(lo, max(hi, lo) + 1, (b,), generator=gen).tolist()
         # Fixed-length features have k * batch values: a derived dim, not one that must differ.
-        sizes = [b] + [sum(v) for name, v in chosen.items() if name not in fixed]
-        if min(sizes) >= 2 and len(set(sizes)) == len(sizes):
-            return generate_batch(schema, b, seed=seed, lengths=chosen)
+        totals = {f"{name}.total": sum(v) for name, v in chosen.items() if name not in fixed}
+        sizes = [b, *totals.values()]
+        if min(sizes) < 2 or len(set(sizes)) != len(sizes):
+            continue
+        if unlike and attempt < 150 and any(unlike.get(k) == v for k, v in totals.items()):
+            continue
+        return generate_batch(schema, b, seed=seed, lengths=chosen)
     raise ConfigError("cannot build an export example batch with distinct dynamic sizes; widen the length ranges")
+
+
+def dim_values(schema: InputSchema, ranges: ExportRanges, batch: dict[str, Tensor]) -> dict[str, int]:
+    """The size of every named dynamic dim (``batch``, ``<lengths>.total``) in ``batch`` (keyed by request
+    or graph-input names)."""
+    def get(f: Any) -> Tensor:
+        return batch[f.name] if f.name in batch else batch[f.graph_name]
+
+    canonical = [f for f in schema.lengths_features() if not f.same_as]
+    values = {BATCH_DIM: int(get(canonical[0]).size(0))} if canonical else {}
+    for f in canonical:
+        if ranges.min_lengths[f.name] != ranges.max_lengths[f.name]:
+            values[f"{f.name}.total"] = int(get(f).sum())
+    return values
 
 
 def probe_batch(schema: InputSchema, ranges: ExportRanges, seed: int) -> dict[str, Tensor]:
@@ -298,6 +321,7 @@ def export(
         with _timed(timings, progress, "compile"), torch.no_grad():
             report = backend.dryrun(inputs)
         return ExportResult(out, {}, timings, dryrun_report=report)
+    output_shapes = _output_shapes(result, schema, ranges, inputs, settings)
     with staging_dir(out) as staged:
         # Again, after the long capture: something else may have filled the disk meanwhile.
         check_free_space(out, weight_bytes)
@@ -335,7 +359,7 @@ def export(
             "dense_passthrough_inputs": [n for n in inputs.dense_input_names if n in graph_names],
             "output_names": inputs.output_names,
             "artifacts": describe_artifacts(backend.name, artifacts.files, inputs, feature_dims(schema, ranges),
-                                            {f.graph_name: f.name for f in schema.features}),
+                                            {f.graph_name: f.name for f in schema.features}, output_shapes),
             "op_library_files": op_library_files(artifacts.op_libraries),
             "boundary": result.boundary.to_json(),
             "passes": result.report.to_json(),
@@ -467,6 +491,32 @@ def _check_attention_scale(settings: ExportSettings, gm: torch.fx.GraphModule, f
 
 def _placeholders(gm: torch.fx.GraphModule) -> list[str]:
     return [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _output_shapes(result: Any, schema: InputSchema, ranges: ExportRanges, inputs: CompileInputs,
+                   settings: ExportSettings) -> dict[str, list[int | str]]:
+    """Each output's shape with its dynamic dims named: the graph is run on a second example whose dynamic
+    sizes all differ from the export example's, and an axis whose size changed is matched to the input
+    dim that changed alike (``hstu_export.artifacts.name_dims``)."""
+    from hstu_export.runtimes.graph_io import as_output_dict
+
+    first = dim_values(schema, ranges, inputs.example_features)
+    device = next(iter(inputs.example_features.values())).device
+    second_batch = _to_device(export_example_batch(schema, ranges, seed=settings.verify.seed + 7919, unlike=first),
+                              device)
+    second_inputs = schema.to_graph_inputs(second_batch)
+    second = dim_values(schema, ranges, second_batch)
+    try:
+        with torch.no_grad():
+            sparse = as_output_dict(result.sparse(**{n: second_inputs[n] for n in inputs.sparse_input_names}),
+                                    list(inputs.example_sparse_outputs))
+            dense = {n: sparse[n] if n in sparse else second_inputs[n] for n in inputs.dense_input_names}
+            second_outputs = result.dense(**dense)
+    except Exception as exc:
+        lines = str(exc).strip().splitlines()
+        raise ExportError(f"the split graphs failed on a second example batch ({second}): "
+                          f"{lines[0] if lines else type(exc).__name__}") from exc
+    return name_dims(inputs.example_outputs, first, second_outputs, second)
 
 
 def _compile_inputs(result: Any, example: dict[str, Tensor], schema: InputSchema, ranges: ExportRanges,

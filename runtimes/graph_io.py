@@ -31,16 +31,6 @@ def op_calls(module: torch.nn.Module) -> Counter[str]:
     return found
 
 
-def op_namespaces(gm: torch.nn.Module) -> set[str]:
-    """Namespaces of non-builtin torch.ops called anywhere in ``gm``."""
-    return {key.partition("::")[0] for key in op_calls(gm)} - BUILTIN_NAMESPACES
-
-
-def op_libraries(gm: torch.nn.Module) -> list[str]:
-    """Python modules the serving process must import so that ``gm``'s custom ops resolve."""
-    return sorted({OP_LIBRARY_MODULES.get(ns, ns) for ns in op_namespaces(gm)})
-
-
 def scripted_op_libraries(module: torch.jit.ScriptModule) -> list[str]:
     """Op libraries a scripted module needs at load time (torchrec's scripted code calls fbgemm ops)."""
     kinds: set[str] = set()

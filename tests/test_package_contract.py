@@ -95,3 +95,18 @@ def test_aoti_package_lists_the_ops_it_calls_at_run_time(tmp_path: Path) -> None
     plain = torch.export.export(torch.nn.Linear(3, 2), (torch.randn(4, 3),))
     path = torch._inductor.aoti_compile_and_package(plain, package_path=str(tmp_path / "plain.pt2"))
     assert package_op_libraries(Path(path)) == set()
+
+
+def test_output_dims_are_named_by_how_they_change() -> None:
+    """A static axis stays an int even when it equals a dynamic size (3 tasks, 3 users); an axis that
+    follows an input dim is named after it, with a factor or an offset when it has one."""
+    from hstu_export.artifacts import name_dims
+
+    first = {"per_task": torch.zeros(3, 7), "per_user": torch.zeros(3, 16), "pairs": torch.zeros(14),
+             "offsets": torch.zeros(4), "nonzero": torch.zeros(5)}
+    second = {"per_task": torch.zeros(3, 9), "per_user": torch.zeros(5, 16), "pairs": torch.zeros(18),
+              "offsets": torch.zeros(6), "nonzero": torch.zeros(2)}
+    shapes = name_dims(first, {"batch": 3, "candidate_lengths.total": 7},
+                       second, {"batch": 5, "candidate_lengths.total": 9})
+    assert shapes == {"per_task": [3, "candidate_lengths.total"], "per_user": ["batch", 16],
+                      "pairs": ["2*candidate_lengths.total"], "offsets": ["batch+1"], "nonzero": ["dynamic"]}
