@@ -208,3 +208,11 @@ def test_repository_targets_are_checked(package: Path, tmp_path: Path, capsys) -
     assert cli_main([str(package.parent / "tiny.pt"), "--backend", "torchscript", "--out", str(tmp_path / "pkg"),
                      "--emit-serving-repo", str(foreign)]) == 2
     assert not (tmp_path / "pkg").exists()
+
+
+@pytest.mark.parametrize("name", ['plain', 'uih.item.values', 'with "quotes"', "back\\slash"])
+def test_names_are_quoted_for_the_config(name: str) -> None:
+    from hstu_export.serving.triton_repo import _quoted
+
+    parsed = text_format.Parse(f"name: {_quoted(name)}", _model_config_pb2().ModelConfig())
+    assert parsed.name == name

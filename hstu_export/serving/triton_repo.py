@@ -52,6 +52,10 @@ def model_name(package: Path, settings: ServingRepoSettings) -> str:
     return name
 
 
+def _quoted(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def _dims(shape: list[Any]) -> str:
     # Triton adds the leading batch dim (max_batch_size > 0): the tensor is [1, n, *trailing].
     return ", ".join("-1" if isinstance(d, str) else str(d) for d in shape)
@@ -63,7 +67,7 @@ def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings) ->
     lines = [
         f"# Written by hstu-export {__version__} for Triton Inference Server {TRITON_SERVER_VERSION} (Python backend).",
         "# Each feature is sent as [1, n, ...]: one package request per Triton batch element (docs/SERVING.md).",
-        f'name: "{name}"',
+        f"name: {_quoted(name)}",
         'backend: "python"',
         f"max_batch_size: {settings.max_requests_per_batch}",
         f"dynamic_batching {{ max_queue_delay_microseconds: {settings.max_queue_delay_us} }}",
@@ -73,14 +77,14 @@ def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings) ->
     for i, f in enumerate(features):
         dims = _dims(["n", *f.trailing])
         comma = "," if i < len(features) - 1 else ""
-        lines.append(f'  {{ name: "{f.name}" data_type: {DATA_TYPES[f.dtype]} dims: [ {dims} ] '
+        lines.append(f"  {{ name: {_quoted(f.name)} data_type: {DATA_TYPES[f.dtype]} dims: [ {dims} ] "
                      f"allow_ragged_batch: true }}{comma}")
     lines.append("]")
     lines.append("output [")
     outputs = final.get("outputs", [])
     for i, tensor in enumerate(outputs):
         comma = "," if i < len(outputs) - 1 else ""
-        lines.append(f'  {{ name: "{tensor["name"]}" data_type: {DATA_TYPES[tensor["dtype"]]} '
+        lines.append(f"  {{ name: {_quoted(tensor['name'])} data_type: {DATA_TYPES[tensor['dtype']]} "
                      f"dims: [ {_dims(tensor['shape'])} ] }}{comma}")
     lines.append("]")
     kind = "KIND_GPU" if manifest.device.type == "cuda" else "KIND_CPU"
