@@ -49,8 +49,8 @@ def python_latency(predictor, request: dict, iters: int, warmup: int) -> dict:  
     return {"p50_ms": statistics.median(times), "p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))]}
 
 
-def cpp_latency(runner: Path, package: Path, request_dir: Path, iters: int) -> dict:
-    done = subprocess.run([str(runner), str(package), str(request_dir), "--repeat", str(iters)],
+def cpp_latency(runner: Path, package: Path, request_dir: Path, iters: int, warmup: int) -> dict:
+    done = subprocess.run([str(runner), str(package), str(request_dir), "--repeat", str(iters), "--warmup", str(warmup)],
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         return {"error": done.stderr.strip()[-2000:]}
@@ -124,7 +124,7 @@ def main() -> None:
                 row["bit_for_bit"] = all(torch.equal(cpp[k], python[k]) for k in python)
                 row["max_abs_diff"] = max(float((cpp[k].float() - python[k].float()).abs().max()) for k in python)
                 row["python"] = python_latency(predictor, request, args.iters, args.warmup)
-                row["cpp"] = cpp_latency(runner, result.path, request_dir, args.iters)
+                row["cpp"] = cpp_latency(runner, result.path, request_dir, args.iters, args.warmup)
                 if "p50_ms" in row["cpp"]:
                     row["cpp_over_python_p50"] = row["cpp"]["p50_ms"] / row["python"]["p50_ms"]
                 entry["batches"].append(row)

@@ -17,7 +17,7 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: hstu-export-run PACKAGE REQUEST_DIR [--out DIR] [--op-library-dir DIR]... [--no-verify-checksums]\n"
-    "                       [--repeat N] [--threads N] [--quiet]\n"
+    "                       [--repeat N] [--warmup N] [--threads N] [--quiet]\n"
     "\n"
     "Open an hstu-export package (aoti or torchscript) with the C++ runtime, validate the request in\n"
     "REQUEST_DIR (one <feature>.pt per feature: `hstu-export request PACKAGE --out DIR` writes one),\n"
@@ -28,6 +28,8 @@ constexpr const char* kUsage =
     "                         $HSTU_EXPORT_OP_LIBRARY_PATH, ':'-separated, and the build's defaults)\n"
     "  --no-verify-checksums  skip the per-file sha256 check (manifest.sha256 is still checked)\n"
     "  --repeat N             run N more times and print the latency (median and p99, ms)\n"
+    "  --warmup N             before those, N runs that are not timed (TorchScript optimises its graph on\n"
+    "                         the first runs; compare warm latencies)\n"
     "  --threads N            run from N threads at once (with --repeat: N each); outputs must all be equal\n"
     "  --quiet                print nothing but errors\n";
 
@@ -35,6 +37,7 @@ struct Args {
   std::string package, request, out;
   hstu_export::Options options;
   int repeat = 0;
+  int warmup = 0;
   int threads = 1;
   bool quiet = false;
 };
@@ -74,6 +77,8 @@ Args parse(int argc, char** argv) {
       args.options.verify_checksums = false;
     } else if (arg == "--repeat") {
       args.repeat = positive(arg, value());
+    } else if (arg == "--warmup") {
+      args.warmup = positive(arg, value());
     } else if (arg == "--threads") {
       args.threads = positive(arg, value());
     } else if (arg == "--quiet" || arg == "-q") {
@@ -133,6 +138,10 @@ int main(int argc, char** argv) {
       std::vector<std::vector<double>> latencies(args.threads);
       std::vector<std::string> failures(args.threads);
       std::vector<std::thread> workers;
+      for (int w = 0; w < args.warmup; ++w) {
+        if (!same(package->run(request), outputs)) throw hstu_export::Error("a warm-up run gave different outputs");
+      }
+      synchronize(*package);
       auto started = std::chrono::steady_clock::now();
       for (int t = 0; t < args.threads; ++t) {
         workers.emplace_back([&, t] {
