@@ -1,0 +1,195 @@
+"""Delta HSTU attention against a paged K/V cache (layout: hstu_export/ops/paged.py), split over keys.
+
+A request's new tokens are few (hundreds per user) while the keys are many (thousands), so one
+program per query block leaves most SMs idle at small batches. Each program here takes a query block
+of one (user, head) and one slice of the keys: HSTU attention has no softmax, so the slices' partial
+sums add up (no running max or rescaling as in flash-decoding). With one slice the program writes the
+result; with several, fp32 partials go to a workspace summed in a fixed order (deterministic).
+
+Cached keys are read straight from the cache pages through the page table (no gather copy), the
+request's own keys from ``k_new``/``v_new``: the kernel writes nothing but its output, so the caller
+stores the new history K/V after the call (the program stays a pure function, as an export needs).
+Target rows add their self term, in slice 0 only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import _position, _silu_scaled
+from .configs import attention_config, next_power_of_2
+
+__all__ = ["paged_hstu_mha_triton_fwd", "split_count"]
+
+# Programs wanted in flight: about two waves of an H100's 132 SMs.
+_TARGET_PROGRAMS = 264
+_MIN_KEYS_PER_SPLIT = 256
+
+
+@triton.jit
+def _paged_attn_fwd(
+    Q, KN, VN, KP, VP, Out, Work,
+    q_offsets, seq_lens, num_targets, page_table,
+    stride_qm, stride_qh, stride_knm, stride_knh, stride_vnm, stride_vnh,
+    stride_kpp, stride_kpn, stride_kph, stride_vpp, stride_vpn, stride_vph,
+    stride_pt, stride_om, stride_oh, stride_ws,
+    alpha, inv_scale, contextual_seq_len, max_attn_len, keys_per_split, H,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
+    FAST_SILU: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):  # fmt: skip
+    alpha = tl.cast(alpha, tl.float32)
+    inv_scale = tl.cast(inv_scale, tl.float32)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // H
+    h = pid_bh % H
+    q_start = tl.load(q_offsets + b)
+    q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
+    start = pid_m * BLOCK_M
+    if start < q_len:
+        n = tl.load(seq_lens + b).to(tl.int32)
+        hist_end = n - tl.load(num_targets + b).to(tl.int32)
+        first_query = n - q_len
+        ctx_shift = tl.maximum(contextual_seq_len - 1, 0)
+        m_pos = hist_end - ctx_shift
+        offs_m = start + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_dqk = tl.arange(0, BLOCK_DQK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        row_ok = offs_m < q_len
+        rows = first_query + offs_m
+        q_rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(Q + q_rows[:, None] * stride_qm + h * stride_qh + offs_dqk[None, :],
+                    mask=row_ok[:, None] & (offs_dqk[None, :] < DQK), other=0.0)  # fmt: skip
+        if UPCAST_DOTS:
+            q = q.to(tl.float32)
+        row_pos = _position(rows, ctx_shift, m_pos)
+        row_ctx = (row_pos == 0) & (contextual_seq_len > 0)
+
+        # Keys a row of the tile can see in the pages: [lo, hi), then this program's slice of them.
+        m0 = first_query + start
+        m1 = tl.minimum(m0 + BLOCK_M, n)
+        has_ctx_rows = m0 < contextual_seq_len
+        hi = tl.where(has_ctx_rows, hist_end, tl.minimum(m1, hist_end))
+        lo_pos = _position(m0, ctx_shift, m_pos) - max_attn_len
+        lo = tl.where((max_attn_len > 0) & (lo_pos > 0) & (~has_ctx_rows), lo_pos + ctx_shift, 0)
+        s_lo = tl.maximum(pid_s * keys_per_split, (lo // BLOCK_N) * BLOCK_N)
+        s_hi = tl.minimum((pid_s + 1) * keys_per_split, hi)
+
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        pt_row = page_table + b.to(tl.int64) * stride_pt
+        for start_n in range(s_lo, s_hi, BLOCK_N):
+            cols = start_n + offs_n
+            col_ok = cols < s_hi
+            # Keys before first_query are cached (pages); the others are this request's (k_new/v_new).
+            cached = cols < first_query
+            page = tl.load(pt_row + cols // PAGE, mask=col_ok & cached, other=0).to(tl.int64)
+            new_row = (q_start + cols - first_query).to(tl.int64)
+            k_col = tl.where(cached, KP + page * stride_kpp + (cols % PAGE) * stride_kpn + h * stride_kph,
+                             KN + new_row * stride_knm + h * stride_knh)  # fmt: skip
+            kt = tl.load(k_col[None, :] + offs_dqk[:, None], mask=col_ok[None, :] & (offs_dqk[:, None] < DQK),
+                         other=0.0)  # fmt: skip
+            if UPCAST_DOTS:
+                kt = kt.to(tl.float32)
+            s = _silu_scaled(tl.dot(q, kt), alpha, FAST_SILU)
+            col_pos = _position(cols, ctx_shift, m_pos)
+            dist = row_pos[:, None] - col_pos[None, :]
+            valid = (dist > 0) & ((dist <= max_attn_len) | (max_attn_len <= 0))
+            valid = valid | (rows[:, None] == cols[None, :])
+            valid = valid | (row_ctx[:, None] & (col_pos < m_pos)[None, :])
+            s = tl.where(valid & col_ok[None, :], s, 0.0)
+            v_col = tl.where(cached, VP + page * stride_vpp + (cols % PAGE) * stride_vpn + h * stride_vph,
+                             VN + new_row * stride_vnm + h * stride_vnh)  # fmt: skip
+            v = tl.load(v_col[:, None] + offs_dv[None, :], mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            if UPCAST_DOTS:
+                acc = tl.dot(s.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
+            else:
+                acc = tl.dot(s.to(v.dtype), v, acc)
+
+        if pid_s == 0:
+            # Target rows see themselves; their K/V are the new ones (targets are not in the pages).
+            is_self = row_ok & (rows >= hist_end)
+            k_self = tl.load(KN + q_rows[:, None] * stride_knm + h * stride_knh + offs_dqk[None, :],
+                             mask=is_self[:, None] & (offs_dqk[None, :] < DQK), other=0.0)  # fmt: skip
+            v_self = tl.load(VN + q_rows[:, None] * stride_vnm + h * stride_vnh + offs_dv[None, :],
+                             mask=is_self[:, None] & (offs_dv[None, :] < DV), other=0.0)  # fmt: skip
+            s_self = _silu_scaled(tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1), alpha, FAST_SILU)
+            acc += s_self[:, None] * v_self.to(tl.float32)
+
+        out_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
+        if SPLIT:
+            w_ptrs = Work + pid_s.to(tl.int64) * stride_ws + q_rows[:, None] * stride_om + h * stride_oh
+            tl.store(w_ptrs + offs_dv[None, :], acc, mask=out_mask)
+        else:
+            o_ptrs = Out + q_rows[:, None] * stride_om + h * stride_oh + offs_dv[None, :]
+            tl.store(o_ptrs, (acc * inv_scale).to(Out.dtype.element_ty), mask=out_mask)
+
+
+def split_count(num_users: int, num_heads: int, max_query_len: int, max_seq_len: int, block_m: int,
+                block_n: int) -> tuple[int, int]:
+    """(slices, keys per slice): enough programs to fill the GPU, slices of at least 256 keys."""
+    base = num_users * num_heads * triton.cdiv(max(max_query_len, 1), block_m)
+    most = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
+    splits = max(1, min(most, triton.cdiv(_TARGET_PROGRAMS, base)))
+    per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
+    return triton.cdiv(max(max_seq_len, 1), per_split), per_split
+
+
+def paged_hstu_mha_triton_fwd(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_targets: torch.Tensor,
+    scaling_seqlen: int,
+    alpha: float,
+    contextual_seq_len: int = 0,
+    max_attn_len: int = 0,
+    *,
+    max_seq_len: int,
+    max_query_len: int,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """Launches the paged delta kernel (eager). ``splits`` overrides the key-slice count (benchmarks)."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    lq, num_heads, dqk = q.shape
+    dv = v_new.shape[2]
+    page_size = k_pages.shape[1]
+    if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("paged attention needs the head dim contiguous in q and the pages")
+    capability = None if interpreting or q.device.type != "cuda" else torch.cuda.get_device_capability(q.device)
+    cfg = attention_config(capability, dqk, dv, q.dtype)
+    block_n = cfg.block_n
+    num_users = seq_lens.numel()
+    if splits is None:
+        splits, per_split = split_count(num_users, num_heads, max_query_len, max_seq_len, cfg.block_m, block_n)
+    else:
+        per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
+        splits = triton.cdiv(max(max_seq_len, 1), per_split)
+    out = torch.empty((lq, num_heads, dv), dtype=v_new.dtype, device=q.device)
+    work = torch.empty((splits, lq, num_heads, dv), dtype=torch.float32, device=q.device) if splits > 1 else out
+    fast_silu = capability is not None and q.dtype != torch.float32
+    grid = (triton.cdiv(max(max_query_len, 1), cfg.block_m), num_users * num_heads, splits)
+    _paged_attn_fwd[grid](
+        q, k_new, v_new, k_pages, v_pages, out, work, q_offsets, seq_lens, num_targets, page_table,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), v_pages.stride(0), v_pages.stride(1),
+        v_pages.stride(2), page_table.stride(0), num_heads * dv, dv, lq * num_heads * dv,
+        float(alpha), 1.0 / float(scaling_seqlen), contextual_seq_len, max_attn_len, per_split, num_heads,
+        DQK=dqk, DV=dv, BLOCK_DQK=max(next_power_of_2(dqk), 16), BLOCK_DV=max(next_power_of_2(dv), 16),
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, PAGE=page_size, SPLIT=splits > 1, FAST_SILU=fast_silu,
+        UPCAST_DOTS=interpreting and q.dtype != torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        out.copy_(work.sum(0) * (1.0 / float(scaling_seqlen)))
+    return out

@@ -1,0 +1,122 @@
+"""HSTU attention of new tokens against a paged K/V cache (the delta path of KV-cached serving).
+
+Layout (one layer): ``k_pages [P, page_size, H, Dqk]``, ``v_pages [P, page_size, H, Dv]``; user ``b``'s
+token ``j`` lives in page ``page_table[b, j // page_size]`` at row ``j % page_size``.
+
+Per user ``b``: ``seq_lens[b]`` tokens in all, ``num_targets[b]`` of them targets (candidates, last), the
+last ``q_offsets[b+1] - q_offsets[b]`` of them new (the rows of ``q``, ``k_new``, ``v_new``); the tokens
+before those are cached and read from the pages. Nothing is written: the caller stores the new
+non-target tokens' K/V afterwards (:func:`write_pages`). Targets are never cached (no later token
+attends to them).
+The result equals those rows of :func:`hstu_export.ops.reference.hstu_mha_reference` over the whole
+sequence (same mask, same scale), which is what makes cached serving exact.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from hstu_export.ops.reference import _hstu_attend, hstu_attention_mask
+
+__all__ = ["paged_hstu_mha", "paged_hstu_mha_reference", "write_pages"]
+
+
+def _padded_rows(values: Tensor, offsets: Tensor, max_len: int) -> tuple[Tensor, Tensor]:
+    """Jagged rows [L, ...] -> ([B, max_len, ...] zero-padded, index [B, max_len] into values or -1)."""
+    steps = torch.arange(max_len, device=values.device)
+    lengths = offsets[1:] - offsets[:-1]
+    index = offsets[:-1].unsqueeze(1) + steps
+    index = torch.where(steps < lengths.unsqueeze(1), index, -1)
+    padded = torch.cat([values, values.new_zeros((1, *values.shape[1:]))])[index]
+    return padded, index
+
+
+def paged_hstu_mha_reference(
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    q_offsets: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    page_table: Tensor,
+    seq_lens: Tensor,
+    num_targets: Tensor,
+    scaling_seqlen: int,
+    alpha: float,
+    contextual_seq_len: int = 0,
+    max_attn_len: int = 0,
+) -> Tensor:
+    """PyTorch version of :func:`paged_hstu_mha` (padded, on any device): q [Lq, H, Dqk] -> [Lq, H, Dv]."""
+    page_size = k_pages.size(1)
+    seq_lens = seq_lens.to(torch.int64)
+    num_targets = num_targets.to(torch.int64)
+    q_lens = (q_offsets[1:] - q_offsets[:-1]).to(torch.int64)
+    n_max = int(seq_lens.max()) if seq_lens.numel() else 0
+    q_max = int(q_lens.max()) if q_lens.numel() else 0
+    cols = torch.arange(n_max, device=q.device)
+    # Keys: cached tokens from the pages, the new ones from k_new/v_new.
+    pages = page_table.to(torch.int64).gather(1, (cols // page_size).expand(len(seq_lens), -1).clamp(
+        max=page_table.size(1) - 1))
+    slots = pages * page_size + cols % page_size
+    from_pages = cols.unsqueeze(0) < (seq_lens - q_lens).unsqueeze(1)
+    new_row = q_offsets[:-1].to(torch.int64).unsqueeze(1) + cols - (seq_lens - q_lens).unsqueeze(1)
+    new_row = new_row.clamp(min=0, max=max(q.size(0) - 1, 0))
+
+    def keys(pages_of_layer: Tensor, new: Tensor) -> Tensor:
+        cached = pages_of_layer.flatten(0, 1)[slots.clamp(max=pages_of_layer.size(0) * page_size - 1)]
+        return torch.where(from_pages[:, :, None, None], cached, new[new_row])
+
+    padded_q, index = _padded_rows(q, q_offsets.to(torch.int64), q_max)
+    rows = (seq_lens - q_lens).unsqueeze(1) + torch.arange(q_max, device=q.device)
+    rows = torch.where(index >= 0, rows, -1)
+    mask = hstu_attention_mask(rows, n_max, seq_lens, num_targets, True, contextual_seq_len, max_attn_len)
+    out = _hstu_attend(padded_q, keys(k_pages, k_new), keys(v_pages, v_new), mask, scaling_seqlen, alpha)
+    flat = out.to(v_new.dtype).flatten(0, 1)
+    return flat[(index >= 0).flatten()]
+
+
+def paged_hstu_mha(
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    q_offsets: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    page_table: Tensor,
+    seq_lens: Tensor,
+    num_targets: Tensor,
+    scaling_seqlen: int,
+    alpha: float,
+    contextual_seq_len: int = 0,
+    max_attn_len: int = 0,
+    *,
+    max_seq_len: int,
+    max_query_len: int,
+) -> Tensor:
+    """Delta attention against the paged cache: the Triton kernel on CUDA (or under TRITON_INTERPRET=1),
+    the PyTorch reference elsewhere. ``max_seq_len`` / ``max_query_len`` bound ``seq_lens`` and the new
+    rows per user (they size the launch grid without reading the device)."""
+    if q.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd
+
+        return paged_hstu_mha_triton_fwd(
+            q, k_new, v_new, q_offsets, k_pages, v_pages, page_table, seq_lens, num_targets, scaling_seqlen,
+            alpha, contextual_seq_len, max_attn_len, max_seq_len=max_seq_len, max_query_len=max_query_len,
+        )  # fmt: skip
+    return paged_hstu_mha_reference(
+        q, k_new, v_new, q_offsets, k_pages, v_pages, page_table, seq_lens, num_targets, scaling_seqlen, alpha,
+        contextual_seq_len, max_attn_len,
+    )  # fmt: skip
+
+
+def write_pages(pages: Tensor, page_table: Tensor, rows: Tensor, positions: Tensor, users: Tensor) -> None:
+    """pages[page_table[users, positions // page_size], positions % page_size] = rows (in place).
+
+    rows [T, H, D]; positions and users [T] (int64): token position within its user, and the user's row
+    in page_table. One scatter; the caller has allocated the pages."""
+    page_size = pages.size(1)
+    slots = page_table.to(torch.int64)[users, positions // page_size] * page_size + positions % page_size
+    pages.view(-1, *pages.shape[2:]).index_copy_(0, slots, rows.to(pages.dtype))

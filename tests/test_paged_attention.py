@@ -1,0 +1,120 @@
+"""Delta attention against a paged K/V cache (hstu_export/ops/paged.py): the PyTorch version and the
+Triton kernel (CPU interpreter) equal the rows of full HSTU attention over the whole sequence, for
+every kind of delta (one token, only candidates, new history plus candidates), with contextual tokens,
+a local window, shuffled pages and the keys split across programs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hstu_export.ops.paged import paged_hstu_mha_reference, write_pages
+from hstu_export.ops.reference import hstu_mha_reference
+
+
+def _case(q_lens: list[int], seq_lens: list[int], targets: list[int], *, heads: int = 2, dqk: int = 16,
+          dv: int = 16, page_size: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0):  # type: ignore[no-untyped-def]
+    """Random full q/k/v per user; the last q_lens tokens of each user are the new rows, the ones before
+    them are written to shuffled pages (everything else in the pages is NaN)."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(seq_lens)
+    q = torch.randn(total, heads, dqk, generator=gen).to(dtype)
+    k = torch.randn(total, heads, dqk, generator=gen).to(dtype)
+    v = torch.randn(total, heads, dv, generator=gen).to(dtype)
+    offsets = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()])
+    pages_per_user = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(pages_per_user) + 3  # spare pages never referenced
+    order = torch.randperm(num_pages, generator=gen)
+    table = torch.zeros(len(seq_lens), max(pages_per_user), dtype=torch.int32)
+    used = 0
+    for b, count in enumerate(pages_per_user):
+        table[b, :count] = order[used:used + count].to(torch.int32)
+        used += count
+    k_pages = torch.full((num_pages, page_size, heads, dqk), float("nan"), dtype=dtype)
+    v_pages = torch.full((num_pages, page_size, heads, dv), float("nan"), dtype=dtype)
+    new_rows, users, positions = [], [], []
+    for b, (n, m) in enumerate(zip(seq_lens, q_lens)):
+        hist = torch.arange(n - m)
+        users.append(torch.full_like(hist, b))
+        positions.append(hist)
+        new_rows.append(offsets[b] + torch.arange(n - m, n))
+    users_t, positions_t = torch.cat(users), torch.cat(positions)
+    token = offsets[users_t] + positions_t
+    write_pages(k_pages, table, k[token], positions_t, users_t)
+    write_pages(v_pages, table, v[token], positions_t, users_t)
+    rows = torch.cat(new_rows)
+    q_offsets = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    return dict(q=q, k=k, v=v, offsets=offsets, rows=rows, q_offsets=q_offsets, k_pages=k_pages, v_pages=v_pages,
+                table=table, seq_lens=torch.tensor(seq_lens), targets=torch.tensor(targets))
+
+
+CASES = {
+    # name: (new rows per user, tokens per user, targets per user, contextual, window)
+    "candidates only": ([5, 3, 1], [40, 21, 9], [5, 3, 1], 0, 0),
+    "one token": ([1, 1], [33, 17], [1, 1], 0, 0),
+    "new history, no targets": ([7, 1], [50, 12], [0, 0], 0, 0),
+    "history and candidates": ([9, 20], [61, 45], [4, 6], 2, 0),
+    "contextual and window": ([6, 12, 3], [70, 38, 10], [2, 5, 3], 3, 8),
+    "everything new": ([19, 12], [19, 12], [4, 2], 2, 0),
+}
+
+
+def _expected(case: dict, contextual: int, window: int, scaling: int, alpha: float) -> torch.Tensor:
+    full = hstu_mha_reference(case["q"], case["k"], case["v"], case["offsets"], int(case["seq_lens"].max()), scaling,
+                              alpha, True, case["targets"], contextual, window)
+    return full[case["rows"]]
+
+
+def _call(fn, case: dict, contextual: int, window: int, scaling: int, alpha: float, **extra):  # type: ignore[no-untyped-def]
+    rows = case["rows"]
+    return fn(case["q"][rows], case["k"][rows], case["v"][rows], case["q_offsets"], case["k_pages"], case["v_pages"],
+              case["table"], case["seq_lens"], case["targets"], scaling, alpha, contextual, window, **extra)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_equals_full_attention_rows(name: str) -> None:
+    q_lens, seq_lens, targets, contextual, window = CASES[name]
+    case = _case(q_lens, seq_lens, targets, seed=len(name))
+    got = _call(paged_hstu_mha_reference, case, contextual, window, 128, 0.25)
+    want = _expected(case, contextual, window, 128, 0.25)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_kernel_equals_full_attention_rows(name: str, splits: int, monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd
+
+    q_lens, seq_lens, targets, contextual, window = CASES[name]
+    case = _case(q_lens, seq_lens, targets, seed=len(name))
+    got = _call(paged_hstu_mha_triton_fwd, case, contextual, window, 128, 0.25, max_seq_len=max(seq_lens),
+                max_query_len=max(q_lens), splits=splits)
+    want = _expected(case, contextual, window, 128, 0.25)
+    assert not got.isnan().any()  # nothing outside a user's pages was read
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_kernel_bf16(monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd
+
+    case = _case([9, 20], [61, 45], [4, 6], dtype=torch.bfloat16, seed=5)
+    got = _call(paged_hstu_mha_triton_fwd, case, 2, 0, 128, 0.25, max_seq_len=61, max_query_len=20, splits=2)
+    want = _expected({**case, **{x: case[x].double() for x in ("q", "k", "v")}}, 2, 0, 128, 0.25)
+    err = (got.double() - want).norm() / want.norm()
+    assert err < 1e-2, err
+
+
+def test_split_count_fills_the_gpu_and_keeps_slices_long() -> None:
+    from hstu_export.ops._triton.paged import split_count
+
+    # Batch 1, 4 heads, 384 new rows in blocks of 64: 24 programs -> slices to reach ~264 programs.
+    splits, per = split_count(1, 4, 384, 4352, 64, 64)
+    assert splits * 24 >= 200 and per >= 256 and per % 64 == 0 and splits * per >= 4352
+    # Batch 32 already fills the GPU: one slice.
+    assert split_count(32, 4, 384, 4352, 64, 64) == (1, 4352 + (-4352) % 64)
+    # Short sequences are never cut below 256 keys a slice.
+    assert split_count(1, 1, 1, 300, 64, 64)[1] >= 256
+
