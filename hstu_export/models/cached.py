@@ -1,0 +1,156 @@
+"""The zoo ranking model on new tokens only, against cached per-layer K/V (the delta path).
+
+A user's sequence is ``contextual ⊕ history ⊕ candidates``. Non-target tokens never attend to later
+tokens, except contextual ones, which see the whole history: so with no contextual tokens, or an
+unchanged history, the K/V of every layer for a prefix of the sequence is what a full run would
+compute, and a request need only run its new tokens (fresh history and candidates) through the layers,
+attending to the cached keys (:mod:`hstu_export.ops.paged`). Exact under three conditions, which the
+cache (:mod:`hstu_export.serving.kv_cache`) checks before it reuses an entry:
+
+1. the attention scale is fixed (``scaling_seqlen`` of the config, the default: ``max_seq_len``); a model
+   that scales by the batch's longest sequence would scale the delta rows by a different length;
+2. the cached tokens are a prefix of the request's, contextual features included, and with contextual
+   tokens the history has not grown (they would see the new history);
+3. every cached history token falls in the same timestamp bucket at the request's ``query_time`` as
+   when it was computed (the bucket is log(query_time - t)).
+
+Calling :meth:`DeltaRanker.run` with nothing cached (``cached == 0``) is the prefill: the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HstuRankingModel
+from hstu_export.models.stu import LAYER_NORM_EPS, layer_norm_fp32
+from hstu_export.ops.jagged import lengths_to_offsets
+from hstu_export.ops.paged import paged_hstu_mha
+
+__all__ = ["DeltaOutputs", "DeltaRanker", "time_buckets"]
+
+
+def time_buckets(query_time: Tensor, timestamps: Tensor, base: float, num_buckets: int) -> Tensor:
+    """The positional encoder's timestamp bucket of history tokens: log(query_time - t) / base."""
+    delta = (query_time - timestamps).clamp(min=1).to(torch.float32)
+    return (torch.log(delta) / base).to(torch.int64).clamp(min=0, max=num_buckets - 1)
+
+
+@dataclass
+class DeltaOutputs:
+    """What one delta run gives: the model's outputs, and the K/V of the new non-target tokens for the
+    cache (``[layers, T, H, D]``, token t is position ``positions[t]`` of batch row ``users[t]``)."""
+
+    outputs: dict[str, Tensor]
+    new_k: Tensor
+    new_v: Tensor
+    users: Tensor
+    positions: Tensor
+
+
+class DeltaRanker:
+    """Runs :class:`~hstu_export.models.ranking.HstuRankingModel` on the new tokens of each user."""
+
+    def __init__(self, model: HstuRankingModel) -> None:
+        self.model = model
+        self.config = model.config
+        self.transducer = model.transducer
+        self.dtype = self.transducer.post_norm_weight.dtype
+
+    @torch.no_grad()
+    def run(
+        self,
+        features: dict[str, Tensor],
+        cached: Tensor,
+        k_pages: Tensor,
+        v_pages: Tensor,
+        page_table: Tensor,
+    ) -> DeltaOutputs:
+        """``features``: a request as the model takes it; ``cached`` [B]: tokens of each user in the cache
+        (0, or contextual + a prefix of the history); ``k_pages``/``v_pages`` [layers, P, page, H, D] and
+        ``page_table`` [B, pages] as in :mod:`hstu_export.ops.paged`."""
+        cfg, tr = self.config, self.transducer
+        device = page_table.device
+        c = cfg.contextual_seq_len
+        emb = self.model.sparse_arch(features)
+        hist_len = features[HISTORY_LENGTHS].to(torch.int64)
+        cand_len = features[CANDIDATE_LENGTHS].to(torch.int64)
+        cached = cached.to(device=device, dtype=torch.int64)
+        batch = hist_len.numel()
+
+        # The new tokens of each user, in sequence order: contextual (nothing cached), history past the
+        # cached prefix, candidates. Each is a row index into one table of all token values.
+        pre = tr.preprocessor
+        hist_tokens = pre.history_proj(torch.cat([emb["uih_item_emb"], emb["uih_action_emb"]], -1).to(self.dtype))
+        cand_tokens = pre.candidate_proj(emb["candidate_item_emb"].to(self.dtype))
+        parts = [hist_tokens, cand_tokens]
+        if c > 0:
+            ctx = torch.stack([proj(emb[f"{name}_emb"].to(self.dtype))
+                               for proj, name in zip(pre.contextual_proj, cfg.contextual_features)], dim=1)
+            parts.append(ctx.flatten(0, 1))
+        table = torch.cat(parts)
+        hist_off, cand_off = lengths_to_offsets(hist_len), lengths_to_offsets(cand_len)
+        ctx_new = torch.where(cached == 0, c, 0)
+        hist_start = torch.clamp(cached - c, min=0)
+        new_len = ctx_new + hist_len - hist_start + cand_len
+        q_offsets = lengths_to_offsets(new_len)
+        total_new = int(q_offsets[-1])
+        user = torch.repeat_interleave(torch.arange(batch, device=device), new_len, output_size=total_new)
+        r = torch.arange(total_new, device=device) - q_offsets[:-1][user]  # index among the user's new tokens
+        seq_len = c + hist_len + cand_len
+        index = cached[user] + r  # index in the user's whole sequence
+        is_ctx = index < c
+        is_cand = index >= c + hist_len[user]
+        hist_pos = (index - c).clamp(min=0)  # used where the token is history
+        cand_pos = (index - c - hist_len[user]).clamp(min=0)
+        n_hist, n_cand = hist_tokens.size(0), cand_tokens.size(0)
+        row = torch.where(is_ctx, n_hist + n_cand + user * c + index.clamp(max=max(c - 1, 0)),
+                          torch.where(is_cand, n_hist + cand_off[:-1][user] + cand_pos, hist_off[:-1][user] + hist_pos))
+        tokens = table[row]
+
+        # Positional encoding of the new tokens, by their index in the whole sequence.
+        enc = tr.positional_encoder
+        pos = torch.clamp(index - (c - 1), min=0) if c > 0 else index
+        first_target = seq_len - cand_len - max(c - 1, 0)
+        pos = torch.minimum(pos, first_target[user]).clamp(max=enc.max_seq_len - 1)
+        is_hist = ~is_ctx & ~is_cand
+        hist_row = torch.where(is_hist, hist_off[:-1][user] + hist_pos, 0)
+        timestamps = features["uih_timestamps"].to(device)[hist_row]
+        buckets = time_buckets(features["query_time"].to(device)[user], timestamps, enc.time_bucket_base,
+                               enc.num_time_buckets)
+        bucket = torch.where(is_hist, buckets, 0)
+        x = tokens * enc.scale + F.embedding(pos, enc.position_emb) + F.embedding(bucket, enc.time_emb)
+
+        # The STU layers on the new rows; new non-target tokens' K/V kept for the cache.
+        keep = ~is_cand
+        new_k, new_v = [], []
+        max_seq_len = int(seq_len.max()) if batch else 0
+        max_query_len = int(new_len.max()) if batch else 0
+        for number, layer in enumerate(tr.stu.layers):
+            h, dqk, dv = layer.num_heads, layer.attention_dim, layer.linear_dim
+            n = layer_norm_fp32(x, layer.input_norm_weight, layer.input_norm_bias)
+            uvqk = torch.addmm(layer.uvqk_bias, n, layer.uvqk_weight)
+            u, v, q, k = torch.split(uvqk, [dv * h, dv * h, dqk * h, dqk * h], dim=-1)
+            q, k, v = q.reshape(-1, h, dqk), k.reshape(-1, h, dqk), v.reshape(-1, h, dv)
+            a = paged_hstu_mha(
+                q.contiguous(), k.contiguous(), v.contiguous(), q_offsets, k_pages[number], v_pages[number],
+                page_table, seq_len, cand_len, cfg.attn_scaling_seqlen, cfg.attn_alpha, c, cfg.max_attn_len,
+                max_seq_len=max_seq_len, max_query_len=max_query_len,
+            ).reshape(-1, h * dv)  # fmt: skip
+            u = F.silu(u)
+            normed = F.layer_norm(a.float(), (h * dv,), layer.output_norm_weight.float(),
+                                  layer.output_norm_bias.float(), LAYER_NORM_EPS).type_as(a)
+            x = x + torch.cat([u, a, u * normed], dim=-1) @ layer.output_weight
+            new_k.append(k[keep])
+            new_v.append(v[keep])
+
+        candidates = x[is_cand]
+        if cfg.postprocessor == "l2norm":
+            candidates = F.normalize(candidates, p=2.0, dim=-1, eps=1e-6)
+        else:
+            candidates = layer_norm_fp32(candidates, tr.post_norm_weight, tr.post_norm_bias)
+        return DeltaOutputs(self.model.task_heads(candidates), torch.stack(new_k), torch.stack(new_v), user[keep],
+                            index[keep])

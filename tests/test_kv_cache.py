@@ -1,0 +1,213 @@
+"""KV-cached serving of the zoo model (hstu_export/serving/kv_cache.py): every answer equals the full
+model's, whatever the cache did — hit, miss, a history that grows, a changed history, a later query
+time, eviction, a cache too small, the same user twice in a batch, and requests for one user from
+several threads at once — and the counters say what it did."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hstu_export.errors import ConfigError, RequestError
+from hstu_export.models.config import HSTUConfig
+from hstu_export.models.ranking import HstuRankingModel
+from hstu_export.serving.kv_cache import CachedRanker
+
+# Same shapes as the tiny preset, with and without contextual tokens.
+CONTEXT = HSTUConfig()
+NO_CONTEXT = HSTUConfig(contextual_features=(), contextual_vocab_sizes=())
+EXACT = dict(rtol=1e-5, atol=1e-6)
+
+
+def _model(config: HSTUConfig) -> HstuRankingModel:
+    torch.manual_seed(0)
+    return HstuRankingModel(config).eval()
+
+
+class Users:
+    """Per-user histories that requests are built from (so histories can grow between requests)."""
+
+    def __init__(self, config: HSTUConfig, seed: int = 0) -> None:
+        self.config = config
+        self.gen = torch.Generator().manual_seed(seed)
+        self.history: dict[str, list[tuple[int, int, int]]] = {}
+        self.context: dict[str, list[int]] = {}
+
+    def grow(self, user: str, count: int, now: int = 10_000) -> None:
+        cfg = self.config
+        events = self.history.setdefault(user, [])
+        for _ in range(count):
+            t = now - int(torch.randint(1, 5000, (1,), generator=self.gen))
+            events.append((int(torch.randint(0, cfg.item_vocab_size, (1,), generator=self.gen)),
+                           int(torch.randint(0, cfg.action_vocab_size, (1,), generator=self.gen)), t))
+        self.context.setdefault(user, [int(torch.randint(0, v, (1,), generator=self.gen))
+                                       for v in cfg.contextual_vocab_sizes])
+
+    def request(self, users: list[str], candidates: list[int], query_time: int = 10_000) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        events = [self.history[u] for u in users]
+        out = {
+            "uih_lengths": torch.tensor([len(e) for e in events]),
+            "candidate_lengths": torch.tensor(candidates),
+            "uih_item_ids": torch.tensor([x[0] for e in events for x in e]),
+            "uih_action_ids": torch.tensor([x[1] for e in events for x in e]),
+            "uih_timestamps": torch.tensor([x[2] for e in events for x in e]),
+            "candidate_item_ids": torch.randint(0, cfg.item_vocab_size, (sum(candidates),), generator=self.gen),
+            "query_time": torch.full((len(users),), query_time),
+        }
+        for i, name in enumerate(cfg.contextual_features):
+            out[name] = torch.tensor([self.context[u][i] for u in users])
+        return out
+
+
+def _check(ranker: CachedRanker, request: dict[str, torch.Tensor], users: list[str]) -> None:
+    got = ranker(request, users)
+    want = ranker.model(request)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **EXACT)
+
+
+@pytest.mark.parametrize("config", [NO_CONTEXT, CONTEXT], ids=["no-context", "context"])
+def test_every_kind_of_delta_equals_the_full_model(config: HSTUConfig) -> None:
+    model = _model(config)
+    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=8)
+    users = Users(config)
+    for user, length in (("a", 20), ("b", 7), ("c", 1)):
+        users.grow(user, length)
+    _check(ranker, users.request(["a", "b", "c"], [3, 1, 16]), ["a", "b", "c"])  # prefill
+    assert ranker.cache.stats()["misses"] == 3
+    _check(ranker, users.request(["a", "b", "c"], [5, 2, 1]), ["a", "b", "c"])  # only candidates are new
+    assert ranker.cache.stats()["hits"] == 3
+    _check(ranker, users.request(["c", "a"], [1, 1]), ["c", "a"])  # other order, one candidate each
+    users.grow("a", 1)  # a delta of one history token (and one candidate)
+    users.grow("b", 9)  # several pages more
+    _check(ranker, users.request(["a", "b"], [1, 4]), ["a", "b"])
+    stats = ranker.cache.stats()
+    if config.contextual_seq_len:
+        assert stats["stale"] == 2  # contextual tokens see the whole history: recomputed
+    else:
+        assert stats["hits"] == 7 and stats["stale"] == 0
+    # A history whose cached part changed is recomputed, not reused.
+    users.history["b"][0] = (1, 1, users.history["b"][0][2])
+    before = ranker.cache.stats()["stale"]
+    _check(ranker, users.request(["b"], [2]), ["b"])
+    assert ranker.cache.stats()["stale"] == before + 1
+
+
+def test_cached_path_is_bit_exact_in_fp32_on_cpu() -> None:
+    model = _model(NO_CONTEXT)
+    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=8)
+    users = Users(NO_CONTEXT, seed=3)
+    users.grow("u", 30)
+    ranker(users.request(["u"], [4]), ["u"])
+    request = users.request(["u"], [6])
+    got, want = ranker(request, ["u"]), model(request)
+    assert ranker.cache.stats()["hits"] == 1
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_later_query_time_is_exact_by_default_and_bounded_when_allowed() -> None:
+    model = _model(NO_CONTEXT)
+    exact = CachedRanker(model, budget_bytes=1 << 22, page_size=8)
+    drifting = CachedRanker(model, budget_bytes=1 << 22, page_size=8, max_time_drift=3600)
+    users = Users(NO_CONTEXT, seed=4)
+    users.grow("u", 12, now=10_000)
+    for ranker in (exact, drifting):
+        ranker(users.request(["u"], [3], query_time=10_000), ["u"])
+    later = users.request(["u"], [3], query_time=13_000)  # many buckets move (log scale)
+    _check(exact, later, ["u"])
+    assert exact.cache.stats()["stale"] == 1 and exact.cache.stats()["hits"] == 0
+    got, want = drifting(later, ["u"]), model(later)
+    assert drifting.cache.stats()["hits"] == 1
+    assert any(not torch.allclose(got[k], want[k], **EXACT) for k in want)  # reused: old buckets
+    much_later = users.request(["u"], [3], query_time=20_000)  # beyond the allowed drift: recomputed
+    _check(drifting, much_later, ["u"])
+    assert drifting.cache.stats()["stale"] == 1
+
+
+def test_eviction_keeps_answers_right_and_counts() -> None:
+    model = _model(NO_CONTEXT)
+    cfg = NO_CONTEXT
+    page_bytes = cfg.num_layers * 8 * cfg.num_heads * (cfg.attention_dim + cfg.linear_dim) * 4
+    ranker = CachedRanker(model, budget_bytes=4 * page_bytes, page_size=8)  # 32 tokens in all
+    users = Users(cfg, seed=5)
+    for user in ("a", "b", "c"):
+        users.grow(user, 12)  # two pages each: room for two users
+    for user in ("a", "b", "c", "a"):
+        _check(ranker, users.request([user], [2]), [user])
+    stats = ranker.cache.stats()
+    assert stats["evictions"] == 2 and stats["misses"] == 4 and stats["users"] == 2
+    assert "a" in ranker.cache and "c" in ranker.cache and "b" not in ranker.cache  # least recently used left
+
+
+def test_a_cache_too_small_or_full_of_users_in_use_serves_without_storing() -> None:
+    model = _model(NO_CONTEXT)
+    cfg = NO_CONTEXT
+    page_bytes = cfg.num_layers * 8 * cfg.num_heads * (cfg.attention_dim + cfg.linear_dim) * 4
+    ranker = CachedRanker(model, budget_bytes=2 * page_bytes, page_size=8)
+    users = Users(cfg, seed=6)
+    users.grow("big", 40)  # five pages: never fits
+    users.grow("small", 10)
+    _check(ranker, users.request(["big", "small"], [2, 3]), ["big", "small"])
+    stats = ranker.cache.stats()
+    assert stats["bypassed"] == 1 and stats["users"] == 1 and "small" in ranker.cache
+    # Every page belongs to a user of the same batch (pinned): the newcomer is served, not stored.
+    users.grow("other", 10)
+    _check(ranker, users.request(["small", "other"], [1, 1]), ["small", "other"])
+    assert ranker.cache.stats()["bypassed"] == 2 and "small" in ranker.cache and "other" not in ranker.cache
+
+
+def test_the_same_user_twice_in_a_batch() -> None:
+    model = _model(CONTEXT)
+    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=8)
+    users = Users(CONTEXT, seed=7)
+    users.grow("u", 9)
+    users.grow("v", 4)
+    _check(ranker, users.request(["u", "v", "u"], [2, 2, 5]), ["u", "v", "u"])
+    assert ranker.cache.stats()["bypassed"] == 2 and "u" not in ranker.cache and "v" in ranker.cache
+
+
+def test_requests_for_one_user_from_many_threads() -> None:
+    model = _model(NO_CONTEXT)
+    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=8)
+    users = Users(NO_CONTEXT, seed=8)
+    for user in ("u", "w"):
+        users.grow(user, 15)
+    requests = [users.request(["u", "w"] if i % 2 else ["u"], [1 + i % 3, 2] if i % 2 else [3]) for i in range(12)]
+    names = [["u", "w"] if i % 2 else ["u"] for i in range(12)]
+    wanted = [model(r) for r in requests]
+    errors: list[str] = []
+
+    def work(i: int) -> None:
+        try:
+            got = ranker(requests[i], names[i])
+            for k in wanted[i]:
+                if not torch.allclose(got[k], wanted[i][k], **EXACT):
+                    errors.append(f"request {i}: {k} differs")
+        except Exception as exc:  # reported below
+            errors.append(f"request {i}: {exc!r}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    stats = ranker.cache.stats()
+    assert stats["misses"] == 2 and stats["hits"] == 16  # 18 user lookups, each user computed once
+
+
+def test_bad_settings_and_requests_are_clear() -> None:
+    model = _model(NO_CONTEXT)
+    with pytest.raises(ConfigError, match="holds no page"):
+        CachedRanker(model, budget_bytes=100)
+    ranker = CachedRanker(model, budget_bytes=1 << 20)
+    users = Users(NO_CONTEXT)
+    users.grow("u", 3)
+    with pytest.raises(RequestError, match="2 user ids for a batch of 1"):
+        ranker(users.request(["u"], [1]), ["u", "v"])
+    with pytest.raises(RequestError, match="missing"):
+        ranker({"uih_lengths": torch.tensor([1])}, ["u"])
