@@ -72,8 +72,12 @@ def _check(ranker: CachedRanker, request: dict[str, torch.Tensor], users: list[s
 
 @pytest.mark.parametrize("config", [NO_CONTEXT, CONTEXT], ids=["no-context", "context"])
 def test_every_kind_of_delta_equals_the_full_model(config: HSTUConfig) -> None:
+    check_every_kind_of_delta(config)  # also run on the Triton kernel by tests/interpreted_cases.py
+
+
+def check_every_kind_of_delta(config: HSTUConfig) -> None:
     model = _model(config)
-    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=8)
+    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=16)
     users = Users(config)
     for user, length in (("a", 20), ("b", 7), ("c", 1)):
         users.grow(user, length)
@@ -83,7 +87,7 @@ def test_every_kind_of_delta_equals_the_full_model(config: HSTUConfig) -> None:
     assert ranker.cache.stats()["hits"] == 3
     _check(ranker, users.request(["c", "a"], [1, 1]), ["c", "a"])  # other order, one candidate each
     users.grow("a", 1)  # a delta of one history token (and one candidate)
-    users.grow("b", 9)  # several pages more
+    users.grow("b", 30)  # two pages more
     _check(ranker, users.request(["a", "b"], [1, 4]), ["a", "b"])
     stats = ranker.cache.stats()
     if config.contextual_seq_len:
@@ -99,7 +103,7 @@ def test_every_kind_of_delta_equals_the_full_model(config: HSTUConfig) -> None:
 
 def test_cached_path_is_bit_exact_in_fp32_on_cpu() -> None:
     model = _model(NO_CONTEXT)
-    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=8)
+    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=16)
     users = Users(NO_CONTEXT, seed=3)
     users.grow("u", 30)
     ranker(users.request(["u"], [4]), ["u"])
@@ -111,8 +115,8 @@ def test_cached_path_is_bit_exact_in_fp32_on_cpu() -> None:
 
 def test_a_later_query_time_is_exact_by_default_and_bounded_when_allowed() -> None:
     model = _model(NO_CONTEXT)
-    exact = CachedRanker(model, budget_bytes=1 << 22, page_size=8)
-    drifting = CachedRanker(model, budget_bytes=1 << 22, page_size=8, max_time_drift=3600)
+    exact = CachedRanker(model, budget_bytes=1 << 22, page_size=16)
+    drifting = CachedRanker(model, budget_bytes=1 << 22, page_size=16, max_time_drift=3600)
     users = Users(NO_CONTEXT, seed=4)
     users.grow("u", 12, now=10_000)
     for ranker in (exact, drifting):
@@ -131,11 +135,11 @@ def test_a_later_query_time_is_exact_by_default_and_bounded_when_allowed() -> No
 def test_eviction_keeps_answers_right_and_counts() -> None:
     model = _model(NO_CONTEXT)
     cfg = NO_CONTEXT
-    page_bytes = cfg.num_layers * 8 * cfg.num_heads * (cfg.attention_dim + cfg.linear_dim) * 4
-    ranker = CachedRanker(model, budget_bytes=4 * page_bytes, page_size=8)  # 32 tokens in all
+    page_bytes = cfg.num_layers * 16 * cfg.num_heads * (cfg.attention_dim + cfg.linear_dim) * 4
+    ranker = CachedRanker(model, budget_bytes=4 * page_bytes, page_size=16)  # 64 tokens in all
     users = Users(cfg, seed=5)
     for user in ("a", "b", "c"):
-        users.grow(user, 12)  # two pages each: room for two users
+        users.grow(user, 24)  # two pages each: room for two users
     for user in ("a", "b", "c", "a"):
         _check(ranker, users.request([user], [2]), [user])
     stats = ranker.cache.stats()
@@ -146,11 +150,11 @@ def test_eviction_keeps_answers_right_and_counts() -> None:
 def test_a_cache_too_small_or_full_of_users_in_use_serves_without_storing() -> None:
     model = _model(NO_CONTEXT)
     cfg = NO_CONTEXT
-    page_bytes = cfg.num_layers * 8 * cfg.num_heads * (cfg.attention_dim + cfg.linear_dim) * 4
-    ranker = CachedRanker(model, budget_bytes=2 * page_bytes, page_size=8)
+    page_bytes = cfg.num_layers * 16 * cfg.num_heads * (cfg.attention_dim + cfg.linear_dim) * 4
+    ranker = CachedRanker(model, budget_bytes=2 * page_bytes, page_size=16)
     users = Users(cfg, seed=6)
-    users.grow("big", 40)  # five pages: never fits
-    users.grow("small", 10)
+    users.grow("big", 40)  # three pages: never fits
+    users.grow("small", 20)  # both pages
     _check(ranker, users.request(["big", "small"], [2, 3]), ["big", "small"])
     stats = ranker.cache.stats()
     assert stats["bypassed"] == 1 and stats["users"] == 1 and "small" in ranker.cache
@@ -162,7 +166,7 @@ def test_a_cache_too_small_or_full_of_users_in_use_serves_without_storing() -> N
 
 def test_the_same_user_twice_in_a_batch() -> None:
     model = _model(CONTEXT)
-    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=8)
+    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=16)
     users = Users(CONTEXT, seed=7)
     users.grow("u", 9)
     users.grow("v", 4)
@@ -172,7 +176,7 @@ def test_the_same_user_twice_in_a_batch() -> None:
 
 def test_requests_for_one_user_from_many_threads() -> None:
     model = _model(NO_CONTEXT)
-    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=8)
+    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=16)
     users = Users(NO_CONTEXT, seed=8)
     for user in ("u", "w"):
         users.grow(user, 15)
@@ -204,6 +208,8 @@ def test_bad_settings_and_requests_are_clear() -> None:
     model = _model(NO_CONTEXT)
     with pytest.raises(ConfigError, match="holds no page"):
         CachedRanker(model, budget_bytes=100)
+    with pytest.raises(ConfigError, match="power of two >= 16"):
+        CachedRanker(model, budget_bytes=1 << 20, page_size=24)
     ranker = CachedRanker(model, budget_bytes=1 << 20)
     users = Users(NO_CONTEXT)
     users.grow("u", 3)

@@ -15,6 +15,7 @@ cache (:mod:`hstu_export.serving.kv_cache`) checks before it reuses an entry:
    when it was computed (the bucket is log(query_time - t)).
 
 Calling :meth:`DeltaRanker.run` with nothing cached (``cached == 0``) is the prefill: the same code.
+A delta request carries only the history after the cached prefix; the cache's owner slices it.
 """
 
 from __future__ import annotations
@@ -69,20 +70,32 @@ class DeltaRanker:
         v_pages: Tensor,
         page_table: Tensor,
     ) -> DeltaOutputs:
-        """``features``: a request as the model takes it; ``cached`` [B]: tokens of each user in the cache
-        (0, or contextual + a prefix of the history); ``k_pages``/``v_pages`` [layers, P, page, H, D] and
-        ``page_table`` [B, pages] as in :mod:`hstu_export.ops.paged`."""
+        """One delta request. ``cached`` [B] (host): tokens of each user in the cache, 0 or contextual + a
+        history prefix. ``features``: the request as the model takes it, except that each user's history
+        holds only the tokens after the cached prefix (``uih_lengths`` counts those). ``k_pages``/``v_pages``
+        [layers, P, page, H, D] and ``page_table`` [B, pages] as in :mod:`hstu_export.ops.paged`.
+
+        Sizes are computed on the host from the (host) lengths, so nothing waits for the device."""
         cfg, tr = self.config, self.transducer
         device = page_table.device
         c = cfg.contextual_seq_len
         emb = self.model.sparse_arch(features)
-        hist_len = features[HISTORY_LENGTHS].to(torch.int64)
-        cand_len = features[CANDIDATE_LENGTHS].to(torch.int64)
-        cached = cached.to(device=device, dtype=torch.int64)
-        batch = hist_len.numel()
+        cached = cached.cpu().to(torch.int64)
+        new_hist = features[HISTORY_LENGTHS].cpu().to(torch.int64)
+        cand_len = features[CANDIDATE_LENGTHS].cpu().to(torch.int64)
+        batch = new_hist.numel()
+        ctx_new = torch.where(cached == 0, c, 0)
+        new_len = ctx_new + new_hist + cand_len
+        seq_len = cached + new_len
+        kept_len = ctx_new + new_hist  # new non-target tokens, whose K/V go to the cache
+        total_new, total_kept = int(new_len.sum()), int(kept_len.sum())
+        max_seq_len, max_query_len = int(seq_len.max()), int(new_len.max())
+        on = {name: t.to(device) for name, t in (("cached", cached), ("ctx_new", ctx_new), ("new_len", new_len),
+                                                 ("seq_len", seq_len), ("cand_len", cand_len), ("new_hist", new_hist),
+                                                 ("kept_len", kept_len))}  # fmt: skip
 
-        # The new tokens of each user, in sequence order: contextual (nothing cached), history past the
-        # cached prefix, candidates. Each is a row index into one table of all token values.
+        # The new tokens of each user, in sequence order: contextual (nothing cached), the history past
+        # the cached prefix, candidates. Each is a row of one table of all token values.
         pre = tr.preprocessor
         hist_tokens = pre.history_proj(torch.cat([emb["uih_item_emb"], emb["uih_action_emb"]], -1).to(self.dtype))
         cand_tokens = pre.candidate_proj(emb["candidate_item_emb"].to(self.dtype))
@@ -92,43 +105,44 @@ class DeltaRanker:
                                for proj, name in zip(pre.contextual_proj, cfg.contextual_features)], dim=1)
             parts.append(ctx.flatten(0, 1))
         table = torch.cat(parts)
-        hist_off, cand_off = lengths_to_offsets(hist_len), lengths_to_offsets(cand_len)
-        ctx_new = torch.where(cached == 0, c, 0)
-        hist_start = torch.clamp(cached - c, min=0)
-        new_len = ctx_new + hist_len - hist_start + cand_len
-        q_offsets = lengths_to_offsets(new_len)
-        total_new = int(q_offsets[-1])
-        user = torch.repeat_interleave(torch.arange(batch, device=device), new_len, output_size=total_new)
+        users = torch.arange(batch, device=device)
+        user = torch.repeat_interleave(users, on["new_len"], output_size=total_new)
+        q_offsets = lengths_to_offsets(on["new_len"])
         r = torch.arange(total_new, device=device) - q_offsets[:-1][user]  # index among the user's new tokens
-        seq_len = c + hist_len + cand_len
-        index = cached[user] + r  # index in the user's whole sequence
-        is_ctx = index < c
-        is_cand = index >= c + hist_len[user]
-        hist_pos = (index - c).clamp(min=0)  # used where the token is history
-        cand_pos = (index - c - hist_len[user]).clamp(min=0)
+        index = on["cached"][user] + r  # index in the user's whole sequence
+        is_ctx = r < on["ctx_new"][user]
+        is_cand = r >= (on["ctx_new"] + on["new_hist"])[user]
+        hist_off, cand_off = lengths_to_offsets(on["new_hist"]), lengths_to_offsets(on["cand_len"])
+        hist_row = hist_off[:-1][user] + (r - on["ctx_new"][user]).clamp(min=0)  # where the token is history
+        cand_row = cand_off[:-1][user] + (r - on["ctx_new"][user] - on["new_hist"][user]).clamp(min=0)
         n_hist, n_cand = hist_tokens.size(0), cand_tokens.size(0)
-        row = torch.where(is_ctx, n_hist + n_cand + user * c + index.clamp(max=max(c - 1, 0)),
-                          torch.where(is_cand, n_hist + cand_off[:-1][user] + cand_pos, hist_off[:-1][user] + hist_pos))
+        row = torch.where(is_ctx, n_hist + n_cand + user * c + r.clamp(max=max(c - 1, 0)),
+                          torch.where(is_cand, n_hist + cand_row, hist_row.clamp(max=max(n_hist - 1, 0))))
         tokens = table[row]
 
         # Positional encoding of the new tokens, by their index in the whole sequence.
         enc = tr.positional_encoder
         pos = torch.clamp(index - (c - 1), min=0) if c > 0 else index
-        first_target = seq_len - cand_len - max(c - 1, 0)
+        first_target = on["seq_len"] - on["cand_len"] - max(c - 1, 0)
         pos = torch.minimum(pos, first_target[user]).clamp(max=enc.max_seq_len - 1)
         is_hist = ~is_ctx & ~is_cand
-        hist_row = torch.where(is_hist, hist_off[:-1][user] + hist_pos, 0)
-        timestamps = features["uih_timestamps"].to(device)[hist_row]
+        stamps = features["uih_timestamps"].to(device)
+        timestamps = stamps[hist_row.clamp(max=max(stamps.numel() - 1, 0))] if stamps.numel() else hist_row
         buckets = time_buckets(features["query_time"].to(device)[user], timestamps, enc.time_bucket_base,
                                enc.num_time_buckets)
         bucket = torch.where(is_hist, buckets, 0)
         x = tokens * enc.scale + F.embedding(pos, enc.position_emb) + F.embedding(bucket, enc.time_emb)
 
+        # Rows of the new non-target tokens and of the candidates, gathered without a device sync.
+        kept_user = torch.repeat_interleave(users, on["kept_len"], output_size=total_kept)
+        kept = q_offsets[:-1][kept_user] + torch.arange(total_kept, device=device) - lengths_to_offsets(
+            on["kept_len"])[:-1][kept_user]
+        cand_user = torch.repeat_interleave(users, on["cand_len"], output_size=int(cand_len.sum()))
+        cand_rows = (q_offsets[1:] - on["cand_len"])[cand_user] + torch.arange(cand_user.numel(), device=device) - \
+            cand_off[:-1][cand_user]
+
         # The STU layers on the new rows; new non-target tokens' K/V kept for the cache.
-        keep = ~is_cand
         new_k, new_v = [], []
-        max_seq_len = int(seq_len.max()) if batch else 0
-        max_query_len = int(new_len.max()) if batch else 0
         for number, layer in enumerate(tr.stu.layers):
             h, dqk, dv = layer.num_heads, layer.attention_dim, layer.linear_dim
             n = layer_norm_fp32(x, layer.input_norm_weight, layer.input_norm_bias)
@@ -137,20 +151,20 @@ class DeltaRanker:
             q, k, v = q.reshape(-1, h, dqk), k.reshape(-1, h, dqk), v.reshape(-1, h, dv)
             a = paged_hstu_mha(
                 q.contiguous(), k.contiguous(), v.contiguous(), q_offsets, k_pages[number], v_pages[number],
-                page_table, seq_len, cand_len, cfg.attn_scaling_seqlen, cfg.attn_alpha, c, cfg.max_attn_len,
-                max_seq_len=max_seq_len, max_query_len=max_query_len,
+                page_table, on["seq_len"], on["cand_len"], cfg.attn_scaling_seqlen, cfg.attn_alpha, c,
+                cfg.max_attn_len, max_seq_len=max_seq_len, max_query_len=max_query_len,
             ).reshape(-1, h * dv)  # fmt: skip
             u = F.silu(u)
             normed = F.layer_norm(a.float(), (h * dv,), layer.output_norm_weight.float(),
                                   layer.output_norm_bias.float(), LAYER_NORM_EPS).type_as(a)
             x = x + torch.cat([u, a, u * normed], dim=-1) @ layer.output_weight
-            new_k.append(k[keep])
-            new_v.append(v[keep])
+            new_k.append(k[kept])
+            new_v.append(v[kept])
 
-        candidates = x[is_cand]
+        candidates = x[cand_rows]
         if cfg.postprocessor == "l2norm":
             candidates = F.normalize(candidates, p=2.0, dim=-1, eps=1e-6)
         else:
             candidates = layer_norm_fp32(candidates, tr.post_norm_weight, tr.post_norm_bias)
-        return DeltaOutputs(self.model.task_heads(candidates), torch.stack(new_k), torch.stack(new_v), user[keep],
-                            index[keep])
+        return DeltaOutputs(self.model.task_heads(candidates), torch.stack(new_k), torch.stack(new_v), kept_user,
+                            index[kept])

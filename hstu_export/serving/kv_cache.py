@@ -25,7 +25,7 @@ from torch import Tensor
 
 from hstu_export.errors import ConfigError, RequestError
 from hstu_export.models.cached import DeltaRanker, time_buckets
-from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HstuRankingModel
+from hstu_export.models.ranking import HISTORY_LENGTHS, HstuRankingModel
 from hstu_export.ops.paged import write_pages
 
 __all__ = ["CacheFull", "CachedRanker", "PagedKVCache"]
@@ -67,8 +67,9 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         page_size: int = 64,
     ) -> None:
-        if page_size < 1:
-            raise ConfigError(f"KV cache page size must be >= 1, got {page_size}")
+        if page_size < 16 or page_size & (page_size - 1):
+            raise ConfigError(f"KV cache page size must be a power of two >= 16 (a key block of the attention kernel "
+                              f"never straddles a page), got {page_size}")
         item = torch.empty(0, dtype=dtype).element_size()
         self.page_size = page_size
         self.page_bytes = num_layers * page_size * num_heads * (attention_dim + linear_dim) * item
@@ -185,13 +186,6 @@ class CachedRanker:
                                   page_size=page_size)  # fmt: skip
         self.schema = model.input_schema()
 
-    def _tokens(self, features: dict[str, Tensor], hist_off: Tensor, b: int) -> Tensor:
-        """What defines user b's cached tokens: contextual ids, then (item, action, time) per history token."""
-        start, end = int(hist_off[b]), int(hist_off[b + 1])
-        ctx = [features[name][b:b + 1] for name in self.model.config.contextual_features]
-        hist = [features[name][start:end] for name in ("uih_item_ids", "uih_action_ids", "uih_timestamps")]
-        return torch.cat([*ctx, torch.stack(hist, 1).flatten()]).to(torch.int64)
-
     def __call__(self, features: dict[str, Tensor], user_ids: Sequence[Hashable]) -> dict[str, Tensor]:
         cfg = self.model.config
         c = cfg.contextual_seq_len
@@ -199,22 +193,31 @@ class CachedRanker:
         host = {name: value.cpu() for name, value in features.items()}
         hist_len = host[HISTORY_LENGTHS].to(torch.int64)
         batch = hist_len.numel()
-        if len(user_ids) != batch or host[CANDIDATE_LENGTHS].numel() != batch:
-            raise RequestError(f"{len(user_ids)} user ids for a batch of {batch} users")
-        enc = self.model.transducer.positional_encoder
-        hist_off = torch.cat([torch.zeros(1, dtype=torch.int64), hist_len.cumsum(0)])
-        query_time = host["query_time"].to(torch.int64)
         ids = list(user_ids)
-        repeated = {u for u in ids if ids.count(u) > 1}
+        if len(ids) != batch:
+            raise RequestError(f"{len(ids)} user ids for a batch of {batch} users")
+        enc = self.model.transducer.positional_encoder
+        hist_off = [0, *hist_len.cumsum(0).tolist()]
+        query_time = host["query_time"].to(torch.int64)
+        # What defines each user's tokens: contextual ids, then (item, action, time) per history token;
+        # and the history tokens' time buckets at this query time. One pass over the batch, on the host.
+        events = torch.stack([host["uih_item_ids"], host["uih_action_ids"], host["uih_timestamps"]], 1).to(torch.int64)
+        per_token_time = torch.repeat_interleave(query_time, hist_len)
+        all_buckets = time_buckets(per_token_time, host["uih_timestamps"], enc.time_bucket_base, enc.num_time_buckets)
+        context = torch.stack([host[name] for name in cfg.contextual_features], 1).to(torch.int64) if c else None
+        counts: dict[Hashable, int] = {}
+        for user in ids:
+            counts[user] = counts.get(user, 0) + 1
         with self.cache.using(ids):
             cached = torch.zeros(batch, dtype=torch.int64)
             tables: list[list[int]] = []
             plans: list[tuple[Tensor, Tensor, int] | None] = []  # what to record per stored user
             for b, user in enumerate(ids):
-                tokens = self._tokens(host, hist_off, b)
-                hist_ts = host["uih_timestamps"][int(hist_off[b]):int(hist_off[b + 1])]
-                buckets = time_buckets(query_time[b], hist_ts, enc.time_bucket_base, enc.num_time_buckets)
-                if user in repeated:
+                tokens = events[hist_off[b]:hist_off[b + 1]].flatten()
+                if context is not None:
+                    tokens = torch.cat([context[b], tokens])
+                buckets = all_buckets[hist_off[b]:hist_off[b + 1]]
+                if counts[user] > 1:  # the same user twice in one batch: served, not stored
                     tables.append([])
                     plans.append(None)
                     continue
@@ -229,8 +232,7 @@ class CachedRanker:
                 cached[b] = reuse
                 if reuse:  # cached tokens keep the buckets (and time) they were computed with
                     assert entry is not None
-                    kept = entry.length - c
-                    plans.append((tokens, torch.cat([entry.buckets, buckets[kept:]]), entry.query_time))
+                    plans.append((tokens, torch.cat([entry.buckets, buckets[entry.length - c:]]), entry.query_time))
                 else:
                     plans.append((tokens, buckets, int(query_time[b])))
             bypassed = sum(plan is None for plan in plans)
@@ -238,14 +240,23 @@ class CachedRanker:
                 self.cache.count("bypassed", bypassed)
             width = max(1, *(len(t) for t in tables))
             table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device)
-            result = self.delta.run({k: v.to(self.device) for k, v in features.items()}, cached, self.cache.k,
-                                    self.cache.v, table)
+            # The delta request: each user's history after its cached prefix.
+            skip = torch.clamp(cached - c, min=0)
+            position = torch.arange(int(hist_len.sum())) - torch.repeat_interleave(torch.tensor(hist_off[:-1]), hist_len)
+            fresh = position >= torch.repeat_interleave(skip, hist_len)
+            delta = {name: value.to(self.device) for name, value in features.items()}
+            for name in ("uih_item_ids", "uih_action_ids", "uih_timestamps"):
+                delta[name] = host[name][fresh].to(self.device)
+            delta[HISTORY_LENGTHS] = (hist_len - skip).to(self.device)
+            result = self.delta.run(delta, cached, self.cache.k, self.cache.v, table)
             # Store the new history tokens' K/V of the stored users, then record what their pages hold.
-            stored = torch.tensor([plan is not None for plan in plans], device=self.device)[result.users]
-            for layer in range(result.new_k.size(0)):
-                for pages, new in ((self.cache.k, result.new_k), (self.cache.v, result.new_v)):
-                    write_pages(pages[layer], table, new[layer][stored], result.positions[stored],
-                                result.users[stored])
+            users, positions, new_k, new_v = result.users, result.positions, result.new_k, result.new_v
+            if bypassed:
+                stored = torch.tensor([plan is not None for plan in plans], device=self.device)[users].nonzero()[:, 0]
+                users, positions, new_k, new_v = users[stored], positions[stored], new_k[:, stored], new_v[:, stored]
+            for layer in range(new_k.size(0)):
+                write_pages(self.cache.k[layer], table, new_k[layer], positions, users)
+                write_pages(self.cache.v[layer], table, new_v[layer], positions, users)
             for b, (user, plan) in enumerate(zip(ids, plans)):
                 if plan is not None:
                     self.cache.commit(user, c + int(hist_len[b]), *plan)

@@ -6,8 +6,8 @@ of one (user, head) and one slice of the keys: HSTU attention has no softmax, so
 sums add up (no running max or rescaling as in flash-decoding). With one slice the program writes the
 result; with several, fp32 partials go to a workspace summed in a fixed order (deterministic).
 
-Cached keys are read straight from the cache pages through the page table (no gather copy), the
-request's own keys from ``k_new``/``v_new``: the kernel writes nothing but its output, so the caller
+Cached keys are read straight from the cache pages through the page table (no gather copy; a key
+block never straddles a page), the request's own keys from ``k_new``/``v_new``: the kernel writes nothing but its output, so the caller
 stores the new history K/V after the call (the program stays a pure function, as an export needs).
 Target rows add their self term, in slice 0 only.
 """
@@ -28,6 +28,23 @@ __all__ = ["paged_hstu_mha_triton_fwd", "split_count"]
 # Programs wanted in flight: about two waves of an H100's 132 SMs.
 _TARGET_PROGRAMS = 264
 _MIN_KEYS_PER_SPLIT = 256
+
+
+@triton.jit
+def _valid(rows, cols, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len):
+    """The HSTU mask (DESIGN.md) of a tile: rows [BLOCK_M] against key columns [BLOCK_N]."""
+    col_pos = _position(cols, ctx_shift, m_pos)
+    dist = row_pos[:, None] - col_pos[None, :]
+    valid = (dist > 0) & ((dist <= max_attn_len) | (max_attn_len <= 0))
+    valid = valid | (rows[:, None] == cols[None, :])
+    return valid | (row_ctx[:, None] & (col_pos < m_pos)[None, :])
+
+
+@triton.jit
+def _dot_acc(acc, s, v, UPCAST_DOTS: tl.constexpr):
+    if UPCAST_DOTS:  # the interpreter's 16-bit products are wrong: same rounding of s, fp32 product
+        return tl.dot(s.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
+    return tl.dot(s.to(v.dtype), v, acc)
 
 
 @triton.jit
@@ -83,34 +100,49 @@ def _paged_attn_fwd(
         s_hi = tl.minimum((pid_s + 1) * keys_per_split, hi)
 
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        # Cached keys (before first_query), from the pages: a block of BLOCK_N keys lies in one page (the
+        # slice starts on a block boundary and BLOCK_N divides the page size). Without a window or
+        # contextual rows in the tile every cached key is valid for every row: no mask arithmetic.
         pt_row = page_table + b.to(tl.int64) * stride_pt
-        for start_n in range(s_lo, s_hi, BLOCK_N):
+        p_hi = tl.minimum(s_hi, first_query)
+        full_rows = (max_attn_len <= 0) & (~has_ctx_rows)
+        kp_offs = offs_n[None, :] * stride_kpn + offs_dqk[:, None]
+        vp_offs = offs_n[:, None] * stride_vpn + offs_dv[None, :]
+        for start_n in range(s_lo, p_hi, BLOCK_N):
+            page = tl.load(pt_row + start_n // PAGE).to(tl.int64)
+            in_page = tl.cast(start_n % PAGE, tl.int64)
             cols = start_n + offs_n
-            col_ok = cols < s_hi
-            # Keys before first_query are cached (pages); the others are this request's (k_new/v_new).
-            cached = cols < first_query
-            page = tl.load(pt_row + cols // PAGE, mask=col_ok & cached, other=0).to(tl.int64)
-            new_row = (q_start + cols - first_query).to(tl.int64)
-            k_col = tl.where(cached, KP + page * stride_kpp + (cols % PAGE) * stride_kpn + h * stride_kph,
-                             KN + new_row * stride_knm + h * stride_knh)  # fmt: skip
-            kt = tl.load(k_col[None, :] + offs_dqk[:, None], mask=col_ok[None, :] & (offs_dqk[:, None] < DQK),
-                         other=0.0)  # fmt: skip
+            col_ok = cols < p_hi
+            kt = tl.load(KP + page * stride_kpp + in_page * stride_kpn + h * stride_kph + kp_offs,
+                         mask=col_ok[None, :] & (offs_dqk[:, None] < DQK), other=0.0)  # fmt: skip
             if UPCAST_DOTS:
                 kt = kt.to(tl.float32)
             s = _silu_scaled(tl.dot(q, kt), alpha, FAST_SILU)
-            col_pos = _position(cols, ctx_shift, m_pos)
-            dist = row_pos[:, None] - col_pos[None, :]
-            valid = (dist > 0) & ((dist <= max_attn_len) | (max_attn_len <= 0))
-            valid = valid | (rows[:, None] == cols[None, :])
-            valid = valid | (row_ctx[:, None] & (col_pos < m_pos)[None, :])
-            s = tl.where(valid & col_ok[None, :], s, 0.0)
-            v_col = tl.where(cached, VP + page * stride_vpp + (cols % PAGE) * stride_vpn + h * stride_vph,
-                             VN + new_row * stride_vnm + h * stride_vnh)  # fmt: skip
-            v = tl.load(v_col[:, None] + offs_dv[None, :], mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            if UPCAST_DOTS:
-                acc = tl.dot(s.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
+            if full_rows:
+                s = tl.where(col_ok[None, :], s, 0.0)
             else:
-                acc = tl.dot(s.to(v.dtype), v, acc)
+                s = tl.where(_valid(rows, cols, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len) & col_ok[None, :],
+                             s, 0.0)  # fmt: skip
+            v = tl.load(VP + page * stride_vpp + in_page * stride_vpn + h * stride_vph + vp_offs,
+                        mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # fmt: skip
+            acc = _dot_acc(acc, s, v, UPCAST_DOTS)
+        # The request's own non-target keys (first_query onwards), from k_new/v_new rows.
+        kn_offs = offs_n[None, :] * stride_knm + offs_dqk[:, None]
+        vn_offs = offs_n[:, None] * stride_vnm + offs_dv[None, :]
+        for start_n in range(tl.maximum(s_lo, first_query), s_hi, BLOCK_N):
+            row0 = (q_start + start_n - first_query).to(tl.int64)
+            cols = start_n + offs_n
+            col_ok = cols < s_hi
+            kt = tl.load(KN + row0 * stride_knm + h * stride_knh + kn_offs,
+                         mask=col_ok[None, :] & (offs_dqk[:, None] < DQK), other=0.0)  # fmt: skip
+            if UPCAST_DOTS:
+                kt = kt.to(tl.float32)
+            s = _silu_scaled(tl.dot(q, kt), alpha, FAST_SILU)
+            s = tl.where(_valid(rows, cols, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len) & col_ok[None, :],
+                         s, 0.0)  # fmt: skip
+            v = tl.load(VN + row0 * stride_vnm + h * stride_vnh + vn_offs,
+                        mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # fmt: skip
+            acc = _dot_acc(acc, s, v, UPCAST_DOTS)
 
         if pid_s == 0:
             # Target rows see themselves; their K/V are the new ones (targets are not in the pages).
@@ -169,7 +201,10 @@ def paged_hstu_mha_triton_fwd(
         raise ValueError("paged attention needs the head dim contiguous in q and the pages")
     capability = None if interpreting or q.device.type != "cuda" else torch.cuda.get_device_capability(q.device)
     cfg = attention_config(capability, dqk, dv, q.dtype)
-    block_n = cfg.block_n
+    block_n = min(cfg.block_n, page_size)
+    if page_size % block_n or block_n < 16:
+        raise ValueError(f"the page size ({page_size}) must be a multiple of 16 and of the key block ({cfg.block_n}); "
+                         "use a power of two >= 16")
     num_users = seq_lens.numel()
     if splits is None:
         splits, per_split = split_count(num_users, num_heads, max_query_len, max_seq_len, cfg.block_m, block_n)

@@ -1,0 +1,241 @@
+"""KV-cached serving on the GPU: the cached (delta) path against full recomputation, same run.
+
+    PYTHONPATH=$PWD python benchmarks/kv_cache.py --out $OUT [--batches 1 8 32] [--no-export]
+
+Two workloads on the dlrmv3 shapes (bf16, D=512, 4 heads of 128, 5 layers):
+  long  history 4096, 3968 of it cached, 256 candidates: 384 new tokens per user;
+  dlrm  history 1024, all cached, 2048 candidates (the dlrmv3 workload): 2048 new tokens per user.
+Per workload and batch size:
+  1. one layer's attention kernel: full attention over the whole sequence (the no-cache path), the
+     older cached kernel (delta queries against gathered full K/V), and the paged split-K kernel;
+  2. the whole model per request: the no-cache AOTInductor package (exported here, unless --no-export)
+     and the eager model with Triton kernels, against the eager cached path (DeltaRanker.run on a
+     filled cache, and CachedRanker end to end with its cache bookkeeping).
+Writes kv_cache.json (after every step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e import set_kernel  # noqa: E402
+
+import hstu_export  # noqa: E402
+from hstu_export.models.cached import DeltaRanker, time_buckets  # noqa: E402
+from hstu_export.models.config import preset_config  # noqa: E402
+from hstu_export.models.ranking import HstuRankingModel  # noqa: E402
+from hstu_export.ops import Kernel  # noqa: E402
+from hstu_export.ops._triton import cached_hstu_mha_triton_fwd, hstu_mha_triton_fwd  # noqa: E402
+from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd  # noqa: E402
+from hstu_export.serving.kv_cache import CachedRanker  # noqa: E402
+
+WORKLOADS = {"long": dict(history=4096, cached=3968, candidates=256), "dlrm": dict(history=1024, cached=1024,
+                                                                                   candidates=2048)}
+PAGE = 64
+
+
+def bench(fn, iters: int = 30, warmup: int = 5) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Median and p99 of whole calls (CUDA events; wall clock on CPU, for the --small check)."""
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        if not cuda:
+            t = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    samples.sort()
+    return {"p50_ms": statistics.median(samples), "p99_ms": samples[min(len(samples) - 1, int(0.99 * len(samples)))]}
+
+
+def kernels(work: dict, batch: int, device: torch.device) -> dict:
+    """One layer's attention, three ways, on random bf16 q/k/v."""
+    h, d, dtype = 4, (16 if device.type == "cpu" else 128), torch.bfloat16
+    hist, cached, cand = work["history"], work["cached"], work["candidates"]
+    n = hist + cand
+    new = n - cached
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(batch * n, h, d, device=device, dtype=dtype, generator=gen) for _ in range(3))
+    offsets = torch.arange(batch + 1, device=device) * n
+    targets = torch.full((batch,), cand, device=device)
+    scale, alpha = n, 1 / d**0.5
+    rows = (offsets[:-1].unsqueeze(1) + torch.arange(cached, n, device=device)).flatten()
+    out: dict = {}
+    out["full"] = bench(lambda: hstu_mha_triton_fwd(q, k, v, offsets, n, scale, alpha, True, targets, 0, 0))
+    dq = q[rows].contiguous()
+    out["cached_gathered"] = bench(lambda: cached_hstu_mha_triton_fwd(dq, k, v, offsets, new, n, scale, alpha, targets,
+                                                                      0, 0))
+    # Pages: each user's first `cached` tokens, in shuffled pages.
+    per_user = -(-cached // PAGE)
+    order = torch.randperm(batch * per_user, device=device, generator=gen).to(torch.int32)
+    table = order.reshape(batch, per_user)
+    k_pages = torch.zeros(batch * per_user, PAGE, h, d, device=device, dtype=dtype)
+    v_pages = torch.zeros_like(k_pages)
+    tok = torch.arange(cached, device=device)
+    for b in range(batch):
+        src = b * n + tok
+        slots = table[b].to(torch.int64)[tok // PAGE] * PAGE + tok % PAGE
+        k_pages.view(-1, h, d)[slots] = k[src]
+        v_pages.view(-1, h, d)[slots] = v[src]
+    kn, vn = k[rows].contiguous(), v[rows].contiguous()
+    q_offsets = torch.arange(batch + 1, device=device) * new
+    seq_lens = torch.full((batch,), n, device=device)
+
+    def paged():  # type: ignore[no-untyped-def]
+        return paged_hstu_mha_triton_fwd(dq, kn, vn, q_offsets, k_pages, v_pages, table, seq_lens, targets, scale,
+                                         alpha, 0, 0, max_seq_len=n, max_query_len=new)
+
+    out["paged_split"] = bench(paged)
+    reference = hstu_mha_triton_fwd(q, k, v, offsets, n, scale, alpha, True, targets, 0, 0)[rows].float()
+    got = paged().float()
+    out["paged_rel_err_vs_full"] = float((got - reference).norm() / reference.norm())
+    out["full_over_paged"] = out["full"]["p50_ms"] / out["paged_split"]["p50_ms"]
+    out["cached_gathered_over_paged"] = out["cached_gathered"]["p50_ms"] / out["paged_split"]["p50_ms"]
+    return out
+
+
+def request(model: HstuRankingModel, work: dict, batch: int, seed: int) -> dict[str, torch.Tensor]:
+    lengths = {"uih_lengths": [work["history"]] * batch, "candidate_lengths": [work["candidates"]] * batch}
+    return hstu_export.generate_batch(model.input_schema(), batch, seed=seed, lengths=lengths)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    parser.add_argument("--no-export", action="store_true")
+    parser.add_argument("--small", action="store_true",
+                        help="small shapes on CPU (Triton interpreter): checks that the script runs, times nothing")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cpu" if args.small else "cuda")
+    if args.small:
+        WORKLOADS.update(long=dict(history=150, cached=130, candidates=12), dlrm=dict(history=40, cached=40,
+                                                                                         candidates=70))
+    report: dict = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                    "page_size": PAGE, "workloads": {}}
+
+    def save() -> None:
+        (args.out / "kv_cache.json").write_text(json.dumps(report, indent=2))
+
+    for name in args.workloads:
+        work = WORKLOADS[name]
+        entry: dict = {"shape": work, "kernels": {}, "model": {}}
+        report["workloads"][name] = entry
+        for batch in args.batches:
+            try:
+                entry["kernels"][batch] = kernels(work, batch, device)
+            except Exception as exc:  # recorded; the rest still runs
+                entry["kernels"][batch] = {"error": f"{type(exc).__name__}: {exc}"[:1500],
+                                           "traceback": traceback.format_exc()[-2000:]}
+            save()
+        try:
+            cfg = dataclasses.replace(preset_config("dlrmv3"), max_history_len=work["history"],
+                                      max_num_candidates=work["candidates"])
+            if args.small:
+                cfg = dataclasses.replace(cfg, embedding_dim=32, attention_dim=16, linear_dim=16, num_layers=2,
+                                          item_vocab_size=1000, task_hidden_dims=(16,))
+            torch.manual_seed(0)
+            model = HstuRankingModel(cfg).eval()
+            package = None
+            if not args.no_export:
+                root = Path(tempfile.mkdtemp(prefix="kv-"))
+                bundle = hstu_export.save_bundle(model, root / "m.pt", request(model, work, 2, 1))
+                settings = hstu_export.ExportSettings(backend="aoti", device=device.type, dtype="bf16",
+                                                      op_target="triton" if device.type == "cuda" else "aten",
+                                                      max_batch_size=max(args.batches),
+                                                      verify=hstu_export.VerifySettings(num_random_batches=1))
+                t = time.perf_counter()
+                result = hstu_export.export(bundle, root / "m.aoti", settings)
+                entry["export_seconds"] = round(time.perf_counter() - t, 1)
+                package = hstu_export.load(result.path)
+            gpu = HstuRankingModel(cfg)
+            gpu.load_state_dict(model.state_dict())
+            gpu = gpu.to(device=device, dtype=torch.bfloat16).eval()
+            # Embedding tables stay fp32 as the exported sparse half keeps them; the dense half is bf16.
+            gpu.sparse_arch.float()
+            set_kernel(gpu, Kernel.TRITON)
+            delta = DeltaRanker(gpu)
+            for batch in args.batches:
+                row: dict = {}
+                entry["model"][batch] = row
+                features = {k: v.to(device) for k, v in request(model, work, batch, 100 + batch).items()}
+                with torch.no_grad():
+                    full = gpu(features)
+                    row["eager_full"] = bench(lambda: gpu(features), iters=20)
+                    if package is not None:
+                        row["package_full"] = bench(lambda: package(features), iters=20)
+                    per_token = cfg.num_layers * cfg.num_heads * (cfg.attention_dim + cfg.linear_dim) * 2
+                    ranker = CachedRanker(gpu, budget_bytes=batch * (work["history"] + PAGE) * per_token + (1 << 20),
+                                          page_size=PAGE)
+                    users = list(range(batch))
+                    prefix = {**features}
+                    if work["cached"] < work["history"]:  # fill the cache with the first `cached` tokens
+                        keep = torch.cat([torch.arange(b * work["history"], b * work["history"] + work["cached"],
+                                                       device=device) for b in range(batch)])
+                        for key in ("uih_item_ids", "uih_action_ids", "uih_timestamps"):
+                            prefix[key] = features[key][keep]
+                        prefix["uih_lengths"] = torch.full_like(features["uih_lengths"], work["cached"])
+                    ranker(prefix, users)
+                    got = ranker(features, users)  # a hit
+                    row["cache_stats"] = ranker.cache.stats()
+                    row["cache_bytes"] = ranker.cache.bytes
+                    row["rel_err_cached_vs_full"] = max(float((got[k].float() - full[k].float()).norm()
+                                                              / full[k].float().norm()) for k in full)
+                    # The delta alone, on the filled cache (what an exported delta program would run).
+                    table = torch.tensor([ranker.cache.entry(u).pages for u in users], dtype=torch.int32,
+                                         device=device)
+                    cached = torch.full((batch,), work["cached"], dtype=torch.int64)
+                    row["delta_run"] = bench(lambda: delta.run(features, cached, ranker.cache.k, ranker.cache.v,
+                                                               table), iters=20)
+                    host = {k: v.cpu() for k, v in features.items()}
+                    enc = gpu.transducer.positional_encoder
+
+                    def reset_and_run():  # type: ignore[no-untyped-def]
+                        # Put each user back to `cached` tokens (bookkeeping only), then serve the request.
+                        for b in users:
+                            e = ranker.cache.entry(b)
+                            ts = host["uih_timestamps"][b * work["history"]:b * work["history"] + work["cached"]]
+                            ranker.cache.commit(b, work["cached"], e.tokens[: 3 * work["cached"]],
+                                                time_buckets(host["query_time"][b], ts, enc.time_bucket_base,
+                                                             enc.num_time_buckets), e.query_time)
+                        return ranker(features, users)
+
+                    row["cached_ranker"] = bench(reset_and_run, iters=20)
+                    for base in ("eager_full", "package_full"):
+                        if base in row:
+                            row[f"{base}_over_delta_run"] = row[base]["p50_ms"] / row["delta_run"]["p50_ms"]
+                            row[f"{base}_over_cached_ranker"] = row[base]["p50_ms"] / row["cached_ranker"]["p50_ms"]
+                    row["users_per_s_cached_ranker"] = batch / (row["cached_ranker"]["p50_ms"] / 1e3)
+                save()
+                torch.cuda.empty_cache()
+        except Exception as exc:
+            entry["model_error"] = f"{type(exc).__name__}: {exc}"[:1500]
+            entry["traceback"] = traceback.format_exc()[-3000:]
+        save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Cases that need Triton's CPU interpreter: run by tests/test_paged_attention.py in a subprocess with
+TRITON_INTERPRET=1 (not collected by the main run: the file name does not start with test_)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_kv_cache import CONTEXT, NO_CONTEXT, check_every_kind_of_delta
+from test_paged_attention import CASES, _call, _case, _expected
+
+from hstu_export.models.config import HSTUConfig
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (tests/test_paged_attention.py does)"
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_kernel_equals_full_attention_rows(name: str, splits: int) -> None:
+    from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd
+
+    q_lens, seq_lens, targets, contextual, window = CASES[name]
+    case = _case(q_lens, seq_lens, targets, seed=len(name))
+    got = _call(paged_hstu_mha_triton_fwd, case, contextual, window, 128, 0.25, max_seq_len=max(seq_lens),
+                max_query_len=max(q_lens), splits=splits)
+    want = _expected(case, contextual, window, 128, 0.25)
+    assert not got.isnan().any()  # nothing outside a user's pages was read
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_kernel_bf16() -> None:
+    from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd
+
+    case = _case([9, 20], [61, 45], [4, 6], dtype=torch.bfloat16, seed=5)
+    got = _call(paged_hstu_mha_triton_fwd, case, 2, 0, 128, 0.25, max_seq_len=61, max_query_len=20, splits=2)
+    want = _expected({**case, **{x: case[x].double() for x in ("q", "k", "v")}}, 2, 0, 128, 0.25)
+    err = (got.double() - want).norm() / want.norm()
+    assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("config", [NO_CONTEXT, CONTEXT], ids=["no-context", "context"])
+def test_cached_ranker_on_the_triton_kernel(config: HSTUConfig) -> None:
+    check_every_kind_of_delta(config)
