@@ -29,16 +29,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import set_kernel  # noqa: E402
+from e2e import set_kernel
 
-import hstu_export  # noqa: E402
-from hstu_export.models.cached import DeltaRanker, time_buckets  # noqa: E402
-from hstu_export.models.config import preset_config  # noqa: E402
-from hstu_export.models.ranking import HstuRankingModel  # noqa: E402
-from hstu_export.ops import Kernel  # noqa: E402
-from hstu_export.ops._triton import cached_hstu_mha_triton_fwd, hstu_mha_triton_fwd  # noqa: E402
-from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd  # noqa: E402
-from hstu_export.serving.kv_cache import CachedRanker  # noqa: E402
+import hstu_export
+from hstu_export.models.cached import DeltaRanker, time_buckets
+from hstu_export.models.config import preset_config
+from hstu_export.models.ranking import HstuRankingModel
+from hstu_export.ops import Kernel
+from hstu_export.ops._triton import cached_hstu_mha_triton_fwd, hstu_mha_triton_fwd
+from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd
+from hstu_export.serving.kv_cache import CachedRanker
 
 WORKLOADS = {"long": dict(history=4096, cached=3968, candidates=256), "dlrm": dict(history=1024, cached=1024,
                                                                                    candidates=2048)}
@@ -120,6 +120,73 @@ def request(model: HstuRankingModel, work: dict, batch: int, seed: int) -> dict[
     return hstu_export.generate_batch(model.input_schema(), batch, seed=seed, lengths=lengths)
 
 
+def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dict, batch: int,  # type: ignore[no-untyped-def]
+              device: torch.device) -> dict:
+    """The whole model per request: no-cache baselines against the cached path, on one batch."""
+    cfg = gpu.config
+    delta = DeltaRanker(gpu)
+    row: dict = {}
+    features = {k: v.to(device) for k, v in request(model, work, batch, 100 + batch).items()}
+    with torch.no_grad():
+        full = gpu(features)
+        row["eager_full"] = bench(lambda: gpu(features), iters=20)
+        if package is not None:
+            row["package_full"] = bench(lambda: package(features), iters=20)
+        per_token = cfg.num_layers * cfg.num_heads * (cfg.attention_dim + cfg.linear_dim) * 2
+        ranker = CachedRanker(gpu, budget_bytes=batch * (work["history"] + PAGE) * per_token + (1 << 20),
+                              page_size=PAGE)
+        users = list(range(batch))
+        prefix = {**features}
+        if work["cached"] < work["history"]:  # fill the cache with the first `cached` tokens
+            keep = torch.cat([torch.arange(b * work["history"], b * work["history"] + work["cached"],
+                                           device=device) for b in range(batch)])
+            for key in ("uih_item_ids", "uih_action_ids", "uih_timestamps"):
+                prefix[key] = features[key][keep]
+            prefix["uih_lengths"] = torch.full_like(features["uih_lengths"], work["cached"])
+        ranker(prefix, users)
+        got = ranker(features, users)  # a hit
+        row["cache_stats"] = ranker.cache.stats()
+        row["cache_bytes"] = ranker.cache.bytes
+        row["rel_err_cached_vs_full"] = max(float((got[k].float() - full[k].float()).norm()
+                                                  / full[k].float().norm()) for k in full)
+        # The delta alone, on the filled cache (what an exported delta program would run).
+        table = torch.tensor([ranker.cache.entry(u).pages for u in users], dtype=torch.int32,
+                             device=device)
+        cached = torch.full((batch,), work["cached"], dtype=torch.int64)
+        # The delta request: each user's history after the cached prefix.
+        fresh = torch.cat([torch.arange(b * work["history"] + work["cached"], (b + 1) * work["history"],
+                                        device=device) for b in range(batch)])
+        delta_features = {**features, "uih_lengths": torch.full_like(features["uih_lengths"],
+                                                                     work["history"] - work["cached"])}
+        for key in ("uih_item_ids", "uih_action_ids", "uih_timestamps"):
+            delta_features[key] = features[key][fresh]
+        row["delta_run"] = bench(lambda: delta.run(delta_features, cached, ranker.cache.k, ranker.cache.v,
+                                                   table), iters=20)
+        ran = delta.run(delta_features, cached, ranker.cache.k, ranker.cache.v, table).outputs
+        row["rel_err_delta_run_vs_full"] = max(float((ran[k].float() - full[k].float()).norm()
+                                                     / full[k].float().norm()) for k in full)
+        host = {k: v.cpu() for k, v in features.items()}
+        enc = gpu.transducer.positional_encoder
+
+        def reset_and_run():  # type: ignore[no-untyped-def]
+            # Put each user back to `cached` tokens (bookkeeping only), then serve the request.
+            for b in users:
+                e = ranker.cache.entry(b)
+                ts = host["uih_timestamps"][b * work["history"]:b * work["history"] + work["cached"]]
+                ranker.cache.commit(b, work["cached"], e.tokens[: 3 * work["cached"]],
+                                    time_buckets(host["query_time"][b], ts, enc.time_bucket_base,
+                                                 enc.num_time_buckets), e.query_time)
+            return ranker(features, users)
+
+        row["cached_ranker"] = bench(reset_and_run, iters=20)
+        for base in ("eager_full", "package_full"):
+            if base in row:
+                row[f"{base}_over_delta_run"] = row[base]["p50_ms"] / row["delta_run"]["p50_ms"]
+                row[f"{base}_over_cached_ranker"] = row[base]["p50_ms"] / row["cached_ranker"]["p50_ms"]
+        row["users_per_s_cached_ranker"] = batch / (row["cached_ranker"]["p50_ms"] / 1e3)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -177,58 +244,8 @@ def main() -> None:
             # Embedding tables stay fp32 as the exported sparse half keeps them; the dense half is bf16.
             gpu.sparse_arch.float()
             set_kernel(gpu, Kernel.TRITON)
-            delta = DeltaRanker(gpu)
             for batch in args.batches:
-                row: dict = {}
-                entry["model"][batch] = row
-                features = {k: v.to(device) for k, v in request(model, work, batch, 100 + batch).items()}
-                with torch.no_grad():
-                    full = gpu(features)
-                    row["eager_full"] = bench(lambda: gpu(features), iters=20)
-                    if package is not None:
-                        row["package_full"] = bench(lambda: package(features), iters=20)
-                    per_token = cfg.num_layers * cfg.num_heads * (cfg.attention_dim + cfg.linear_dim) * 2
-                    ranker = CachedRanker(gpu, budget_bytes=batch * (work["history"] + PAGE) * per_token + (1 << 20),
-                                          page_size=PAGE)
-                    users = list(range(batch))
-                    prefix = {**features}
-                    if work["cached"] < work["history"]:  # fill the cache with the first `cached` tokens
-                        keep = torch.cat([torch.arange(b * work["history"], b * work["history"] + work["cached"],
-                                                       device=device) for b in range(batch)])
-                        for key in ("uih_item_ids", "uih_action_ids", "uih_timestamps"):
-                            prefix[key] = features[key][keep]
-                        prefix["uih_lengths"] = torch.full_like(features["uih_lengths"], work["cached"])
-                    ranker(prefix, users)
-                    got = ranker(features, users)  # a hit
-                    row["cache_stats"] = ranker.cache.stats()
-                    row["cache_bytes"] = ranker.cache.bytes
-                    row["rel_err_cached_vs_full"] = max(float((got[k].float() - full[k].float()).norm()
-                                                              / full[k].float().norm()) for k in full)
-                    # The delta alone, on the filled cache (what an exported delta program would run).
-                    table = torch.tensor([ranker.cache.entry(u).pages for u in users], dtype=torch.int32,
-                                         device=device)
-                    cached = torch.full((batch,), work["cached"], dtype=torch.int64)
-                    row["delta_run"] = bench(lambda: delta.run(features, cached, ranker.cache.k, ranker.cache.v,
-                                                               table), iters=20)
-                    host = {k: v.cpu() for k, v in features.items()}
-                    enc = gpu.transducer.positional_encoder
-
-                    def reset_and_run():  # type: ignore[no-untyped-def]
-                        # Put each user back to `cached` tokens (bookkeeping only), then serve the request.
-                        for b in users:
-                            e = ranker.cache.entry(b)
-                            ts = host["uih_timestamps"][b * work["history"]:b * work["history"] + work["cached"]]
-                            ranker.cache.commit(b, work["cached"], e.tokens[: 3 * work["cached"]],
-                                                time_buckets(host["query_time"][b], ts, enc.time_bucket_base,
-                                                             enc.num_time_buckets), e.query_time)
-                        return ranker(features, users)
-
-                    row["cached_ranker"] = bench(reset_and_run, iters=20)
-                    for base in ("eager_full", "package_full"):
-                        if base in row:
-                            row[f"{base}_over_delta_run"] = row[base]["p50_ms"] / row["delta_run"]["p50_ms"]
-                            row[f"{base}_over_cached_ranker"] = row[base]["p50_ms"] / row["cached_ranker"]["p50_ms"]
-                    row["users_per_s_cached_ranker"] = batch / (row["cached_ranker"]["p50_ms"] / 1e3)
+                entry["model"][batch] = model_row(gpu, model, package, work, batch, device)
                 save()
                 torch.cuda.empty_cache()
         except Exception as exc:
