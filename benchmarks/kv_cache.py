@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import set_kernel
+from e2e import DenseStack, dense_inputs, set_kernel
 
 import hstu_export
 from hstu_export.models.cached import DeltaRanker, time_buckets
@@ -67,6 +67,24 @@ def bench(fn, iters: int = 30, warmup: int = 5) -> dict[str, float]:  # type: ig
         samples.append(start.elapsed_time(end))
     samples.sort()
     return {"p50_ms": statistics.median(samples), "p99_ms": samples[min(len(samples) - 1, int(0.99 * len(samples)))]}
+
+
+def bench_graph(fn, iters: int = 50) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """``fn`` captured once in a CUDA graph, replays timed: GPU time with no host launch overhead (what
+    CUDA graphs give the small-batch path). Errors (a sync inside fn) are recorded, not raised."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return bench(graph.replay, iters)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
 def kernels(work: dict, batch: int, device: torch.device) -> dict:
@@ -107,11 +125,26 @@ def kernels(work: dict, batch: int, device: torch.device) -> dict:
                                          alpha, 0, 0, max_seq_len=n, max_query_len=new)
 
     out["paged_split"] = bench(paged)
+    if device.type == "cuda":
+        full = lambda: hstu_mha_triton_fwd(q, k, v, offsets, n, scale, alpha, True, targets, 0, 0)  # noqa: E731
+        out["graph_full"] = bench_graph(full)
+        out["graph_cached_gathered"] = bench_graph(
+            lambda: cached_hstu_mha_triton_fwd(dq, k, v, offsets, new, n, scale, alpha, targets, 0, 0))
+        out["graph_paged_split"] = bench_graph(paged)
+        for one in (1, 2, 4):  # the key-split count forced
+            out[f"graph_paged_splits_{one}"] = bench_graph(
+                lambda one=one: paged_hstu_mha_triton_fwd(dq, kn, vn, q_offsets, k_pages, v_pages, table, seq_lens,
+                                                          targets, scale, alpha, 0, 0, max_seq_len=n,
+                                                          max_query_len=new, splits=one))
     reference = hstu_mha_triton_fwd(q, k, v, offsets, n, scale, alpha, True, targets, 0, 0)[rows].float()
     got = paged().float()
     out["paged_rel_err_vs_full"] = float((got - reference).norm() / reference.norm())
     out["full_over_paged"] = out["full"]["p50_ms"] / out["paged_split"]["p50_ms"]
     out["cached_gathered_over_paged"] = out["cached_gathered"]["p50_ms"] / out["paged_split"]["p50_ms"]
+    if "p50_ms" in out.get("graph_paged_split", {}):
+        for base in ("graph_full", "graph_cached_gathered"):
+            if "p50_ms" in out[base]:
+                out[f"{base}_over_graph_paged"] = out[base]["p50_ms"] / out["graph_paged_split"]["p50_ms"]
     return out
 
 
@@ -132,6 +165,9 @@ def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dic
         row["eager_full"] = bench(lambda: gpu(features), iters=20)
         if package is not None:
             row["package_full"] = bench(lambda: package(features), iters=20)
+            split = package.split
+            package_inputs = split.dense_inputs(features)
+            row["package_dense"] = bench(lambda: split.dense(**package_inputs), iters=20)
         per_token = cfg.num_layers * cfg.num_heads * (cfg.attention_dim + cfg.linear_dim) * 2
         ranker = CachedRanker(gpu, budget_bytes=batch * (work["history"] + PAGE) * per_token + (1 << 20),
                               page_size=PAGE)
@@ -162,6 +198,23 @@ def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dic
             delta_features[key] = features[key][fresh]
         row["delta_run"] = bench(lambda: delta.run(delta_features, cached, ranker.cache.k, ranker.cache.v,
                                                    table), iters=20)
+        if device.type == "cuda":
+            # CUDA graphs: the dense delta (embeddings and plan made once) and the full eager dense half.
+            emb = gpu.sparse_arch(delta_features)
+            plan = delta.plan(delta_features, cached, device)
+            row["graph_delta_dense"] = bench_graph(lambda: delta.dense(emb, delta_features, plan, ranker.cache.k,
+                                                                       ranker.cache.v, table))
+            stack = DenseStack(gpu)
+            inputs = dense_inputs(gpu, features, device, torch.bfloat16)
+            row["graph_full_dense"] = bench_graph(lambda: stack(**inputs))
+            row["eager_full_dense"] = bench(lambda: stack(**inputs), iters=20)
+            if "p50_ms" in row["graph_delta_dense"]:
+                for base in ("graph_full_dense", "eager_full_dense"):
+                    if "p50_ms" in row[base]:
+                        row[f"{base}_over_graph_delta_dense"] = row[base]["p50_ms"] / row["graph_delta_dense"]["p50_ms"]
+                if package is not None:
+                    row["package_dense_over_graph_delta_dense"] = row["package_dense"]["p50_ms"] / \
+                        row["graph_delta_dense"]["p50_ms"]
         ran = delta.run(delta_features, cached, ranker.cache.k, ranker.cache.v, table).outputs
         row["rel_err_delta_run_vs_full"] = max(float((ran[k].float() - full[k].float()).norm()
                                                      / full[k].float().norm()) for k in full)

@@ -31,13 +31,27 @@ from hstu_export.models.stu import LAYER_NORM_EPS, layer_norm_fp32
 from hstu_export.ops.jagged import lengths_to_offsets
 from hstu_export.ops.paged import paged_hstu_mha
 
-__all__ = ["DeltaOutputs", "DeltaRanker", "time_buckets"]
+__all__ = ["DeltaOutputs", "DeltaPlan", "DeltaRanker", "time_buckets"]
 
 
 def time_buckets(query_time: Tensor, timestamps: Tensor, base: float, num_buckets: int) -> Tensor:
     """The positional encoder's timestamp bucket of history tokens: log(query_time - t) / base."""
     delta = (query_time - timestamps).clamp(min=1).to(torch.float32)
     return (torch.log(delta) / base).to(torch.int64).clamp(min=0, max=num_buckets - 1)
+
+
+@dataclass
+class DeltaPlan:
+    """A delta request's sizes (host ints) and per-user counts (on the device): what :meth:`DeltaRanker.dense`
+    needs besides tensors; computed once per request shape."""
+
+    batch: int
+    total_new: int
+    total_kept: int
+    total_cand: int
+    max_seq_len: int
+    max_query_len: int
+    on: dict[str, Tensor]
 
 
 @dataclass
@@ -73,26 +87,39 @@ class DeltaRanker:
         """One delta request. ``cached`` [B] (host): tokens of each user in the cache, 0 or contextual + a
         history prefix. ``features``: the request as the model takes it, except that each user's history
         holds only the tokens after the cached prefix (``uih_lengths`` counts those). ``k_pages``/``v_pages``
-        [layers, P, page, H, D] and ``page_table`` [B, pages] as in :mod:`hstu_export.ops.paged`.
-
-        Sizes are computed on the host from the (host) lengths, so nothing waits for the device."""
-        cfg, tr = self.config, self.transducer
-        device = page_table.device
-        c = cfg.contextual_seq_len
+        [layers, P, page, H, D] and ``page_table`` [B, pages] as in :mod:`hstu_export.ops.paged`."""
         emb = self.model.sparse_arch(features)
+        plan = self.plan(features, cached, page_table.device)
+        return self.dense(emb, features, plan, k_pages, v_pages, page_table)
+
+    def plan(self, features: dict[str, Tensor], cached: Tensor, device: torch.device) -> DeltaPlan:
+        """Sizes and per-user counts of a delta request, from its (host) lengths."""
+        c = self.config.contextual_seq_len
         cached = cached.cpu().to(torch.int64)
         new_hist = features[HISTORY_LENGTHS].cpu().to(torch.int64)
         cand_len = features[CANDIDATE_LENGTHS].cpu().to(torch.int64)
-        batch = new_hist.numel()
         ctx_new = torch.where(cached == 0, c, 0)
         new_len = ctx_new + new_hist + cand_len
         seq_len = cached + new_len
         kept_len = ctx_new + new_hist  # new non-target tokens, whose K/V go to the cache
-        total_new, total_kept = int(new_len.sum()), int(kept_len.sum())
-        max_seq_len, max_query_len = int(seq_len.max()), int(new_len.max())
-        on = {name: t.to(device) for name, t in (("cached", cached), ("ctx_new", ctx_new), ("new_len", new_len),
-                                                 ("seq_len", seq_len), ("cand_len", cand_len), ("new_hist", new_hist),
-                                                 ("kept_len", kept_len))}  # fmt: skip
+        counts = {"cached": cached, "ctx_new": ctx_new, "new_len": new_len, "seq_len": seq_len, "cand_len": cand_len,
+                  "new_hist": new_hist, "kept_len": kept_len}
+        return DeltaPlan(
+            batch=new_hist.numel(), total_new=int(new_len.sum()), total_kept=int(kept_len.sum()),
+            total_cand=int(cand_len.sum()), max_seq_len=int(seq_len.max()), max_query_len=int(new_len.max()),
+            on={name: t.to(device) for name, t in counts.items()},
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def dense(self, emb: dict[str, Tensor], features: dict[str, Tensor], plan: DeltaPlan, k_pages: Tensor,
+              v_pages: Tensor, page_table: Tensor) -> DeltaOutputs:
+        """The dense half of :meth:`run` on the sparse half's embeddings. Device work only (no sync, no
+        host copy), so a CUDA graph can capture it for one plan's shapes."""
+        cfg, tr = self.config, self.transducer
+        device = page_table.device
+        c = cfg.contextual_seq_len
+        on, batch, total_new, total_kept = plan.on, plan.batch, plan.total_new, plan.total_kept
+        max_seq_len, max_query_len = plan.max_seq_len, plan.max_query_len
 
         # The new tokens of each user, in sequence order: contextual (nothing cached), the history past
         # the cached prefix, candidates. Each is a row of one table of all token values.
@@ -126,9 +153,9 @@ class DeltaRanker:
         first_target = on["seq_len"] - on["cand_len"] - max(c - 1, 0)
         pos = torch.minimum(pos, first_target[user]).clamp(max=enc.max_seq_len - 1)
         is_hist = ~is_ctx & ~is_cand
-        stamps = features["uih_timestamps"].to(device)
+        stamps = features["uih_timestamps"]
         timestamps = stamps[hist_row.clamp(max=max(stamps.numel() - 1, 0))] if stamps.numel() else hist_row
-        buckets = time_buckets(features["query_time"].to(device)[user], timestamps, enc.time_bucket_base,
+        buckets = time_buckets(features["query_time"][user], timestamps, enc.time_bucket_base,
                                enc.num_time_buckets)
         bucket = torch.where(is_hist, buckets, 0)
         x = tokens * enc.scale + F.embedding(pos, enc.position_emb) + F.embedding(bucket, enc.time_emb)
@@ -137,7 +164,7 @@ class DeltaRanker:
         kept_user = torch.repeat_interleave(users, on["kept_len"], output_size=total_kept)
         kept = q_offsets[:-1][kept_user] + torch.arange(total_kept, device=device) - lengths_to_offsets(
             on["kept_len"])[:-1][kept_user]
-        cand_user = torch.repeat_interleave(users, on["cand_len"], output_size=int(cand_len.sum()))
+        cand_user = torch.repeat_interleave(users, on["cand_len"], output_size=plan.total_cand)
         cand_rows = (q_offsets[1:] - on["cand_len"])[cand_user] + torch.arange(cand_user.numel(), device=device) - \
             cand_off[:-1][cand_user]
 
