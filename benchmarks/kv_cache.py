@@ -131,7 +131,16 @@ def kernels(work: dict, batch: int, device: torch.device) -> dict:
         out["graph_cached_gathered"] = bench_graph(
             lambda: cached_hstu_mha_triton_fwd(dq, k, v, offsets, new, n, scale, alpha, targets, 0, 0))
         out["graph_paged_split"] = bench_graph(paged)
-        for one in (1, 2, 4):  # the key-split count forced
+        for page in (128, 256):  # larger pages: fewer page-table reads per key
+            per = -(-cached // page)
+            big_table = torch.arange(batch * per, device=device, dtype=torch.int32).reshape(batch, per)
+            big_k = torch.zeros(batch * per, page, h, d, device=device, dtype=dtype)
+            big_v = torch.zeros_like(big_k)
+            out[f"graph_paged_page_{page}"] = bench_graph(
+                lambda big_k=big_k, big_v=big_v, big_table=big_table: paged_hstu_mha_triton_fwd(
+                    dq, kn, vn, q_offsets, big_k, big_v, big_table, seq_lens, targets, scale, alpha, 0, 0,
+                    max_seq_len=n, max_query_len=new))
+        for one in (1, 2, 4, 8):  # the key-split count forced
             out[f"graph_paged_splits_{one}"] = bench_graph(
                 lambda one=one: paged_hstu_mha_triton_fwd(dq, kn, vn, q_offsets, k_pages, v_pages, table, seq_lens,
                                                           targets, scale, alpha, 0, 0, max_seq_len=n,

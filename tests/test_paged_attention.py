@@ -106,8 +106,8 @@ def test_split_count_fills_the_gpu_and_keeps_slices_long() -> None:
     # Batch 1, 4 heads, 384 new rows in blocks of 64: 24 programs -> slices to reach ~264 programs.
     splits, per = split_count(1, 4, 384, 4352, 64, 64)
     assert splits * 24 >= 200 and per >= 256 and per % 64 == 0 and splits * per >= 4352
-    # Batch 32 already fills the GPU: one slice.
-    assert split_count(32, 4, 384, 4352, 64, 64) == (1, 4352 + (-4352) % 64)
+    # Query blocks that already fill half the GPU (batch 8 here; 2048 candidates at batch 1): one slice.
+    assert split_count(8, 4, 384, 4352, 64, 64) == (1, 4352)
+    assert split_count(1, 4, 2048, 3072, 64, 64)[0] == 1
     # Short sequences are never cut below 256 keys a slice.
     assert split_count(1, 1, 1, 300, 64, 64)[1] >= 256
-

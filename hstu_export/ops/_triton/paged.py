@@ -26,7 +26,8 @@ from .configs import attention_config, next_power_of_2
 __all__ = ["paged_hstu_mha_triton_fwd", "split_count"]
 
 # Programs wanted in flight: about two waves of an H100's 132 SMs.
-_TARGET_PROGRAMS = 264
+_SMS = 132
+_TARGET_PROGRAMS = 2 * _SMS
 _MIN_KEYS_PER_SPLIT = 256
 
 
@@ -165,8 +166,12 @@ def _paged_attn_fwd(
 
 def split_count(num_users: int, num_heads: int, max_query_len: int, max_seq_len: int, block_m: int,
                 block_n: int) -> tuple[int, int]:
-    """(slices, keys per slice): enough programs to fill the GPU, slices of at least 256 keys."""
+    """(slices, keys per slice). Keys are split only when the query blocks alone fill less than half the
+    GPU (below that the workspace and its sum cost more than they save: timed on the H100), into enough
+    slices to fill about two waves, never shorter than 256 keys."""
     base = num_users * num_heads * triton.cdiv(max(max_query_len, 1), block_m)
+    if 2 * base > _SMS:
+        return 1, triton.cdiv(max(max_seq_len, 1), block_n) * block_n
     most = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
     splits = max(1, min(most, triton.cdiv(_TARGET_PROGRAMS, base)))
     per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
