@@ -255,6 +255,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     parser.add_argument("--no-export", action="store_true")
+    parser.add_argument("--kernels-only", action="store_true", help="time the attention kernels only")
     parser.add_argument("--small", action="store_true",
                         help="small shapes on CPU (Triton interpreter): checks that the script runs, times nothing")
     args = parser.parse_args()
@@ -280,6 +281,8 @@ def main() -> None:
                 entry["kernels"][batch] = {"error": f"{type(exc).__name__}: {exc}"[:1500],
                                            "traceback": traceback.format_exc()[-2000:]}
             save()
+        if args.kernels_only:
+            continue
         try:
             cfg = dataclasses.replace(preset_config("dlrmv3"), max_history_len=work["history"],
                                       max_num_candidates=work["candidates"])

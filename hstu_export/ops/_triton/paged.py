@@ -103,13 +103,33 @@ def _paged_attn_fwd(
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         # Cached keys (before first_query), from the pages: a block of BLOCK_N keys lies in one page (the
         # slice starts on a block boundary and BLOCK_N divides the page size). Without a window or
-        # contextual rows in the tile every cached key is valid for every row: no mask arithmetic.
+        # contextual rows in the tile every cached key is valid for every row.
         pt_row = page_table + b.to(tl.int64) * stride_pt
         p_hi = tl.minimum(s_hi, first_query)
         full_rows = (max_attn_len <= 0) & (~has_ctx_rows)
+        # Whole blocks valid for every row run without any mask (as the full kernel's interior does);
+        # the rest (the last partial block, or every block under a window or with contextual rows) with it.
+        p_mid = tl.where(full_rows, s_lo + (tl.maximum(p_hi - s_lo, 0) // BLOCK_N) * BLOCK_N, s_lo)
         kp_offs = offs_n[None, :] * stride_kpn + offs_dqk[:, None]
         vp_offs = offs_n[:, None] * stride_vpn + offs_dv[None, :]
-        for start_n in range(s_lo, p_hi, BLOCK_N):
+        for start_n in range(s_lo, p_mid, BLOCK_N):
+            page = tl.load(pt_row + start_n // PAGE).to(tl.int64)
+            in_page = tl.cast(start_n % PAGE, tl.int64)
+            k_ptrs = KP + page * stride_kpp + in_page * stride_kpn + h * stride_kph + kp_offs
+            if BLOCK_DQK != DQK:
+                kt = tl.load(k_ptrs, mask=offs_dqk[:, None] < DQK, other=0.0)
+            else:
+                kt = tl.load(k_ptrs)
+            if UPCAST_DOTS:
+                kt = kt.to(tl.float32)
+            s = _silu_scaled(tl.dot(q, kt), alpha, FAST_SILU)
+            v_ptrs = VP + page * stride_vpp + in_page * stride_vpn + h * stride_vph + vp_offs
+            if BLOCK_DV != DV:
+                v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+            acc = _dot_acc(acc, s, v, UPCAST_DOTS)
+        for start_n in range(p_mid, p_hi, BLOCK_N):
             page = tl.load(pt_row + start_n // PAGE).to(tl.int64)
             in_page = tl.cast(start_n % PAGE, tl.int64)
             cols = start_n + offs_n
@@ -119,11 +139,8 @@ def _paged_attn_fwd(
             if UPCAST_DOTS:
                 kt = kt.to(tl.float32)
             s = _silu_scaled(tl.dot(q, kt), alpha, FAST_SILU)
-            if full_rows:
-                s = tl.where(col_ok[None, :], s, 0.0)
-            else:
-                s = tl.where(_valid(rows, cols, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len) & col_ok[None, :],
-                             s, 0.0)  # fmt: skip
+            s = tl.where(_valid(rows, cols, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len) & col_ok[None, :],
+                         s, 0.0)  # fmt: skip
             v = tl.load(VP + page * stride_vpp + in_page * stride_vpn + h * stride_vph + vp_offs,
                         mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # fmt: skip
             acc = _dot_acc(acc, s, v, UPCAST_DOTS)
