@@ -49,6 +49,21 @@ def _dot_acc(acc, s, v, UPCAST_DOTS: tl.constexpr):
 
 
 @triton.jit
+def _masked_block(acc, q, k_ptrs, v_ptrs, cols, end, rows, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len, alpha,
+                  offs_dqk, offs_dv, DQK: tl.constexpr, DV: tl.constexpr, FAST_SILU: tl.constexpr,
+                  UPCAST_DOTS: tl.constexpr):  # fmt: skip
+    """One key block (columns ``cols``, those >= ``end`` left out) under the mask."""
+    col_ok = cols < end
+    kt = tl.load(k_ptrs, mask=col_ok[None, :] & (offs_dqk[:, None] < DQK), other=0.0)
+    if UPCAST_DOTS:
+        kt = kt.to(tl.float32)
+    s = _silu_scaled(tl.dot(q, kt), alpha, FAST_SILU)
+    s = tl.where(_valid(rows, cols, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len) & col_ok[None, :], s, 0.0)
+    v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    return _dot_acc(acc, s, v, UPCAST_DOTS)
+
+
+@triton.jit
 def _paged_attn_fwd(
     Q, KN, VN, KP, VP, Out, Work,
     q_offsets, seq_lens, num_targets, page_table,
@@ -132,35 +147,22 @@ def _paged_attn_fwd(
         for start_n in range(p_mid, p_hi, BLOCK_N):
             page = tl.load(pt_row + start_n // PAGE).to(tl.int64)
             in_page = tl.cast(start_n % PAGE, tl.int64)
-            cols = start_n + offs_n
-            col_ok = cols < p_hi
-            kt = tl.load(KP + page * stride_kpp + in_page * stride_kpn + h * stride_kph + kp_offs,
-                         mask=col_ok[None, :] & (offs_dqk[:, None] < DQK), other=0.0)  # fmt: skip
-            if UPCAST_DOTS:
-                kt = kt.to(tl.float32)
-            s = _silu_scaled(tl.dot(q, kt), alpha, FAST_SILU)
-            s = tl.where(_valid(rows, cols, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len) & col_ok[None, :],
-                         s, 0.0)  # fmt: skip
-            v = tl.load(VP + page * stride_vpp + in_page * stride_vpn + h * stride_vph + vp_offs,
-                        mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # fmt: skip
-            acc = _dot_acc(acc, s, v, UPCAST_DOTS)
+            acc = _masked_block(
+                acc, q, KP + page * stride_kpp + in_page * stride_kpn + h * stride_kph + kp_offs,
+                VP + page * stride_vpp + in_page * stride_vpn + h * stride_vph + vp_offs, start_n + offs_n, p_hi,
+                rows, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len, alpha, offs_dqk, offs_dv,
+                DQK, DV, FAST_SILU, UPCAST_DOTS,
+            )  # fmt: skip
         # The request's own non-target keys (first_query onwards), from k_new/v_new rows.
         kn_offs = offs_n[None, :] * stride_knm + offs_dqk[:, None]
         vn_offs = offs_n[:, None] * stride_vnm + offs_dv[None, :]
         for start_n in range(tl.maximum(s_lo, first_query), s_hi, BLOCK_N):
             row0 = (q_start + start_n - first_query).to(tl.int64)
-            cols = start_n + offs_n
-            col_ok = cols < s_hi
-            kt = tl.load(KN + row0 * stride_knm + h * stride_knh + kn_offs,
-                         mask=col_ok[None, :] & (offs_dqk[:, None] < DQK), other=0.0)  # fmt: skip
-            if UPCAST_DOTS:
-                kt = kt.to(tl.float32)
-            s = _silu_scaled(tl.dot(q, kt), alpha, FAST_SILU)
-            s = tl.where(_valid(rows, cols, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len) & col_ok[None, :],
-                         s, 0.0)  # fmt: skip
-            v = tl.load(VN + row0 * stride_vnm + h * stride_vnh + vn_offs,
-                        mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # fmt: skip
-            acc = _dot_acc(acc, s, v, UPCAST_DOTS)
+            acc = _masked_block(
+                acc, q, KN + row0 * stride_knm + h * stride_knh + kn_offs, VN + row0 * stride_vnm + h * stride_vnh
+                + vn_offs, start_n + offs_n, s_hi, rows, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len, alpha,
+                offs_dqk, offs_dv, DQK, DV, FAST_SILU, UPCAST_DOTS,
+            )  # fmt: skip
 
         if pid_s == 0:
             # Target rows see themselves; their K/V are the new ones (targets are not in the pages).
