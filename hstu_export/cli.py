@@ -157,7 +157,12 @@ def _stage_progress(quiet: bool) -> Any:
         if quiet:
             yield
             return
-        with err_console.status(f"{labels.get(name, name)}…"):
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        # A spinner with the time spent so far (compiling can take minutes), gone when the stage ends.
+        columns = (SpinnerColumn(), TextColumn("{task.description}…"), TimeElapsedColumn())
+        with Progress(*columns, console=err_console, transient=True) as bar:
+            bar.add_task(labels.get(name, name), total=None)
             yield
         err_console.print(f"[green]✓[/green] {labels.get(name, name)} [dim]{time.perf_counter() - start:.1f}s[/dim]")
 
@@ -638,11 +643,28 @@ def _quiet_library_noise() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    """Warnings the CLI lets through, as one line each (Python's default adds the file, line and source)."""
+    err_console.print(f"[yellow]warning:[/yellow] {_one_line(Warning(str(message)))}", soft_wrap=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
     args = sys.argv[1:] if argv is None else argv
     verbose = "-v" in args or "--verbose" in args
+    previous = warnings.showwarning
     if not verbose:
         _quiet_library_noise()
+        warnings.showwarning = _show_warning
+    try:
+        return _run(args, verbose)
+    finally:
+        warnings.showwarning = previous
+
+
+def _run(args: list[str], verbose: bool) -> int:
     try:
         cli.main(args=args, prog_name="hstu-export", standalone_mode=False)
     except HstuExportError as exc:

@@ -187,6 +187,27 @@ def test_inspect_with_explicit_passes(tiny_bundle: Path, capsys: pytest.CaptureF
     assert "unknown pass 'fold'; known passes: prune_unused" in capsys.readouterr().err
 
 
+def test_cli_without_graphviz_says_so_in_one_line(
+    tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import warnings
+
+    import hstu_export.inspection as inspection
+
+    monkeypatch.setattr(inspection.shutil, "which", lambda name: None)
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # pytest records warnings; let this one reach the CLI's display
+        assert main(["inspect", str(tiny_bundle), "--passes", "prune_unused,split_sparse_dense", "--dump-graphs",
+                     str(tmp_path / "graphs")]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "graphviz" in line]
+    assert lines == ["warning: graphviz `dot` was not found: writing .dot files instead of .svg pictures (install "
+                     "graphviz to get SVGs)"], err
+    assert "warnings.warn" not in err and "UserWarning" not in err and ".py:" not in err
+    assert warnings.showwarning is shown  # the CLI puts Python's display back
+
+
 def test_inspect_untraceable_module_is_kept_opaque_and_listed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
