@@ -43,6 +43,7 @@ def cli() -> None:
       hstu-export model.pt --backend aoti        export (AOTInductor; CPU or CUDA)
       hstu-export describe model.pt              what a model bundle holds
       hstu-export inspect model.pt               FX graphs before/after every pass
+      hstu-export inspect model.aoti             what a package's export recorded (passes, parity, ...)
       hstu-export verify model.aoti --model model.pt   parity of a package on fresh batches
       hstu-export run model.aoti --batch batch.pt      outputs for one batch
       hstu-export bench model.aoti --model model.pt    latency vs eager, same run
@@ -523,7 +524,7 @@ def bench(package: str, model_path: str | None, batch_size: int | None, iters: i
 
 
 @cli.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path(exists=True))
 @click.option("--dump-graphs", "dump_dir", type=click.Path(file_okay=False),
               help="Write every pass's graph before/after, diff, SVG and report.html here.")
 @click.option("--open", "open_report", is_flag=True, help="Open report.html in a browser (a temp dir without --dump-graphs).")
@@ -553,10 +554,22 @@ def inspect(
     imports: tuple[str, ...],
     verbose: bool,
 ) -> None:
-    """Trace a model bundle and run the graph passes (no compilation); print what each pass did."""
+    """Trace a model bundle and run the graph passes (no compilation); print what each pass did.
+
+    Given a package directory instead, print what its export recorded: the passes, operator mapping,
+    opaque calls, parity per verification batch, settings and timings (nothing is traced again)."""
     import logging
     import tempfile
     from pathlib import Path
+
+    if Path(model).is_dir():
+        given = [flag for flag, value in (("--dump-graphs", dump_dir), ("--passes", passes), ("--skip-pass", skip),
+                                          ("--check-each-pass", check_each_pass)) if value]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} apply to a model bundle; {model} is a package, whose "
+                                   "inspection shows what its export recorded")
+        _inspect_package(Path(model), open_report)
+        return
 
     from hstu_export.bundle import load_bundle
     from hstu_export.exporter import capture
@@ -578,27 +591,7 @@ def inspect(
     result = captured.result
 
     console.print(f"[bold]{escape(bundle.model_name)}[/bold]  ({escape(model)})")
-    table = Table("#", "pass", "status", "ms", "nodes", "parameters", "max rel err", box=None, pad_edge=False)
-    for r in result.report:
-        done = r.status == "ok"
-        table.add_row(
-            f"{r.index:02d}", r.name, r.status, f"{r.time_s * 1000:.1f}" if done else "",
-            f"{r.nodes_before} → {r.nodes_after}" if done else "",
-            human_bytes(r.parameter_bytes_after) if done else "",
-            "" if r.max_rel_error is None else f"{r.max_rel_error:.2g}",
-        )
-    for column in table.columns:
-        column.no_wrap = True
-    console.print(table)
-    for r in result.report:
-        if r.stats or r.note:
-            stats = " ".join(f"{k}={len(v) if isinstance(v, (list, dict)) else v}" for k, v in r.stats.items())
-            console.print(f"  [dim]{r.index:02d} {r.name}:[/dim] {escape(stats or r.note)}", soft_wrap=True)
-    for call in captured.summary["opaque_calls"]:
-        console.print(f"kept opaque: {call['kind']} {escape(call['name'])} at {escape(call['where'])} "
-                      f"({escape(call['reason'])})", soft_wrap=True)
-    for line in _mapping_lines(result.report):
-        console.print(f"mapped: {escape(line)}", soft_wrap=True)
+    _print_passes(result.report.to_json(), captured.summary["opaque_calls"])
     if result.boundary is not None:
         table = Table("dense input", "dtype", "shape", "from", box=None, pad_edge=False)
         for t in result.boundary.dense_inputs:
@@ -610,15 +603,107 @@ def inspect(
             click.launch(str(result.report_path))
 
 
-def _mapping_lines(report: Any) -> list[str]:
+def _print_passes(entries: Any, opaque_calls: Any) -> None:
+    """The pass table, each pass's statistics, the opaque calls and what map_ops mapped, from the pass
+    report's JSON form (a fresh trace's, or the one a package recorded: untrusted, so read defensively)."""
+    entries = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+
+    def num(value: Any) -> float | None:
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    table = Table("#", "pass", "status", "ms", "nodes", "parameters", "max rel err", box=None, pad_edge=False)
+    for e in entries:
+        done = e.get("status") == "ok"
+        index, ms, error = num(e.get("index")), num(e.get("time_s")), num(e.get("max_rel_error"))
+        size = num(e.get("parameter_bytes_after"))
+        table.add_row(
+            f"{int(index):02d}" if index is not None else "", escape(str(e.get("name", ""))[:80]),
+            escape(str(e.get("status", ""))[:40]), f"{ms * 1000:.1f}" if done and ms is not None else "",
+            f"{e.get('nodes_before')} → {e.get('nodes_after')}" if done else "",
+            human_bytes(size) if done and size is not None else "", "" if error is None else f"{error:.2g}",
+        )
+    for column in table.columns:
+        column.no_wrap = True
+    console.print(table)
+    for e in entries:
+        stats = e.get("stats") if isinstance(e.get("stats"), dict) else {}
+        if stats or e.get("note"):
+            text = " ".join(f"{k}={len(v) if isinstance(v, (list, dict)) else v}" for k, v in stats.items())
+            index = num(e.get("index"))
+            console.print(f"  [dim]{int(index or 0):02d} {escape(str(e.get('name', '')))}:[/dim] "
+                          f"{escape((text or str(e.get('note')))[:500])}", soft_wrap=True)
+    for call in opaque_calls if isinstance(opaque_calls, list) else []:
+        if isinstance(call, dict):
+            console.print(f"kept opaque: {escape(str(call.get('kind')))} {escape(str(call.get('name')))} at "
+                          f"{escape(str(call.get('where')))} ({escape(str(call.get('reason')))})", soft_wrap=True)
+    for line in _mapping_lines(entries):
+        console.print(f"mapped: {escape(line)}", soft_wrap=True)
+
+
+def _mapping_lines(entries: list[dict[str, Any]]) -> list[str]:
     """What map_ops did to foreign functions, one line each (from its statistics)."""
-    try:
-        stats = report["map_ops"].stats
-    except KeyError:
+    stats = next((e.get("stats") for e in entries if e.get("name") == "map_ops"), None)
+    if not isinstance(stats, dict):
         return []
-    lines = [f"{count}x {name}" for name, count in stats.get("foreign", {}).items()]
-    lines += [f"kept {name}: {reason}" for name, reason in stats.get("foreign_kept", {}).items()]
-    return lines
+    foreign = stats.get("foreign") if isinstance(stats.get("foreign"), dict) else {}
+    kept = stats.get("foreign_kept") if isinstance(stats.get("foreign_kept"), dict) else {}
+    return [f"{count}x {name}" for name, count in foreign.items()] + [f"kept {n}: {r}" for n, r in kept.items()]
+
+
+def _inspect_package(root: Any, open_report: bool) -> None:
+    """``hstu-export inspect PKG``: what the package's export recorded (the manifest is checked first)."""
+    import json
+    from pathlib import Path
+
+    from hstu_export.package import load_manifest
+
+    raw = load_manifest(root).raw
+    model = raw["model"] if isinstance(raw.get("model"), dict) else {}
+    backend = raw["backend"].get("name") if isinstance(raw.get("backend"), dict) else raw.get("backend")
+    device = raw.get("device")
+    if isinstance(device, dict):
+        device = f"{device.get('type')} ({device.get('name')})"
+    console.print(f"[bold]{escape(str(model.get('name', '?')))}[/bold]  ({escape(str(root))}): package, "
+                  f"backend {escape(str(backend))}, {escape(str(device))}, "
+                  f"{escape(str(raw.get('dtype')))}, op target {escape(str(raw.get('op_target')))}", soft_wrap=True)
+    capture = raw.get("capture") if isinstance(raw.get("capture"), dict) else {}
+    _print_passes(raw.get("passes"), capture.get("opaque_calls"))
+    parity = raw.get("parity") if isinstance(raw.get("parity"), dict) else {}
+    batches = parity.get("batches") if isinstance(parity.get("batches"), list) else []
+    if batches:
+        table = Table("verification batch", "users", "worst rel. L2", "worst max abs", "passed", box=None,
+                      pad_edge=False)
+        for batch in (b for b in batches if isinstance(b, dict)):
+            errors = batch.get("errors") if isinstance(batch.get("errors"), dict) else {}
+            rel = [e.get("rel_l2") for e in errors.values() if isinstance(e, dict)]
+            absolute = [e.get("max_abs") for e in errors.values() if isinstance(e, dict)]
+            rel = [x for x in rel if isinstance(x, (int, float))]
+            absolute = [x for x in absolute if isinstance(x, (int, float))]
+            table.add_row(escape(str(batch.get("batch"))[:80]), escape(str(batch.get("batch_size"))),
+                          f"{max(rel):.2g}" if rel else "", f"{max(absolute):.2g}" if absolute else "",
+                          "yes" if batch.get("passed") else "NO")
+        for column in table.columns:
+            column.no_wrap = True
+        console.print(table)
+        console.print(f"parity tolerances: {escape(json.dumps(parity.get('tolerances'))[:300])}", soft_wrap=True)
+    else:
+        console.print("parity: not verified at export", soft_wrap=True)
+    timings = raw.get("timings") if isinstance(raw.get("timings"), dict) else {}
+    if timings:
+        console.print("timings: " + ", ".join(f"{escape(str(k))} {v:.1f}s" for k, v in timings.items()
+                                              if isinstance(v, (int, float))), soft_wrap=True)
+    settings = raw.get("settings") if isinstance(raw.get("settings"), dict) else {}
+    if settings:
+        shown = ", ".join(f"{k}={v}" for k, v in settings.items() if v not in (None, [], {}, ""))
+        console.print(f"settings: {escape(shown[:2000])}", soft_wrap=True)
+    report = Path(root) / "graphs" / "report.html"
+    if report.is_file():
+        console.print(f"graphs and report: {report}", soft_wrap=True)
+        if open_report:
+            click.launch(str(report))
+    else:
+        console.print("graph dumps: not in this package (export with --dump-graphs DIR, and --graphs-in-package to "
+                      "keep them inside)", soft_wrap=True)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -208,6 +208,30 @@ def test_cli_without_graphviz_says_so_in_one_line(
     assert warnings.showwarning is shown  # the CLI puts Python's display back
 
 
+def test_inspect_a_package_shows_what_its_export_recorded(
+    tiny_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    package = tmp_path / "pkg"
+    assert main(["export", str(tiny_bundle), "--backend", "torchscript", "--out", str(package), "--dump-graphs",
+                 str(tmp_path / "graphs"), "--graphs-in-package", "-q"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(package)]) == 0
+    out = capsys.readouterr().out
+    for name in ("prune_unused", "split_sparse_dense", "map_ops", "eliminate_dead_code"):
+        assert name in out
+    assert "package, backend torchscript, cpu" in out and "verification batch" in out
+    assert "batch size 1" in out and "parity tolerances:" in out and "timings: load" in out
+    assert f"graphs and report: {package / 'graphs' / 'report.html'}" in out
+    # Trace options do not apply to a package; a damaged package is refused in one line.
+    assert main(["inspect", str(package), "--passes", "prune_unused"]) == 2
+    assert "apply to a model bundle" in capsys.readouterr().err
+    manifest = package / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"torchscript"', '"aoti"', 1))
+    assert main(["inspect", str(package)]) == 2  # bad input, as for every damaged package
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "manifest" in err and len(err.splitlines()) == 1
+
+
 def test_inspect_untraceable_module_is_kept_opaque_and_listed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
