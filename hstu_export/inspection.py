@@ -45,9 +45,12 @@ class GraphDumper:
         return graph_code(gm)
 
     def write_pass(self, index: int, name: str, before: str, gm: torch.fx.GraphModule) -> list[str]:
-        """Writes before/after code, their diff and the after graph's picture; returns the file names."""
+        """Writes before/after code, their diff and the after graph's picture; returns the file names. A
+        pass that left the graph's code as it was writes nothing (the report says "no change")."""
         stem = f"{index:02d}_{name}"
         after = graph_code(gm)
+        if after == before:
+            return []
         diff = "".join(
             difflib.unified_diff(
                 before.splitlines(keepends=True), after.splitlines(keepends=True),
@@ -205,6 +208,8 @@ def render_report(
             parts.append(f"<p>{e(record.note)}</p>")
         if record.stats:
             parts.append(f"<p>stats: <code>{e(json.dumps(record.stats, default=str))}</code></p>")
+        if record.status == "ok" and not record.files:
+            parts.append('<p class="no-change">no change: the graph is the same as before this pass</p>')
         for file_name in record.files:
             if file_name.endswith(".diff"):
                 diff = (directory / file_name).read_text()

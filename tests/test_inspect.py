@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -76,14 +77,23 @@ def _stem(name: str) -> str:
 
 
 def test_dump_files_for_every_pass(dumped: Path) -> None:
+    recorded = {entry["name"]: entry for entry in json.loads((dumped / "report.json").read_text())["passes"]}
+    html = (dumped / "report.html").read_text()
+    unchanged = []
     for index, name in enumerate(pass_registry.known_pass_names(), start=1):
         stem = dumped / f"{index:02d}_{name}"
         suffixes = (".before.py", ".after.py", ".diff", PICTURE)
-        if name in _ran_passes():
+        if name in _ran_passes() and recorded[name]["files"]:
             for suffix in suffixes:
                 assert Path(f"{stem}{suffix}").is_file(), f"{stem}{suffix}"
         else:
+            # Not run, or the graph's code did not change: no copy of it, and the report says so.
             assert not any(Path(f"{stem}{s}").exists() for s in suffixes)
+            if name in _ran_passes():
+                unchanged.append(name)
+                section = html.split(f'id="pass-{index:02d}"')[1].split("</section>")[0]
+                assert "no change: the graph is the same as before this pass" in section
+    assert "eliminate_dead_code" in unchanged and "split_sparse_dense" not in unchanged
     split = dumped / _stem("split_sparse_dense")
     before, after = Path(f"{split}.before.py").read_text(), Path(f"{split}.after.py").read_text()
     # print_readable names nested graph modules by attribute: the halves appear only after the split.
@@ -146,8 +156,11 @@ def test_report_opens_in_headless_chromium(dumped: Path, tmp_path: Path) -> None
     assert [name for _, name in rows] == pass_registry.known_pass_names()
     assert all(status == "ok" for status, name in rows if name in _ran_passes())
     assert '<table id="boundary">' in dom and "uih_lengths.total" in dom
-    if PICTURE == ".svg":
-        assert len(re.findall(r'<img class="graph" src="\d\d_\w+\.svg"', dom)) == len(_ran_passes())
+    if PICTURE == ".svg":  # one picture per pass that changed the graph; the others say "no change"
+        recorded = json.loads((dumped / "report.json").read_text())["passes"]
+        changed = [e["name"] for e in recorded if e["files"]]
+        assert len(re.findall(r'<img class="graph" src="\d\d_\w+\.svg"', dom)) == len(changed) >= 3
+        assert dom.count('class="no-change"') == len(_ran_passes()) - len(changed) >= 1
     assert 'id="final-sparse"' in dom and 'id="final-dense"' in dom
 
 
