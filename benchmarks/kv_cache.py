@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e import DenseStack, dense_inputs, set_kernel
 
 import hstu_export
-from hstu_export.models.cached import DeltaRanker, time_buckets
+from hstu_export.models.cached import DeltaRanker
 from hstu_export.models.config import preset_config
 from hstu_export.models.ranking import HstuRankingModel
+from hstu_export.models.transducer import time_buckets
 from hstu_export.ops import Kernel
 from hstu_export.ops._triton import cached_hstu_mha_triton_fwd, hstu_mha_triton_fwd
 from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd

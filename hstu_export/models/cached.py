@@ -28,16 +28,12 @@ from torch import Tensor
 
 from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HstuRankingModel
 from hstu_export.models.stu import LAYER_NORM_EPS, layer_norm_fp32
+from hstu_export.models.transducer import time_buckets, token_positions
 from hstu_export.ops.jagged import lengths_to_offsets
 from hstu_export.ops.paged import paged_hstu_mha
+from hstu_export.ops.reference import stu_gate
 
-__all__ = ["DeltaOutputs", "DeltaPlan", "DeltaRanker", "time_buckets"]
-
-
-def time_buckets(query_time: Tensor, timestamps: Tensor, base: float, num_buckets: int) -> Tensor:
-    """The positional encoder's timestamp bucket of history tokens: log(query_time - t) / base."""
-    delta = (query_time - timestamps).clamp(min=1).to(torch.float32)
-    return (torch.log(delta) / base).to(torch.int64).clamp(min=0, max=num_buckets - 1)
+__all__ = ["DeltaOutputs", "DeltaPlan", "DeltaRanker"]
 
 
 @dataclass
@@ -149,9 +145,7 @@ class DeltaRanker:
 
         # Positional encoding of the new tokens, by their index in the whole sequence.
         enc = tr.positional_encoder
-        pos = torch.clamp(index - (c - 1), min=0) if c > 0 else index
-        first_target = on["seq_len"] - on["cand_len"] - max(c - 1, 0)
-        pos = torch.minimum(pos, first_target[user]).clamp(max=enc.max_seq_len - 1)
+        pos = token_positions(index, (on["seq_len"] - on["cand_len"])[user], c, enc.max_seq_len)
         is_hist = ~is_ctx & ~is_cand
         stamps = features["uih_timestamps"]
         timestamps = stamps[hist_row.clamp(max=max(stamps.numel() - 1, 0))] if stamps.numel() else hist_row
@@ -181,10 +175,8 @@ class DeltaRanker:
                 page_table, on["seq_len"], on["cand_len"], cfg.attn_scaling_seqlen, cfg.attn_alpha, c,
                 cfg.max_attn_len, max_seq_len=max_seq_len, max_query_len=max_query_len,
             ).reshape(-1, h * dv)  # fmt: skip
-            u = F.silu(u)
-            normed = F.layer_norm(a.float(), (h * dv,), layer.output_norm_weight.float(),
-                                  layer.output_norm_bias.float(), LAYER_NORM_EPS).type_as(a)
-            x = x + torch.cat([u, a, u * normed], dim=-1) @ layer.output_weight
+            gated = stu_gate(u, a, layer.output_norm_weight, layer.output_norm_bias, LAYER_NORM_EPS)
+            x = x + gated @ layer.output_weight
             new_k.append(k[kept])
             new_v.append(v[kept])
 

@@ -58,6 +58,22 @@ class ContextualPreprocessor(nn.Module):
         return tokens, offsets
 
 
+def token_positions(index: Tensor, first_target: Tensor, contextual_seq_len: int, max_seq_len: int) -> Tensor:
+    """Position embeddings' index of tokens at ``index`` in their sequence, whose first target is at
+    ``first_target`` (per token): contextual tokens share 0, history counts up, every candidate takes
+    the position right after the history; clamped to the table."""
+    c = contextual_seq_len
+    pos = torch.clamp(index - (c - 1), min=0) if c > 0 else index
+    pos = torch.minimum(pos, first_target - max(c - 1, 0))
+    return torch.clamp(pos, max=max_seq_len - 1)
+
+
+def time_buckets(query_time: Tensor, timestamps: Tensor, base: float, num_buckets: int) -> Tensor:
+    """Timestamp bucket of history tokens: log(query_time - t) / base, in [0, num_buckets)."""
+    delta = (query_time - timestamps).clamp(min=1).to(torch.float32)
+    return (torch.log(delta) / base).to(torch.int64).clamp(min=0, max=num_buckets - 1)
+
+
 class PositionalEncoder(nn.Module):
     """x·sqrt(D) + position embedding + timestamp-bucket embedding.
 
@@ -92,18 +108,13 @@ class PositionalEncoder(nn.Module):
         seq, pos = jagged_positions(offsets, total, kernel=self.kernel)
         lengths = offsets[1:] - offsets[:-1]
         c = self.contextual_seq_len
-        if c > 0:
-            pos = torch.clamp(pos - (c - 1), min=0)
-        first_target = lengths - num_targets - max(c - 1, 0)
-        pos = torch.minimum(pos, first_target[seq])
-        pos = torch.clamp(pos, max=self.max_seq_len - 1)
+        pos = token_positions(pos, (lengths - num_targets)[seq], c, self.max_seq_len)
 
         # Timestamp bucket of each history token; other tokens keep bucket 0.
         hist_total = history_timestamps.size(0)
         hist_seq, hist_pos = jagged_positions(history_offsets, hist_total, kernel=self.kernel)
-        delta = (query_time[hist_seq] - history_timestamps).clamp(min=1).to(torch.float32)
-        hist_bucket = (torch.log(delta) / self.time_bucket_base).to(torch.int64)
-        hist_bucket = hist_bucket.clamp(min=0, max=self.num_time_buckets - 1)
+        hist_bucket = time_buckets(query_time[hist_seq], history_timestamps, self.time_bucket_base,
+                                   self.num_time_buckets)
         # A history token sits after its user's contextual tokens.
         bucket = torch.zeros(total, dtype=torch.int64, device=tokens.device)
         bucket = bucket.index_put((offsets[:-1][hist_seq] + c + hist_pos,), hist_bucket)

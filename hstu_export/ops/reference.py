@@ -35,6 +35,7 @@ __all__ = [
     "jagged_positions_reference",
     "jagged_to_padded_dense_reference",
     "split_2D_jagged_reference",
+    "stu_gate",
 ]
 
 
@@ -330,10 +331,16 @@ def hstu_mha_gated_reference(
     """
     h, dqk, dv = num_heads, attention_dim, linear_dim
     u, v, q, k = torch.split(uvqk, [dv * h, dv * h, dqk * h, dqk * h], dim=-1)
-    u = F.silu(u)
     a = hstu_mha_reference(
         q.reshape(-1, h, dqk), k.reshape(-1, h, dqk), v.reshape(-1, h, dv), seq_offsets, max_seq_len,
         scaling_seqlen, alpha, causal, num_targets, contextual_seq_len, max_attn_len,
     ).reshape(-1, h * dv)  # fmt: skip
-    normed = F.layer_norm(a.float(), (h * dv,), norm_weight.float(), norm_bias.float(), eps).type_as(a)
+    return stu_gate(u, a, norm_weight, norm_bias, eps)
+
+
+def stu_gate(u: Tensor, a: Tensor, norm_weight: Tensor, norm_bias: Tensor, eps: float = 1e-6) -> Tensor:
+    """The STU output gate: concat(SiLU(u), a, SiLU(u) * LN(a)), LN over a's last dim in fp32 (``eps``),
+    rounded to a's dtype."""
+    u = F.silu(u)
+    normed = F.layer_norm(a.float(), (a.shape[-1],), norm_weight.float(), norm_bias.float(), eps).type_as(a)
     return torch.cat([u, a, u * normed], dim=-1)

@@ -24,8 +24,9 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, RequestError
-from hstu_export.models.cached import DeltaRanker, time_buckets
+from hstu_export.models.cached import DeltaRanker
 from hstu_export.models.ranking import HISTORY_LENGTHS, HstuRankingModel
+from hstu_export.models.transducer import time_buckets
 from hstu_export.ops.paged import write_pages
 
 __all__ = ["CacheFull", "CachedRanker", "PagedKVCache"]
@@ -190,7 +191,10 @@ class CachedRanker:
         cfg = self.model.config
         c = cfg.contextual_seq_len
         self.schema.validate(features)
-        host = {name: value.cpu() for name, value in features.items()}
+        # On the host: what the bookkeeping reads (lengths, history, query time, contextual ids).
+        used = (HISTORY_LENGTHS, "uih_item_ids", "uih_action_ids", "uih_timestamps", "query_time",
+                *cfg.contextual_features)
+        host = {name: features[name].cpu() for name in used}
         hist_len = host[HISTORY_LENGTHS].to(torch.int64)
         batch = hist_len.numel()
         ids = list(user_ids)
@@ -244,9 +248,9 @@ class CachedRanker:
             skip = torch.clamp(cached - c, min=0)
             position = torch.arange(int(hist_len.sum())) - torch.repeat_interleave(torch.tensor(hist_off[:-1]), hist_len)
             fresh = position >= torch.repeat_interleave(skip, hist_len)
-            delta = {name: value.to(self.device) for name, value in features.items()}
-            for name in ("uih_item_ids", "uih_action_ids", "uih_timestamps"):
-                delta[name] = host[name][fresh].to(self.device)
+            history = ("uih_item_ids", "uih_action_ids", "uih_timestamps")
+            delta = {name: value.to(self.device) for name, value in features.items() if name not in history}
+            delta.update({name: host[name][fresh].to(self.device) for name in history})
             delta[HISTORY_LENGTHS] = (hist_len - skip).to(self.device)
             result = self.delta.run(delta, cached, self.cache.k, self.cache.v, table)
             # Store the new history tokens' K/V of the stored users, then record what their pages hold.

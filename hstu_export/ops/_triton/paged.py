@@ -190,9 +190,13 @@ def split_count(num_users: int, num_heads: int, max_query_len: int, max_seq_len:
     slices to fill about two waves, never shorter than 256 keys."""
     base = num_users * num_heads * triton.cdiv(max(max_query_len, 1), block_m)
     if 2 * base > _SMS:
-        return 1, triton.cdiv(max(max_seq_len, 1), block_n) * block_n
+        return _slices(max_seq_len, 1, block_n)
     most = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
-    splits = max(1, min(most, triton.cdiv(_TARGET_PROGRAMS, base)))
+    return _slices(max_seq_len, max(1, min(most, triton.cdiv(_TARGET_PROGRAMS, base))), block_n)
+
+
+def _slices(max_seq_len: int, splits: int, block_n: int) -> tuple[int, int]:
+    """About ``splits`` slices of the keys, each a whole number of blocks: (slices, keys per slice)."""
     per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
     return triton.cdiv(max(max_seq_len, 1), per_split), per_split
 
@@ -233,8 +237,7 @@ def paged_hstu_mha_triton_fwd(
     if splits is None:
         splits, per_split = split_count(num_users, num_heads, max_query_len, max_seq_len, cfg.block_m, block_n)
     else:
-        per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
-        splits = triton.cdiv(max(max_seq_len, 1), per_split)
+        splits, per_split = _slices(max_seq_len, splits, block_n)
     out = torch.empty((lq, num_heads, dv), dtype=v_new.dtype, device=q.device)
     work = torch.empty((splits, lq, num_heads, dv), dtype=torch.float32, device=q.device) if splits > 1 else out
     fast_silu = capability is not None and q.dtype != torch.float32
