@@ -15,16 +15,22 @@ cache (:mod:`hstu_export.serving.kv_cache`) checks before it reuses an entry:
    when it was computed (the bucket is log(query_time - t)).
 
 Calling :meth:`DeltaRanker.run` with nothing cached (``cached == 0``) is the prefill: the same code.
-A delta request carries only the history after the cached prefix; the cache's owner slices it.
+A delta request carries only the history after the cached prefix; the cache's owner slices it. The
+contextual tokens of a user with a cached prefix are cached too, so :meth:`DeltaRanker.dense` takes the
+contextual embeddings of the users with nothing cached only: every size of a delta run then follows
+from the sizes of its inputs, and :class:`DeltaProgram` (the same computation with tensors in and out)
+exports with dynamic shapes (:mod:`hstu_export.kv_export`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HstuRankingModel
 from hstu_export.models.stu import LAYER_NORM_EPS, layer_norm_fp32
@@ -33,21 +39,68 @@ from hstu_export.ops.jagged import lengths_to_offsets
 from hstu_export.ops.paged import paged_hstu_mha
 from hstu_export.ops.reference import stu_gate
 
-__all__ = ["DeltaOutputs", "DeltaPlan", "DeltaRanker"]
+__all__ = ["KV_OUTPUTS", "DeltaOutputs", "KVLayout", "DeltaPlan", "DeltaProgram", "DeltaRanker", "plan_on_device"]
+
+# The outputs a delta program adds to the model's: the new non-target tokens' K/V and where they go.
+KV_OUTPUTS = ("kv_new_k", "kv_new_v", "kv_users", "kv_positions")
 
 
 @dataclass
 class DeltaPlan:
-    """A delta request's sizes (host ints) and per-user counts (on the device): what :meth:`DeltaRanker.dense`
-    needs besides tensors; computed once per request shape."""
+    """A delta request's sizes and per-user counts (on the device): what :meth:`DeltaRanker.dense` needs
+    besides tensors. Sizes are host ints (eager: computed once per request shape) or, inside an exported
+    program, symbolic sizes of its inputs; the two maxima are bounds that size the attention's launch."""
 
-    batch: int
-    total_new: int
-    total_kept: int
-    total_cand: int
+    batch: Any  # int or SymInt
+    total_new: Any
+    total_kept: Any
+    total_cand: Any
     max_seq_len: int
     max_query_len: int
     on: dict[str, Tensor]
+
+
+def _counts(cached: Tensor, new_hist: Tensor, cand_len: Tensor, c: int) -> dict[str, Tensor]:
+    ctx_new = torch.where(cached == 0, c, 0)
+    new_len = ctx_new + new_hist + cand_len
+    # kept_len: the new non-target tokens, whose K/V go to the cache.
+    return {"cached": cached, "ctx_new": ctx_new, "new_len": new_len, "seq_len": cached + new_len,
+            "cand_len": cand_len, "new_hist": new_hist, "kept_len": ctx_new + new_hist}
+
+
+def plan_on_device(cached: Tensor, new_hist: Tensor, cand_len: Tensor, n_hist: Any, n_cand: Any, n_ctx_rows: Any,
+                   c: int, max_seq_len: int, max_query_len: int) -> DeltaPlan:
+    """A plan from device tensors and the sizes of the request's token tables (history, candidates, the
+    contextual rows of the users with nothing cached): no host read, so it traces with symbolic sizes."""
+    on = _counts(cached.to(torch.int64), new_hist.to(torch.int64), cand_len.to(torch.int64), c)
+    return DeltaPlan(batch=cached.shape[0], total_new=n_hist + n_cand + n_ctx_rows, total_kept=n_hist + n_ctx_rows,
+                     total_cand=n_cand, max_seq_len=max_seq_len, max_query_len=max_query_len, on=on)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a cache of the model's K/V needs to know of it: the pages' shape and dtype, and what makes a
+    cached prefix reusable (contextual features, the time buckets' parameters). Recorded in a package's
+    manifest (``kv_cache``), so that a package's cache is laid out without the model."""
+
+    num_layers: int
+    num_heads: int
+    attention_dim: int
+    linear_dim: int
+    contextual_features: tuple[str, ...]
+    time_bucket_base: float
+    num_time_buckets: int
+    dtype: torch.dtype
+
+    @property
+    def contextual_seq_len(self) -> int:
+        return len(self.contextual_features)
+
+    @classmethod
+    def of(cls, model: HstuRankingModel) -> KVLayout:
+        cfg, enc = model.config, model.transducer.positional_encoder
+        return cls(cfg.num_layers, cfg.num_heads, cfg.attention_dim, cfg.linear_dim, tuple(cfg.contextual_features),
+                   float(enc.time_bucket_base), int(enc.num_time_buckets), model.transducer.post_norm_weight.dtype)
 
 
 @dataclass
@@ -65,11 +118,13 @@ class DeltaOutputs:
 class DeltaRanker:
     """Runs :class:`~hstu_export.models.ranking.HstuRankingModel` on the new tokens of each user."""
 
-    def __init__(self, model: HstuRankingModel) -> None:
+    def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor] = paged_hstu_mha) -> None:
         self.model = model
         self.config = model.config
         self.transducer = model.transducer
         self.dtype = self.transducer.post_norm_weight.dtype
+        self.layout = KVLayout.of(model)
+        self.attention = attention  # paged_hstu_mha's signature; an exported program fixes the kernel
 
     @torch.no_grad()
     def run(
@@ -86,31 +141,27 @@ class DeltaRanker:
         [layers, P, page, H, D] and ``page_table`` [B, pages] as in :mod:`hstu_export.ops.paged`."""
         emb = self.model.sparse_arch(features)
         plan = self.plan(features, cached, page_table.device)
-        return self.dense(emb, features, plan, k_pages, v_pages, page_table)
+        return self.dense(fresh_contextual(emb, self.config.contextual_features, cached), features, plan, k_pages,
+                          v_pages, page_table)
 
     def plan(self, features: dict[str, Tensor], cached: Tensor, device: torch.device) -> DeltaPlan:
         """Sizes and per-user counts of a delta request, from its (host) lengths."""
         c = self.config.contextual_seq_len
-        cached = cached.cpu().to(torch.int64)
-        new_hist = features[HISTORY_LENGTHS].cpu().to(torch.int64)
-        cand_len = features[CANDIDATE_LENGTHS].cpu().to(torch.int64)
-        ctx_new = torch.where(cached == 0, c, 0)
-        new_len = ctx_new + new_hist + cand_len
-        seq_len = cached + new_len
-        kept_len = ctx_new + new_hist  # new non-target tokens, whose K/V go to the cache
-        counts = {"cached": cached, "ctx_new": ctx_new, "new_len": new_len, "seq_len": seq_len, "cand_len": cand_len,
-                  "new_hist": new_hist, "kept_len": kept_len}
+        counts = _counts(cached.cpu().to(torch.int64), features[HISTORY_LENGTHS].cpu().to(torch.int64),
+                         features[CANDIDATE_LENGTHS].cpu().to(torch.int64), c)
         return DeltaPlan(
-            batch=new_hist.numel(), total_new=int(new_len.sum()), total_kept=int(kept_len.sum()),
-            total_cand=int(cand_len.sum()), max_seq_len=int(seq_len.max()), max_query_len=int(new_len.max()),
+            batch=counts["cached"].numel(), total_new=int(counts["new_len"].sum()),
+            total_kept=int(counts["kept_len"].sum()), total_cand=int(counts["cand_len"].sum()),
+            max_seq_len=int(counts["seq_len"].max()), max_query_len=int(counts["new_len"].max()),
             on={name: t.to(device) for name, t in counts.items()},
         )  # fmt: skip
 
     @torch.no_grad()
     def dense(self, emb: dict[str, Tensor], features: dict[str, Tensor], plan: DeltaPlan, k_pages: Tensor,
               v_pages: Tensor, page_table: Tensor) -> DeltaOutputs:
-        """The dense half of :meth:`run` on the sparse half's embeddings. Device work only (no sync, no
-        host copy), so a CUDA graph can capture it for one plan's shapes."""
+        """The dense half of :meth:`run` on the sparse half's embeddings, the contextual ones of the users
+        with nothing cached only (:func:`fresh_contextual`). Device work only (no sync, no host copy, no
+        size read from a tensor), so a CUDA graph can capture it and torch.export can trace it."""
         cfg, tr = self.config, self.transducer
         device = page_table.device
         c = cfg.contextual_seq_len
@@ -129,6 +180,7 @@ class DeltaRanker:
             parts.append(ctx.flatten(0, 1))
         table = torch.cat(parts)
         users = torch.arange(batch, device=device)
+        fresh_rank = torch.cumsum((on["ctx_new"] > 0).to(torch.int64), 0) - 1  # row among the contextual users
         user = torch.repeat_interleave(users, on["new_len"], output_size=total_new)
         q_offsets = lengths_to_offsets(on["new_len"])
         r = torch.arange(total_new, device=device) - q_offsets[:-1][user]  # index among the user's new tokens
@@ -139,16 +191,18 @@ class DeltaRanker:
         hist_row = hist_off[:-1][user] + (r - on["ctx_new"][user]).clamp(min=0)  # where the token is history
         cand_row = cand_off[:-1][user] + (r - on["ctx_new"][user] - on["new_hist"][user]).clamp(min=0)
         n_hist, n_cand = hist_tokens.size(0), cand_tokens.size(0)
-        row = torch.where(is_ctx, n_hist + n_cand + user * c + r.clamp(max=max(c - 1, 0)),
-                          torch.where(is_cand, n_hist + cand_row, hist_row.clamp(max=max(n_hist - 1, 0))))
+        is_hist = ~is_ctx & ~is_cand
+        # Each branch's index is valid where it is chosen; elsewhere it points at row 0 (never read).
+        ctx_row = torch.where(is_ctx, n_hist + n_cand + fresh_rank[user] * c + r.clamp(max=max(c - 1, 0)), 0)
+        row = torch.where(is_ctx, ctx_row, torch.where(is_cand, n_hist + cand_row, torch.where(is_hist, hist_row, 0)))
         tokens = table[row]
 
         # Positional encoding of the new tokens, by their index in the whole sequence.
         enc = tr.positional_encoder
         pos = token_positions(index, (on["seq_len"] - on["cand_len"])[user], c, enc.max_seq_len)
-        is_hist = ~is_ctx & ~is_cand
         stamps = features["uih_timestamps"]
-        timestamps = stamps[hist_row.clamp(max=max(stamps.numel() - 1, 0))] if stamps.numel() else hist_row
+        # One pad entry: non-history tokens read it (an empty history has no entry to point at).
+        timestamps = torch.cat([stamps, stamps.new_zeros(1)])[torch.where(is_hist, hist_row, n_hist)]
         buckets = time_buckets(features["query_time"][user], timestamps, enc.time_bucket_base,
                                enc.num_time_buckets)
         bucket = torch.where(is_hist, buckets, 0)
@@ -170,7 +224,7 @@ class DeltaRanker:
             uvqk = torch.addmm(layer.uvqk_bias, n, layer.uvqk_weight)
             u, v, q, k = torch.split(uvqk, [dv * h, dv * h, dqk * h, dqk * h], dim=-1)
             q, k, v = q.reshape(-1, h, dqk), k.reshape(-1, h, dqk), v.reshape(-1, h, dv)
-            a = paged_hstu_mha(
+            a = self.attention(
                 q.contiguous(), k.contiguous(), v.contiguous(), q_offsets, k_pages[number], v_pages[number],
                 page_table, on["seq_len"], on["cand_len"], cfg.attn_scaling_seqlen, cfg.attn_alpha, c,
                 cfg.max_attn_len, max_seq_len=max_seq_len, max_query_len=max_query_len,
@@ -187,3 +241,43 @@ class DeltaRanker:
             candidates = layer_norm_fp32(candidates, tr.post_norm_weight, tr.post_norm_bias)
         return DeltaOutputs(self.model.task_heads(candidates), torch.stack(new_k), torch.stack(new_v), kept_user,
                             index[kept])
+
+
+def fresh_contextual(emb: dict[str, Tensor], names: Sequence[str], cached: Tensor) -> dict[str, Tensor]:
+    """``emb`` with each contextual feature's embeddings kept for the users with nothing cached only (the
+    others' contextual tokens are in the cache): what :meth:`DeltaRanker.dense` takes."""
+    if not names:
+        return emb
+    fresh = (cached.to(torch.int64) == 0).nonzero()[:, 0]
+    return {**emb, **{f"{name}_emb": emb[f"{name}_emb"].index_select(0, fresh.to(emb[f"{name}_emb"].device))
+                      for name in names}}
+
+
+class DeltaProgram(nn.Module):
+    """The delta run as a module of tensors in, tensors out: what the package's ``kv_delta`` program is.
+
+    Inputs (keywords): the sparse half's embeddings (contextual ones for the users with nothing cached
+    only), ``uih_lengths`` (history tokens past the cached prefix), ``candidate_lengths``,
+    ``uih_timestamps`` (of those history tokens), ``query_time``, ``kv_cached`` [B] (cached tokens per
+    user, 0: prefill), ``kv_k_pages``/``kv_v_pages`` [layers, pages, page, H, D] and ``kv_page_table``
+    [B, W]. Outputs: the model's, plus :data:`KV_OUTPUTS`. ``max_seq_len``/``max_query_len`` are the
+    exported bounds: a user's whole sequence, and its new tokens."""
+
+    def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor], max_seq_len: int,
+                 max_query_len: int) -> None:
+        super().__init__()
+        self.model = model
+        self.delta = DeltaRanker(model, attention)
+        self.max_seq_len, self.max_query_len = max_seq_len, max_query_len
+
+    def forward(self, **inputs: Tensor) -> dict[str, Tensor]:
+        cfg = self.model.config
+        c = cfg.contextual_seq_len
+        n_ctx = inputs[f"{cfg.contextual_features[0]}_emb"].shape[0] * c if c else 0
+        plan = plan_on_device(inputs["kv_cached"], inputs[HISTORY_LENGTHS], inputs[CANDIDATE_LENGTHS],
+                              inputs["uih_item_emb"].shape[0], inputs["candidate_item_emb"].shape[0], n_ctx, c,
+                              self.max_seq_len, self.max_query_len)  # fmt: skip
+        out = self.delta.dense(inputs, inputs, plan, inputs["kv_k_pages"], inputs["kv_v_pages"],
+                               inputs["kv_page_table"])
+        return {**out.outputs, "kv_new_k": out.new_k, "kv_new_v": out.new_v, "kv_users": out.users,
+                "kv_positions": out.positions}

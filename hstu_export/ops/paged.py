@@ -48,14 +48,27 @@ def paged_hstu_mha_reference(
     alpha: float,
     contextual_seq_len: int = 0,
     max_attn_len: int = 0,
+    *,
+    max_seq_len: int | None = None,
+    max_query_len: int | None = None,
 ) -> Tensor:
-    """PyTorch version of :func:`paged_hstu_mha` (padded, on any device): q [Lq, H, Dqk] -> [Lq, H, Dv]."""
+    """PyTorch version of :func:`paged_hstu_mha` (padded, on any device): q [Lq, H, Dqk] -> [Lq, H, Dv].
+
+    Padded to the batch's longest sequence and new rows, or, when given, to ``max_seq_len`` /
+    ``max_query_len``: fixed bounds read nothing from the device, so the function traces into plain aten
+    ops (an exported program's portable attention)."""
     page_size = k_pages.size(1)
     seq_lens = seq_lens.to(torch.int64)
     num_targets = num_targets.to(torch.int64)
     q_lens = (q_offsets[1:] - q_offsets[:-1]).to(torch.int64)
-    n_max = int(seq_lens.max()) if seq_lens.numel() else 0
-    q_max = int(q_lens.max()) if q_lens.numel() else 0
+    if max_seq_len is not None:
+        n_max = max_seq_len
+    else:
+        n_max = int(seq_lens.max()) if seq_lens.numel() else 0
+    if max_query_len is not None:
+        q_max = max_query_len
+    else:
+        q_max = int(q_lens.max()) if q_lens.numel() else 0
     cols = torch.arange(n_max, device=q.device)
     # Keys: cached tokens from the pages, the new ones from k_new/v_new.
     pages = page_table.to(torch.int64).gather(1, (cols // page_size).expand(len(seq_lens), -1).clamp(
@@ -74,8 +87,10 @@ def paged_hstu_mha_reference(
     rows = torch.where(index >= 0, rows, -1)
     mask = hstu_attention_mask(rows, n_max, seq_lens, num_targets, True, contextual_seq_len, max_attn_len)
     out = _hstu_attend(padded_q, keys(k_pages, k_new), keys(v_pages, v_new), mask, scaling_seqlen, alpha)
-    flat = out.to(v_new.dtype).flatten(0, 1)
-    return flat[(index >= 0).flatten()]
+    # Back to the jagged rows of q: row t is new token t - q_offsets[b] of its user b.
+    user = torch.repeat_interleave(torch.arange(q_lens.size(0), device=q.device), q_lens, output_size=q.size(0))
+    step = torch.arange(q.size(0), device=q.device) - q_offsets[:-1].to(torch.int64)[user]
+    return out.to(v_new.dtype)[user, step]
 
 
 def paged_hstu_mha(

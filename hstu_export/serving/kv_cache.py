@@ -19,17 +19,50 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, RequestError
-from hstu_export.models.cached import DeltaRanker
+from hstu_export.models.cached import DeltaOutputs, DeltaRanker, KVLayout
 from hstu_export.models.ranking import HISTORY_LENGTHS, HstuRankingModel
 from hstu_export.models.transducer import time_buckets
 from hstu_export.ops.paged import write_pages
 
-__all__ = ["CacheFull", "CachedRanker", "PagedKVCache"]
+__all__ = ["CacheFull", "CachedRanker", "DeltaRunner", "EagerDelta", "PagedKVCache"]
+
+
+class DeltaRunner(Protocol):
+    """What runs a delta request for :class:`CachedRanker`: the eager model (:class:`EagerDelta`) or a
+    package's exported delta program (``hstu_export.runtimes.kv_delta``)."""
+
+    layout: KVLayout
+    device: torch.device
+
+    def validate(self, features: dict[str, Tensor]) -> None:
+        """Raise RequestError when ``features`` is not a request the model accepts."""
+
+    def __call__(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
+                 page_table: Tensor) -> DeltaOutputs:
+        """:meth:`hstu_export.models.cached.DeltaRanker.run`'s contract."""
+
+
+class EagerDelta:
+    """The zoo model's delta path, run eagerly."""
+
+    def __init__(self, model: HstuRankingModel, device: torch.device | str | None = None) -> None:
+        self.delta = DeltaRanker(model.eval())
+        self.layout = self.delta.layout
+        self.device = torch.device(device) if device is not None else model.transducer.post_norm_weight.device
+        self.schema = model.input_schema()
+
+    def validate(self, features: dict[str, Tensor]) -> None:
+        self.schema.validate(features)
+
+    def __call__(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
+                 page_table: Tensor) -> DeltaOutputs:
+        return self.delta.run(features, cached, k_pages, v_pages, page_table)
 
 
 class CacheFull(Exception):
@@ -170,45 +203,44 @@ class PagedKVCache:
 
 
 class CachedRanker:
-    """Serves the zoo ranking model with a :class:`PagedKVCache` of ``budget_bytes``:
-    ``ranker(request, user_ids)`` returns what ``model(request)`` returns, computing for each user only
-    the tokens past its cached prefix. ``max_time_drift`` (seconds, default 0: exact) lets cached
-    history tokens keep their timestamp buckets for that long after they were computed."""
+    """Serves the zoo ranking model, or a package exported with its delta program, with a
+    :class:`PagedKVCache` of ``budget_bytes``: ``ranker(request, user_ids)`` returns what
+    ``model(request)`` returns, computing for each user only the tokens past its cached prefix.
+    ``max_time_drift`` (seconds, default 0: exact) lets cached history tokens keep their timestamp
+    buckets for that long after they were computed."""
 
-    def __init__(self, model: HstuRankingModel, *, budget_bytes: int, page_size: int = 64,
+    def __init__(self, source: HstuRankingModel | DeltaRunner, *, budget_bytes: int, page_size: int = 64,
                  max_time_drift: int = 0, device: torch.device | str | None = None) -> None:
-        cfg = model.config
-        self.model = model.eval()
-        self.delta = DeltaRanker(model)
-        self.device = torch.device(device) if device is not None else model.transducer.post_norm_weight.device
+        self.runner: DeltaRunner = EagerDelta(source, device) if isinstance(source, HstuRankingModel) else source
+        self.layout = layout = self.runner.layout
+        self.device = self.runner.device
         self.max_time_drift = int(max_time_drift)
-        self.cache = PagedKVCache(cfg.num_layers, cfg.num_heads, cfg.attention_dim, cfg.linear_dim,
-                                  budget_bytes=budget_bytes, dtype=self.delta.dtype, device=self.device,
+        self.cache = PagedKVCache(layout.num_layers, layout.num_heads, layout.attention_dim, layout.linear_dim,
+                                  budget_bytes=budget_bytes, dtype=layout.dtype, device=self.device,
                                   page_size=page_size)  # fmt: skip
-        self.schema = model.input_schema()
 
     def __call__(self, features: dict[str, Tensor], user_ids: Sequence[Hashable]) -> dict[str, Tensor]:
-        cfg = self.model.config
-        c = cfg.contextual_seq_len
-        self.schema.validate(features)
+        layout = self.layout
+        c = layout.contextual_seq_len
+        self.runner.validate(features)
         # On the host: what the bookkeeping reads (lengths, history, query time, contextual ids).
         used = (HISTORY_LENGTHS, "uih_item_ids", "uih_action_ids", "uih_timestamps", "query_time",
-                *cfg.contextual_features)
+                *layout.contextual_features)
         host = {name: features[name].cpu() for name in used}
         hist_len = host[HISTORY_LENGTHS].to(torch.int64)
         batch = hist_len.numel()
         ids = list(user_ids)
         if len(ids) != batch:
             raise RequestError(f"{len(ids)} user ids for a batch of {batch} users")
-        enc = self.model.transducer.positional_encoder
         hist_off = [0, *hist_len.cumsum(0).tolist()]
         query_time = host["query_time"].to(torch.int64)
         # What defines each user's tokens: contextual ids, then (item, action, time) per history token;
         # and the history tokens' time buckets at this query time. One pass over the batch, on the host.
         events = torch.stack([host["uih_item_ids"], host["uih_action_ids"], host["uih_timestamps"]], 1).to(torch.int64)
         per_token_time = torch.repeat_interleave(query_time, hist_len)
-        all_buckets = time_buckets(per_token_time, host["uih_timestamps"], enc.time_bucket_base, enc.num_time_buckets)
-        context = torch.stack([host[name] for name in cfg.contextual_features], 1).to(torch.int64) if c else None
+        all_buckets = time_buckets(per_token_time, host["uih_timestamps"], layout.time_bucket_base,
+                                   layout.num_time_buckets)
+        context = torch.stack([host[name] for name in layout.contextual_features], 1).to(torch.int64) if c else None
         counts: dict[Hashable, int] = {}
         for user in ids:
             counts[user] = counts.get(user, 0) + 1
@@ -252,7 +284,7 @@ class CachedRanker:
             delta = {name: value.to(self.device) for name, value in features.items() if name not in history}
             delta.update({name: host[name][fresh].to(self.device) for name in history})
             delta[HISTORY_LENGTHS] = (hist_len - skip).to(self.device)
-            result = self.delta.run(delta, cached, self.cache.k, self.cache.v, table)
+            result = self.runner(delta, cached, self.cache.k, self.cache.v, table)
             # Store the new history tokens' K/V of the stored users, then record what their pages hold.
             users, positions, new_k, new_v = result.users, result.positions, result.new_k, result.new_v
             if bypassed:
@@ -268,7 +300,7 @@ class CachedRanker:
 
     def _reusable(self, entry: _Entry | None, tokens: Tensor, buckets: Tensor, query_time: int, hist_len: int) -> int:
         """Tokens of the entry that may be reused exactly (0: recompute), counting hit, miss or stale."""
-        c = self.model.config.contextual_seq_len
+        c = self.layout.contextual_seq_len
         if entry is None or entry.length == 0:
             self.cache.count("misses")
             return 0

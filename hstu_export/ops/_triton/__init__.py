@@ -5,6 +5,7 @@ kernels visible and AOTInductor compiles them into the package (no Python or Tri
 
 - ``hstu_export::hstu_mha_triton``, ``hstu_export::cached_hstu_mha_triton`` (attention.py)
 - ``hstu_export::hstu_mha_gated_triton``: attention plus the STU output gate (gated.py)
+- ``hstu_export::paged_hstu_mha_triton``: delta attention against the paged KV cache (paged.py)
 - ``hstu_export::jagged_to_padded_dense_triton``, ``hstu_export::dense_to_jagged_triton``,
   ``hstu_export::concat_2D_jagged_triton``, ``hstu_export::split_2D_jagged_triton`` (jagged.py)
 
@@ -24,11 +25,13 @@ from .configs import (
     jagged_config,
 )
 from .gated import hstu_mha_gated_triton_fwd
+from .paged import paged_hstu_mha_triton_fwd
 
 OP_NAMES: tuple[str, ...] = (
     "hstu_export::hstu_mha_triton",
     "hstu_export::cached_hstu_mha_triton",
     "hstu_export::hstu_mha_gated_triton",
+    "hstu_export::paged_hstu_mha_triton",
     "hstu_export::jagged_to_padded_dense_triton",
     "hstu_export::dense_to_jagged_triton",
     "hstu_export::concat_2D_jagged_triton",
@@ -46,4 +49,5 @@ __all__ = [
     "hstu_mha_gated_triton_fwd",
     "hstu_mha_triton_fwd",
     "jagged_config",
+    "paged_hstu_mha_triton_fwd",
 ]

@@ -19,11 +19,12 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 from .attention import _position, _silu_scaled
 from .configs import attention_config, next_power_of_2
 
-__all__ = ["paged_hstu_mha_triton_fwd", "split_count"]
+__all__ = ["paged_hstu_mha_triton", "paged_hstu_mha_triton_fwd", "split_count"]
 
 # Programs wanted in flight: about two waves of an H100's 132 SMs.
 _SMS = 132
@@ -219,8 +220,11 @@ def paged_hstu_mha_triton_fwd(
     max_seq_len: int,
     max_query_len: int,
     splits: int | None = None,
+    traceable: bool = False,
 ) -> torch.Tensor:
-    """Launches the paged delta kernel (eager). ``splits`` overrides the key-slice count (benchmarks)."""
+    """Launches the paged delta kernel. ``splits`` overrides the key-slice count (benchmarks; an exported
+    program fixes it, as the batch size is not known then). ``traceable``: launched inside the op, so that
+    torch.export and Inductor see the kernel."""
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     lq, num_heads, dqk = q.shape
     dv = v_new.shape[2]
@@ -233,7 +237,7 @@ def paged_hstu_mha_triton_fwd(
     if page_size % block_n or block_n < 16:
         raise ValueError(f"the page size ({page_size}) must be a multiple of 16 and of the key block ({cfg.block_n}); "
                          "use a power of two >= 16")
-    num_users = seq_lens.numel()
+    num_users = seq_lens.shape[0]
     if splits is None:
         splits, per_split = split_count(num_users, num_heads, max_query_len, max_seq_len, cfg.block_m, block_n)
     else:
@@ -241,8 +245,11 @@ def paged_hstu_mha_triton_fwd(
     out = torch.empty((lq, num_heads, dv), dtype=v_new.dtype, device=q.device)
     work = torch.empty((splits, lq, num_heads, dv), dtype=torch.float32, device=q.device) if splits > 1 else out
     fast_silu = capability is not None and q.dtype != torch.float32
-    grid = (triton.cdiv(max(max_query_len, 1), cfg.block_m), num_users * num_heads, splits)
-    _paged_attn_fwd[grid](
+    # No user has more new rows than the request has in all (a symbolic size in an exported program).
+    rows = torch.sym_min(lq, max_query_len) if traceable else max_query_len
+    grid = (triton.cdiv(torch.sym_max(rows, 1), cfg.block_m), num_users * num_heads, splits)
+    kernel = wrap_triton(_paged_attn_fwd) if traceable else _paged_attn_fwd
+    kernel[grid](
         q, k_new, v_new, k_pages, v_pages, out, work, q_offsets, seq_lens, num_targets, page_table,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), v_pages.stride(0), v_pages.stride(1),
@@ -253,5 +260,32 @@ def paged_hstu_mha_triton_fwd(
         UPCAST_DOTS=interpreting and q.dtype != torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if splits > 1:
-        out.copy_(work.sum(0) * (1.0 / float(scaling_seqlen)))
+        return (work.sum(0) * (1.0 / float(scaling_seqlen))).to(out.dtype)
     return out
+
+
+@triton_op("hstu_export::paged_hstu_mha_triton", mutates_args=())
+def paged_hstu_mha_triton(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_targets: torch.Tensor,
+    scaling_seqlen: int,
+    alpha: float,
+    contextual_seq_len: int,
+    max_attn_len: int,
+    max_seq_len: int,
+    max_query_len: int,
+    splits: int,
+) -> torch.Tensor:
+    """The paged delta attention as an op an exported program calls (AOTInductor compiles the kernel in)."""
+    return paged_hstu_mha_triton_fwd(
+        q, k_new, v_new, q_offsets, k_pages, v_pages, page_table, seq_lens, num_targets, scaling_seqlen, alpha,
+        contextual_seq_len, max_attn_len, max_seq_len=max_seq_len, max_query_len=max_query_len, splits=splits,
+        traceable=True,
+    )  # fmt: skip
