@@ -204,6 +204,12 @@ def _stage_progress(quiet: bool) -> Any:
 @click.option("--passes", default=None, help="Comma-separated pass list to run instead of the default.")
 @click.option("--check-each-pass", is_flag=True, help="Compare the graph with eager after every pass.")
 @click.option("--force", is_flag=True, help="Replace an existing package directory.")
+@click.option("--kv-cache", is_flag=True,
+              help="Also export the delta program for KV-cached serving, verified against the model (docs/KV_CACHE.md).")
+@click.option("--kv-page-size", type=int, default=64, show_default=True,
+              help="With --kv-cache: tokens per cache page (a power of two >= 16).")
+@click.option("--kv-splits", type=int, default=1, show_default=True,
+              help="With --kv-cache on CUDA: key slices of the paged attention kernel (more fill the GPU at small batches).")
 @click.option("--no-verify", is_flag=True, help="Skip the parity check (the manifest records that).")
 @click.option("--verify-batches", type=click.IntRange(min=0), default=4, show_default=True,
               help="Random batches verified besides the edge cases.")
@@ -219,7 +225,8 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
                    torch_executed_op: tuple[str, ...], dryrun: bool, out: str | None, dump_graphs: str | None,
                    serving_repo: str | None, graphs_in_package: bool, leaf_module: tuple[str, ...], opaque_function: tuple[str, ...], map_function: tuple[str, ...],
                    attention_scale: str, max_length: tuple[str, ...], skip_pass: tuple[str, ...],
-                   passes: str | None, check_each_pass: bool, force: bool, no_verify: bool, verify_batches: int,
+                   passes: str | None, check_each_pass: bool, force: bool, kv_cache: bool, kv_page_size: int,
+                   kv_splits: int, no_verify: bool, verify_batches: int,
                    rtol: float | None, atol: float | None, allow_pickle: bool, imports: tuple[str, ...],
                    quiet: bool, verbose: bool) -> None:
     """Export MODEL (a model bundle) to a verified package.
@@ -247,7 +254,7 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
         op_mappings=_parse_mappings(map_function), attention_scale=attention_scale,
         lengths=_parse_lengths(max_length), imports=tuple(imports),
         verify=VerifySettings(enabled=not no_verify, num_random_batches=verify_batches, rtol=rtol, atol=atol),
-        force=force,
+        force=force, kv_cache=kv_cache, kv_page_size=kv_page_size, kv_splits=kv_splits,
     )
     target = Path(out) if out else Path(model).with_suffix(f".{backend}")
     if serving_repo:  # refused before the export, not after it
@@ -298,6 +305,14 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
         table.add_row("parity", f"[green]passed[/green] on {len(parity['batches'])} batches: worst rel. L2 "
                                 f"{w['rel_l2']:.2e} (tol {tol['rel_l2']:.0e}), max abs {w['max_abs']:.2e} "
                                 f"(tol {tol['max_abs']:.0e})")
+    if "kv_cache" in manifest:
+        kv, checked = manifest["kv_cache"], parity.get("kv_cache")
+        line = f"delta program {kv['program']}, pages of {kv['page_size']} tokens"
+        if checked:
+            w = checked["worst"]
+            line += (f"; served {len(checked['batches'])} requests through its cache ({checked['cache']['hits']} hits): "
+                     f"worst rel. L2 {w['rel_l2']:.2e}, max abs {w['max_abs']:.2e}")
+        table.add_row("kv cache", line)
     if manifest.get("op_libraries"):
         table.add_row("load needs", ", ".join(manifest["op_libraries"]))
     passes = {p["name"]: p for p in manifest.get("passes", [])}

@@ -306,6 +306,10 @@ def export(
         bundle = (model if isinstance(model, ModelBundle)
                   else load_bundle(model, allow_pickle=allow_pickle, imports=settings.imports))
 
+    if settings.kv_cache:
+        from hstu_export.kv_export import check_kv_cache
+
+        check_kv_cache(bundle.model, backend.name)
     weight_bytes = _refuse_what_the_machine_cannot_hold(bundle, settings, out)
     op_target = settings.op_target or backend.default_op_target(device)
     doing = f"writing the graph dumps to {settings.dump_dir}" if settings.dump_dir is not None else "the export"
@@ -328,6 +332,13 @@ def export(
         with _timed(timings, progress, "compile"), torch.no_grad(), _collecting_triton_configs() as configs:
             artifacts = backend.compile(inputs, staged)
         _check_op_libraries(artifacts.op_libraries)
+        kv_section = None
+        if settings.kv_cache:
+            from hstu_export.kv_export import compile_kv_delta
+
+            with _timed(timings, progress, "kv-cache program"), torch.no_grad():
+                kv_model = copy.deepcopy(bundle.model).to(device=device, dtype=settings.torch_dtype).eval()
+                kv_section = compile_kv_delta(kv_model, ranges, settings, op_target, staged, inputs.output_names)
         if result.report_path is not None and settings.graphs_in_package:
             # Asked for: the graph dumps travel inside the package (graphs/report.html).
             shutil.copytree(result.report_path.parent, staged / "graphs")
@@ -367,6 +378,8 @@ def export(
             "settings": settings.to_json(),
             "parity": {"skipped": True},
         }
+        if kv_section is not None:
+            manifest["kv_cache"] = kv_section
         write_manifest(staged, manifest)
 
         if settings.verify.enabled:
@@ -378,6 +391,12 @@ def export(
                     f"the package differs from the model: {mismatch_summary(parity)}; nothing was written "
                     "(--rtol/--atol set the tolerances)"
                 )
+            if "kv_cache" in parity and not parity["kv_cache"]["passed"]:
+                kv = parity["kv_cache"]
+                why = (mismatch_summary(kv) if not all(row["passed"] for row in kv["batches"])
+                       else "no request was served from the cache")
+                raise VerificationError(f"KV-cached serving of the package differs from the model: {why}; "
+                                        "nothing was written (--rtol/--atol set the tolerances)")
         manifest["timings"] = timings
         manifest = write_manifest(staged, manifest)
         with _timed(timings, progress, "write"):
@@ -460,7 +479,12 @@ def _verify(root: Path, reference: Any, schema: InputSchema, ranges: ExportRange
 
     predictor = load(root, verify_checksums=False)
     batches = verification_batches(schema, ranges, settings.verify.seed, settings.verify.num_random_batches)
-    return check_parity(predictor, reference, batches, settings.tolerances(op_target))
+    parity = check_parity(predictor, reference, batches, settings.tolerances(op_target))
+    if "kv_cache" in predictor.manifest:
+        from hstu_export.kv_export import verify_kv_cache
+
+        parity["kv_cache"] = verify_kv_cache(predictor, reference, settings.tolerances(op_target), settings.verify.seed)
+    return parity
 
 
 def _eager_reference(eager: nn.Module, schema: InputSchema, settings: ExportSettings,

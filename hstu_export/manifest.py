@@ -316,6 +316,7 @@ def _parse(data: Any) -> Manifest:
     model = _object(get("model"), "model")
     for key, read in _OPTIONAL_TOP.items():
         _optional(top, key, "", read)
+    _optional(top, "kv_cache", "", lambda v, n: _kv_cache(v, files))
     return Manifest(
         format_version=_integer(get("format_version"), "format_version", minimum=1),
         op_namespace=_string(get("op_namespace"), "op_namespace"),
@@ -338,6 +339,28 @@ def _parse(data: Any) -> Manifest:
         artifacts=_artifacts(get("artifacts"), backend, schema),
         raw=top,
     )
+
+
+def _kv_cache(value: Any, files: dict[str, str]) -> dict[str, Any]:
+    """The ``--kv-cache`` section: the delta program's file (listed in ``files``), its page size and bounds,
+    and the layout of the cache it reads (docs/PACKAGE.md)."""
+    section = _object(value, "kv_cache")
+    program = _relpath(_get(section, "program", "kv_cache"), "kv_cache.program")
+    if program not in files:
+        raise _FieldError("kv_cache.program", f"{program!r} is not listed in files (every artifact has a sha256 there)")
+    _strings(_get(section, "inputs", "kv_cache"), "kv_cache.inputs", nonempty=True)
+    _strings(_get(section, "outputs", "kv_cache"), "kv_cache.outputs", nonempty=True)
+    page = _integer(_get(section, "page_size", "kv_cache"), "kv_cache.page_size", minimum=16)
+    if page & (page - 1):
+        raise _FieldError("kv_cache.page_size", f"expected a power of two, got {page}")
+    for key in ("max_seq_len", "max_query_len", "splits"):
+        _integer(_get(section, key, "kv_cache"), f"kv_cache.{key}", minimum=1)
+    layout = _object(_get(section, "layout", "kv_cache"), "kv_cache.layout")
+    for key in ("num_layers", "num_heads", "attention_dim", "linear_dim", "num_time_buckets"):
+        _integer(_get(layout, key, "kv_cache.layout"), f"kv_cache.layout.{key}", minimum=1)
+    _number(_get(layout, "time_bucket_base", "kv_cache.layout"), "kv_cache.layout.time_bucket_base", minimum=0)
+    _strings(_get(layout, "contextual_features", "kv_cache.layout"), "kv_cache.layout.contextual_features")
+    return section
 
 
 def _files(value: Any) -> dict[str, str]:

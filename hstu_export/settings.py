@@ -182,6 +182,9 @@ class ExportSettings:
     graphs_in_package: bool = False  # copy the graph dumps into the package (graphs/)
     verify: VerifySettings = field(default_factory=VerifySettings)
     force: bool = False
+    kv_cache: bool = False  # also export the delta program for KV-cached serving (hstu_export.kv_export)
+    kv_page_size: int = 64  # tokens per cache page the delta program reads (a power of two >= 16)
+    kv_splits: int = 1  # key slices of the Triton paged attention in the delta program
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype)
@@ -207,6 +210,11 @@ class ExportSettings:
         if self.dump_dir is not None:
             self.dump_dir = Path(self.dump_dir)
         self.attention_scale = parse_attention_scale(self.attention_scale)
+        if not (isinstance(self.kv_page_size, int) and self.kv_page_size >= 16
+                and not self.kv_page_size & (self.kv_page_size - 1)):
+            raise ConfigError(f"--kv-page-size must be a power of two >= 16, got {self.kv_page_size!r}")
+        if not (isinstance(self.kv_splits, int) and 1 <= self.kv_splits <= 64):
+            raise ConfigError(f"--kv-splits must be a whole number from 1 to 64, got {self.kv_splits!r}")
         if self.max_batch_size > MAX_BATCH_SIZE:
             raise ConfigError(f"--max-batch-size {self.max_batch_size} is beyond {MAX_BATCH_SIZE:,}; "
                               "serving batches are split long before that")

@@ -45,7 +45,8 @@ class Predictor:
         self._feature_names = frozenset(self.input_schema.names)
         self._runner = runner
 
-    def __call__(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    def check_request(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``batch`` as plain tensors, validated against the exported input schema (RequestError if not)."""
         if not isinstance(batch, Mapping):
             raise RequestError(f"a request is a dict of named tensors, got {type(batch).__name__}")
         # Unknown names are kept as they are, for validate() to name them. Validation reads the plain
@@ -53,9 +54,32 @@ class Predictor:
         # range checks cost no device synchronisation.
         request = {k: plain_tensor(k, v) if k in self._feature_names else v for k, v in batch.items()}
         self.input_schema.validate(request, self.max_batch_size)
+        return request
+
+    def __call__(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        request = self.check_request(batch)
         return self._runner({f.graph_name: to_device(request[f.name], self.device) for f in self.input_schema.features})
 
     predict = __call__
+
+    def kv_cache(self, budget_bytes: int | None = None, *, max_time_drift: int = 0) -> Any:
+        """A :class:`~hstu_export.serving.kv_cache.CachedRanker` over this package's delta program (a package
+        exported with ``--kv-cache``): ``ranker(request, user_ids)`` answers as ``predictor(request)``,
+        running only each user's tokens past its cached prefix. ``budget_bytes`` (default: room for
+        ``max_batch_size`` users at the longest sequence) is allocated now, on the package's device."""
+        from hstu_export.runtimes.kv_delta import PackageDelta
+        from hstu_export.serving.kv_cache import CachedRanker
+
+        runner = PackageDelta(self)
+        if budget_bytes is None:
+            section = self.manifest["kv_cache"]
+            layout = runner.layout
+            pages = self.max_batch_size * -(-section["max_seq_len"] // runner.page_size)
+            item = torch.empty((), dtype=layout.dtype).element_size()
+            budget_bytes = pages * layout.num_layers * runner.page_size * layout.num_heads * (
+                layout.attention_dim + layout.linear_dim) * item
+        return CachedRanker(runner, budget_bytes=budget_bytes, page_size=runner.page_size,
+                            max_time_drift=max_time_drift)
 
     @property
     def split(self) -> SplitRunner | None:

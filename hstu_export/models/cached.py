@@ -39,7 +39,8 @@ from hstu_export.ops.jagged import lengths_to_offsets
 from hstu_export.ops.paged import paged_hstu_mha
 from hstu_export.ops.reference import stu_gate
 
-__all__ = ["KV_OUTPUTS", "DeltaOutputs", "KVLayout", "DeltaPlan", "DeltaProgram", "DeltaRanker", "plan_on_device"]
+__all__ = ["KV_OUTPUTS", "PROGRAM_INPUTS", "DeltaOutputs", "DeltaPlan", "DeltaProgram", "DeltaRanker", "KVLayout",
+           "fresh_contextual", "plan_on_device", "stacked_contextual"]
 
 # The outputs a delta program adds to the model's: the new non-target tokens' K/V and where they go.
 KV_OUTPUTS = ("kv_new_k", "kv_new_v", "kv_users", "kv_positions")
@@ -256,12 +257,13 @@ def fresh_contextual(emb: dict[str, Tensor], names: Sequence[str], cached: Tenso
 class DeltaProgram(nn.Module):
     """The delta run as a module of tensors in, tensors out: what the package's ``kv_delta`` program is.
 
-    Inputs (keywords): the sparse half's embeddings (contextual ones for the users with nothing cached
-    only), ``uih_lengths`` (history tokens past the cached prefix), ``candidate_lengths``,
-    ``uih_timestamps`` (of those history tokens), ``query_time``, ``kv_cached`` [B] (cached tokens per
-    user, 0: prefill), ``kv_k_pages``/``kv_v_pages`` [layers, pages, page, H, D] and ``kv_page_table``
-    [B, W]. Outputs: the model's, plus :data:`KV_OUTPUTS`. ``max_seq_len``/``max_query_len`` are the
-    exported bounds: a user's whole sequence, and its new tokens."""
+    Inputs, in this order (:data:`PROGRAM_INPUTS`): the sparse half's history, action and candidate
+    embeddings; ``contextual_emb`` [F, contextual features, D], the contextual embeddings of the F users
+    with nothing cached, in batch order; ``uih_lengths`` (history tokens past the cached prefix),
+    ``candidate_lengths``, ``uih_timestamps`` (of those history tokens), ``query_time``; ``kv_cached`` [B]
+    (cached tokens per user, 0: prefill), ``kv_k_pages``/``kv_v_pages`` [layers, pages, page, H, D] and
+    ``kv_page_table`` [B, W]. Outputs: the model's, plus :data:`KV_OUTPUTS`. ``max_seq_len`` and
+    ``max_query_len`` are the exported bounds: a user's whole sequence, and its new tokens."""
 
     def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor], max_seq_len: int,
                  max_query_len: int) -> None:
@@ -270,14 +272,32 @@ class DeltaProgram(nn.Module):
         self.delta = DeltaRanker(model, attention)
         self.max_seq_len, self.max_query_len = max_seq_len, max_query_len
 
-    def forward(self, **inputs: Tensor) -> dict[str, Tensor]:
+    def forward(self, uih_item_emb: Tensor, uih_action_emb: Tensor, candidate_item_emb: Tensor, contextual_emb: Tensor,
+                uih_lengths: Tensor, candidate_lengths: Tensor, uih_timestamps: Tensor, query_time: Tensor,
+                kv_cached: Tensor, kv_k_pages: Tensor, kv_v_pages: Tensor, kv_page_table: Tensor) -> dict[str, Tensor]:
         cfg = self.model.config
         c = cfg.contextual_seq_len
-        n_ctx = inputs[f"{cfg.contextual_features[0]}_emb"].shape[0] * c if c else 0
-        plan = plan_on_device(inputs["kv_cached"], inputs[HISTORY_LENGTHS], inputs[CANDIDATE_LENGTHS],
-                              inputs["uih_item_emb"].shape[0], inputs["candidate_item_emb"].shape[0], n_ctx, c,
-                              self.max_seq_len, self.max_query_len)  # fmt: skip
-        out = self.delta.dense(inputs, inputs, plan, inputs["kv_k_pages"], inputs["kv_v_pages"],
-                               inputs["kv_page_table"])
+        plan = plan_on_device(kv_cached, uih_lengths, candidate_lengths, uih_item_emb.shape[0],
+                              candidate_item_emb.shape[0], contextual_emb.shape[0] * c, c, self.max_seq_len,
+                              self.max_query_len)  # fmt: skip
+        emb = {"uih_item_emb": uih_item_emb, "uih_action_emb": uih_action_emb, "candidate_item_emb": candidate_item_emb,
+               **{f"{name}_emb": contextual_emb[:, i] for i, name in enumerate(cfg.contextual_features)}}
+        features = {"uih_timestamps": uih_timestamps, "query_time": query_time}
+        out = self.delta.dense(emb, features, plan, kv_k_pages, kv_v_pages, kv_page_table)
         return {**out.outputs, "kv_new_k": out.new_k, "kv_new_v": out.new_v, "kv_users": out.users,
                 "kv_positions": out.positions}
+
+
+# The delta program's inputs, in order.
+PROGRAM_INPUTS = ("uih_item_emb", "uih_action_emb", "candidate_item_emb", "contextual_emb", HISTORY_LENGTHS,
+                  CANDIDATE_LENGTHS, "uih_timestamps", "query_time", "kv_cached", "kv_k_pages", "kv_v_pages",
+                  "kv_page_table")
+
+
+def stacked_contextual(emb: dict[str, Tensor], names: Sequence[str], cached: Tensor, like: Tensor) -> Tensor:
+    """The ``contextual_emb`` input of :class:`DeltaProgram`: [F, len(names), D] for the users with nothing
+    cached (``like`` gives dtype, device and D when there are no contextual features)."""
+    if not names:
+        return like.new_zeros((0, 0, like.shape[-1]))
+    fresh = fresh_contextual(emb, names, cached)
+    return torch.stack([fresh[f"{name}_emb"] for name in names], dim=1)

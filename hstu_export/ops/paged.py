@@ -71,7 +71,7 @@ def paged_hstu_mha_reference(
         q_max = int(q_lens.max()) if q_lens.numel() else 0
     cols = torch.arange(n_max, device=q.device)
     # Keys: cached tokens from the pages, the new ones from k_new/v_new.
-    pages = page_table.to(torch.int64).gather(1, (cols // page_size).expand(len(seq_lens), -1).clamp(
+    pages = page_table.to(torch.int64).gather(1, (cols // page_size).expand(seq_lens.shape[0], -1).clamp(
         max=page_table.size(1) - 1))
     slots = pages * page_size + cols % page_size
     from_pages = cols.unsqueeze(0) < (seq_lens - q_lens).unsqueeze(1)

@@ -40,8 +40,8 @@ class DeltaRunner(Protocol):
     layout: KVLayout
     device: torch.device
 
-    def validate(self, features: dict[str, Tensor]) -> None:
-        """Raise RequestError when ``features`` is not a request the model accepts."""
+    def validate(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``features`` as the runner takes them; RequestError when it is not a request the model accepts."""
 
     def __call__(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
                  page_table: Tensor) -> DeltaOutputs:
@@ -57,8 +57,9 @@ class EagerDelta:
         self.device = torch.device(device) if device is not None else model.transducer.post_norm_weight.device
         self.schema = model.input_schema()
 
-    def validate(self, features: dict[str, Tensor]) -> None:
+    def validate(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
         self.schema.validate(features)
+        return features
 
     def __call__(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
                  page_table: Tensor) -> DeltaOutputs:
@@ -222,7 +223,7 @@ class CachedRanker:
     def __call__(self, features: dict[str, Tensor], user_ids: Sequence[Hashable]) -> dict[str, Tensor]:
         layout = self.layout
         c = layout.contextual_seq_len
-        self.runner.validate(features)
+        features = self.runner.validate(features)
         # On the host: what the bookkeeping reads (lengths, history, query time, contextual ids).
         used = (HISTORY_LENGTHS, "uih_item_ids", "uih_action_ids", "uih_timestamps", "query_time",
                 *layout.contextual_features)

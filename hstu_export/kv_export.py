@@ -1,0 +1,242 @@
+"""``--kv-cache``: the package also carries the model's delta program, for KV-cached serving.
+
+The delta program (:class:`hstu_export.models.cached.DeltaProgram`) runs a request's new tokens (fresh
+history and candidates) against each user's cached K/V and returns the model's outputs plus the new
+tokens' K/V. With nothing cached for a user it is that user's prefill: one program serves hits, misses
+and mixed batches. It is exported with dynamic shapes (every size follows from its inputs: users,
+users with nothing cached, new history tokens, candidates, cache pages, page-table width) and compiled
+by AOTInductor into ``kv/delta.pt2`` beside the package's ordinary (no-cache) programs.
+
+Verification then serves scripted requests through the package's own cache (prefill, a hit with new
+candidates only, one new token, a history grown across requests and across a page, reordered users, a
+new user mixed with cached ones) and compares every answer with the user's model on the whole request.
+
+Scope: the zoo's :class:`~hstu_export.models.ranking.HstuRankingModel` (the delta path is written for
+its layers) and the AOTInductor backend. The programs are built from the model's modules, not traced
+through the pass pipeline: the attention is chosen by the op target (our Triton kernel reading the
+pages for ``triton``, plain aten ops padded to the exported bounds for ``aten``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hstu_export.errors import ConfigError, ExportError
+from hstu_export.models.cached import KV_OUTPUTS, PROGRAM_INPUTS, DeltaProgram, KVLayout, stacked_contextual
+from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HstuRankingModel
+
+KV_DELTA_FILE = "kv/delta.pt2"
+KV_INPUTS = ("kv_cached", "kv_k_pages", "kv_v_pages", "kv_page_table")
+MAX_PAGES = 1 << 24  # the exported bound on a cache's pages (the budget sets the real count at load)
+
+
+def check_kv_cache(model: Any, backend: str) -> None:
+    """Refuse ``--kv-cache`` where it cannot be built, before any work."""
+    if backend != "aoti":
+        raise ConfigError(f"--kv-cache builds an AOTInductor delta program; use --backend aoti (not {backend})")
+    if not isinstance(model, HstuRankingModel):
+        raise ConfigError(
+            f"--kv-cache: the delta program is written for hstu-export's HstuRankingModel, and this model is a "
+            f"{type(model).__name__}; export it without --kv-cache (KV-cached serving of other models is not built yet)"
+        )
+
+
+def kv_bounds(model: HstuRankingModel, ranges: Any) -> tuple[int, int]:
+    """(longest sequence, most new tokens per user) the exported program accepts: contextual + history +
+    candidates, within the package's ranges; a prefill is all new."""
+    total = (model.config.contextual_seq_len + ranges.max_lengths[HISTORY_LENGTHS]
+             + ranges.max_lengths[CANDIDATE_LENGTHS])
+    return total, total
+
+
+def attention_for(op_target: str, splits: int = 1) -> Callable[..., Tensor]:
+    """The paged attention the program calls: our Triton kernel (``triton``) or plain aten (else)."""
+    if op_target == "triton":
+        import hstu_export.ops._triton  # noqa: F401  (registers hstu_export::paged_hstu_mha_triton)
+
+        def triton_attention(*args: Any, max_seq_len: int, max_query_len: int) -> Tensor:
+            return torch.ops.hstu_export.paged_hstu_mha_triton(*args, max_seq_len, max_query_len, splits)
+
+        return triton_attention
+    from hstu_export.ops.paged import paged_hstu_mha_reference
+
+    return functools.partial(paged_hstu_mha_reference)
+
+
+def example_inputs(model: HstuRankingModel, ranges: Any, page_size: int, device: torch.device,
+                   seed: int) -> dict[str, Tensor]:
+    """A delta request for torch.export: 4 users, 2 with nothing cached; every dynamic size >= 2 and
+    different from the others (so that none is specialised or unified with another)."""
+    from hstu_export.batch import generate_batch
+
+    layout = KVLayout.of(model)
+    max_hist, max_cand = ranges.max_lengths[HISTORY_LENGTHS], ranges.max_lengths[CANDIDATE_LENGTHS]
+    hist = [min(n, max_hist) for n in (3, 2, 4, 5)]
+    cand = [min(n, max_cand) for n in (2, 3, 2, 4)]
+    cached = [0, 0, min(6, max_hist), min(9, max_hist)]
+    request = generate_batch(model.input_schema(), 4, seed=seed, lengths={HISTORY_LENGTHS: hist,
+                                                                          CANDIDATE_LENGTHS: cand})
+    request = {k: v.to(device) for k, v in request.items()}
+    with torch.no_grad():
+        emb = model.sparse_arch(request)
+    cached_t = torch.tensor(cached, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(seed)
+    pages = 7
+    shape = (layout.num_layers, pages, page_size, layout.num_heads)
+    k = torch.randn(*shape, layout.attention_dim, generator=gen).to(device, layout.dtype)
+    v = torch.randn(*shape, layout.linear_dim, generator=gen).to(device, layout.dtype)
+    table = torch.tensor([[0, 0, 0], [0, 0, 0], [1, 2, 3], [4, 5, 6]], dtype=torch.int32, device=device)
+    values = {**emb, **request,
+              "contextual_emb": stacked_contextual(emb, layout.contextual_features, cached_t, emb["uih_item_emb"]),
+              "kv_cached": cached_t.to(device), "kv_k_pages": k, "kv_v_pages": v, "kv_page_table": table}
+    return {name: values[name].clone(memory_format=torch.contiguous_format) for name in PROGRAM_INPUTS}
+
+
+def dynamic_shapes(model: HstuRankingModel, ranges: Any, page_size: int,
+                   names: list[str]) -> dict[str, dict[int, Any]]:
+    """torch.export dims of the delta program's inputs, by name."""
+    from torch.export import Dim
+
+    b_max = max(ranges.max_batch_size, 2)
+    max_seq_len, _ = kv_bounds(model, ranges)
+    batch = Dim("batch", min=1, max=b_max)
+    fresh = Dim("fresh_users", min=0, max=b_max)
+    hist = Dim("new_history", min=0, max=max(b_max * ranges.max_lengths[HISTORY_LENGTHS], 5))
+    cand = Dim("candidates", min=1, max=max(b_max * ranges.max_lengths[CANDIDATE_LENGTHS], 5))
+    pages = Dim("pages", min=1, max=MAX_PAGES)
+    width = Dim("page_table_width", min=1, max=max(-(-max_seq_len // page_size), 4))
+    dims: dict[str, dict[int, Any]] = {
+        "uih_item_emb": {0: hist}, "uih_action_emb": {0: hist}, "uih_timestamps": {0: hist},
+        "candidate_item_emb": {0: cand}, "contextual_emb": {0: fresh}, HISTORY_LENGTHS: {0: batch},
+        CANDIDATE_LENGTHS: {0: batch}, "query_time": {0: batch}, "kv_cached": {0: batch}, "kv_k_pages": {1: pages},
+        "kv_v_pages": {1: pages}, "kv_page_table": {0: batch, 1: width},
+    }
+    return {name: dims.get(name, {}) for name in names}
+
+
+def compile_kv_delta(model: HstuRankingModel, ranges: Any, settings: Any, op_target: str, out_dir: Path,
+                     output_names: list[str]) -> dict[str, Any]:
+    """Export and compile the delta program into ``out_dir`` (the package being built); returns the
+    manifest's ``kv_cache`` section."""
+    device, page_size = settings.torch_device, settings.kv_page_size
+    max_seq_len, max_query_len = kv_bounds(model, ranges)
+    program = DeltaProgram(model, attention_for(op_target, settings.kv_splits), max_seq_len, max_query_len).eval()
+    example = example_inputs(model, ranges, page_size, device, settings.verify.seed)
+    names = list(example)
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            exported = torch.export.export(program, args=(), kwargs=example,
+                                           dynamic_shapes=dynamic_shapes(model, ranges, page_size, names), strict=False)
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        raise ExportError(f"torch.export of the KV-cache delta program failed: {text[0] if text else type(exc).__name__}"
+                          ) from exc
+    (out_dir / KV_DELTA_FILE).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / KV_DELTA_FILE))
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        raise ExportError(f"AOTInductor compilation of the KV-cache delta program failed: "
+                          f"{text[0] if text else type(exc).__name__}") from exc
+    layout = KVLayout.of(model)
+    return {
+        "program": KV_DELTA_FILE,
+        "inputs": names,
+        "outputs": [*output_names, *KV_OUTPUTS],
+        "page_size": page_size,
+        "splits": settings.kv_splits,
+        "max_seq_len": max_seq_len,
+        "max_query_len": max_query_len,
+        "layout": {"num_layers": layout.num_layers, "num_heads": layout.num_heads,
+                   "attention_dim": layout.attention_dim, "linear_dim": layout.linear_dim,
+                   "contextual_features": list(layout.contextual_features),
+                   "time_bucket_base": layout.time_bucket_base, "num_time_buckets": layout.num_time_buckets},
+        "scaling_seqlen": model.config.attn_scaling_seqlen,
+        "compile_seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+# -- verification: scripted requests through the package's cache ------------------------------------
+
+class _Histories:
+    """Each user's full history and contextual ids (from one generated batch at the maximum lengths);
+    a request takes a prefix of each named user's history, and fresh candidates."""
+
+    def __init__(self, schema: Any, layout: KVLayout, users: int, max_hist: int, seed: int) -> None:
+        from hstu_export.batch import generate_batch
+
+        self.layout, self.schema, self.seed = layout, schema, seed
+        self.full = generate_batch(schema, users, seed=seed, lengths={HISTORY_LENGTHS: [max_hist] * users,
+                                                                      CANDIDATE_LENGTHS: [1] * users})
+        self.max_hist = max_hist
+        self.calls = 0
+
+    def request(self, users: list[int], hist: list[int], cand: list[int]) -> dict[str, Tensor]:
+        from hstu_export.batch import generate_batch
+
+        self.calls += 1
+        fresh = generate_batch(self.schema, len(users), seed=self.seed + 101 * self.calls,
+                               lengths={HISTORY_LENGTHS: [1] * len(users), CANDIDATE_LENGTHS: cand})
+        rows = torch.cat([torch.arange(u * self.max_hist, u * self.max_hist + h) for u, h in zip(users, hist)])
+        out = dict(fresh)
+        for name in ("uih_item_ids", "uih_action_ids", "uih_timestamps"):
+            out[name] = self.full[name][rows]
+        out[HISTORY_LENGTHS] = torch.tensor(hist, dtype=self.full[HISTORY_LENGTHS].dtype)
+        index = torch.tensor(users)
+        for name in (*self.layout.contextual_features, "query_time"):
+            out[name] = self.full[name][index]
+        return out
+
+
+def verification_steps(max_hist: int, max_cand: int, page_size: int) -> list[tuple[str, list[int], list[int], list[int]]]:
+    """(what it checks, users, history lengths, candidates) per request, within the package's ranges."""
+    h = max_hist
+    grown = min(h, h // 3 + 1 + page_size)  # more than a page past user 1's first prefix, when the range allows
+    return [
+        ("prefill (every user a miss)", [0, 1, 2], [max(1, h // 2), h // 3 + 1, max(1, h - 1)],
+         [max_cand, 1, max(1, max_cand // 2)]),
+        ("hit: new candidates only, one new token for user 0", [0, 1, 2], [max(1, h // 2), h // 3 + 1, max(1, h - 1)],
+         [1, max_cand, min(2, max_cand)]),
+        ("history grown by one token and by more than a page, users reordered", [2, 0, 1],
+         [max(1, h - 1), min(h, max(1, h // 2) + 1), grown], [min(2, max_cand), max_cand, 1]),
+        ("a new user with cached ones", [3, 0], [max(1, h // 2), min(h, max(1, h // 2) + 1)], [max_cand, min(2, max_cand)]),
+    ]
+
+
+def verify_kv_cache(predictor: Any, reference: Callable[[dict[str, Tensor]], dict[str, Tensor]],
+                    tolerances: dict[str, float], seed: int) -> dict[str, Any]:
+    """Serve :func:`verification_steps` through the package's cache, in order, and compare each answer
+    with ``reference`` (the user's model on the whole request). Returns the ``parity.kv_cache`` record:
+    ``check_parity``'s, plus the cache's counters; it fails when no request was served from the cache."""
+    from hstu_export.verify import check_parity
+
+    section = predictor.manifest["kv_cache"]
+    ranker = predictor.kv_cache()
+    ranges = predictor.package_manifest.ranges.lengths
+    max_hist = ranges.max_lengths[HISTORY_LENGTHS]
+    max_cand = ranges.max_lengths[CANDIDATE_LENGTHS]
+    histories = _Histories(predictor.input_schema, ranker.layout, 4, max_hist, seed)
+    batches, users_of = [], {}
+    for what, users, hist, cand in verification_steps(max_hist, max_cand, section["page_size"]):
+        n = min(len(users), predictor.max_batch_size)
+        batches.append((what, histories.request(users[:n], hist[:n], cand[:n])))
+        users_of[what] = [_user_id(u) for u in users[:n]]
+    current: list[str] = []
+    report = check_parity(lambda batch: ranker(batch, users_of[current[-1]]), reference, batches, tolerances,
+                          on_batch=current.append)
+    report["cache"] = ranker.cache.stats()
+    if report["cache"]["hits"] == 0:
+        report["passed"] = False  # nothing was served from the cache: the delta path went unchecked
+    return report
+
+
+def _user_id(index: int) -> Hashable:
+    return f"verify-user-{index}"

@@ -1,0 +1,103 @@
+"""A package's KV-cache delta program (``kv/delta.pt2``, written by ``--kv-cache``), run for
+:class:`hstu_export.serving.kv_cache.CachedRanker`: ``predictor.kv_cache(budget_bytes=...)``.
+
+A delta request goes through the package's own sparse half (the history past each user's cached prefix
+only), then the delta program gets the embeddings (contextual ones for the users with nothing cached),
+the request's lengths and times, and the cache's pages and page table. The program trusts the counts it
+is given; :class:`~hstu_export.serving.kv_cache.CachedRanker` derives them from a validated request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hstu_export.errors import PackageError
+from hstu_export.models.cached import KV_OUTPUTS, DeltaOutputs, KVLayout, stacked_contextual
+from hstu_export.models.ranking import HISTORY_LENGTHS
+from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
+from hstu_export.settings import TORCH_DTYPES
+
+# The request's per-history-token features, and the sparse half's outputs per history token (zoo names).
+HISTORY_VALUES = ("uih_item_ids", "uih_action_ids", "uih_timestamps")
+HISTORY_EMBEDDINGS = ("uih_item_emb", "uih_action_emb")
+
+
+class PackageDelta:
+    """A :class:`~hstu_export.serving.kv_cache.DeltaRunner` over a loaded package (``Predictor``)."""
+
+    def __init__(self, predictor: Any) -> None:
+        from hstu_export.manifest import resolve_inside
+        from hstu_export.runtimes.aoti import _load_pt2
+
+        section = predictor.manifest.get("kv_cache")
+        if section is None:
+            raise PackageError(f"{predictor.root} has no KV-cache delta program; export it with --kv-cache")
+        split = predictor.split
+        if split is None:
+            raise PackageError(f"{predictor.root}: KV-cached serving needs the sparse and dense halves apart")
+        layout = section["layout"]
+        self.layout = KVLayout(
+            layout["num_layers"], layout["num_heads"], layout["attention_dim"], layout["linear_dim"],
+            tuple(layout["contextual_features"]), layout["time_bucket_base"], layout["num_time_buckets"],
+            TORCH_DTYPES[predictor.manifest["dtype"]],
+        )  # fmt: skip
+        self.page_size: int = section["page_size"]
+        self.device: torch.device = predictor.device
+        self._predictor = predictor
+        self._split = split
+        self._inputs = list(section["inputs"])
+        self._min_history = predictor.package_manifest.ranges.lengths.min_lengths.get(HISTORY_LENGTHS, 0)
+        self._outputs = list(section["outputs"])
+        path = resolve_inside(predictor.root, section["program"], "kv_cache.program")
+        try:
+            self._program = _load_pt2(path)
+        except Exception as exc:
+            raise PackageError(f"{predictor.root}: AOTInductor could not load {section['program']}: "
+                               f"{plain_first_line(exc)}") from exc
+
+    def validate(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
+        return self._predictor.check_request(features)
+
+    def __call__(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
+                 page_table: Tensor) -> DeltaOutputs:
+        schema = self._predictor.input_schema
+        padded, keep = self._pad_history(features)
+        graph = {f.graph_name: padded[f.name].to(self.device) for f in schema.features}
+        with torch.no_grad():
+            emb = self._split.dense_inputs(graph)
+            if keep is not None:  # drop the padding's embeddings; the program gets the request's own history
+                emb = {**emb, **{name: emb[name].index_select(0, keep) for name in HISTORY_EMBEDDINGS}}
+                emb.update({name: features[name].to(self.device) for name in (HISTORY_LENGTHS, "uih_timestamps")})
+            values = {**emb, "contextual_emb": stacked_contextual(emb, self.layout.contextual_features, cached,
+                                                                  emb["uih_item_emb"]),
+                      "kv_cached": cached.to(self.device, torch.int64), "kv_k_pages": k_pages, "kv_v_pages": v_pages,
+                      "kv_page_table": page_table.to(self.device, torch.int32)}
+            out = as_output_dict(self._program(**{name: values[name].contiguous() for name in self._inputs}),
+                                 self._outputs)
+        model_outputs = {name: out[name] for name in self._outputs if name not in KV_OUTPUTS}
+        return DeltaOutputs(model_outputs, out["kv_new_k"], out["kv_new_v"], out["kv_users"], out["kv_positions"])
+
+    def _pad_history(self, features: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor | None]:
+        """A delta request may bring fewer new history tokens than the sparse half accepts (often none:
+        only new candidates). Each such user gets placeholder tokens (id 0) up to the exported minimum;
+        returns the request so padded, and the rows of the real tokens (None: nothing padded)."""
+        lengths = features[HISTORY_LENGTHS].cpu().to(torch.int64)
+        pad = (self._min_history - lengths).clamp(min=0)
+        if not bool(pad.any()):
+            return features, None
+        padded_lengths = lengths + pad
+        start = torch.cumsum(padded_lengths, 0) - padded_lengths
+        real = torch.repeat_interleave(start, lengths) + torch.arange(int(lengths.sum())) - torch.repeat_interleave(
+            torch.cumsum(lengths, 0) - lengths, lengths)
+        total = int(padded_lengths.sum())
+        out = dict(features)
+        for name in HISTORY_VALUES:
+            value = features[name]
+            filled = value.new_zeros((total, *value.shape[1:]))
+            filled[real.to(value.device)] = value
+            out[name] = filled
+        out[HISTORY_LENGTHS] = padded_lengths.to(features[HISTORY_LENGTHS].device, features[HISTORY_LENGTHS].dtype)
+        return out, real.to(self.device)
