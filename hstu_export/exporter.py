@@ -301,6 +301,10 @@ def export(
     if settings.dump_dir is not None:
         check_writable(settings.dump_dir, "--dump-graphs")
     _check_pass_names(settings)
+    if settings.kv_cache:
+        from hstu_export.kv_export import check_kv_cache
+
+        check_kv_cache(None, backend.name)
 
     with _timed(timings, progress, "load"):
         bundle = (model if isinstance(model, ModelBundle)

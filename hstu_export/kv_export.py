@@ -38,10 +38,11 @@ MAX_PAGES = 1 << 24  # the exported bound on a cache's pages (the budget sets th
 
 
 def check_kv_cache(model: Any, backend: str) -> None:
-    """Refuse ``--kv-cache`` where it cannot be built, before any work."""
+    """Refuse ``--kv-cache`` where it cannot be built, before any work (``model`` None: the bundle is not
+    loaded yet, check the backend only)."""
     if backend != "aoti":
         raise ConfigError(f"--kv-cache builds an AOTInductor delta program; use --backend aoti (not {backend})")
-    if not isinstance(model, HstuRankingModel):
+    if model is not None and not isinstance(model, HstuRankingModel):
         raise ConfigError(
             f"--kv-cache: the delta program is written for hstu-export's HstuRankingModel, and this model is a "
             f"{type(model).__name__}; export it without --kv-cache (KV-cached serving of other models is not built yet)"
@@ -114,9 +115,11 @@ def dynamic_shapes(model: HstuRankingModel, ranges: Any, page_size: int,
     width = Dim("page_table_width", min=1, max=max(-(-max_seq_len // page_size), 4))
     dims: dict[str, dict[int, Any]] = {
         "uih_item_emb": {0: hist}, "uih_action_emb": {0: hist}, "uih_timestamps": {0: hist},
-        "candidate_item_emb": {0: cand}, "contextual_emb": {0: fresh}, HISTORY_LENGTHS: {0: batch},
+        "candidate_item_emb": {0: cand}, HISTORY_LENGTHS: {0: batch},
         CANDIDATE_LENGTHS: {0: batch}, "query_time": {0: batch}, "kv_cached": {0: batch}, "kv_k_pages": {1: pages},
         "kv_v_pages": {1: pages}, "kv_page_table": {0: batch, 1: width},
+        # [F, contextual features, D]; without contextual features always [0, 0, D]
+        "contextual_emb": {0: fresh} if model.config.contextual_seq_len else {},
     }
     return {name: dims.get(name, {}) for name in names}
 

@@ -1,0 +1,44 @@
+"""Requests for KV-cache tests: per-user histories that grow between requests (shared by
+test_kv_cache.py and test_kv_export.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from hstu_export.models.config import HSTUConfig
+
+
+class Users:
+    """Per-user histories that requests are built from (so histories can grow between requests)."""
+
+    def __init__(self, config: HSTUConfig, seed: int = 0) -> None:
+        self.config = config
+        self.gen = torch.Generator().manual_seed(seed)
+        self.history: dict[str, list[tuple[int, int, int]]] = {}
+        self.context: dict[str, list[int]] = {}
+
+    def grow(self, user: str, count: int, now: int = 10_000) -> None:
+        cfg = self.config
+        events = self.history.setdefault(user, [])
+        for _ in range(count):
+            t = now - int(torch.randint(1, 5000, (1,), generator=self.gen))
+            events.append((int(torch.randint(0, cfg.item_vocab_size, (1,), generator=self.gen)),
+                           int(torch.randint(0, cfg.action_vocab_size, (1,), generator=self.gen)), t))
+        self.context.setdefault(user, [int(torch.randint(0, v, (1,), generator=self.gen))
+                                       for v in cfg.contextual_vocab_sizes])
+
+    def request(self, users: list[str], candidates: list[int], query_time: int = 10_000) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        events = [self.history[u] for u in users]
+        out = {
+            "uih_lengths": torch.tensor([len(e) for e in events]),
+            "candidate_lengths": torch.tensor(candidates),
+            "uih_item_ids": torch.tensor([x[0] for e in events for x in e]),
+            "uih_action_ids": torch.tensor([x[1] for e in events for x in e]),
+            "uih_timestamps": torch.tensor([x[2] for e in events for x in e]),
+            "candidate_item_ids": torch.randint(0, cfg.item_vocab_size, (sum(candidates),), generator=self.gen),
+            "query_time": torch.full((len(users),), query_time),
+        }
+        for i, name in enumerate(cfg.contextual_features):
+            out[name] = torch.tensor([self.context[u][i] for u in users])
+        return out

@@ -1,0 +1,173 @@
+"""``--kv-cache``: a package with the delta program, served through its own cache (CPU, AOTInductor).
+
+Every answer of the cached package is compared with the same package's no-cache path on the whole
+request: after a prefill, hits, one-token and multi-page growth, a new user among cached ones,
+evictions, the same user twice in a batch and two threads on one user."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from kv_requests import Users
+
+import hstu_export
+from hstu_export import ExportSettings, generate_batch, save_bundle
+from hstu_export.cli import main as cli_main
+from hstu_export.errors import ConfigError, PackageError
+from hstu_export.exporter import export
+from hstu_export.models.config import HSTUConfig
+from hstu_export.models.ranking import HstuRankingModel
+from hstu_export.package import manifest_sha256_line
+
+PAGE = 16  # small pages, so that the tiny model's histories span several
+CLOSE = dict(rtol=1e-5, atol=1e-5)
+CONFIGS = {
+    "no-context": HSTUConfig(contextual_features=(), contextual_vocab_sizes=()),
+    "context": HSTUConfig(),
+}
+
+
+def _bundle(config: HSTUConfig, path: Path) -> Path:
+    torch.manual_seed(0)
+    model = HstuRankingModel(config).eval()
+    return save_bundle(model, path, generate_batch(model.input_schema(), 4, seed=2))
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def kv_package(request, tmp_path_factory):  # type: ignore[no-untyped-def]
+    name = request.param
+    work = tmp_path_factory.mktemp(f"kv-{name}")
+    bundle = _bundle(CONFIGS[name], work / "model.pt")
+    settings = ExportSettings(max_batch_size=4, kv_cache=True, kv_page_size=PAGE)
+    result = export(bundle, work / "pkg", settings)
+    return name, work / "pkg", result.manifest
+
+
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], **CLOSE)
+
+
+@pytest.mark.slow
+def test_the_package_records_a_verified_delta_program(kv_package) -> None:  # type: ignore[no-untyped-def]
+    name, root, manifest = kv_package
+    kv = manifest["kv_cache"]
+    assert kv["program"] in manifest["files"] and (root / kv["program"]).is_file()
+    assert kv["page_size"] == PAGE and kv["layout"]["num_layers"] == 2
+    assert kv["layout"]["contextual_features"] == list(CONFIGS[name].contextual_features)
+    checked = manifest["parity"]["kv_cache"]
+    assert checked["passed"] and len(checked["batches"]) == 4
+    assert checked["cache"]["hits"] >= 3
+    assert checked["worst"]["rel_l2"] <= 1e-5
+    # Without contextual features a grown history reuses its prefix; with them it is recomputed (stale).
+    assert (checked["cache"]["stale"] > 0) == (name == "context")
+
+
+@pytest.mark.slow
+def test_cached_package_answers_as_the_package_without_cache(kv_package) -> None:  # type: ignore[no-untyped-def]
+    name, root, _ = kv_package
+    predictor = hstu_export.load(root)
+    ranker = predictor.kv_cache(budget_bytes=1 << 20)
+    users = Users(CONFIGS[name], seed=3)
+    users.grow("a", 20)
+    users.grow("b", 5)
+    steps = [
+        (["a", "b"], [3, 2]),  # prefill
+        (["b", "a"], [1, 4]),  # hits: new candidates only (b: one new token)
+    ]
+    for names, candidates in steps:
+        request = users.request(names, candidates)
+        _same(ranker(request, names), predictor(request))
+    users.grow("a", 1)  # one token
+    users.grow("b", 2 * PAGE + 3)  # across pages
+    users.grow("c", 7)
+    for names, candidates in ((["a", "b"], [2, 2]), (["c", "a", "b"], [1, 3, 2])):
+        request = users.request(names, candidates)
+        _same(ranker(request, names), predictor(request))
+    stats = ranker.cache.stats()
+    assert stats["misses"] == 3 and stats["users"] == 3
+    if name == "no-context":
+        assert stats["hits"] == 6 and stats["stale"] == 0
+    else:  # contextual tokens see the whole history: a grown history is recomputed
+        assert stats["hits"] == 4 and stats["stale"] == 2
+
+
+@pytest.mark.slow
+def test_eviction_same_user_twice_and_threads(kv_package) -> None:  # type: ignore[no-untyped-def]
+    name, root, manifest = kv_package
+    predictor = hstu_export.load(root)
+    layout = manifest["kv_cache"]["layout"]
+    page_bytes = layout["num_layers"] * PAGE * layout["num_heads"] * (layout["attention_dim"] + layout["linear_dim"]) * 4
+    ranker = predictor.kv_cache(budget_bytes=3 * page_bytes)  # room for about one user
+    users = Users(CONFIGS[name], seed=5)
+    for user in ("a", "b", "c"):
+        users.grow(user, 2 * PAGE + 1)
+    for names in (["a"], ["b"], ["c"], ["a"]):
+        request = users.request(names, [2])
+        _same(ranker(request, names), predictor(request))
+    assert ranker.cache.stats()["evictions"] >= 2
+    twice = users.request(["a", "a"], [2, 3])
+    _same(ranker(twice, ["a", "a"]), predictor(twice))
+    assert ranker.cache.stats()["bypassed"] == 2
+
+    roomy = predictor.kv_cache(budget_bytes=1 << 20)
+    request = users.request(["b"], [4])
+    want = predictor(request)
+    answers: list[dict[str, torch.Tensor]] = []
+    threads = [threading.Thread(target=lambda: answers.append(roomy(request, ["b"]))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(answers) == 4
+    for got in answers:
+        _same(got, want)
+    assert roomy.cache.stats()["hits"] == 3 and roomy.cache.stats()["misses"] == 1
+
+
+@pytest.mark.slow
+def test_a_tampered_kv_section_is_refused(kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _, root, _ = kv_package
+    copy = tmp_path / "pkg"
+    shutil.copytree(root, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for edit, problem in (({"page_size": 24}, "power of two"), ({"program": "../outside.pt2"}, "kv_cache.program")):
+        changed = {**manifest, "kv_cache": {**manifest["kv_cache"], **edit}}
+        data = json.dumps(changed).encode()
+        (copy / "manifest.json").write_bytes(data)
+        (copy / "manifest.sha256").write_text(manifest_sha256_line(data))
+        with pytest.raises(PackageError, match=problem):
+            hstu_export.load(copy)
+
+
+def test_kv_cache_refuses_what_it_cannot_build(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    bundle = _bundle(CONFIGS["context"], tmp_path / "model.pt")
+    assert cli_main([str(bundle), "--backend", "torchscript", "--kv-cache", "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: --kv-cache builds an AOTInductor delta program; use --backend aoti (not torchscript)"
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ConfigError, match="power of two"):
+        ExportSettings(kv_cache=True, kv_page_size=24)
+
+    class NotTheZoo(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"y": x * 2}
+
+    from hstu_export.kv_export import check_kv_cache
+
+    with pytest.raises(ConfigError, match="HstuRankingModel"):
+        check_kv_cache(NotTheZoo(), "aoti")
+
+
+@pytest.mark.slow
+def test_a_package_without_the_program_says_so(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bundle = _bundle(CONFIGS["no-context"], tmp_path / "model.pt")
+    result = export(bundle, tmp_path / "plain", ExportSettings(backend="torchscript", max_batch_size=4))
+    with pytest.raises(PackageError, match="--kv-cache"):
+        hstu_export.load(result.path).kv_cache(budget_bytes=1 << 20)
