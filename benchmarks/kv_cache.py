@@ -8,9 +8,11 @@ Two workloads on the dlrmv3 shapes (bf16, D=512, 4 heads of 128, 5 layers):
 Per workload and batch size:
   1. one layer's attention kernel: full attention over the whole sequence (the no-cache path), the
      older cached kernel (delta queries against gathered full K/V), and the paged split-K kernel;
-  2. the whole model per request: the no-cache AOTInductor package (exported here, unless --no-export)
-     and the eager model with Triton kernels, against the eager cached path (DeltaRanker.run on a
-     filled cache, and CachedRanker end to end with its cache bookkeeping).
+  2. the whole model per request: the no-cache AOTInductor package (exported here with --kv-cache, unless
+     --no-export) and the eager model with Triton kernels, against the eager cached path (DeltaRanker.run
+     on a filled cache, and CachedRanker end to end with its cache bookkeeping), and against the package's
+     own cached path: its exported delta program alone (vs the package's no-cache dense program) and its
+     cached ranker end to end (vs the package end to end).
 Writes kv_cache.json (after every step).
 """
 
@@ -231,7 +233,7 @@ def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dic
         host = {k: v.cpu() for k, v in features.items()}
         enc = gpu.transducer.positional_encoder
 
-        def reset_and_run():  # type: ignore[no-untyped-def]
+        def reset_and_run(ranker=ranker):  # type: ignore[no-untyped-def]
             # Put each user back to `cached` tokens (bookkeeping only), then serve the request.
             for b in users:
                 e = ranker.cache.entry(b)
@@ -242,6 +244,8 @@ def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dic
             return ranker(features, users)
 
         row["cached_ranker"] = bench(reset_and_run, iters=20)
+        if package is not None and "kv_cache" in package.manifest:
+            package_row(row, package, ranker.cache.bytes, prefix, features, full, work, batch, device, reset_and_run)
         for base in ("eager_full", "package_full"):
             if base in row:
                 row[f"{base}_over_delta_run"] = row[base]["p50_ms"] / row["delta_run"]["p50_ms"]
@@ -250,13 +254,49 @@ def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dic
     return row
 
 
+def package_row(row: dict, package, budget: int, prefix: dict, features: dict, full: dict, work: dict,  # type: ignore[no-untyped-def]
+                batch: int, device: torch.device, reset_and_run) -> None:
+    """The package's own KV-cached path (``--kv-cache``): its delta program alone on a filled cache
+    against the package's no-cache dense program, and its cached ranker end to end against the
+    package end to end."""
+    kv = package.kv_cache(budget_bytes=budget)
+    users = list(range(batch))
+    kv(prefix, users)
+    got = kv(features, users)  # a hit
+    row["kv_package_stats"] = kv.cache.stats()
+    row["rel_err_kv_package_vs_full"] = max(float((got[k].float() - full[k].float()).norm() / full[k].float().norm())
+                                            for k in full)
+    table = torch.tensor([kv.cache.entry(u).pages for u in users], dtype=torch.int32, device=device)
+    cached = torch.full((batch,), work["cached"], dtype=torch.int64)
+    fresh = torch.cat([torch.arange(b * work["history"] + work["cached"], (b + 1) * work["history"], device=device)
+                       for b in range(batch)])
+    delta_features = {**features, "uih_lengths": torch.full_like(features["uih_lengths"],
+                                                                 work["history"] - work["cached"])}
+    for key in ("uih_item_ids", "uih_action_ids", "uih_timestamps"):
+        delta_features[key] = features[key][fresh]
+    runner = kv.runner
+    inputs = runner.program_inputs(delta_features, cached, kv.cache.k, kv.cache.v, table)
+    row["kv_program"] = bench(lambda: runner.run_program(inputs), iters=30)
+    row["kv_program_graph"] = bench_graph(lambda: runner.run_program(inputs))
+    row["kv_package_ranker"] = bench(lambda: reset_and_run(kv), iters=20)
+    ratios = {"package_dense_over_kv_program": ("package_dense", "kv_program"),
+              "package_dense_over_kv_program_graph": ("package_dense", "kv_program_graph"),
+              "package_full_over_kv_package_ranker": ("package_full", "kv_package_ranker")}
+    for name, (base, new) in ratios.items():
+        if "p50_ms" in row.get(base, {}) and "p50_ms" in row.get(new, {}):
+            row[name] = row[base]["p50_ms"] / row[new]["p50_ms"]
+    row["users_per_s_kv_package_ranker"] = batch / (row["kv_package_ranker"]["p50_ms"] / 1e3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     parser.add_argument("--no-export", action="store_true")
+    parser.add_argument("--kv-splits", type=int, default=1, help="key slices of the exported delta program's kernel")
     parser.add_argument("--kernels-only", action="store_true", help="time the attention kernels only")
+    parser.add_argument("--no-kernels", action="store_true", help="skip the attention kernels (time the models only)")
     parser.add_argument("--small", action="store_true",
                         help="small shapes on CPU (Triton interpreter): checks that the script runs, times nothing")
     args = parser.parse_args()
@@ -275,7 +315,7 @@ def main() -> None:
         work = WORKLOADS[name]
         entry: dict = {"shape": work, "kernels": {}, "model": {}}
         report["workloads"][name] = entry
-        for batch in args.batches:
+        for batch in ([] if args.no_kernels else args.batches):
             try:
                 entry["kernels"][batch] = kernels(work, batch, device)
             except Exception as exc:  # recorded; the rest still runs
@@ -298,12 +338,15 @@ def main() -> None:
                 bundle = hstu_export.save_bundle(model, root / "m.pt", request(model, work, 2, 1))
                 settings = hstu_export.ExportSettings(backend="aoti", device=device.type, dtype="bf16",
                                                       op_target="triton" if device.type == "cuda" else "aten",
-                                                      max_batch_size=max(args.batches),
+                                                      max_batch_size=max(args.batches), kv_cache=True,
+                                                      kv_page_size=PAGE, kv_splits=args.kv_splits,
                                                       verify=hstu_export.VerifySettings(num_random_batches=1))
                 t = time.perf_counter()
                 result = hstu_export.export(bundle, root / "m.aoti", settings)
                 entry["export_seconds"] = round(time.perf_counter() - t, 1)
                 package = hstu_export.load(result.path)
+                entry["kv_export_check"] = result.manifest["parity"].get("kv_cache", {}).get("worst")
+                entry["kv_compile_seconds"] = result.manifest.get("kv_cache", {}).get("compile_seconds")
             gpu = HstuRankingModel(cfg)
             gpu.load_state_dict(model.state_dict())
             gpu = gpu.to(device=device, dtype=torch.bfloat16).eval()
