@@ -73,7 +73,7 @@ def plan_on_device(cached: Tensor, new_hist: Tensor, cand_len: Tensor, n_hist: A
                    c: int, max_seq_len: int, max_query_len: int) -> DeltaPlan:
     """A plan from device tensors and the sizes of the request's token tables (history, candidates, the
     contextual rows of the users with nothing cached): no host read, so it traces with symbolic sizes."""
-    on = _counts(cached.to(torch.int64), new_hist.to(torch.int64), cand_len.to(torch.int64), c)
+    on = _counts(*(t.to(torch.int64).clamp(min=0) for t in (cached, new_hist, cand_len)), c)
     return DeltaPlan(batch=cached.shape[0], total_new=n_hist + n_cand + n_ctx_rows, total_kept=n_hist + n_ctx_rows,
                      total_cand=n_cand, max_seq_len=max_seq_len, max_query_len=max_query_len, on=on)
 
@@ -182,7 +182,10 @@ class DeltaRanker:
         table = torch.cat(parts)
         users = torch.arange(batch, device=device)
         fresh_rank = torch.cumsum((on["ctx_new"] > 0).to(torch.int64), 0) - 1  # row among the contextual users
-        user = torch.repeat_interleave(users, on["new_len"], output_size=total_new)
+        # Every data-dependent index below is clamped into its table: counts that disagree with the sizes of
+        # the inputs (a caller's mistake, or the made-up values a compiler runs a kernel on while it tunes
+        # it) give wrong numbers, never a read outside a tensor.
+        user = torch.repeat_interleave(users, on["new_len"], output_size=total_new).clamp(0, batch - 1)
         q_offsets = lengths_to_offsets(on["new_len"])
         r = torch.arange(total_new, device=device) - q_offsets[:-1][user]  # index among the user's new tokens
         index = on["cached"][user] + r  # index in the user's whole sequence
@@ -196,26 +199,36 @@ class DeltaRanker:
         # Each branch's index is valid where it is chosen; elsewhere it points at row 0 (never read).
         ctx_row = torch.where(is_ctx, n_hist + n_cand + fresh_rank[user] * c + r.clamp(max=max(c - 1, 0)), 0)
         row = torch.where(is_ctx, ctx_row, torch.where(is_cand, n_hist + cand_row, torch.where(is_hist, hist_row, 0)))
-        tokens = table[row]
+        tokens = table[row.clamp(0, table.shape[0] - 1)]
 
         # Positional encoding of the new tokens, by their index in the whole sequence.
         enc = tr.positional_encoder
         pos = token_positions(index, (on["seq_len"] - on["cand_len"])[user], c, enc.max_seq_len)
         stamps = features["uih_timestamps"]
         # One pad entry: non-history tokens read it (an empty history has no entry to point at).
-        timestamps = torch.cat([stamps, stamps.new_zeros(1)])[torch.where(is_hist, hist_row, n_hist)]
+        timestamps = torch.cat([stamps, stamps.new_zeros(1)])[torch.where(is_hist, hist_row, n_hist).clamp(0, n_hist)]
         buckets = time_buckets(features["query_time"][user], timestamps, enc.time_bucket_base,
                                enc.num_time_buckets)
         bucket = torch.where(is_hist, buckets, 0)
+        pos = pos.clamp(0, enc.position_emb.shape[0] - 1)
+        bucket = bucket.clamp(0, enc.time_emb.shape[0] - 1)
         x = tokens * enc.scale + F.embedding(pos, enc.position_emb) + F.embedding(bucket, enc.time_emb)
 
         # Rows of the new non-target tokens and of the candidates, gathered without a device sync.
-        kept_user = torch.repeat_interleave(users, on["kept_len"], output_size=total_kept)
+        kept_user = torch.repeat_interleave(users, on["kept_len"], output_size=total_kept).clamp(0, batch - 1)
         kept = q_offsets[:-1][kept_user] + torch.arange(total_kept, device=device) - lengths_to_offsets(
             on["kept_len"])[:-1][kept_user]
-        cand_user = torch.repeat_interleave(users, on["cand_len"], output_size=plan.total_cand)
+        kept = kept.clamp(0, total_new - 1)
+        cand_user = torch.repeat_interleave(users, on["cand_len"], output_size=plan.total_cand).clamp(0, batch - 1)
         cand_rows = (q_offsets[1:] - on["cand_len"])[cand_user] + torch.arange(cand_user.numel(), device=device) - \
             cand_off[:-1][cand_user]
+        cand_rows = cand_rows.clamp(0, total_new - 1)
+
+        # What the attention kernel walks, kept inside its tensors: query rows within the new tokens, keys
+        # within the page table's width, pages within the cache.
+        att_offsets = q_offsets.clamp(0, total_new)
+        att_seq_len = on["cached"].clamp(max=page_table.shape[1] * k_pages.shape[2]) + att_offsets[1:] - att_offsets[:-1]
+        att_pages = page_table.clamp(0, k_pages.shape[1] - 1)
 
         # The STU layers on the new rows; new non-target tokens' K/V kept for the cache.
         new_k, new_v = [], []
@@ -226,8 +239,8 @@ class DeltaRanker:
             u, v, q, k = torch.split(uvqk, [dv * h, dv * h, dqk * h, dqk * h], dim=-1)
             q, k, v = q.reshape(-1, h, dqk), k.reshape(-1, h, dqk), v.reshape(-1, h, dv)
             a = self.attention(
-                q.contiguous(), k.contiguous(), v.contiguous(), q_offsets, k_pages[number], v_pages[number],
-                page_table, on["seq_len"], on["cand_len"], cfg.attn_scaling_seqlen, cfg.attn_alpha, c,
+                q.contiguous(), k.contiguous(), v.contiguous(), att_offsets, k_pages[number], v_pages[number],
+                att_pages, att_seq_len, on["cand_len"], cfg.attn_scaling_seqlen, cfg.attn_alpha, c,
                 cfg.max_attn_len, max_seq_len=max_seq_len, max_query_len=max_query_len,
             ).reshape(-1, h * dv)  # fmt: skip
             gated = stu_gate(u, a, layer.output_norm_weight, layer.output_norm_bias, LAYER_NORM_EPS)
