@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hstu_export.errors import HstuExportError
-from hstu_export.inspection import human_bytes
+from hstu_export.report.render import human_bytes
 from hstu_export.version import __version__
 
 err_console = Console(stderr=True, highlight=False)
@@ -598,6 +598,11 @@ def inspect(
             table.add_row(t.name, t.dtype, escape("[" + ", ".join(map(str, t.shape)) + "]"), t.source)
         console.print(table)
     if result.report_path is not None:
+        from hstu_export.report.build import add_inspect_context, complete_report
+
+        model_source = {"name": bundle.model_name, "source": bundle.source, "bundle": model}
+        complete_report(result.report_path.parent, lambda record: add_inspect_context(
+            record, model_source, settings.to_json(), settings.op_target or "aten"))
         console.print(f"graphs and report: {result.report_path}")
         if open_report:
             click.launch(str(result.report_path))

@@ -379,6 +379,10 @@ def export(
                     "(--rtol/--atol set the tolerances)"
                 )
         manifest["timings"] = timings
+        if result.report_path is not None:  # the report gains the export's settings, parity, timings, files
+            from hstu_export.report.build import complete_export_report
+
+            complete_export_report(result.report_path.parent, manifest, staged, out)
         manifest = write_manifest(staged, manifest)
         with _timed(timings, progress, "write"):
             commit(staged, out, settings.force, protect=[bundle.path])

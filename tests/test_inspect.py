@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -132,36 +133,80 @@ def test_without_graphviz_dot_text_is_written_once_warned(
     assert result.report_path is not None and "graphviz was not installed" in result.report_path.read_text()
 
 
-@pytest.mark.browser
-def test_report_opens_in_headless_chromium(dumped: Path, tmp_path: Path) -> None:
-    if CHROMIUM is None:
-        pytest.skip("chromium is not installed (CI installs it: apt-get install chromium)")
-    report = dumped / "report.html"
+def _artifacts_dir() -> Path:
+    """Where browser tests keep their screenshots: $HSTU_EXPORT_TEST_ARTIFACTS, else out/artifacts/ of the
+    repository (ignored by git; CI uploads it)."""
+    where = os.environ.get("HSTU_EXPORT_TEST_ARTIFACTS")
+    path = Path(where) if where else Path(__file__).resolve().parent.parent / "out" / "artifacts"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _chromium(report: Path, profile: Path, *mode: str) -> subprocess.CompletedProcess[str]:
     cmd = [
         CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
-        "--dump-dom", report.as_uri(),
+        f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", *mode, report.as_uri(),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # type: ignore[arg-type]
+
+
+def _open(report: Path, tmp_path: Path, screenshot: str | None = None) -> str:
+    """The report's DOM after load in headless Chromium, checked to have loaded cleanly; with
+    ``screenshot``, a PNG of its first screen is kept under the artifacts directory."""
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (CI installs it: apt-get install chromium)")
+    proc = _chromium(report, tmp_path / "profile", "--dump-dom")
     dom = proc.stdout
     assert proc.returncode == 0, proc.stderr[-2000:]
     # The page's own check ran after load: no script errors, every image and link target loaded.
     assert re.search(r'<html[^>]*data-status="ok"', dom), re.findall(r'<pre id="load-errors"[^<]*', dom)
-    console = [
-        line for line in proc.stderr.splitlines() if ":CONSOLE" in line or "ERR_FILE_NOT_FOUND" in line
-    ]
+    console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line or "ERR_FILE_NOT_FOUND" in line]
     assert not console, console
+    if screenshot is not None:
+        png = _artifacts_dir() / screenshot
+        shot = _chromium(report, tmp_path / "profile", "--window-size=1400,2000", "--hide-scrollbars",
+                         f"--screenshot={png}")
+        assert shot.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", shot.stderr[-2000:]
+        assert png.stat().st_size > 20_000  # a page with tables, not an empty screen
+    return dom
+
+
+def _table(dom: str, table_id: str) -> list[list[str]]:
+    """The text of each body row's cells of table ``table_id``."""
+    body = dom.split(f'<table id="{table_id}">', 1)[1].split("</table>", 1)[0]
+    rows = re.findall(r"<tr[^>]*>(.*?)</tr>", body.split("<tbody>", 1)[-1], flags=re.S)
+    return [[re.sub(r"<[^>]+>", "", cell).strip() for cell in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row, re.S)]
+            for row in rows]
+
+
+@pytest.mark.browser
+def test_report_opens_in_headless_chromium(dumped: Path, tmp_path: Path) -> None:
+    dom = _open(dumped / "report.html", tmp_path)
     rows = re.findall(r'<tr class="pass (\w+)" data-pass="(\w+)">', dom)
     assert [name for _, name in rows] == pass_registry.known_pass_names()
     assert all(status == "ok" for status, name in rows if name in _ran_passes())
     assert '<table id="boundary">' in dom and "uih_lengths.total" in dom
-    if PICTURE == ".svg":  # one picture per pass that changed the graph; the others say "no change"
-        recorded = json.loads((dumped / "report.json").read_text())["passes"]
-        changed = [e["name"] for e in recorded if e["files"]]
-        assert len(re.findall(r'<img class="graph" src="\d\d_\w+\.svg"', dom)) == len(changed) >= 3
+    # Without --check-each-pass the error column is empty, and the page says why.
+    assert "only with <code>--check-each-pass</code>" in dom
+    # What map_ops did, as a table: our ops onto the reference functions, counted, from our table.
+    mapping = {row[0]: row for row in _table(dom, "op-mapping-table")}
+    assert mapping["hstu_export::hstu_mha_gated"][2:5] == [
+        "hstu_export.ops.reference:hstu_mha_gated_reference", "2", "ours"]  # two STU layers
+    record = json.loads((dumped / "report.json").read_text())
+    changed = [p for p in record["passes"] if p["files"]]
+    if PICTURE == ".svg":  # an overview per pass that changed the graph; the others say "no change"
+        assert len(re.findall(r'<img class="graph overview" src="\d\d_\w+\.svg"', dom)) == len(changed) >= 3
         assert dom.count('class="no-change"') == len(_ran_passes()) - len(changed) >= 1
+    for entry in changed:  # every node is in one group picture of at most ~60 nodes, each collapsed
+        groups = entry["pictures"]["groups"]
+        assert groups and max(g["nodes"] for g in groups) <= 60
+        assert sum(g["nodes"] for g in groups) == entry["nodes_after"]
+        assert dom.count(f'<details class="group" id="pass-{entry["index"]:02d}-group-') == len(groups)
+    mapped = next(p for p in changed if p["name"] == "map_ops")["pictures"]["groups"]
+    assert sum(g["mapped"] for g in mapped) >= 7  # the nodes the 7 mapped ops became are coloured
     assert 'id="final-sparse"' in dom and 'id="final-dense"' in dom
+    assert 'id="legend"' in dom and "map_ops" in "".join(_table(dom, "legend")[0])
 
 
 # ---- the CLI ------------------------------------------------------------------------------------
