@@ -174,7 +174,7 @@ def _open(report: Path, tmp_path: Path, screenshot: str | None = None) -> str:
 
 def _table(dom: str, table_id: str) -> list[list[str]]:
     """The text of each body row's cells of table ``table_id``."""
-    body = dom.split(f'<table id="{table_id}">', 1)[1].split("</table>", 1)[0]
+    body = re.split(rf'<table[^>]* id="{table_id}"[^>]*>', dom, maxsplit=1)[1].split("</table>", 1)[0]
     rows = re.findall(r"<tr[^>]*>(.*?)</tr>", body.split("<tbody>", 1)[-1], flags=re.S)
     return [[re.sub(r"<[^>]+>", "", cell).strip() for cell in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row, re.S)]
             for row in rows]
@@ -207,6 +207,71 @@ def test_report_opens_in_headless_chromium(dumped: Path, tmp_path: Path) -> None
     assert sum(g["mapped"] for g in mapped) >= 7  # the nodes the 7 mapped ops became are coloured
     assert 'id="final-sparse"' in dom and 'id="final-dense"' in dom
     assert 'id="legend"' in dom and "map_ops" in "".join(_table(dom, "legend")[0])
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_export_report_shows_settings_parity_and_mapping(tiny_bundle: Path, tmp_path: Path) -> None:
+    """The report of a tiny export, as it travels in the package: settings, parity per verification
+    batch with sizes, timings and package files."""
+    package = tmp_path / "pkg"
+    assert main(["export", str(tiny_bundle), "--backend", "torchscript", "--out", str(package), "--dump-graphs",
+                 str(tmp_path / "graphs"), "--graphs-in-package", "--max-batch-size", "3", "-q"]) == 0
+    manifest = json.loads((package / "manifest.json").read_text())
+    report = package / "graphs" / "report.html"
+    assert manifest["files"]["graphs/report.html"]  # the completed report is the one checksummed
+    dom = _open(report, tmp_path, screenshot="export_report_tiny.png")
+    assert (tmp_path / "graphs" / "report.html").read_text() == report.read_text()
+    settings = {row[0]: row[1] for row in _table(dom, "settings")}
+    assert settings["backend"] == "torchscript" and settings["max_batch_size"] == "3"
+    model = {row[0]: row[1] for row in _table(dom, "model")}
+    assert model["backend"] == "torchscript" and model["model name"] == manifest["model"]["name"]
+    batches = _table(dom, "parity-batches")
+    recorded = manifest["parity"]["batches"]
+    assert [(row[0], int(row[1])) for row in batches] == [(b["batch"], b["batch_size"]) for b in recorded]
+    assert {int(row[1]) for row in batches} >= {1, 3} and all(row[5] == "yes" for row in batches)
+    worst = max(e["rel_l2"] for b in recorded for e in b["errors"].values())
+    assert max(float(row[3]) for row in batches) == pytest.approx(worst, rel=0.05)
+    assert "uih_item_ids" in batches[0][2]  # rows per feature
+    mapping = {row[0]: row for row in _table(dom, "op-mapping-table")}
+    assert mapping["hstu_export::hstu_mha_gated"][3:5] == ["2", "ours"]
+    files = {row[0] for row in _table(dom, "package-table")}
+    assert "manifest.json" in files and set(manifest["backend"]["files"].values()) <= files
+    assert {row[0] for row in _table(dom, "timings-table")} >= {"load", "trace", "passes", "compile", "verify"}
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_report_of_a_third_party_style_model(tmp_path: Path) -> None:
+    """A user's model with its own attention, declared like generative-recommenders': the op-mapping table
+    says whose mapping rewrote it."""
+    from user_models import dlrm_hstu
+
+    from hstu_export import ExportSettings, VerifySettings, export
+
+    user_attention = "user_models.dlrm_hstu.jagged_hstu_attention"
+    gr_attention = "generative_recommenders.ops.pytorch.pt_hstu_attention.pytorch_hstu_mha"
+    bundle = save_bundle(dlrm_hstu.build_ranker(), tmp_path / "user.pt", example_inputs=dlrm_hstu.example_inputs(3, seed=0),
+                         factory="user_models.dlrm_hstu:build_ranker",
+                         ranges={"uih_features": (1, 12), "candidates_features": (1, 5)})
+    settings = ExportSettings(backend="torchscript", max_batch_size=4, verify=VerifySettings(num_random_batches=2),
+                              op_mappings={user_attention: gr_attention}, dump_dir=tmp_path / "graphs")
+    result = export(bundle, tmp_path / "pkg", settings)
+    dom = _open(tmp_path / "graphs" / "report.html", tmp_path, screenshot="export_report_user_model.png")
+    mapping = {row[0]: row for row in _table(dom, "op-mapping-table")}
+    attention = mapping[user_attention]
+    assert attention[1] == "function" and attention[3] == "2"  # two layers
+    assert attention[4] == f"generative-recommenders (declared like {gr_attention})"
+    batches = _table(dom, "parity-batches")
+    assert len(batches) == len(result.parity["batches"]) and all(row[5] == "yes" for row in batches)
+    assert {int(row[1]) for row in batches} >= {1, 4}
+    settings_shown = {row[0]: row[1] for row in _table(dom, "settings")}
+    assert user_attention in settings_shown["op_mappings"]
+    model = {row[0]: row[1] for row in _table(dom, "model")}
+    assert '"factory"' in model["model source"] and "user_models.dlrm_hstu:build_ranker" in model["model source"]
+    record = json.loads((tmp_path / "graphs" / "report.json").read_text())
+    mapped = next(p for p in record["passes"] if p["name"] == "map_ops")["pictures"]["groups"]
+    assert max(g["nodes"] for g in mapped) <= 60 and sum(g["mapped"] for g in mapped) > 0
 
 
 # ---- the CLI ------------------------------------------------------------------------------------

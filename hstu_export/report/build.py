@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from hstu_export.pipeline import PassReport
 
 STAT_TEXT_LIMIT = 300  # characters of one statistic in the pass table
+# The settings inspect reads (the others — backend, device, verification — only steer an export).
+INSPECT_SETTINGS = ("op_target", "leaf_modules", "opaque_functions", "op_mappings", "attention_scale", "lengths",
+                    "imports", "passes", "skip_passes", "check_each_pass", "dump_dir")
 
 
 def pass_record(title: str, report: PassReport, pictures: dict[int, PassPictures], boundary: BoundarySchema | None,
@@ -102,7 +105,7 @@ def add_inspect_context(record: RunRecord, model: dict[str, Any], settings: dict
     record.kind = KIND_INSPECT
     record.model = {k: _text(v) for k, v in model.items() if v}
     record.target = {"op target": op_target, "backend": "none (inspect compiles nothing)"}
-    record.settings = settings_text(settings)
+    record.settings = settings_text({k: settings[k] for k in INSPECT_SETTINGS if k in settings})
     record.parity = ParityRecord(note="inspect compiles and verifies nothing: `hstu-export MODEL` verifies the "
                                       "package it writes on every verification batch, and its report shows them")
 
