@@ -73,7 +73,9 @@ class GraphDumper:
         groups = pictures.group_nodes(gm)
         kinds = pictures.node_kinds(gm)
         groups_of = {n: i for i, g in enumerate(groups) for n in g.nodes}
-        drawn = PassPictures(self._write_picture(stem, pictures.overview_dot(groups, kinds)))
+        suffix = ".svg" if self.dot is not None else ".dot"
+        links = [f"{stem}.g{number:02d}{suffix}" for number in range(len(groups))]
+        drawn = PassPictures(self._write_picture(stem, pictures.overview_dot(groups, kinds, links)))
         for number, group in enumerate(groups):
             counts = pictures.kind_counts(group, kinds)
             source = pictures.group_dot(group, kinds, groups_of, groups)

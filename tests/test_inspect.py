@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -131,6 +132,42 @@ def test_without_graphviz_dot_text_is_written_once_warned(
     dot = (tmp_path / "02_split_sparse_dense.dot").read_text()
     assert dot.startswith("digraph G {") and "cluster_" in dot
     assert result.report_path is not None and "graphviz was not installed" in result.report_path.read_text()
+    groups = json.loads((tmp_path / "report.json").read_text())["passes"][1]["pictures"]["groups"]
+    assert groups and all(g["file"].endswith(".dot") and (tmp_path / g["file"]).is_file() for g in groups)
+
+
+def test_pictures_group_nodes_by_module_within_the_limit() -> None:
+    from hstu_export.report import pictures
+
+    model = build_preset("tiny")
+    batch = generate_batch(model.input_schema(), 2, seed=0)
+    result = run_passes(trace(model, batch), PassContext(example_inputs=batch, model=model))
+    gm = result.graph
+    everything = [n for _, sub in gm.named_modules() if isinstance(sub, torch.fx.GraphModule) for n in sub.graph.nodes]
+    for limit in (60, 20):
+        groups = pictures.group_nodes(gm, limit=limit)
+        assert max(len(g.nodes) for g in groups) <= limit
+        grouped = [n for g in groups for n in g.nodes]
+        assert len(grouped) == len(everything) and set(grouped) == set(everything)  # each node once
+    groups = pictures.group_nodes(gm, limit=20)
+    # A group holds one module's nodes; what a mapped op became is a group below its module, chunked in
+    # order when too big for one picture.
+    attention = [g for g in groups if g.graph == "dense"
+                 and g.module == "transducer.stu.layers.0 ▸ hstu_export::hstu_mha_gated"]
+    assert len(attention) >= 2 and [g.part for g in attention] == list(range(1, len(attention) + 1))
+    assert all(n.meta["mapped_from"] == "hstu_export::hstu_mha_gated" for g in attention for n in g.nodes)
+    assert all("transducer.stu.layers.0" in pictures.module_chain(n) for g in attention for n in g.nodes)
+    kinds = pictures.node_kinds(gm)
+    counts = collections.Counter(kinds.values())
+    # Nodes map_ops put in place keep their module (so they are grouped) and are coloured as mapped.
+    mapped = [n for n, kind in kinds.items() if kind == "mapped"]
+    assert len(mapped) == counts["mapped"] > 0 and all(pictures.module_chain(n) for n in mapped)
+    # The boundary: the sparse graph's output and the dense graph's inputs that come from it.
+    boundary = {n.name for n, kind in kinds.items() if kind == "marked"}
+    assert {"uih_item_emb", "candidate_item_emb", "user_id_emb"} <= boundary
+    overview = pictures.overview_dot(groups, kinds, [f"g{i}.svg" for i in range(len(groups))])
+    assert overview.count("subgraph cluster_") == 3  # the top graph, sparse and dense
+    assert all(f'URL="g{i}.svg"' in overview for i in range(len(groups)))  # each box opens its group
 
 
 def _artifacts_dir() -> Path:

@@ -21,6 +21,7 @@ import torch
 import torch.fx
 
 GROUP_LIMIT = 60  # nodes of one picture: a readable graphviz layout at page width
+TITLE_NAMES = 3  # module names a merged group's title lists
 
 # (kind, fill colour, what it means): the pictures and the report's legend read the same table.
 LEGEND: tuple[tuple[str, str, str], ...] = (
@@ -47,6 +48,9 @@ class NodeGroup:
     @property
     def title(self) -> str:
         where = self.module or "(graph inputs, outputs and top-level code)"
+        names = where.split(" + ")
+        if len(names) > TITLE_NAMES:
+            where = " + ".join(names[:TITLE_NAMES]) + f" + {len(names) - TITLE_NAMES} more"
         graph = self.graph or "top graph"
         return f"{graph}: {where}" + (f" [part {self.part}]" if self.part else "")
 
@@ -68,14 +72,19 @@ def group_nodes(gm: torch.fx.GraphModule, limit: int = GROUP_LIMIT) -> list[Node
     groups: list[NodeGroup] = []
     for path, sub in _graph_modules(gm):
         nodes = list(sub.graph.nodes)
+        modules: dict[torch.fx.Node, tuple[str, ...]] = {}
         chains: dict[torch.fx.Node, tuple[str, ...]] = {}
         for node in nodes:
             chain = module_chain(node)
             if not chain and node.op not in ("placeholder", "output", "get_attr"):
                 # Nodes a pass added without a stack belong with what they compute on (graph order is
                 # topological: inputs come first).
-                chain = next((chains[i] for i in node.all_input_nodes if chains.get(i)), ())
-            chains[node] = chain
+                chain = next((modules[i] for i in node.all_input_nodes if modules.get(i)), ())
+            modules[node] = chain
+            mapped = node.meta.get("mapped_from")
+            # What one mapped op became is a level of its own below its module: a big module splits
+            # into the mapped ops' expansions before it splits into chunks.
+            chains[node] = (*chain, f"{chain[-1] if chain else ''} ▸ {mapped}".strip()) if mapped else chain
         groups.extend(_split(path, (), nodes, chains, limit))
     return groups
 
@@ -107,7 +116,7 @@ def _merge_small(groups: list[NodeGroup], limit: int) -> list[NodeGroup]:
     for group in groups:
         last = merged[-1] if merged else None
         if last is not None and not last.part and not group.part and len(last.nodes) + len(group.nodes) <= limit:
-            names = [n for n in (last.module, group.module) if n]
+            names = [n or "(graph code)" for n in (last.module, group.module)]
             merged[-1] = NodeGroup(group.graph, " + ".join(dict.fromkeys(names)), last.nodes + group.nodes)
         else:
             merged.append(group)
@@ -191,9 +200,9 @@ def group_dot(group: NodeGroup, kinds: dict[torch.fx.Node, str], groups_of: dict
     return "\n".join(lines) + "\n"
 
 
-def overview_dot(groups: list[NodeGroup], kinds: dict[torch.fx.Node, str]) -> str:
+def overview_dot(groups: list[NodeGroup], kinds: dict[torch.fx.Node, str], links: list[str] | None = None) -> str:
     """A box per group (its node count and coloured kinds), edges between groups; a cluster per graph
-    module."""
+    module. ``links``: each group's picture file, which its box links to (the SVG opened on its own)."""
     groups_of = {n: i for i, g in enumerate(groups) for n in g.nodes}
     lines = ["digraph G {", *_HEADER]
     by_graph: dict[str, list[int]] = {}
@@ -209,8 +218,8 @@ def overview_dot(groups: list[NodeGroup], kinds: dict[torch.fx.Node, str]) -> st
             label = f"{group.module or '(graph code)'}" + (f" [{group.part}]" if group.part else "")
             label += f"\n{len(group.nodes)} nodes" + (f": {', '.join(special)}" if special else "")
             colour = next((COLORS[k] for k in ("marked", "opaque", "mapped") if counts[k]), COLORS["op"])
-            lines.append(f'    "grp{index}" [label="{_dot_escape(label)}", fillcolor="{colour}", '
-                         f'URL="#group-{index}"];')
+            link = f', URL="{_dot_escape(links[index])}"' if links else ""
+            lines.append(f'    "grp{index}" [label="{_dot_escape(label)}", fillcolor="{colour}"{link}];')
         lines.append("  }")
     edges: Counter[tuple[int, int]] = Counter()
     for index, group in enumerate(groups):
