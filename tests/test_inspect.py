@@ -172,7 +172,7 @@ def test_pictures_group_nodes_by_module_within_the_limit() -> None:
 
 def _artifacts_dir() -> Path:
     """Where browser tests keep their screenshots: $HSTU_EXPORT_TEST_ARTIFACTS, else out/artifacts/ of the
-    repository (ignored by git; CI uploads it)."""
+    repository (ignored by git), where a CI run can collect it."""
     where = os.environ.get("HSTU_EXPORT_TEST_ARTIFACTS")
     path = Path(where) if where else Path(__file__).resolve().parent.parent / "out" / "artifacts"
     path.mkdir(parents=True, exist_ok=True)
@@ -202,7 +202,7 @@ def _open(report: Path, tmp_path: Path, screenshot: str | None = None) -> str:
     assert not console, console
     if screenshot is not None:
         png = _artifacts_dir() / screenshot
-        shot = _chromium(report, tmp_path / "profile", "--window-size=1400,2000", "--hide-scrollbars",
+        shot = _chromium(report, tmp_path / "profile", "--window-size=1300,2600", "--hide-scrollbars",
                          f"--screenshot={png}")
         assert shot.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", shot.stderr[-2000:]
         assert png.stat().st_size > 20_000  # a page with tables, not an empty screen
@@ -298,7 +298,10 @@ def test_report_of_a_third_party_style_model(tmp_path: Path) -> None:
     mapping = {row[0]: row for row in _table(dom, "op-mapping-table")}
     attention = mapping[user_attention]
     assert attention[1] == "function" and attention[3] == "2"  # two layers
-    assert attention[4] == f"generative-recommenders (declared like {gr_attention})"
+    assert attention[4] == "generative-recommenders" and attention[5] == f"declared like {gr_attention}"
+    assert attention[2] == "our ops (hstu_export::*), then mapped for aten"
+    assert mapping["fbgemm::jagged_to_padded_dense"][2:5] == [
+        "hstu_export.ops.mappings.fbgemm:fbgemm_jagged_to_padded_dense_as_aten", "2", "fbgemm"]
     batches = _table(dom, "parity-batches")
     assert len(batches) == len(result.parity["batches"]) and all(row[5] == "yes" for row in batches)
     assert {int(row[1]) for row in batches} >= {1, 4}

@@ -77,9 +77,11 @@ def op_mapping_rows(stats: dict[str, Any]) -> list[OpMappingRow]:
         name, _, library = str(key).partition(" (")
         mapping = functions.get(name)
         into = (mapping.description.removeprefix("→ ") if mapping is not None and mapping.description
-                else "hstu_export ops")
-        rows.append(OpMappingRow(name, f"{into}, then to {target}" if target else into, _int(count),
-                                 library.removesuffix(")") or "user", "function"))
+                else "our ops (hstu_export::*)")
+        library = library.removesuffix(")") or "user"
+        origin, _, like = library.partition(" (declared like ")
+        rows.append(OpMappingRow(name, f"{into}, then mapped for {target}" if target else into, _int(count),
+                                 origin, "function", f"declared like {like.removesuffix(')')}" if like else ""))
     for name, reason in _dict(stats.get("foreign_kept")).items():
         mapping = functions.get(str(name))
         rows.append(OpMappingRow(str(name), "kept as a call", 0, mapping.library if mapping else "user", "function",
