@@ -314,6 +314,39 @@ def test_report_of_a_third_party_style_model(tmp_path: Path) -> None:
     assert max(g["nodes"] for g in mapped) <= 60 and sum(g["mapped"] for g in mapped) > 0
 
 
+class _ScaleDenseOutputs:
+    """A wrong rewrite of the dense graph: every output times 1.01."""
+
+    name = "scale_dense_outputs"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+        if ctx.current_graph == "dense":
+            output = next(n for n in gm.graph.nodes if n.op == "output")
+            with gm.graph.inserting_before(output):
+                output.args = ({k: gm.graph.call_function(torch.mul, (v, 1.01)) for k, v in output.args[0].items()},)
+        return gm
+
+
+def test_failed_verification_is_in_the_report(tiny_bundle: Path, tmp_path: Path) -> None:
+    from hstu_export import ExportSettings, VerifySettings, export
+    from hstu_export.errors import VerificationError
+    from hstu_export.report.record import RunRecord
+
+    settings = ExportSettings(backend="torchscript", max_batch_size=2, dump_dir=tmp_path / "graphs",
+                              verify=VerifySettings(num_random_batches=1))
+    with pytest.raises(VerificationError, match="the package differs from the model"):
+        export(tiny_bundle, tmp_path / "pkg", settings, extra_passes=[_ScaleDenseOutputs()])
+    assert not (tmp_path / "pkg").exists()
+    record = RunRecord.read(tmp_path / "graphs")
+    assert record.kind == "export" and record.parity.verified and record.passes[-1].name == "scale_dense_outputs"
+    assert record.parity.batches and not any(b.passed for b in record.parity.batches)
+    # rel. L2 of 1.01 r against r is 0.01 on every batch
+    assert all(b.worst_rel_l2 == pytest.approx(0.01, rel=1e-3) for b in record.parity.batches)
+    assert record.package_files == [] and "not written" in record.target["package"]
+    page = (tmp_path / "graphs" / "report.html").read_text()
+    assert page.count('<tr class="mismatch">') == len(record.parity.batches)
+
+
 # ---- the CLI ------------------------------------------------------------------------------------
 
 

@@ -112,8 +112,10 @@ def add_inspect_context(record: RunRecord, model: dict[str, Any], settings: dict
                                       "package it writes on every verification batch, and its report shows them")
 
 
-def add_export_context(record: RunRecord, manifest: dict[str, Any], package_dir: Path, out: Path) -> None:
-    """What an export knows once its package is verified: from the manifest and the package directory."""
+def add_export_context(record: RunRecord, manifest: dict[str, Any], package_dir: Path, out: Path,
+                       written: bool = True) -> None:
+    """What an export knows once its package is verified (``written``) or failed verification: from the
+    manifest and the package directory."""
     record.kind = KIND_EXPORT
     model = _dict(manifest.get("model"))
     record.title = str(model.get("name") or record.title)
@@ -126,7 +128,8 @@ def add_export_context(record: RunRecord, manifest: dict[str, Any], package_dir:
         device = " ".join(str(device[k]) for k in ("type", "name") if device.get(k))
     record.target = {k: str(v) for k, v in (("backend", backend.get("name")), ("device", device),
                                              ("dtype", manifest.get("dtype")), ("op target", manifest.get("op_target")),
-                                             ("package", out)) if v}
+                                             ("package", out if written else f"{out}: not written, the "
+                                              "package failed verification")) if v}
     record.settings = settings_text(_dict(manifest.get("settings")))
     ranges = _dict(manifest.get("ranges"))
     lengths = _dict(ranges.get("lengths"))
@@ -137,9 +140,10 @@ def add_export_context(record: RunRecord, manifest: dict[str, Any], package_dir:
         record.ranges[name] = f"{low} … {high}"
     record.parity = parity_record(_dict(manifest.get("parity")))
     record.timings = {str(k): float(v) for k, v in _dict(manifest.get("timings")).items() if isinstance(v, (int, float))}
-    record.package_files = [PackageFile(p.relative_to(package_dir).as_posix(), p.stat().st_size)
-                            for p in sorted(package_dir.rglob("*"))
-                            if p.is_file() and p.relative_to(package_dir).parts[0] != "graphs"]
+    if written:
+        record.package_files = [PackageFile(p.relative_to(package_dir).as_posix(), p.stat().st_size)
+                                for p in sorted(package_dir.rglob("*"))
+                                if p.is_file() and p.relative_to(package_dir).parts[0] != "graphs"]
 
 
 def parity_record(parity: dict[str, Any]) -> ParityRecord:
@@ -194,9 +198,13 @@ def complete_report(directory: Path, change: Callable[[RunRecord], None]) -> Pat
     return render.write(record, directory)
 
 
-def complete_export_report(dump_dir: Path, manifest: dict[str, Any], package_dir: Path, out: Path) -> None:
+def complete_export_report(dump_dir: Path, manifest: dict[str, Any], package_dir: Path, out: Path,
+                           written: bool = True) -> None:
     """The export's report: in the dump directory and, when the dumps travel in the package, there too."""
-    complete_report(dump_dir, lambda record: add_export_context(record, manifest, package_dir, out))
+    def change(record: RunRecord) -> None:
+        add_export_context(record, manifest, package_dir, out, written)
+
+    complete_report(dump_dir, change)
     in_package = package_dir / "graphs"
-    if (in_package / RECORD_NAME).is_file():
-        complete_report(in_package, lambda record: add_export_context(record, manifest, package_dir, out))
+    if written and (in_package / RECORD_NAME).is_file():
+        complete_report(in_package, change)
