@@ -443,5 +443,11 @@ def test_inspect_untraceable_module_is_kept_opaque_and_listed(
         assert [c["name"] for c in gm.meta["opaque_calls"]] == ["task_heads"]
         result = run_passes(gm, PassContext(example_inputs=batch, model=model))
         assert result.dense is not None and isinstance(result.dense.get_submodule("task_heads"), ClippedHeads)
+        # The pictures colour it as kept whole; torch.nn layers (leaves of every FX trace) are plain ops.
+        from hstu_export.report import pictures
+
+        kinds = {(n.op, str(n.target)): kind for n, kind in pictures.node_kinds(result.graph).items()}
+        assert kinds[("call_module", "task_heads")] == "opaque"
+        assert kinds[("call_module", "transducer.preprocessor.history_proj")] == "op"  # an nn.Linear
         for key, value in model(batch).items():
             torch.testing.assert_close(result.run(batch)[key], value, rtol=1e-6, atol=0)

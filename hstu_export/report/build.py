@@ -176,8 +176,19 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
+def _readable(value: Any, nested: bool = False) -> str:
+    """``a: 1, b: 2`` for a dict, ``x, y`` for a list (in parentheses when nested), else ``str``."""
+    if isinstance(value, (dict, list)):
+        items = [f"{k}: {_readable(v, True)}" for k, v in value.items()] if isinstance(value, dict) \
+            else [_readable(v, True) for v in value]
+        text = ", ".join(items) or "none"
+        return f"({text})" if nested and items else text
+    return str(value)
+
+
 def _short(value: Any) -> str:
-    text = json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)
+    """A statistic as text a person reads, shortened to ``STAT_TEXT_LIMIT`` characters."""
+    text = _readable(value)
     return text if len(text) <= STAT_TEXT_LIMIT else text[:STAT_TEXT_LIMIT - 1] + "…"
 
 

@@ -27,7 +27,7 @@ TITLE_NAMES = 3  # module names a merged group's title lists
 LEGEND: tuple[tuple[str, str, str], ...] = (
     ("mapped", "#b7e4c7", "put in place by map_ops (an op or foreign function mapped to the target)"),
     ("marked", "#f5b7b1", "on the sparse/dense boundary (a mark, a sparse output or a dense input from it)"),
-    ("opaque", "#d7c6f5", "kept whole by the tracer (a leaf module or an opaque function call)"),
+    ("opaque", "#d7c6f5", "kept whole by the tracer (a leaf module other than torch.nn's layers, or an opaque call)"),
     ("input", "#cfe2ff", "graph input"),
     ("output", "#e2e3e5", "graph output"),
     ("attribute", "#fff3cd", "parameter or buffer"),
@@ -158,7 +158,8 @@ def node_kind(node: torch.fx.Node, owner: torch.fx.GraphModule, boundary: set[to
             held = owner.get_submodule(str(node.target))
         except AttributeError:
             held = None
-        if not isinstance(held, torch.fx.GraphModule):
+        # torch.nn's own layers are leaves of every FX trace: plain ops to a reader, not something kept.
+        if not isinstance(held, torch.fx.GraphModule) and not type(held).__module__.startswith("torch.nn."):
             return "opaque"
     if node.op == "call_function" and hasattr(node.target, "__hstu_export_opaque__"):
         return "opaque"
