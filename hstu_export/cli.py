@@ -646,13 +646,14 @@ def _print_passes(entries: Any, opaque_calls: Any) -> None:
 
 
 def _mapping_lines(entries: list[dict[str, Any]]) -> list[str]:
-    """What map_ops did to foreign functions, one line each (from its statistics)."""
+    """What map_ops did, one line per source op or foreign function (the report's op-mapping table)."""
+    from hstu_export.report.build import op_mapping_rows
+
     stats = next((e.get("stats") for e in entries if e.get("name") == "map_ops"), None)
     if not isinstance(stats, dict):
         return []
-    foreign = stats.get("foreign") if isinstance(stats.get("foreign"), dict) else {}
-    kept = stats.get("foreign_kept") if isinstance(stats.get("foreign_kept"), dict) else {}
-    return [f"{count}x {name}" for name, count in foreign.items()] + [f"kept {n}: {r}" for n, r in kept.items()]
+    return [f"{row.source} → {row.target}{f' x{row.count}' if row.count else ''} ({row.origin}"
+            f"{f'; {row.reason}' if row.reason else ''})" for row in op_mapping_rows(stats)]
 
 
 def _inspect_package(root: Any, open_report: bool) -> None:

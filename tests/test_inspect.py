@@ -418,6 +418,8 @@ def test_inspect_a_package_shows_what_its_export_recorded(
     assert "package, backend torchscript, cpu" in out and "verification batch" in out
     assert "batch size 1" in out and "parity tolerances:" in out and "timings: load" in out
     assert f"graphs and report: {package / 'graphs' / 'report.html'}" in out
+    # What map_ops did, as in the report's op-mapping table: source → target, count, whose table.
+    assert "mapped: hstu_export::hstu_mha_gated → hstu_export.ops.reference:hstu_mha_gated_reference x2 (ours)" in out
     # Trace options do not apply to a package; a damaged package is refused in one line.
     assert main(["inspect", str(package), "--passes", "prune_unused"]) == 2
     assert "apply to a model bundle" in capsys.readouterr().err
