@@ -299,7 +299,7 @@ def test_report_of_a_third_party_style_model(tmp_path: Path) -> None:
     attention = mapping[user_attention]
     assert attention[1] == "function" and attention[3] == "2"  # two layers
     assert attention[4] == "generative-recommenders" and attention[5] == f"declared like {gr_attention}"
-    assert attention[2] == "our ops (hstu_export::*), then mapped for aten"
+    assert attention[2] == "hstu_export::hstu_mha, then mapped for aten"
     assert mapping["fbgemm::jagged_to_padded_dense"][2:5] == [
         "hstu_export.ops.mappings.fbgemm:fbgemm_jagged_to_padded_dense_as_aten", "2", "fbgemm"]
     batches = _table(dom, "parity-batches")
@@ -345,6 +345,37 @@ def test_failed_verification_is_in_the_report(tiny_bundle: Path, tmp_path: Path)
     assert record.package_files == [] and "not written" in record.target["package"]
     page = (tmp_path / "graphs" / "report.html").read_text()
     assert page.count('<tr class="mismatch">') == len(record.parity.batches)
+
+
+def test_op_mapping_rows_say_what_became_of_each_source_and_whose_table_it_was() -> None:
+    from hstu_export.ops.mappings import fbgemm, ours
+    from hstu_export.report.build import op_mapping_rows
+
+    gr = "generative_recommenders.ops.pytorch.pt_hstu_attention.pytorch_hstu_mha"
+    ours_op, fbgemm_op = next(iter(ours.OPS)), next(iter(fbgemm.OPS))
+    stats = {
+        "target": "aten",
+        "foreign": {f"{gr} (generative-recommenders)": 3, "my.attention (generative-recommenders (declared like "
+                    f"{gr}))": 1},
+        "foreign_kept": {gr: "attn_scale (a per-position scale) has no equivalent"},
+        "mapped": {f"{ours_op} -> hstu_export.ops.reference:x": 2, f"{fbgemm_op} -> y": 5},
+        "kept": {"custom::op": 4},
+    }
+    rows = [(r.source, r.target, r.count, r.origin, r.kind, r.reason) for r in op_mapping_rows(stats)]
+    assert rows == [
+        (gr, "hstu_export::hstu_mha, then mapped for aten", 3, "generative-recommenders", "function", ""),
+        ("my.attention", "hstu_export::hstu_mha, then mapped for aten", 1, "generative-recommenders", "function",
+         f"declared like {gr}"),
+        (gr, "kept as a call", 0, "generative-recommenders", "function",
+         "attn_scale (a per-position scale) has no equivalent"),
+        (ours_op, "hstu_export.ops.reference:x", 2, "ours", "op", ""),
+        (fbgemm_op, "y", 5, "fbgemm", "op", ""),
+        ("custom::op", "kept", 4, "none (no table has it)", "op",
+         "no mapping for aten, kept by --allow-unmapped: its library is loaded at serve time"),
+    ]
+    # A package's statistics are untrusted: anything malformed is left out, not an error.
+    assert op_mapping_rows({"mapped": ["not", "a dict"], "foreign": {"f (lib)": "three"}}) == [
+        op_mapping_rows({"foreign": {"f (lib)": 0}})[0]]
 
 
 # ---- the CLI ------------------------------------------------------------------------------------

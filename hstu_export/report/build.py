@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from hstu_export.boundary import BoundarySchema
     from hstu_export.pipeline import PassReport
 
+NO_TABLE = "none (no table has it)"
 STAT_TEXT_LIMIT = 300  # characters of one statistic in the pass table
 # The settings inspect reads (the others — backend, device, verification — only steer an export).
 INSPECT_SETTINGS = ("op_target", "leaf_modules", "opaque_functions", "op_mappings", "attention_scale", "lengths",
@@ -65,23 +66,24 @@ def op_mapping_rows(stats: dict[str, Any]) -> list[OpMappingRow]:
     from hstu_export.ops.mappings import fbgemm, function_mappings, ours
 
     def origin_of(op: str) -> str:
-        return "ours" if op in ours.OPS else "fbgemm" if op in fbgemm.OPS else "none (no table has it)"
+        return "ours" if op in ours.OPS else "fbgemm" if op in fbgemm.OPS else NO_TABLE
 
     target = str(stats.get("target", ""))
     try:
         functions = function_mappings()
-    except Exception:  # a table that fails to import must not cost the report
+    except ImportError:  # a table that fails to import must not cost the report
         functions = {}
     rows: list[OpMappingRow] = []
     for key, count in _dict(stats.get("foreign")).items():
         name, _, library = str(key).partition(" (")
-        mapping = functions.get(name)
-        into = (mapping.description.removeprefix("→ ") if mapping is not None and mapping.description
+        origin, _, like = (library.removesuffix(")") or "user").partition(" (declared like ")
+        like = like.removesuffix(")")
+        mapping = functions.get(name) or functions.get(like)
+        # Descriptions read "HSTU attention → hstu_export::hstu_mha": the op after the arrow.
+        into = (mapping.description.rpartition("→ ")[2] if mapping is not None and mapping.description
                 else "our ops (hstu_export::*)")
-        library = library.removesuffix(")") or "user"
-        origin, _, like = library.partition(" (declared like ")
         rows.append(OpMappingRow(name, f"{into}, then mapped for {target}" if target else into, _int(count),
-                                 origin, "function", f"declared like {like.removesuffix(')')}" if like else ""))
+                                 origin, "function", f"declared like {like}" if like else ""))
     for name, reason in _dict(stats.get("foreign_kept")).items():
         mapping = functions.get(str(name))
         rows.append(OpMappingRow(str(name), "kept as a call", 0, mapping.library if mapping else "user", "function",
@@ -90,9 +92,10 @@ def op_mapping_rows(stats: dict[str, Any]) -> list[OpMappingRow]:
         source, _, into = str(key).partition(" -> ")
         rows.append(OpMappingRow(source, into, _int(count), origin_of(source), "op"))
     for key, count in _dict(stats.get("kept")).items():
-        reason = "mapped to itself: its library is loaded at serve time" if origin_of(str(key)) != "none (no table has it)" \
-            else "no mapping for this target (--allow-unmapped): its library is loaded at serve time"
-        rows.append(OpMappingRow(str(key), "kept", _int(count), origin_of(str(key)), "op", reason))
+        origin = origin_of(str(key))
+        reason = (f"the table keeps it for {target}" if origin != NO_TABLE else
+                  f"no mapping for {target}, kept by --allow-unmapped") + ": its library is loaded at serve time"
+        rows.append(OpMappingRow(str(key), "kept", _int(count), origin, "op", reason))
     return rows
 
 
