@@ -601,8 +601,9 @@ def inspect(
         from hstu_export.report.build import add_inspect_context, complete_report
 
         model_source = {"name": bundle.model_name, "source": bundle.source, "bundle": model}
+        ranges = captured.ranges.to_json() if captured.ranges is not None else None
         complete_report(result.report_path.parent, lambda record: add_inspect_context(
-            record, model_source, settings.to_json(), settings.op_target or "aten"))
+            record, model_source, settings.to_json(), settings.op_target or "aten", ranges))
         console.print(f"graphs and report: {result.report_path}")
         if open_report:
             click.launch(str(result.report_path))

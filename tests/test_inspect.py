@@ -404,6 +404,16 @@ def test_inspect_prints_the_pass_table(
     assert "eliminate_dead_code" not in captured.out
     assert "uih_item_emb" in captured.out  # the boundary table
     assert (out / "report.html").is_file() and (out / f"{_stem('split_sparse_dense')}{PICTURE}").is_file()
+    # The report of the run: the model, the settings inspect read, the ranges, per-pass errors, no parity.
+    from hstu_export.report.record import RunRecord
+
+    record = RunRecord.read(out)
+    assert record.kind == "inspect" and record.model["bundle"] == str(tiny_bundle)
+    assert record.settings["skip_passes"] == '["eliminate_dead_code"]' and "backend" not in record.settings
+    assert record.ranges["max batch size"].isdigit() and any("…" in v for v in record.ranges.values())
+    assert record.checked_each_pass and all(p.max_rel_error is not None and p.max_rel_error <= 1e-5
+                                            for p in record.passes)
+    assert not record.parity.verified and "verifies nothing" in record.parity.note
 
 
 def test_inspect_with_explicit_passes(tiny_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -105,9 +105,12 @@ def opaque_rows(calls: Any) -> list[OpaqueCallRow]:
             if isinstance(c, dict)]
 
 
-def add_inspect_context(record: RunRecord, model: dict[str, Any], settings: dict[str, Any], op_target: str) -> None:
-    """What ``hstu-export inspect`` on a bundle knows: the model and the settings (nothing is verified)."""
+def add_inspect_context(record: RunRecord, model: dict[str, Any], settings: dict[str, Any], op_target: str,
+                        ranges: dict[str, Any] | None = None) -> None:
+    """What ``hstu-export inspect`` on a bundle knows: the model, the settings and the ranges when the model
+    states them (``ExportRanges.to_json()``); nothing is verified."""
     record.kind = KIND_INSPECT
+    record.ranges = ranges_text(ranges) if ranges else {}
     record.model = {k: _text(v) for k, v in model.items() if v}
     record.target = {"op target": op_target, "backend": "none (inspect compiles nothing)"}
     record.settings = settings_text({k: settings[k] for k in INSPECT_SETTINGS if k in settings})
@@ -135,18 +138,24 @@ def add_export_context(record: RunRecord, manifest: dict[str, Any], package_dir:
                                               "package failed verification")) if v}
     record.settings = settings_text(_dict(manifest.get("settings")))
     ranges = _dict(manifest.get("ranges"))
-    lengths = _dict(ranges.get("lengths"))
-    record.ranges = {"max batch size": str(ranges.get("max_batch_size"))}
-    for name, high in _dict(lengths.get("max_lengths")).items():
-        record.ranges[name] = f"{_dict(lengths.get('min_lengths')).get(name, 0)} … {high}"
-    for name, (low, high) in ((k, v) for k, v in _dict(ranges.get("dims")).items() if isinstance(v, list) and len(v) == 2):
-        record.ranges[name] = f"{low} … {high}"
+    record.ranges = ranges_text(_dict(ranges.get("lengths")), _dict(ranges.get("dims")))
     record.parity = parity_record(_dict(manifest.get("parity")))
     record.timings = {str(k): float(v) for k, v in _dict(manifest.get("timings")).items() if isinstance(v, (int, float))}
     if written:
         record.package_files = [PackageFile(p.relative_to(package_dir).as_posix(), p.stat().st_size)
                                 for p in sorted(package_dir.rglob("*"))
                                 if p.is_file() and p.relative_to(package_dir).parts[0] != "graphs"]
+
+
+def ranges_text(lengths: dict[str, Any], dims: dict[str, Any] | None = None) -> dict[str, str]:
+    """The accepted ranges: ``lengths`` as ExportRanges.to_json() writes it, ``dims`` {name: [min, max]}."""
+    shown = {"max batch size": str(lengths.get("max_batch_size"))}
+    for name, high in _dict(lengths.get("max_lengths")).items():
+        shown[name] = f"{_dict(lengths.get('min_lengths')).get(name, 0)} … {high}"
+    for name, span in (dims or {}).items():
+        if isinstance(span, list) and len(span) == 2:
+            shown[name] = f"{span[0]} … {span[1]}"
+    return shown
 
 
 def parity_record(parity: dict[str, Any]) -> ParityRecord:
