@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hstu_export.errors import HstuExportError
-from hstu_export.inspection import human_bytes
+from hstu_export.report.render import human_bytes
 from hstu_export.version import __version__
 
 err_console = Console(stderr=True, highlight=False)
@@ -613,6 +613,12 @@ def inspect(
             table.add_row(t.name, t.dtype, escape("[" + ", ".join(map(str, t.shape)) + "]"), t.source)
         console.print(table)
     if result.report_path is not None:
+        from hstu_export.report.build import add_inspect_context, complete_report
+
+        model_source = {"name": bundle.model_name, "source": bundle.source, "bundle": model}
+        ranges = captured.ranges.to_json() if captured.ranges is not None else None
+        complete_report(result.report_path.parent, lambda record: add_inspect_context(
+            record, model_source, settings.to_json(), settings.op_target or "aten", ranges))
         console.print(f"graphs and report: {result.report_path}")
         if open_report:
             click.launch(str(result.report_path))
@@ -656,13 +662,14 @@ def _print_passes(entries: Any, opaque_calls: Any) -> None:
 
 
 def _mapping_lines(entries: list[dict[str, Any]]) -> list[str]:
-    """What map_ops did to foreign functions, one line each (from its statistics)."""
+    """What map_ops did, one line per source op or foreign function (the report's op-mapping table)."""
+    from hstu_export.report.build import op_mapping_rows
+
     stats = next((e.get("stats") for e in entries if e.get("name") == "map_ops"), None)
     if not isinstance(stats, dict):
         return []
-    foreign = stats.get("foreign") if isinstance(stats.get("foreign"), dict) else {}
-    kept = stats.get("foreign_kept") if isinstance(stats.get("foreign_kept"), dict) else {}
-    return [f"{count}x {name}" for name, count in foreign.items()] + [f"kept {n}: {r}" for n, r in kept.items()]
+    return [f"{row.source} → {row.target}{f' x{row.count}' if row.count else ''} ({row.origin}"
+            f"{f'; {row.reason}' if row.reason else ''})" for row in op_mapping_rows(stats)]
 
 
 def _inspect_package(root: Any, open_report: bool) -> None:

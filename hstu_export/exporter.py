@@ -391,6 +391,10 @@ def export(
                 parity = _verify(staged, captured.reference, schema, ranges, settings, op_target)
             manifest["parity"] = parity
             if not parity["passed"]:
+                if result.report_path is not None:  # the report shows where it failed
+                    from hstu_export.report.build import complete_export_report
+
+                    complete_export_report(result.report_path.parent, manifest, staged, out, written=False)
                 raise VerificationError(
                     f"the package differs from the model: {mismatch_summary(parity)}; nothing was written "
                     "(--rtol/--atol set the tolerances)"
@@ -402,6 +406,10 @@ def export(
                 raise VerificationError(f"KV-cached serving of the package differs from the model: {why}; "
                                         "nothing was written (--rtol/--atol set the tolerances)")
         manifest["timings"] = timings
+        if result.report_path is not None:  # the report gains the export's settings, parity, timings, files
+            from hstu_export.report.build import complete_export_report
+
+            complete_export_report(result.report_path.parent, manifest, staged, out)
         manifest = write_manifest(staged, manifest)
         with _timed(timings, progress, "write"):
             commit(staged, out, settings.force, protect=[bundle.path])

@@ -205,7 +205,7 @@ def run_passes(
                 report.records.append(record)
                 gm = _run_one(graph_pass, gm, ctx, record, reference, dumper)
     finally:
-        report_path = dumper.write_report(report, gm, ctx.boundary) if dumper is not None else None
+        report_path = dumper.write_report(report, gm, ctx.boundary, ctx.check_each_pass) if dumper is not None else None
     has_split = ctx.boundary is not None and isinstance(getattr(gm, SPARSE, None), torch.fx.GraphModule)
     return PipelineResult(
         graph=gm,

@@ -125,6 +125,7 @@ class MapOps:
                 return str(exc)
             except Exception as exc:
                 raise UnmappedOpsError(f"mapping {key} failed while tracing its rewrite: {type(exc).__name__}: {exc}") from exc
+        _tag_new_nodes(gm, before, node, key)
         _replace_uses(node, result)
         gm.graph.erase_node(node)
         return None
@@ -133,6 +134,7 @@ class MapOps:
         replacement = resolve(spec)
         if isinstance(replacement, torch._ops.OpOverload):
             node.target = replacement
+            node.meta["mapped_from"] = key
             return
         normalized = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
         kwargs = normalized.kwargs if normalized is not None else dict(node.kwargs)
@@ -140,6 +142,7 @@ class MapOps:
             raise UnmappedOpsError(f"cannot match the arguments of {node.format_node()} to {key}'s schema")
         tracer = torch.fx.proxy.GraphAppendingTracer(gm.graph)
         proxied = map_aggregate(kwargs, lambda a: torch.fx.Proxy(a, tracer) if isinstance(a, torch.fx.Node) else a)
+        before = set(gm.graph.nodes)
         with gm.graph.inserting_before(node):
             try:
                 result = replacement(**proxied)
@@ -147,8 +150,20 @@ class MapOps:
                 raise UnmappedOpsError(
                     f"mapping {key} to {spec.partition(':')[2]} failed while tracing it: {exc}"
                 ) from exc
+        _tag_new_nodes(gm, before, node, key)
         _replace_uses(node, result)
         gm.graph.erase_node(node)
+
+
+def _tag_new_nodes(gm: torch.fx.GraphModule, before: set[torch.fx.Node], node: torch.fx.Node, key: str) -> None:
+    """Nodes a mapping put in ``node``'s place say what they replace (the report colours them) and keep
+    its module stack (the report groups nodes by the module they came from)."""
+    stack = node.meta.get("nn_module_stack")
+    for new in gm.graph.nodes:
+        if new not in before:
+            new.meta["mapped_from"] = key
+            if stack is not None and "nn_module_stack" not in new.meta:
+                new.meta["nn_module_stack"] = stack
 
 
 def _replace_uses(node: torch.fx.Node, result: Any) -> None:
