@@ -166,7 +166,7 @@ def request(model: HstuRankingModel, work: dict, batch: int, seed: int) -> dict[
 
 
 def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dict, batch: int,  # type: ignore[no-untyped-def]
-              device: torch.device) -> dict:
+              device: torch.device, profile_dir: Path | None = None) -> dict:
     """The whole model per request: no-cache baselines against the cached path, on one batch."""
     cfg = gpu.config
     delta = DeltaRanker(gpu)
@@ -245,7 +245,8 @@ def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dic
 
         row["cached_ranker"] = bench(reset_and_run, iters=20)
         if package is not None and "kv_cache" in package.manifest:
-            package_row(row, package, ranker.cache.bytes, prefix, features, full, work, batch, device, reset_and_run)
+            package_row(row, package, ranker.cache.bytes, prefix, features, full, work, batch, device, reset_and_run,
+                        profile_dir)
         for base in ("eager_full", "package_full"):
             if base in row:
                 row[f"{base}_over_delta_run"] = row[base]["p50_ms"] / row["delta_run"]["p50_ms"]
@@ -255,7 +256,7 @@ def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dic
 
 
 def package_row(row: dict, package, budget: int, prefix: dict, features: dict, full: dict, work: dict,  # type: ignore[no-untyped-def]
-                batch: int, device: torch.device, reset_and_run) -> None:
+                batch: int, device: torch.device, reset_and_run, profile_dir: Path | None = None) -> None:
     """The package's own KV-cached path (``--kv-cache``): its delta program alone on a filled cache
     against the package's no-cache dense program, and its cached ranker end to end against the
     package end to end."""
@@ -278,7 +279,24 @@ def package_row(row: dict, package, budget: int, prefix: dict, features: dict, f
     inputs = runner.program_inputs(delta_features, cached, kv.cache.k, kv.cache.v, table)
     row["kv_program"] = bench(lambda: runner.run_program(inputs), iters=30)
     row["kv_program_graph"] = bench_graph(lambda: runner.run_program(inputs))
+    row["kv_program_inputs"] = bench(lambda: runner.program_inputs(delta_features, cached, kv.cache.k, kv.cache.v,
+                                                                   table), iters=20)
     row["kv_package_ranker"] = bench(lambda: reset_and_run(kv), iters=20)
+    if profile_dir is not None:  # where the host time of a whole cached request goes
+        import cProfile
+        import io
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(20):
+            reset_and_run(kv)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
+        (profile_dir / f"kv_profile_{work['history']}_{batch}.txt").write_text(text.getvalue())
     ratios = {"package_dense_over_kv_program": ("package_dense", "kv_program"),
               "package_dense_over_kv_program_graph": ("package_dense", "kv_program_graph"),
               "package_full_over_kv_package_ranker": ("package_full", "kv_package_ranker")}
@@ -297,6 +315,7 @@ def main() -> None:
     parser.add_argument("--kv-splits", type=int, default=1, help="key slices of the exported delta program's kernel")
     parser.add_argument("--kernels-only", action="store_true", help="time the attention kernels only")
     parser.add_argument("--no-kernels", action="store_true", help="skip the attention kernels (time the models only)")
+    parser.add_argument("--profile", action="store_true", help="write a cProfile of the package's cached requests")
     parser.add_argument("--small", action="store_true",
                         help="small shapes on CPU (Triton interpreter): checks that the script runs, times nothing")
     args = parser.parse_args()
@@ -354,7 +373,8 @@ def main() -> None:
             gpu.sparse_arch.float()
             set_kernel(gpu, Kernel.TRITON)
             for batch in args.batches:
-                entry["model"][batch] = model_row(gpu, model, package, work, batch, device)
+                entry["model"][batch] = model_row(gpu, model, package, work, batch, device,
+                                                  args.out if args.profile else None)
                 save()
                 torch.cuda.empty_cache()
         except Exception as exc:

@@ -105,7 +105,7 @@ def dynamic_shapes(model: HstuRankingModel, ranges: Any, page_size: int,
     """torch.export dims of the delta program's inputs, by name."""
     from torch.export import Dim
 
-    b_max = max(ranges.max_batch_size, 2)
+    b_max = max(ranges.max_batch_size, 4)  # the example has 4 users; requests are held to the package's maximum
     max_seq_len, _ = kv_bounds(model, ranges)
     batch = Dim("batch", min=1, max=b_max)
     fresh = Dim("fresh_users", min=0, max=b_max)

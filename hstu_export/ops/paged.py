@@ -128,10 +128,12 @@ def paged_hstu_mha(
 
 
 def write_pages(pages: Tensor, page_table: Tensor, rows: Tensor, positions: Tensor, users: Tensor) -> None:
-    """pages[page_table[users, positions // page_size], positions % page_size] = rows (in place).
+    """pages[..., page_table[users, positions // page_size], positions % page_size] = rows (in place).
 
-    rows [T, H, D]; positions and users [T] (int64): token position within its user, and the user's row
-    in page_table. One scatter; the caller has allocated the pages."""
-    page_size = pages.size(1)
+    pages [..., P, page_size, H, D] (leading dims: layers, written in the same call), rows [..., T, H, D];
+    positions and users [T] (int64): token position within its user, and the user's row in page_table.
+    One scatter; the caller has allocated the pages."""
+    page_size = pages.size(-3)
     slots = page_table.to(torch.int64)[users, positions // page_size] * page_size + positions % page_size
-    pages.view(-1, *pages.shape[2:]).index_copy_(0, slots, rows.to(pages.dtype))
+    flat = pages.view(*pages.shape[:-4], -1, *pages.shape[-2:])
+    flat.index_copy_(flat.dim() - 3, slots, rows.to(pages.dtype))

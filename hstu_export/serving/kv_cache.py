@@ -45,7 +45,8 @@ class DeltaRunner(Protocol):
 
     def __call__(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
                  page_table: Tensor) -> DeltaOutputs:
-        """:meth:`hstu_export.models.cached.DeltaRanker.run`'s contract."""
+        """:meth:`hstu_export.models.cached.DeltaRanker.run`'s contract; ``features`` may be on the host
+        (the runner moves them to its device)."""
 
 
 class EagerDelta:
@@ -63,7 +64,8 @@ class EagerDelta:
 
     def __call__(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
                  page_table: Tensor) -> DeltaOutputs:
-        return self.delta.run(features, cached, k_pages, v_pages, page_table)
+        on_device = {name: value.to(self.device, non_blocking=True) for name, value in features.items()}
+        return self.delta.run(on_device, cached, k_pages, v_pages, page_table)
 
 
 class CacheFull(Exception):
@@ -282,18 +284,19 @@ class CachedRanker:
             position = torch.arange(int(hist_len.sum())) - torch.repeat_interleave(torch.tensor(hist_off[:-1]), hist_len)
             fresh = position >= torch.repeat_interleave(skip, hist_len)
             history = ("uih_item_ids", "uih_action_ids", "uih_timestamps")
-            delta = {name: value.to(self.device) for name, value in features.items() if name not in history}
-            delta.update({name: host[name][fresh].to(self.device) for name in history})
-            delta[HISTORY_LENGTHS] = (hist_len - skip).to(self.device)
+            # Where the request's tensors are (the runner moves them): lengths stay on the host, so that the
+            # runner's host-side work reads them without waiting for the device.
+            delta = {name: value for name, value in features.items() if name not in history}
+            delta.update({name: host[name][fresh] for name in history})
+            delta[HISTORY_LENGTHS] = hist_len - skip
             result = self.runner(delta, cached, self.cache.k, self.cache.v, table)
             # Store the new history tokens' K/V of the stored users, then record what their pages hold.
             users, positions, new_k, new_v = result.users, result.positions, result.new_k, result.new_v
             if bypassed:
                 stored = torch.tensor([plan is not None for plan in plans], device=self.device)[users].nonzero()[:, 0]
                 users, positions, new_k, new_v = users[stored], positions[stored], new_k[:, stored], new_v[:, stored]
-            for layer in range(new_k.size(0)):
-                write_pages(self.cache.k[layer], table, new_k[layer], positions, users)
-                write_pages(self.cache.v[layer], table, new_v[layer], positions, users)
+            write_pages(self.cache.k, table, new_k, positions, users)  # every layer in one scatter
+            write_pages(self.cache.v, table, new_v, positions, users)
             for b, (user, plan) in enumerate(zip(ids, plans)):
                 if plan is not None:
                     self.cache.commit(user, c + int(hist_len[b]), *plan)
