@@ -102,8 +102,10 @@ def check_parity(
     batches: list[tuple[str, dict[str, Tensor]]],
     tolerances: dict[str, float],
     on_batch: Callable[[str], None] | None = None,
+    per_batch: Callable[[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Runs both on every batch; returns a JSON-able report with ``passed``."""
+    """Runs both on every batch; returns a JSON-able report with ``passed``. ``per_batch(batch, exported,
+    eager)`` adds its entries to each batch's row (say, rank agreement)."""
     rows = []
     for label, batch in batches:
         if on_batch:
@@ -118,7 +120,7 @@ def check_parity(
         errors = compare_outputs(exported, eager)
         ok = all(e["rel_l2"] <= tolerances["rel_l2"] and e["max_abs"] <= tolerances["max_abs"] for e in errors.values())
         rows.append({"batch": label, "batch_size": _batch_size(batch), "sizes": _sizes(batch),
-                     "errors": errors, "passed": ok})
+                     "errors": errors, "passed": ok, **(per_batch(batch, exported, eager) if per_batch else {})})
     worst = {
         key: max((e[key] for row in rows for e in row["errors"].values()), default=0.0) for key in ("rel_l2", "max_abs")
     }

@@ -34,6 +34,8 @@ PASSES: tuple[PassSpec, ...] = (
     # Operator mapping (reads ctx.op_target and ctx.allow_unmapped); runs on both halves after the split.
     PassSpec("map_ops", "map_ops:MapOps"),
     PassSpec("eliminate_dead_code", "eliminate_dead_code:EliminateDeadCode"),
+    # Last: the quantized tables call fbgemm lookups no pass above should rewrite (a no-op unless asked).
+    PassSpec("quantize_embeddings", "quantize_embeddings:QuantizeEmbeddings"),
 )
 
 
