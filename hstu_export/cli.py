@@ -576,6 +576,7 @@ def bench(package: str, model_path: str | None, batch_size: int | None, iters: i
 @click.option("--passes", "passes", metavar="A,B,C", help="Run exactly these passes, in this order.")
 @click.option("--check-each-pass", is_flag=True, help="Re-run the graph after each pass and compare with eager.")
 @click.option("--allow-pickle", is_flag=True, help="Accept a pickled nn.Module (runs code from the file).")
+@_quantize_options
 @_import_option
 @_verbose_option
 def inspect(
@@ -592,6 +593,8 @@ def inspect(
     passes: str | None,
     check_each_pass: bool,
     allow_pickle: bool,
+    quantize_embeddings: str,
+    quantize_table: tuple[str, ...],
     imports: tuple[str, ...],
     verbose: bool,
 ) -> None:
@@ -605,7 +608,9 @@ def inspect(
 
     if Path(model).is_dir():
         given = [flag for flag, value in (("--dump-graphs", dump_dir), ("--passes", passes), ("--skip-pass", skip),
-                                          ("--check-each-pass", check_each_pass)) if value]
+                                          ("--check-each-pass", check_each_pass),
+                                          ("--quantize-embeddings", quantize_embeddings != "none"),
+                                          ("--quantize-table", quantize_table)) if value]
         if given:
             raise click.UsageError(f"{', '.join(given)} apply to a model bundle; {model} is a package, whose "
                                    "inspection shows what its export recorded")
@@ -626,8 +631,13 @@ def inspect(
         op_mappings=_parse_mappings(map_function), attention_scale=attention_scale,
         lengths=_parse_lengths(max_length), imports=tuple(imports), passes=pass_list, skip_passes=tuple(skip),
         check_each_pass=check_each_pass, dump_dir=Path(dump_dir) if dump_dir else None,
+        quantization=_quantization(quantize_embeddings, quantize_table),
     )
     bundle = load_bundle(model, allow_pickle=allow_pickle, imports=imports)
+    if settings.quantization.requested:
+        from hstu_export.embedding_quantization import check_model
+
+        check_model(bundle.model, settings.quantization)
     captured = capture(bundle, settings, settings.op_target or "aten", need_ranges=False)
     result = captured.result
 
@@ -729,6 +739,21 @@ def _inspect_package(root: Any, open_report: bool) -> None:
         console.print(f"parity tolerances: {escape(json.dumps(parity.get('tolerances'))[:300])}", soft_wrap=True)
     else:
         console.print("parity: not verified at export", soft_wrap=True)
+    ranking = parity.get("rank_agreement") if isinstance(parity.get("rank_agreement"), dict) else {}
+    for name, stats in ranking.items():
+        if isinstance(stats, dict) and all(isinstance(stats.get(k), (int, float)) for k in ("mean_tau", "min_tau")):
+            console.print(f"rank agreement {escape(str(name))}: Kendall tau per user mean {stats['mean_tau']:.4f}, "
+                          f"min {stats['min_tau']:.4f}", soft_wrap=True)
+    quantized = raw.get("embedding_quantization") if isinstance(raw.get("embedding_quantization"), dict) else {}
+    tables = [t for t in quantized.get("tables", []) if isinstance(t, dict)
+              and all(isinstance(t.get(k), int) for k in ("fp32_bytes", "bytes"))] if isinstance(
+        quantized.get("tables"), list) else []
+    if tables:
+        table = Table("embedding table", "mode", "fp32", "stored", "saved", box=None, pad_edge=False)
+        for t in tables:
+            table.add_row(escape(str(t.get("name"))), escape(str(t.get("mode"))), human_bytes(t["fp32_bytes"]),
+                          human_bytes(t["bytes"]), human_bytes(t["fp32_bytes"] - t["bytes"]))
+        console.print(table)
     timings = raw.get("timings") if isinstance(raw.get("timings"), dict) else {}
     if timings:
         console.print("timings: " + ", ".join(f"{escape(str(k))} {v:.1f}s" for k, v in timings.items()

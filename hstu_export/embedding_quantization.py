@@ -163,5 +163,6 @@ def _stored_bytes(quantized: nn.Module) -> dict[str, int]:
     for name, tensor in quantized.state_dict().items():
         parts = name.split(".")
         if len(parts) >= 3 and parts[0] in ("embeddings", "embedding_bags") and parts[-1].startswith("weight"):
-            sizes[parts[1]] = sizes.get(parts[1], 0) + tensor.numel() * tensor.element_size()
+            packed = getattr(tensor, "elem", tensor)  # torchrec wraps int4 rows in a 4-bit view of the bytes
+            sizes[parts[1]] = sizes.get(parts[1], 0) + packed.numel() * packed.element_size()
     return sizes

@@ -51,6 +51,8 @@ def verification_batches(
     schema: InputSchema, ranges: ExportRanges, seed: int, num_random: int
 ) -> list[tuple[str, dict[str, Tensor]]]:
     """(label, batch) pairs: edge cases first, then ``num_random`` seeded random batches."""
+    # Lengths drawn where none are given stay inside the exported ranges, not the model's own (wider) ones.
+    schema = exported_schema(schema, ranges)
     lengths = schema.lengths_features()
     b_max = ranges.max_batch_size
     cases: list[tuple[str, dict[str, Tensor]]] = []
