@@ -276,6 +276,22 @@ def test_tiny_packages_in_every_mode(tiny_bundle: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_cpp_runtime_serves_a_quantized_package(cpp_runtime, tiny_bundle: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The C++ runtime loads the fbgemm libraries the quantized lookups live in, and matches Python."""
+    from hstu_export.tensor_dir import load_tensors
+
+    package = _export(tiny_bundle, tmp_path / "pkg", "int4", max_batch_size=4).path
+    request = tmp_path / "request"
+    assert cli_main(["request", str(package), "--out", str(request), "--batch-size", "3", "--seed", "5"]) == 0
+    done = cpp_runtime.run(package, request, "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    cpp, python = load_tensors(tmp_path / "out"), hstu_export.load(package)(load_tensors(request))
+    assert sorted(cpp) == sorted(python)
+    for name, value in python.items():
+        assert torch.equal(cpp[name], value), name
+
+
+@pytest.mark.slow
 def test_per_table_override(tiny_bundle: Path, tmp_path: Path) -> None:
     result = _export(tiny_bundle, tmp_path / "mixed", "none", max_batch_size=4, tables={"item": "int4"})
     tables = {t["name"]: (t["mode"], t["bytes"]) for t in result.manifest["embedding_quantization"]["tables"]}
