@@ -292,6 +292,23 @@ def test_cpp_runtime_serves_a_quantized_package(cpp_runtime, tiny_bundle: Path, 
 
 
 @pytest.mark.slow
+def test_aoti_package_carries_the_quantized_sparse_half(tiny_bundle: Path, tmp_path: Path) -> None:
+    """AOTInductor compiles the dense half; the sparse artifact (sparse/sparse.ts) holds the int8 tables."""
+    result = _export(tiny_bundle, tmp_path / "pkg", "int8", max_batch_size=4)
+    aoti = hstu_export.export(tiny_bundle, tmp_path / "aoti", ExportSettings(
+        backend="aoti", max_batch_size=4, verify=VerifySettings(num_random_batches=1), quantization="int8"))
+    assert aoti.parity["passed"] and set(aoti.parity["rank_agreement"]) == {"ctr", "cvr"}
+    sparse = aoti.path / aoti.manifest["backend"]["files"]["sparse"]
+    # Smaller than the tables alone would be in fp32 (code and all).
+    assert sparse.stat().st_size < sum(t["fp32_bytes"] for t in aoti.manifest["embedding_quantization"]["tables"])
+    # The same quantized lookups as the torchscript package: identical outputs on a fresh batch.
+    batch = generate_batch(hstu_export.load(aoti.path).input_schema, 3, seed=8)
+    got, expected = hstu_export.load(aoti.path)(batch), hstu_export.load(result.path)(batch)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_per_table_override(tiny_bundle: Path, tmp_path: Path) -> None:
     result = _export(tiny_bundle, tmp_path / "mixed", "none", max_batch_size=4, tables={"item": "int4"})
     tables = {t["name"]: (t["mode"], t["bytes"]) for t in result.manifest["embedding_quantization"]["tables"]}
