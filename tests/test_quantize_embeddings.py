@@ -160,6 +160,18 @@ def test_per_user_rows_from_named_dims() -> None:
     assert report == {"ctr": {"users": 2, "mean": pytest.approx(0.0), "min": pytest.approx(-1.0)}}
 
 
+def test_verification_batches_stay_inside_narrowed_ranges() -> None:
+    """Found with the tzrec preset's --max-seq-len below its own limit: the batch-size-1 case drew lengths
+    from the model's range and the package refused it."""
+    from hstu_export.verify import ExportRanges
+
+    schema = build_preset("tiny", seed=1).input_schema()
+    ranges = ExportRanges(3, {"uih_lengths": 5, "candidate_lengths": 2}, {"uih_lengths": 1, "candidate_lengths": 1})
+    for label, batch in verification_batches(schema, ranges, seed=3, num_random=3):
+        assert int(batch["uih_lengths"].max()) <= 5 and int(batch["candidate_lengths"].max()) <= 2, label
+        schema.validate(batch)
+
+
 # ---- refusals --------------------------------------------------------------------------------------
 
 
