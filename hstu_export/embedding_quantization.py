@@ -107,10 +107,10 @@ def check_model(model: nn.Module, quantization: EmbeddingQuantization) -> list[T
 
     collections = find_collections(model)
     if quantization.requested:
+        # Managed-collision or feature-processed collections, or a subclass of a collection: the swap would
+        # drop what they add, and one holding a plain collection inside is called as a whole.
         others = [f"{p} ({type(m).__name__})" for p, m in model.named_modules()
-                  if p and module_matches(m, p, EMBEDDING_MODULES) and p not in collections
-                  and not any(p.startswith(c + ".") for c in collections)
-                  and not any(c.startswith(p + ".") for c in collections)]
+                  if p and module_matches(m, p, EMBEDDING_MODULES) and p not in collections]
         if others:
             raise ConfigError(f"--quantize-embeddings supports torchrec EmbeddingCollection and "
                               f"EmbeddingBagCollection; {', '.join(others)} cannot be quantized: leave the option out")

@@ -148,6 +148,18 @@ def test_kendall_tau_values() -> None:
     assert kendall_tau(torch.ones(3), x[:3]) is None
 
 
+def test_kendall_tau_in_blocks_equals_all_pairs() -> None:
+    """Users with more candidates than one block of rows: same tau-b as all pairs at once."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 40, (1100,), generator=gen).double()  # many ties
+    y = x + 8 * torch.randn(1100, generator=gen, dtype=torch.float64)
+    upper = torch.triu(torch.ones(1100, 1100, dtype=torch.bool), diagonal=1)
+    dx, dy = torch.sign(x[:, None] - x[None, :])[upper], torch.sign(y[:, None] - y[None, :])[upper]
+    expected = float((dx * dy).sum()) / (float((dx != 0).sum()) * float((dy != 0).sum())) ** 0.5
+    assert 0.3 < expected < 0.95
+    assert kendall_tau(x, y) == pytest.approx(expected, rel=1e-12)
+
+
 def test_per_user_rows_from_named_dims() -> None:
     batch = {"candidate_lengths": torch.tensor([3, 1, 2])}
     scores = torch.tensor([0.3, 0.2, 0.1, 0.9, 0.5, 0.6], dtype=torch.float64)
@@ -182,6 +194,15 @@ def test_check_model_refuses_what_it_cannot_do() -> None:
     with pytest.raises(ConfigError, match="no torchrec EmbeddingCollection"):
         check_model(dense_only.build_dense_only(), EmbeddingQuantization("int8"))
     assert check_model(dense_only.build_dense_only(), EmbeddingQuantization("none")) == []
+
+    class CountingCollection(EmbeddingCollection):  # a subclass adds behaviour the swap would drop
+        pass
+
+    holder = torch.nn.Module()
+    holder.ec = CountingCollection(tables=[EmbeddingConfig(name="t", embedding_dim=8, num_embeddings=5,
+                                                           feature_names=["f"])], device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"ec \(CountingCollection\) cannot be quantized"):
+        check_model(holder, EmbeddingQuantization("fp16"))
     plan = {t.name: t.mode for t in check_model(tiny, EmbeddingQuantization("int8", {"item": "int4"}))}
     assert plan == {"item": "int4", "action": "int8", "ctx_user_id": "int8", "ctx_user_age": "int8"}
 
