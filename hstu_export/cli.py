@@ -412,6 +412,9 @@ def verify(package: str, model_path: str | None, batches: int, seed: int, rtol: 
     report = verify_package(package, model_path, num_random=batches, seed=seed, allow_pickle=allow_pickle,
                             rtol=rtol, atol=atol, imports=imports)
     console.print(_parity_table(report))
+    for name, ra in report.get("rank_agreement", {}).items():
+        console.print(f"rank agreement {escape(name)}: Kendall tau per user mean {ra['mean_tau']:.4f}, "
+                      f"min {ra['min_tau']:.4f} ({ra['users']} users)")
     if not report["passed"]:
         raise VerificationError(f"{package} does not match the model: {mismatch_summary(report)}")
     console.print(f"[green]parity ok[/green] on {len(report['batches'])} batches")

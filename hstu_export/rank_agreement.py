@@ -87,3 +87,14 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             total["min"] = min(total["min"], stats["min"])
     return {name: {"users": t["users"], "mean_tau": t["sum"] / t["users"], "min_tau": t["min"]}
             for name, t in summary.items()}
+
+
+def output_dims_from_manifest(manifest: dict[str, Any]) -> dict[str, list[int | str]]:
+    """Each model output's named dims, as a package's manifest describes them (``artifacts``)."""
+    wanted = set(manifest.get("output_names", []))
+    dims: dict[str, list[int | str]] = {}
+    for artifact in manifest.get("artifacts", {}).values():
+        for output in artifact.get("outputs", []):
+            if output.get("name") in wanted:
+                dims[output["name"]] = list(output.get("shape", []))
+    return dims

@@ -200,10 +200,22 @@ def verify_package(package: Any, model_path: str | None, *, num_random: int = 4,
         tolerances["rel_l2"] = rtol
     if atol is not None:
         tolerances["max_abs"] = atol
+    per_batch = None
+    quantized = "embedding_quantization" in predictor.manifest
+    if quantized:  # each user's candidate ranking against the fp32 model, as at export
+        from hstu_export import rank_agreement
+
+        dims = rank_agreement.output_dims_from_manifest(predictor.manifest)
+
+        def per_batch(batch: dict[str, Tensor], exported: dict[str, Tensor], ref: dict[str, Tensor]) -> dict[str, Any]:
+            return {"rank_agreement": rank_agreement.per_user_tau(exported, ref, batch, dims)}
+
     with torch.no_grad():
-        return check_parity(
-            predictor, lambda b: eager({k: v.to(predictor.device) for k, v in b.items()}), batches, tolerances
-        )
+        report = check_parity(predictor, lambda b: eager({k: v.to(predictor.device) for k, v in b.items()}),
+                              batches, tolerances, per_batch=per_batch)
+    if quantized:
+        report["rank_agreement"] = rank_agreement.summarize(report["batches"])
+    return report
 
 
 def bench_package(package: Any, model_path: str | None, *, batch_size: int | None = None, iters: int = 50,

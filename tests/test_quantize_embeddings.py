@@ -348,6 +348,10 @@ def test_per_table_override(tiny_bundle: Path, tmp_path: Path) -> None:
     assert tables == {"item": ("int4", 32_000), "action": ("none", 2048), "ctx_user_id": ("none", 128_000),
                       "ctx_user_age": ("none", 1280)}
     assert result.parity["tolerances"] == QUANTIZED_TOLERANCES["int4"]
+    # hstu-export verify on the package later: the export's tolerances and the rank agreement again.
+    report = hstu_export.verify_package(result.path, None, num_random=1)
+    assert report["passed"] and report["tolerances"] == QUANTIZED_TOLERANCES["int4"]
+    assert set(report["rank_agreement"]) == {"ctr", "cvr"}
 
 
 @pytest.mark.slow
