@@ -297,16 +297,16 @@ class ExportSettings:
 
     def tolerances(self, op_target: str | None = None, quantized_modes: list[str] | None = None) -> dict[str, float]:
         """Verification tolerances; ``quantized_modes`` (the tables' storage modes) widen them to the
-        coarsest mode's, as the package is compared with the fp32 model."""
+        coarsest mode's where the dtype's are tighter, as the package is compared with the fp32 model."""
         quantized = self.quantization.tolerances_for(quantized_modes or [])
         if self.verify.tolerances:
             base = dict(self.verify.tolerances)
-        elif quantized is not None:
-            base = quantized
         elif self.dtype == "float32" and op_target == "triton" and self.torch_device.type == "cuda":
             base = dict(TF32_TOLERANCES)
         else:
             base = dict(DEFAULT_TOLERANCES[self.dtype])
+        if quantized is not None and not self.verify.tolerances:
+            base = {key: max(value, quantized[key]) for key, value in base.items()}
         if self.verify.rtol is not None:
             base["rel_l2"] = self.verify.rtol
         if self.verify.atol is not None:

@@ -76,6 +76,9 @@ def test_tolerances_follow_the_coarsest_mode() -> None:
     assert QUANTIZED_TOLERANCES["int8"]["max_abs"] == 0.01 and QUANTIZED_TOLERANCES["int4"]["max_abs"] == 0.05
     custom = ExportSettings(quantization=EmbeddingQuantization("int8", tolerances={"int8": {"max_abs": 0.002}}))
     assert custom.tolerances("aten", ["int8"]) == {"rel_l2": 0.02, "max_abs": 0.002}
+    # A bf16 export is already looser than fp16 tables: the wider of the two holds.
+    assert ExportSettings(dtype="bf16", quantization="fp16").tolerances("aten", ["fp16"]) == {
+        "rel_l2": 2e-2, "max_abs": 5e-2}
     atol = ExportSettings(quantization="int8", verify=VerifySettings(atol=0.03))
     assert atol.tolerances("aten", ["int8"])["max_abs"] == 0.03  # --atol still overrides
 
