@@ -1,10 +1,11 @@
 """quantize_embeddings: store the sparse half's embedding tables as ``ctx.quantization`` asks
 (``--quantize-embeddings``, ``--quantize-table``): each torchrec EmbeddingCollection /
 EmbeddingBagCollection the sparse graph calls becomes torchrec's quantized inference module (row-wise
-int8/int4 with fp16 scale and bias, or fp16), traced so that TorchScript compiles it.
+int8/int4 with fp16 scale and bias, or fp16), traced and scripted (the only way torchrec's quantized
+modules compile to TorchScript), so it sits in the graph as a scripted submodule.
 
-It runs last (``recursive = False``): the quantized modules call fbgemm's lookup ops, which the passes
-before it (operator mapping, dead-code elimination) have no business rewriting. It changes the numbers
+It runs last (``recursive = False``): what the passes before it do to the graph (operator mapping,
+dead-code elimination) is done by then, and a scripted lookup is no graph they could rewrite anyway. It changes the numbers
 on purpose (``approximate``): with ``--check-each-pass`` its error is recorded, not held to the exact
 tolerance. ``ctx.quantized_tables`` gets one record per table (mode, fp32 bytes, stored bytes).
 """
