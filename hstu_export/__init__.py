@@ -51,6 +51,7 @@ _LAZY = {
     "ExportResult": "hstu_export.exporter",
     "ExportSettings": "hstu_export.settings",
     "VerifySettings": "hstu_export.settings",
+    "EmbeddingQuantization": "hstu_export.settings",
     "load": "hstu_export.runtimes.predictor",
     "Predictor": "hstu_export.runtimes.predictor",
     "verify_package": "hstu_export.verify",
@@ -72,6 +73,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "ArgumentSpec",
     "BoundarySchema",
+    "EmbeddingQuantization",
     "ExportHints",
     "ExportResult",
     "ExportSettings",

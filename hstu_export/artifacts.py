@@ -28,8 +28,11 @@ FORMATS = {
 # registered by its shared library, found in the installed fbgemm_gpu package; load it with
 # dlopen(RTLD_NOW | RTLD_GLOBAL) before the artifacts. Our own ops are defined in Python only.
 OP_LIBRARY_FILES: dict[str, dict[str, Any]] = {
-    "fbgemm_gpu": {"package": "fbgemm_gpu", "shared_libraries": {"linux": ["fbgemm_gpu_py.so"]},
-                   "load": "dlopen RTLD_NOW|RTLD_GLOBAL, before the artifacts"},
+    # The table-batched embedding ops (quantized lookups included) live in the two libraries after the first.
+    "fbgemm_gpu": {"package": "fbgemm_gpu",
+                   "shared_libraries": {"linux": ["fbgemm_gpu_py.so", "fbgemm_gpu_tbe_common.so",
+                                                  "fbgemm_gpu_tbe_inference.so"]},
+                   "load": "dlopen RTLD_NOW|RTLD_GLOBAL, in this order, before the artifacts"},
     "hstu_export.ops": {"package": "hstu_export", "shared_libraries": {},
                         "load": "Python only (torch.library ops defined in Python): no C++ equivalent"},
     "torch_tensorrt": {"package": "torch_tensorrt", "shared_libraries": {"linux": ["lib/libtorchtrt_runtime.so"]},

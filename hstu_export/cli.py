@@ -84,6 +84,29 @@ def _capture_options(f: Any) -> Any:
     return f
 
 
+def _quantize_options(f: Any) -> Any:
+    """How embedding tables are stored (export and describe)."""
+    options = [
+        click.option("--quantize-embeddings", type=click.Choice(["none", "fp16", "int8", "int4"]), default="none",
+                     show_default=True,
+                     help="Store the sparse half's torchrec embedding tables quantized (torchrec's quantized "
+                          "modules: int8/int4 row-wise with fp16 scale and bias, or fp16). Verification then "
+                          "compares with the fp32 model at the mode's tolerances (docs/QUANTIZATION.md)."),
+        click.option("--quantize-table", multiple=True, metavar="TABLE=MODE[,TABLE=MODE...]",
+                     help="Per-table mode overriding --quantize-embeddings, by table name "
+                          "(e.g. item=int4,action=none). Repeatable."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _quantization(mode: str, tables: tuple[str, ...]) -> Any:
+    from hstu_export.settings import EmbeddingQuantization, parse_table_modes
+
+    return EmbeddingQuantization(mode, parse_table_modes(tables))
+
+
 def _parse_mappings(items: tuple[str, ...]) -> dict[str, str]:
     from hstu_export.errors import ConfigError
 
@@ -106,15 +129,19 @@ def _parse_lengths(items: tuple[str, ...]) -> dict[str, tuple[int | None, int | 
 @cli.command()
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--allow-pickle", is_flag=True, help="Accept a pickled nn.Module (runs code from the file).")
+@_quantize_options
 @_import_option
 @_verbose_option
-def describe(model: str, allow_pickle: bool, imports: tuple[str, ...], verbose: bool) -> None:
-    """Print a model bundle's name, config, parameters, sparse tables and example batch."""
+def describe(model: str, allow_pickle: bool, quantize_embeddings: str, quantize_table: tuple[str, ...],
+             imports: tuple[str, ...], verbose: bool) -> None:
+    """Print a model bundle's name, config, parameters, sparse tables and example batch; with
+    --quantize-embeddings, each table's stored size in that mode and the bytes saved."""
     from hstu_export.bundle import load_bundle
     from hstu_export.describe import describe_bundle
 
+    quantization = _quantization(quantize_embeddings, quantize_table)
     bundle = load_bundle(model, allow_pickle=allow_pickle, imports=imports)
-    info = describe_bundle(bundle)
+    info = describe_bundle(bundle, quantization)
     console.print(f"[bold]{info['model_name']}[/bold]  ({model})")
     console.print(f"parameters: {info['num_parameters']:,}  ({human_bytes(info['parameter_bytes'])})")
     if info["config"]:
@@ -123,10 +150,16 @@ def describe(model: str, allow_pickle: bool, imports: tuple[str, ...], verbose: 
             table.add_row(k, str(v))
         console.print(table)
     if info["sparse_tables"]:
-        table = Table("sparse table", "rows", "dim", "bytes", "features", box=None, pad_edge=False)
+        quantized = quantization.requested
+        columns = ("sparse table", "rows", "dim", "bytes", *(("mode", "stored", "saved") if quantized else ()),
+                   "features")
+        table = Table(*columns, box=None, pad_edge=False)
         for t in info["sparse_tables"]:
+            plan = t.get("quantization")
+            stored = (((plan["mode"], human_bytes(plan["bytes"]), human_bytes(t["bytes"] - plan["bytes"])) if plan
+                       else ("kept", human_bytes(t["bytes"]), human_bytes(0))) if quantized else ())
             table.add_row(t["name"], f"{t['num_embeddings']:,}", str(t["embedding_dim"]),
-                          human_bytes(t["bytes"]), ", ".join(t["feature_names"]))
+                          human_bytes(t["bytes"]), *stored, ", ".join(t["feature_names"]))
         console.print(table)
     if info["source"]:
         console.print(f"source: {escape(info['source'])}", soft_wrap=True)
@@ -216,6 +249,7 @@ def _stage_progress(quiet: bool) -> Any:
 @click.option("--rtol", type=float, default=None, help="Relative L2 tolerance of verification [default: by dtype].")
 @click.option("--atol", type=float, default=None, help="Max absolute tolerance of verification [default: by dtype].")
 @click.option("--allow-pickle", is_flag=True, help="Accept a pickled nn.Module bundle (runs code from the file).")
+@_quantize_options
 @_import_option
 @click.option("-q", "--quiet", is_flag=True, help="Print only errors and the package path.")
 @_verbose_option
@@ -227,8 +261,8 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
                    attention_scale: str, max_length: tuple[str, ...], skip_pass: tuple[str, ...],
                    passes: str | None, check_each_pass: bool, force: bool, kv_cache: bool, kv_page_size: int,
                    kv_splits: int, no_verify: bool, verify_batches: int,
-                   rtol: float | None, atol: float | None, allow_pickle: bool, imports: tuple[str, ...],
-                   quiet: bool, verbose: bool) -> None:
+                   rtol: float | None, atol: float | None, allow_pickle: bool, quantize_embeddings: str,
+                   quantize_table: tuple[str, ...], imports: tuple[str, ...], quiet: bool, verbose: bool) -> None:
     """Export MODEL (a model bundle) to a verified package.
 
     \b
@@ -236,6 +270,7 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
       hstu-export model.pt --backend onnx --out model.onnx.pkg --force
       hstu-export model.pt --backend trt --device cuda --workspace 4GiB
       hstu-export ranker.pt --import my_pkg.models --max-length uih_features=1:256
+      hstu-export model.pt --quantize-embeddings int8 --quantize-table item=int4,action=none
     """
     from pathlib import Path
 
@@ -254,7 +289,8 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
         op_mappings=_parse_mappings(map_function), attention_scale=attention_scale,
         lengths=_parse_lengths(max_length), imports=tuple(imports),
         verify=VerifySettings(enabled=not no_verify, num_random_batches=verify_batches, rtol=rtol, atol=atol),
-        force=force, kv_cache=kv_cache, kv_page_size=kv_page_size, kv_splits=kv_splits,
+        quantization=_quantization(quantize_embeddings, quantize_table), force=force, kv_cache=kv_cache,
+        kv_page_size=kv_page_size, kv_splits=kv_splits,
     )
     target = Path(out) if out else Path(model).with_suffix(f".{backend}")
     if serving_repo:  # refused before the export, not after it
@@ -313,6 +349,12 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
             line += (f"; served {len(checked['batches'])} requests through its cache ({checked['cache']['hits']} hits): "
                      f"worst rel. L2 {w['rel_l2']:.2e}, max abs {w['max_abs']:.2e}")
         table.add_row("kv cache", line)
+    for name, ra in parity.get("rank_agreement", {}).items():
+        table.add_row("rank agreement", f"{name}: Kendall tau per user mean {ra['mean_tau']:.4f}, min "
+                                        f"{ra['min_tau']:.4f} ({ra['users']} users)")
+    for t in manifest.get("embedding_quantization", {}).get("tables", []):
+        table.add_row("embeddings", f"{t['name']} {t['mode']}: {human_bytes(t['fp32_bytes'])} → "
+                                    f"{human_bytes(t['bytes'])} (saved {human_bytes(t['fp32_bytes'] - t['bytes'])})")
     if manifest.get("op_libraries"):
         table.add_row("load needs", ", ".join(manifest["op_libraries"]))
     passes = {p["name"]: p for p in manifest.get("passes", [])}
@@ -386,6 +428,9 @@ def verify(package: str, model_path: str | None, batches: int, seed: int, rtol: 
     report = verify_package(package, model_path, num_random=batches, seed=seed, allow_pickle=allow_pickle,
                             rtol=rtol, atol=atol, imports=imports)
     console.print(_parity_table(report))
+    for name, ra in report.get("rank_agreement", {}).items():
+        console.print(f"rank agreement {escape(name)}: Kendall tau per user mean {ra['mean_tau']:.4f}, "
+                      f"min {ra['min_tau']:.4f} ({ra['users']} users)")
     if not report["passed"]:
         raise VerificationError(f"{package} does not match the model: {mismatch_summary(report)}")
     console.print(f"[green]parity ok[/green] on {len(report['batches'])} batches")
@@ -550,6 +595,7 @@ def bench(package: str, model_path: str | None, batch_size: int | None, iters: i
 @click.option("--passes", "passes", metavar="A,B,C", help="Run exactly these passes, in this order.")
 @click.option("--check-each-pass", is_flag=True, help="Re-run the graph after each pass and compare with eager.")
 @click.option("--allow-pickle", is_flag=True, help="Accept a pickled nn.Module (runs code from the file).")
+@_quantize_options
 @_import_option
 @_verbose_option
 def inspect(
@@ -566,6 +612,8 @@ def inspect(
     passes: str | None,
     check_each_pass: bool,
     allow_pickle: bool,
+    quantize_embeddings: str,
+    quantize_table: tuple[str, ...],
     imports: tuple[str, ...],
     verbose: bool,
 ) -> None:
@@ -579,7 +627,9 @@ def inspect(
 
     if Path(model).is_dir():
         given = [flag for flag, value in (("--dump-graphs", dump_dir), ("--passes", passes), ("--skip-pass", skip),
-                                          ("--check-each-pass", check_each_pass)) if value]
+                                          ("--check-each-pass", check_each_pass),
+                                          ("--quantize-embeddings", quantize_embeddings != "none"),
+                                          ("--quantize-table", quantize_table)) if value]
         if given:
             raise click.UsageError(f"{', '.join(given)} apply to a model bundle; {model} is a package, whose "
                                    "inspection shows what its export recorded")
@@ -600,8 +650,13 @@ def inspect(
         op_mappings=_parse_mappings(map_function), attention_scale=attention_scale,
         lengths=_parse_lengths(max_length), imports=tuple(imports), passes=pass_list, skip_passes=tuple(skip),
         check_each_pass=check_each_pass, dump_dir=Path(dump_dir) if dump_dir else None,
+        quantization=_quantization(quantize_embeddings, quantize_table),
     )
     bundle = load_bundle(model, allow_pickle=allow_pickle, imports=imports)
+    if settings.quantization.requested:
+        from hstu_export.embedding_quantization import check_model
+
+        check_model(bundle.model, settings.quantization)
     captured = capture(bundle, settings, settings.op_target or "aten", need_ranges=False)
     result = captured.result
 
@@ -710,6 +765,21 @@ def _inspect_package(root: Any, open_report: bool) -> None:
         console.print(f"parity tolerances: {escape(json.dumps(parity.get('tolerances'))[:300])}", soft_wrap=True)
     else:
         console.print("parity: not verified at export", soft_wrap=True)
+    ranking = parity.get("rank_agreement") if isinstance(parity.get("rank_agreement"), dict) else {}
+    for name, stats in ranking.items():
+        if isinstance(stats, dict) and all(isinstance(stats.get(k), (int, float)) for k in ("mean_tau", "min_tau")):
+            console.print(f"rank agreement {escape(str(name))}: Kendall tau per user mean {stats['mean_tau']:.4f}, "
+                          f"min {stats['min_tau']:.4f}", soft_wrap=True)
+    quantized = raw.get("embedding_quantization") if isinstance(raw.get("embedding_quantization"), dict) else {}
+    tables = [t for t in quantized.get("tables", []) if isinstance(t, dict)
+              and all(isinstance(t.get(k), int) for k in ("fp32_bytes", "bytes"))] if isinstance(
+        quantized.get("tables"), list) else []
+    if tables:
+        table = Table("embedding table", "mode", "fp32", "stored", "saved", box=None, pad_edge=False)
+        for t in tables:
+            table.add_row(escape(str(t.get("name"))), escape(str(t.get("mode"))), human_bytes(t["fp32_bytes"]),
+                          human_bytes(t["bytes"]), human_bytes(t["fp32_bytes"] - t["bytes"]))
+        console.print(table)
     timings = raw.get("timings") if isinstance(raw.get("timings"), dict) else {}
     if timings:
         console.print("timings: " + ", ".join(f"{escape(str(k))} {v:.1f}s" for k, v in timings.items()

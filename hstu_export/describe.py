@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from hstu_export.bundle import ModelBundle
+from hstu_export.settings import EmbeddingQuantization
 
 
 def sparse_tables(model: nn.Module) -> list[dict[str, Any]]:
@@ -30,7 +31,18 @@ def sparse_tables(model: nn.Module) -> list[dict[str, Any]]:
     return tables
 
 
-def describe_bundle(bundle: ModelBundle) -> dict[str, Any]:
+def describe_bundle(bundle: ModelBundle, quantization: EmbeddingQuantization | None = None) -> dict[str, Any]:
+    """With ``quantization`` asked for, each sparse table gains ``quantization``: its mode and the bytes
+    it would take stored so (fbgemm's row layout, ``hstu_export.embedding_quantization``)."""
+    from hstu_export.embedding_quantization import check_model
+
+    tables = sparse_tables(bundle.model)
+    if quantization is not None and quantization.requested:
+        planned = {(t.name, t.num_embeddings, t.embedding_dim): t for t in check_model(bundle.model, quantization)}
+        for table in tables:
+            plan = planned.get((table["name"], table["num_embeddings"], table["embedding_dim"]))
+            if plan is not None:
+                table["quantization"] = {"mode": plan.mode, "bytes": plan.bytes}
     params = list(bundle.model.parameters()) + list(bundle.model.buffers())
     config = bundle.config_dict or {}
     schema = bundle.input_schema
@@ -45,7 +57,7 @@ def describe_bundle(bundle: ModelBundle) -> dict[str, Any]:
         "config": config,
         "num_parameters": sum(p.numel() for p in params),
         "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
-        "sparse_tables": sparse_tables(bundle.model),
+        "sparse_tables": tables,
         "example_batch": {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in bundle.example_batch.items()},
     }
 

@@ -208,6 +208,7 @@ class Captured:
     example: dict[str, Tensor]  # the flat request the graph was traced and checked on
     reference: Callable[[dict[str, Tensor]], dict[str, Tensor]]  # the user's model on a flat request
     summary: dict[str, Any]  # opaque calls and leaf modules, for the manifest and the report
+    quantized_tables: list[dict[str, Any]] = field(default_factory=list)  # quantize_embeddings' records
 
 
 def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, timings: dict[str, float] | None = None,
@@ -250,6 +251,7 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
             check_each_pass=settings.check_each_pass,
             probe_inputs=[schema.to_graph_inputs(_to_device(p, device)) for p in probes],
             attention_scale=settings.attention_scale, op_mappings=op_mappings, ranges=ranges,
+            quantization=settings.quantization,
             reference=lambda graph_batch: reference({f.name: graph_batch[f.graph_name] for f in schema.features}),
         )
         names = list(settings.passes) if settings.passes else None
@@ -259,7 +261,7 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
             names = (names or default_pass_names()) + list(extra_passes)
         result = run_passes(gm, ctx, passes=names, skip=settings.skip_passes)
     summary = {"opaque_calls": gm.meta.get("opaque_calls", []), "leaf_modules": gm.meta.get("leaf_modules", [])}
-    return Captured(result, schema, ranges, example, reference, summary)
+    return Captured(result, schema, ranges, example, reference, summary, ctx.quantized_tables)
 
 
 def export(
@@ -315,6 +317,7 @@ def export(
 
         check_kv_cache(bundle.model, backend.name)
     weight_bytes = _refuse_what_the_machine_cannot_hold(bundle, settings, out)
+    _check_quantization(bundle, settings)
     op_target = settings.op_target or backend.default_op_target(device)
     doing = f"writing the graph dumps to {settings.dump_dir}" if settings.dump_dir is not None else "the export"
     with file_system_errors(settings.dump_dir, doing):
@@ -384,11 +387,15 @@ def export(
         }
         if kv_section is not None:
             manifest["kv_cache"] = kv_section
+        if settings.quantization.requested:
+            manifest["embedding_quantization"] = {"mode": settings.quantization.mode,
+                                                  "tables": captured.quantized_tables}
         write_manifest(staged, manifest)
 
         if settings.verify.enabled:
             with _timed(timings, progress, "verify"), torch.no_grad():
-                parity = _verify(staged, captured.reference, schema, ranges, settings, op_target)
+                parity = _verify(staged, captured.reference, schema, ranges, settings, op_target,
+                                 captured.quantized_tables, output_shapes)
             manifest["parity"] = parity
             if not parity["passed"]:
                 if result.report_path is not None:  # the report shows where it failed
@@ -485,18 +492,45 @@ def _collecting_triton_configs() -> contextlib.AbstractContextManager[dict[str, 
     return collecting_configs()
 
 
-def _verify(root: Path, reference: Any, schema: InputSchema, ranges: ExportRanges,
-            settings: ExportSettings, op_target: str) -> dict[str, Any]:
+def _verify(root: Path, reference: Any, schema: InputSchema, ranges: ExportRanges, settings: ExportSettings,
+            op_target: str, quantized_tables: list[dict[str, Any]], output_shapes: dict[str, list[int | str]]
+            ) -> dict[str, Any]:
+    """Parity against the user's fp32 model; with quantized tables, at the coarsest mode's tolerances and
+    with each user's candidate ranking compared (Kendall tau, ``hstu_export.rank_agreement``)."""
+    from hstu_export import rank_agreement
     from hstu_export.runtimes.predictor import load
 
     predictor = load(root, verify_checksums=False)
     batches = verification_batches(schema, ranges, settings.verify.seed, settings.verify.num_random_batches)
-    parity = check_parity(predictor, reference, batches, settings.tolerances(op_target))
+    modes = [t["mode"] for t in quantized_tables]
+    tolerances = settings.tolerances(op_target, modes)
+    if not any(m != "none" for m in modes):
+        parity = check_parity(predictor, reference, batches, tolerances)
+    else:
+        def taus(batch: dict[str, Tensor], exported: dict[str, Tensor], eager: dict[str, Tensor]) -> dict[str, Any]:
+            return {"rank_agreement": rank_agreement.per_user_tau(exported, eager, batch, output_shapes)}
+
+        parity = check_parity(predictor, reference, batches, tolerances, per_batch=taus)
+        parity["rank_agreement"] = rank_agreement.summarize(parity["batches"])
     if "kv_cache" in predictor.manifest:
         from hstu_export.kv_export import verify_kv_cache
 
-        parity["kv_cache"] = verify_kv_cache(predictor, reference, settings.tolerances(op_target), settings.verify.seed)
+        parity["kv_cache"] = verify_kv_cache(predictor, reference, tolerances, settings.verify.seed)
     return parity
+
+
+def _check_quantization(bundle: ModelBundle, settings: ExportSettings) -> None:
+    """Before any tracing: the tables to quantize exist, and the pass that does it will run."""
+    from hstu_export.embedding_quantization import check_model
+    from hstu_export.passes import default_pass_names
+
+    if not settings.quantization.requested:
+        return
+    check_model(bundle.model, settings.quantization)
+    planned = [n for n in (settings.passes or default_pass_names()) if n not in settings.skip_passes]
+    if "quantize_embeddings" not in planned:
+        raise ConfigError("--quantize-embeddings needs the quantize_embeddings pass; do not skip it "
+                          "(--skip-pass, --passes)")
 
 
 def _eager_reference(eager: nn.Module, schema: InputSchema, settings: ExportSettings,

@@ -582,4 +582,5 @@ _OPTIONAL_TOP: dict[str, Callable[[Any, str], Any]] = {
     "settings": _object,
     "timings": lambda v, n: _mapping(v, n, _number),
     "op_library_files": _object,
+    "embedding_quantization": _object,
 }

@@ -155,6 +155,77 @@ def parse_length_range(text: str) -> tuple[str, tuple[int | None, int]]:
     return name.strip(), (lo, hi)
 
 
+# Embedding-table quantization (--quantize-embeddings): the storage modes of torchrec's quantized
+# inference modules, coarsest last. "none" keeps a table in fp32.
+QUANTIZATION_MODES = ("none", "fp16", "int8", "int4")
+# Verification of a quantized package against the fp32 model: the error is the quantization's, not the
+# compiler's, so the tolerances follow the coarsest mode among the tables (docs/QUANTIZATION.md).
+QUANTIZED_TOLERANCES = {
+    "fp16": {"rel_l2": 5e-3, "max_abs": 2e-3},
+    "int8": {"rel_l2": 2e-2, "max_abs": 1e-2},
+    "int4": {"rel_l2": 1e-1, "max_abs": 5e-2},
+}
+
+
+def parse_quantization_mode(text: str, what: str = "--quantize-embeddings") -> str:
+    mode = str(text).strip().lower()
+    if mode not in QUANTIZATION_MODES:
+        raise ConfigError(f"{what} {text!r}: unknown mode; use one of {', '.join(QUANTIZATION_MODES)}")
+    return mode
+
+
+def parse_table_modes(items: str | tuple[str, ...] | list[str]) -> dict[str, str]:
+    """``item=int4,action=none`` (one string or several) -> {table: mode} (``--quantize-table``)."""
+    texts = [items] if isinstance(items, str) else list(items)
+    modes: dict[str, str] = {}
+    for text in texts:
+        for part in str(text).split(","):
+            if not part.strip():
+                continue
+            name, sep, mode = part.partition("=")
+            if not sep or not name.strip():
+                raise ConfigError(f"--quantize-table {part.strip()!r}: use TABLE=MODE (e.g. item=int4,action=none)")
+            modes[name.strip()] = parse_quantization_mode(mode, f"--quantize-table {name.strip()}=")
+    return modes
+
+
+@dataclass
+class EmbeddingQuantization:
+    """How the sparse half's embedding tables are stored: ``mode`` for every table, ``tables`` overriding
+    it by table name. ``tolerances`` replaces ``QUANTIZED_TOLERANCES`` (by mode) for verification."""
+
+    mode: str = "none"
+    tables: dict[str, str] = field(default_factory=dict)
+    tolerances: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.mode = parse_quantization_mode(self.mode)
+        self.tables = {str(k): parse_quantization_mode(v, f"--quantize-table {k}=") for k, v in self.tables.items()}
+        for mode, tol in self.tolerances.items():
+            parse_quantization_mode(mode, "quantization tolerance for")
+            if not isinstance(tol, dict) or set(tol) - {"rel_l2", "max_abs"} or not all(
+                    isinstance(v, int | float) and v >= 0 for v in tol.values()):
+                raise ConfigError(f"quantization tolerance for {mode}: expected {{'rel_l2': x, 'max_abs': y}} "
+                                  f"with numbers >= 0, got {tol!r}")
+
+    @property
+    def requested(self) -> bool:
+        """Whether any table is to be stored other than in fp32."""
+        return self.mode != "none" or any(m != "none" for m in self.tables.values())
+
+    def mode_of(self, table: str) -> str:
+        return self.tables.get(table, self.mode)
+
+    def tolerances_for(self, modes: list[str]) -> dict[str, float] | None:
+        """Verification tolerances of a package whose tables use ``modes``: the coarsest mode's (None when
+        every table stays fp32)."""
+        used = [m for m in modes if m != "none"]
+        if not used:
+            return None
+        coarsest = max(used, key=QUANTIZATION_MODES.index)
+        return {**QUANTIZED_TOLERANCES[coarsest], **self.tolerances.get(coarsest, {})}
+
+
 @dataclass
 class ExportSettings:
     backend: str = "aoti"
@@ -181,6 +252,7 @@ class ExportSettings:
     dump_dir: Path | None = None
     graphs_in_package: bool = False  # copy the graph dumps into the package (graphs/)
     verify: VerifySettings = field(default_factory=VerifySettings)
+    quantization: EmbeddingQuantization = field(default_factory=EmbeddingQuantization)
     force: bool = False
     kv_cache: bool = False  # also export the delta program for KV-cached serving (hstu_export.kv_export)
     kv_page_size: int = 64  # tokens per cache page the delta program reads (a power of two >= 16)
@@ -215,6 +287,10 @@ class ExportSettings:
             raise ConfigError(f"--kv-page-size must be a power of two >= 16, got {self.kv_page_size!r}")
         if not (isinstance(self.kv_splits, int) and 1 <= self.kv_splits <= 64):
             raise ConfigError(f"--kv-splits must be a whole number from 1 to 64, got {self.kv_splits!r}")
+        if isinstance(self.quantization, str):  # Python API shorthand: quantization="int8"
+            self.quantization = EmbeddingQuantization(self.quantization)
+        elif not isinstance(self.quantization, EmbeddingQuantization):
+            raise ConfigError(f"quantization must be an EmbeddingQuantization or a mode name, got {self.quantization!r}")
         if self.max_batch_size > MAX_BATCH_SIZE:
             raise ConfigError(f"--max-batch-size {self.max_batch_size} is beyond {MAX_BATCH_SIZE:,}; "
                               "serving batches are split long before that")
@@ -227,13 +303,18 @@ class ExportSettings:
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
 
-    def tolerances(self, op_target: str | None = None) -> dict[str, float]:
+    def tolerances(self, op_target: str | None = None, quantized_modes: list[str] | None = None) -> dict[str, float]:
+        """Verification tolerances; ``quantized_modes`` (the tables' storage modes) widen them to the
+        coarsest mode's where the dtype's are tighter, as the package is compared with the fp32 model."""
+        quantized = self.quantization.tolerances_for(quantized_modes or [])
         if self.verify.tolerances:
             base = dict(self.verify.tolerances)
         elif self.dtype == "float32" and op_target == "triton" and self.torch_device.type == "cuda":
             base = dict(TF32_TOLERANCES)
         else:
             base = dict(DEFAULT_TOLERANCES[self.dtype])
+        if quantized is not None and not self.verify.tolerances:
+            base = {key: max(value, quantized[key]) for key, value in base.items()}
         if self.verify.rtol is not None:
             base["rel_l2"] = self.verify.rtol
         if self.verify.atol is not None:

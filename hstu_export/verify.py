@@ -51,6 +51,8 @@ def verification_batches(
     schema: InputSchema, ranges: ExportRanges, seed: int, num_random: int
 ) -> list[tuple[str, dict[str, Tensor]]]:
     """(label, batch) pairs: edge cases first, then ``num_random`` seeded random batches."""
+    # Lengths drawn where none are given stay inside the exported ranges, not the model's own (wider) ones.
+    schema = exported_schema(schema, ranges)
     lengths = schema.lengths_features()
     b_max = ranges.max_batch_size
     cases: list[tuple[str, dict[str, Tensor]]] = []
@@ -102,8 +104,10 @@ def check_parity(
     batches: list[tuple[str, dict[str, Tensor]]],
     tolerances: dict[str, float],
     on_batch: Callable[[str], None] | None = None,
+    per_batch: Callable[[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Runs both on every batch; returns a JSON-able report with ``passed``."""
+    """Runs both on every batch; returns a JSON-able report with ``passed``. ``per_batch(batch, exported,
+    eager)`` adds its entries to each batch's row (say, rank agreement)."""
     rows = []
     for label, batch in batches:
         if on_batch:
@@ -118,7 +122,7 @@ def check_parity(
         errors = compare_outputs(exported, eager)
         ok = all(e["rel_l2"] <= tolerances["rel_l2"] and e["max_abs"] <= tolerances["max_abs"] for e in errors.values())
         rows.append({"batch": label, "batch_size": _batch_size(batch), "sizes": _sizes(batch),
-                     "errors": errors, "passed": ok})
+                     "errors": errors, "passed": ok, **(per_batch(batch, exported, eager) if per_batch else {})})
     worst = {
         key: max((e[key] for row in rows for e in row["errors"].values()), default=0.0) for key in ("rel_l2", "max_abs")
     }
@@ -196,10 +200,22 @@ def verify_package(package: Any, model_path: str | None, *, num_random: int = 4,
         tolerances["rel_l2"] = rtol
     if atol is not None:
         tolerances["max_abs"] = atol
+    per_batch = None
+    quantized = "embedding_quantization" in predictor.manifest
+    if quantized:  # each user's candidate ranking against the fp32 model, as at export
+        from hstu_export import rank_agreement
+
+        dims = rank_agreement.output_dims_from_manifest(predictor.manifest)
+
+        def per_batch(batch: dict[str, Tensor], exported: dict[str, Tensor], ref: dict[str, Tensor]) -> dict[str, Any]:
+            return {"rank_agreement": rank_agreement.per_user_tau(exported, ref, batch, dims)}
+
     with torch.no_grad():
-        return check_parity(
-            predictor, lambda b: eager({k: v.to(predictor.device) for k, v in b.items()}), batches, tolerances
-        )
+        report = check_parity(predictor, lambda b: eager({k: v.to(predictor.device) for k, v in b.items()}),
+                              batches, tolerances, per_batch=per_batch)
+    if quantized:
+        report["rank_agreement"] = rank_agreement.summarize(report["batches"])
+    return report
 
 
 def bench_package(package: Any, model_path: str | None, *, batch_size: int | None = None, iters: int = 50,

@@ -2,7 +2,9 @@
 
 Adding a pass = one file here defining a class (``name`` attribute, ``run(gm, ctx) -> gm``, statistics
 through ``ctx.add_stat``; set ``recursive = False`` to see only the top graph) + one line in ``PASSES``.
-Pass classes are constructed without arguments; their settings come from the ``PassContext``.
+Pass classes are constructed without arguments; their settings come from the ``PassContext``. A pass
+that changes the numbers on purpose (quantization) sets ``approximate = True``: ``--check-each-pass``
+records its error instead of failing, and checks the passes after it against its result.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ PASSES: tuple[PassSpec, ...] = (
     # Operator mapping (reads ctx.op_target and ctx.allow_unmapped); runs on both halves after the split.
     PassSpec("map_ops", "map_ops:MapOps"),
     PassSpec("eliminate_dead_code", "eliminate_dead_code:EliminateDeadCode"),
+    # Last: the quantized tables call fbgemm lookups no pass above should rewrite (a no-op unless asked).
+    PassSpec("quantize_embeddings", "quantize_embeddings:QuantizeEmbeddings"),
 )
 
 

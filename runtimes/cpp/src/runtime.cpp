@@ -50,6 +50,17 @@ constexpr OpLibrary kOpLibraries[] = {
      "--op-target aten (or fbgemm) to serve it from C++"},
 };
 
+// Files beside a library that hold more of its ops, loaded after it when present: fbgemm_gpu registers
+// its table-batched embedding ops (the quantized lookups of --quantize-embeddings among them) from these.
+struct CompanionLibrary {
+  const char* name;
+  const char* file;
+};
+constexpr CompanionLibrary kCompanionLibraries[] = {
+    {"fbgemm_gpu", "fbgemm_gpu_tbe_common.so"},
+    {"fbgemm_gpu", "fbgemm_gpu_tbe_inference.so"},
+};
+
 std::string first_line(const std::string& text) {
   std::istringstream lines(text);
   std::string line;
@@ -282,10 +293,18 @@ void load_op_libraries(const std::vector<std::string>& names, const Options& opt
                          joined(dirs) + "]; pass its directory with --op-library-dir (Options::op_library_dirs) or " +
                          "HSTU_EXPORT_OP_LIBRARY_PATH (for fbgemm_gpu: the fbgemm_gpu folder of its installed package)");
     }
-    if (dlopen(found.c_str(), RTLD_NOW | RTLD_GLOBAL) == nullptr) {
-      const char* why = dlerror();
-      throw PackageError(root + ": loading the op library " + found + " failed: " + first_line(why ? why : "?") +
-                         "; it must be the build that matches this libtorch");
+    std::vector<std::string> files = {found};
+    for (const auto& companion : kCompanionLibraries) {
+      std::error_code ec;
+      auto beside = fs::path(found).parent_path() / companion.file;
+      if (name == companion.name && fs::is_regular_file(beside, ec)) files.push_back(beside.string());
+    }
+    for (const auto& file : files) {
+      if (dlopen(file.c_str(), RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+        const char* why = dlerror();
+        throw PackageError(root + ": loading the op library " + file + " failed: " + first_line(why ? why : "?") +
+                           "; it must be the build that matches this libtorch");
+      }
     }
     loaded.insert(name);
   }
