@@ -20,6 +20,7 @@ pages for ``triton``, plain aten ops padded to the exported bounds for ``aten``)
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
@@ -35,6 +36,7 @@ from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HstuR
 KV_DELTA_FILE = "kv/delta.pt2"
 KV_INPUTS = ("kv_cached", "kv_k_pages", "kv_v_pages", "kv_page_table")
 MAX_PAGES = 1 << 24  # the exported bound on a cache's pages (the budget sets the real count at load)
+EXAMPLE_USERS = 16  # the most users the export example may need to make its sizes distinct
 
 
 def check_kv_cache(model: Any, backend: str) -> None:
@@ -73,30 +75,46 @@ def attention_for(op_target: str, splits: int = 1) -> Callable[..., Tensor]:
 
 def example_inputs(model: HstuRankingModel, ranges: Any, page_size: int, device: torch.device,
                    seed: int) -> dict[str, Tensor]:
-    """A delta request for torch.export: 4 users, 2 with nothing cached; every dynamic size >= 2 and
-    different from the others (so that none is specialised or unified with another)."""
+    """A delta request for torch.export: two users with nothing cached, the others with a few tokens;
+    every dynamic size >= 2 and different from the others (so that none is specialised to a constant or
+    unified with another), whatever the package's length ranges."""
     from hstu_export.batch import generate_batch
 
     layout = KVLayout.of(model)
     max_hist, max_cand = ranges.max_lengths[HISTORY_LENGTHS], ranges.max_lengths[CANDIDATE_LENGTHS]
-    hist = [min(n, max_hist) for n in (3, 2, 4, 5)]
-    cand = [min(n, max_cand) for n in (2, 3, 2, 4)]
-    cached = [0, 0, min(6, max_hist), min(9, max_hist)]
-    request = generate_batch(model.input_schema(), 4, seed=seed, lengths={HISTORY_LENGTHS: hist,
-                                                                          CANDIDATE_LENGTHS: cand})
+    # Some users may bring no new history or no candidate (the program accepts both): with one token per
+    # user at most, that is how the totals come to differ from the number of users.
+    found = None
+    for batch, fresh, hist_gap, cand_gap in itertools.product(range(4, EXAMPLE_USERS + 1), (2, 3), (0, 3, 2),
+                                                              (0, 5, 4)):
+        hist = [0 if hist_gap and i % hist_gap == 0 else min(2 + i % 4, max_hist) for i in range(batch)]
+        cand = [0 if cand_gap and i % cand_gap == 0 else min(1 + (3 * i) % 5, max_cand) for i in range(batch)]
+        taken = {batch, fresh, sum(hist), sum(cand)}
+        if len(taken) == 4 and min(taken) >= 2:
+            found = batch, fresh, hist, cand
+            break
+    if found is None:
+        raise ConfigError("--kv-cache: cannot build an example request with distinct sizes for these length ranges; "
+                          "raise --max-seq-len or --max-candidates")
+    batch, fresh, hist, cand = found
+    width = next(n for n in range(2, 64) if n not in taken)
+    pages = next(n for n in range(batch + 1, 256) if n not in taken | {width})  # one page per cached user at least
+    cached = [0] * fresh + [min(5 + i, max_hist) for i in range(batch - fresh)]  # each within one page
+    request = generate_batch(model.input_schema(), batch, seed=seed, lengths={HISTORY_LENGTHS: hist,
+                                                                              CANDIDATE_LENGTHS: cand})
     request = {k: v.to(device) for k, v in request.items()}
     with torch.no_grad():
         emb = model.sparse_arch(request)
     cached_t = torch.tensor(cached, dtype=torch.int64)
     gen = torch.Generator().manual_seed(seed)
-    pages = 7
     shape = (layout.num_layers, pages, page_size, layout.num_heads)
     k = torch.randn(*shape, layout.attention_dim, generator=gen).to(device, layout.dtype)
     v = torch.randn(*shape, layout.linear_dim, generator=gen).to(device, layout.dtype)
-    table = torch.tensor([[0, 0, 0], [0, 0, 0], [1, 2, 3], [4, 5, 6]], dtype=torch.int32, device=device)
+    table = torch.zeros(batch, width, dtype=torch.int32)
+    table[fresh:, 0] = torch.arange(1, batch - fresh + 1, dtype=torch.int32)  # page b for cached user b
     values = {**emb, **request,
               "contextual_emb": stacked_contextual(emb, layout.contextual_features, cached_t, emb["uih_item_emb"]),
-              "kv_cached": cached_t.to(device), "kv_k_pages": k, "kv_v_pages": v, "kv_page_table": table}
+              "kv_cached": cached_t.to(device), "kv_k_pages": k, "kv_v_pages": v, "kv_page_table": table.to(device)}
     return {name: values[name].clone(memory_format=torch.contiguous_format) for name in PROGRAM_INPUTS}
 
 
@@ -105,14 +123,14 @@ def dynamic_shapes(model: HstuRankingModel, ranges: Any, page_size: int,
     """torch.export dims of the delta program's inputs, by name."""
     from torch.export import Dim
 
-    b_max = max(ranges.max_batch_size, 4)  # the example has 4 users; requests are held to the package's maximum
+    b_max = max(ranges.max_batch_size, EXAMPLE_USERS)  # requests are held to the package's maximum by the ranker
     max_seq_len, _ = kv_bounds(model, ranges)
     batch = Dim("batch", min=1, max=b_max)
     fresh = Dim("fresh_users", min=0, max=b_max)
     hist = Dim("new_history", min=0, max=max(b_max * ranges.max_lengths[HISTORY_LENGTHS], 5))
     cand = Dim("candidates", min=1, max=max(b_max * ranges.max_lengths[CANDIDATE_LENGTHS], 5))
     pages = Dim("pages", min=1, max=MAX_PAGES)
-    width = Dim("page_table_width", min=1, max=max(-(-max_seq_len // page_size), 4))
+    width = Dim("page_table_width", min=1, max=max(-(-max_seq_len // page_size), 64))  # >= the example's
     dims: dict[str, dict[int, Any]] = {
         "uih_item_emb": {0: hist}, "uih_action_emb": {0: hist}, "uih_timestamps": {0: hist},
         "candidate_item_emb": {0: cand}, HISTORY_LENGTHS: {0: batch},
@@ -199,11 +217,11 @@ class _Histories:
         return out
 
 
-def verification_steps(max_hist: int, max_cand: int, page_size: int) -> list[tuple[str, list[int], list[int], list[int]]]:
+def verification_steps(ranges: Any, page_size: int) -> list[tuple[str, list[int], list[int], list[int]]]:
     """(what it checks, users, history lengths, candidates) per request, within the package's ranges."""
-    h = max_hist
+    h, max_cand = ranges.max_lengths[HISTORY_LENGTHS], ranges.max_lengths[CANDIDATE_LENGTHS]
     grown = min(h, h // 3 + 1 + page_size)  # more than a page past user 1's first prefix, when the range allows
-    return [
+    steps = [
         ("prefill (every user a miss)", [0, 1, 2], [max(1, h // 2), h // 3 + 1, max(1, h - 1)],
          [max_cand, 1, max(1, max_cand // 2)]),
         ("hit: new candidates only, one new token for user 0", [0, 1, 2], [max(1, h // 2), h // 3 + 1, max(1, h - 1)],
@@ -212,6 +230,9 @@ def verification_steps(max_hist: int, max_cand: int, page_size: int) -> list[tup
          [max(1, h - 1), min(h, max(1, h // 2) + 1), grown], [min(2, max_cand), max_cand, 1]),
         ("a new user with cached ones", [3, 0], [max(1, h // 2), min(h, max(1, h // 2) + 1)], [max_cand, min(2, max_cand)]),
     ]
+    low_h, low_c = ranges.min_lengths[HISTORY_LENGTHS], ranges.min_lengths[CANDIDATE_LENGTHS]
+    return [(what, users, [max(n, low_h) for n in hist], [max(n, low_c) for n in cand])
+            for what, users, hist, cand in steps]
 
 
 def verify_kv_cache(predictor: Any, reference: Callable[[dict[str, Tensor]], dict[str, Tensor]],
@@ -224,11 +245,9 @@ def verify_kv_cache(predictor: Any, reference: Callable[[dict[str, Tensor]], dic
     section = predictor.manifest["kv_cache"]
     ranker = predictor.kv_cache()
     ranges = predictor.package_manifest.ranges.lengths
-    max_hist = ranges.max_lengths[HISTORY_LENGTHS]
-    max_cand = ranges.max_lengths[CANDIDATE_LENGTHS]
-    histories = _Histories(predictor.input_schema, ranker.layout, 4, max_hist, seed)
+    histories = _Histories(predictor.input_schema, ranker.layout, 4, ranges.max_lengths[HISTORY_LENGTHS], seed)
     batches, users_of = [], {}
-    for what, users, hist, cand in verification_steps(max_hist, max_cand, section["page_size"]):
+    for what, users, hist, cand in verification_steps(ranges, section["page_size"]):
         n = min(len(users), predictor.max_batch_size)
         batches.append((what, histories.request(users[:n], hist[:n], cand[:n])))
         users_of[what] = [_user_id(u) for u in users[:n]]

@@ -171,3 +171,29 @@ def test_a_package_without_the_program_says_so(tmp_path) -> None:  # type: ignor
     result = export(bundle, tmp_path / "plain", ExportSettings(backend="torchscript", max_batch_size=4))
     with pytest.raises(PackageError, match="--kv-cache"):
         hstu_export.load(result.path).kv_cache(budget_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("max_hist,max_cand", [(1, 1), (3, 1), (46, 16)])
+def test_the_delta_program_exports_for_any_length_ranges(max_hist: int, max_cand: int) -> None:
+    """torch.export of the program (no compilation): the example's sizes stay distinct even when a user may
+    have a single history token or candidate, and the exported program answers as the eager one."""
+    from hstu_export.kv_export import attention_for, dynamic_shapes, example_inputs
+    from hstu_export.models.cached import PROGRAM_INPUTS, DeltaProgram
+    from hstu_export.verify import ExportRanges
+
+    torch.manual_seed(0)
+    model = HstuRankingModel(CONFIGS["context"]).eval()
+    ranges = ExportRanges(2, {"uih_lengths": max_hist, "candidate_lengths": max_cand},
+                          {"uih_lengths": 1, "candidate_lengths": 1})
+    example = example_inputs(model, ranges, PAGE, torch.device("cpu"), seed=1)
+    sizes = [example["kv_cached"].numel(), example["contextual_emb"].shape[0], example["uih_item_emb"].shape[0],
+             example["candidate_item_emb"].shape[0], example["kv_k_pages"].shape[1], example["kv_page_table"].shape[1]]
+    assert len(set(sizes)) == len(sizes) and min(sizes) >= 2
+    bound = 2 + max_hist + max_cand
+    program = DeltaProgram(model, attention_for("aten"), bound, bound).eval()
+    with torch.no_grad():
+        exported = torch.export.export(program, (), kwargs=example, strict=False,
+                                       dynamic_shapes=dynamic_shapes(model, ranges, PAGE, list(PROGRAM_INPUTS)))
+        want = program(**example)
+        got = exported.module()(**example)
+    _same(got, want)
