@@ -67,6 +67,11 @@ def test_the_package_records_a_verified_delta_program(kv_package) -> None:  # ty
     assert checked["worst"]["rel_l2"] <= 1e-5
     # Without contextual features a grown history reuses its prefix; with them it is recomputed (stale).
     assert (checked["cache"]["stale"] > 0) == (name == "context")
+    # The export's report lists the requests served through the cache with the verification batches.
+    from hstu_export.report.build import parity_record
+
+    rows = [row.batch for row in parity_record(manifest["parity"]).batches]
+    assert sum(row.startswith("KV cache: ") for row in rows) == 4 and len(rows) == 4 + len(manifest["parity"]["batches"])
 
 
 @pytest.mark.slow

@@ -161,13 +161,16 @@ def ranges_text(lengths: dict[str, Any], dims: dict[str, Any] | None = None) -> 
 def parity_record(parity: dict[str, Any]) -> ParityRecord:
     if parity.get("skipped") or not isinstance(parity.get("batches"), list):
         return ParityRecord(note="not verified: the export ran with --no-verify")
+    # The KV-cache check (--kv-cache) serves its requests through the package's cache, in order.
+    kv = _dict(parity.get("kv_cache")).get("batches")
+    labelled = [("", b) for b in parity["batches"]] + [("KV cache: ", b) for b in (kv if isinstance(kv, list) else [])]
     rows = []
-    for batch in (b for b in parity["batches"] if isinstance(b, dict)):
+    for prefix, batch in ((p, b) for p, b in labelled if isinstance(b, dict)):
         errors = [e for e in _dict(batch.get("errors")).values() if isinstance(e, dict)]
         rel = [float(e["rel_l2"]) for e in errors if isinstance(e.get("rel_l2"), (int, float))]
         absolute = [float(e["max_abs"]) for e in errors if isinstance(e.get("max_abs"), (int, float))]
         sizes = ", ".join(f"{k} {v}" for k, v in _dict(batch.get("sizes")).items())
-        rows.append(ParityBatchRow(str(batch.get("batch")), _int(batch.get("batch_size")), sizes,
+        rows.append(ParityBatchRow(prefix + str(batch.get("batch")), _int(batch.get("batch_size")), sizes,
                                    max(rel) if rel else None, max(absolute) if absolute else None,
                                    bool(batch.get("passed"))))
     tolerances = {str(k): float(v) for k, v in _dict(parity.get("tolerances")).items() if isinstance(v, (int, float))}
