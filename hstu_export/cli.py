@@ -431,9 +431,18 @@ def verify(package: str, model_path: str | None, batches: int, seed: int, rtol: 
     for name, ra in report.get("rank_agreement", {}).items():
         console.print(f"rank agreement {escape(name)}: Kendall tau per user mean {ra['mean_tau']:.4f}, "
                       f"min {ra['min_tau']:.4f} ({ra['users']} users)")
+    kv = report.get("kv_cache")
+    if kv is not None:
+        console.print("KV cache: the delta program, serving these requests in order through the package's cache "
+                      f"({kv['cache']['hits']} hits)")
+        console.print(_parity_table(kv))
     if not report["passed"]:
-        raise VerificationError(f"{package} does not match the model: {mismatch_summary(report)}")
-    console.print(f"[green]parity ok[/green] on {len(report['batches'])} batches")
+        failed = kv if kv is not None and not kv["passed"] else report
+        why = (mismatch_summary(failed) if not all(r["passed"] for r in failed["batches"])
+               else "no request was served from the KV cache")
+        raise VerificationError(f"{package} does not match the model: {why}")
+    extra = f", and {len(kv['batches'])} requests through its KV cache" if kv is not None else ""
+    console.print(f"[green]parity ok[/green] on {len(report['batches'])} batches{extra}")
 
 
 @cli.command()

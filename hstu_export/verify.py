@@ -215,6 +215,13 @@ def verify_package(package: Any, model_path: str | None, *, num_random: int = 4,
                               batches, tolerances, per_batch=per_batch)
     if quantized:
         report["rank_agreement"] = rank_agreement.summarize(report["batches"])
+    if "kv_cache" in predictor.manifest:  # its delta program, served through the package's cache as at export
+        from hstu_export.kv_export import verify_kv_cache
+
+        with torch.no_grad():
+            report["kv_cache"] = verify_kv_cache(
+                predictor, lambda b: eager({k: v.to(predictor.device) for k, v in b.items()}), tolerances, seed)
+        report["passed"] = report["passed"] and report["kv_cache"]["passed"]
     return report
 
 

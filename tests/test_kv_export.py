@@ -202,3 +202,11 @@ def test_the_delta_program_exports_for_any_length_ranges(max_hist: int, max_cand
         want = program(**example)
         got = exported.module()(**example)
     _same(got, want)
+
+
+@pytest.mark.slow
+def test_verify_serves_the_package_through_its_cache(kv_package, capsys) -> None:  # type: ignore[no-untyped-def]
+    _, root, _ = kv_package
+    assert cli_main(["verify", str(root), "--batches", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "requests through its KV cache" in out and out.count("KV cache") >= 2
