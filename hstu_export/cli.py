@@ -755,19 +755,17 @@ def _inspect_package(root: Any, open_report: bool) -> None:
     capture = raw.get("capture") if isinstance(raw.get("capture"), dict) else {}
     _print_passes(raw.get("passes"), capture.get("opaque_calls"))
     parity = raw.get("parity") if isinstance(raw.get("parity"), dict) else {}
-    batches = parity.get("batches") if isinstance(parity.get("batches"), list) else []
-    if batches:
+    from hstu_export.report.build import parity_record
+
+    rows = parity_record(parity).batches  # with the KV-cache check's requests (--kv-cache), as the report shows
+    if rows:
         table = Table("verification batch", "users", "worst rel. L2", "worst max abs", "passed", box=None,
                       pad_edge=False)
-        for batch in (b for b in batches if isinstance(b, dict)):
-            errors = batch.get("errors") if isinstance(batch.get("errors"), dict) else {}
-            rel = [e.get("rel_l2") for e in errors.values() if isinstance(e, dict)]
-            absolute = [e.get("max_abs") for e in errors.values() if isinstance(e, dict)]
-            rel = [x for x in rel if isinstance(x, (int, float))]
-            absolute = [x for x in absolute if isinstance(x, (int, float))]
-            table.add_row(escape(str(batch.get("batch"))[:80]), escape(str(batch.get("batch_size"))),
-                          f"{max(rel):.2g}" if rel else "", f"{max(absolute):.2g}" if absolute else "",
-                          "yes" if batch.get("passed") else "NO")
+        for row in rows:
+            table.add_row(escape(row.batch[:80]), str(row.batch_size),
+                          f"{row.worst_rel_l2:.2g}" if row.worst_rel_l2 is not None else "",
+                          f"{row.worst_max_abs:.2g}" if row.worst_max_abs is not None else "",
+                          "yes" if row.passed else "NO")
         for column in table.columns:
             column.no_wrap = True
         console.print(table)
