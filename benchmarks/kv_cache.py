@@ -286,8 +286,18 @@ def package_row(row: dict, package, budget: int, prefix: dict, features: dict, f
         delta_features[key] = features[key][fresh]
     runner = kv.runner
     inputs = runner.program_inputs(delta_features, cached, kv.cache.k, kv.cache.v, table)
-    row["kv_program"] = bench(lambda: runner.run_program(inputs), iters=30)
-    row["kv_program_graph"] = bench_graph(lambda: runner.run_program(inputs))
+    row["kv_program"] = bench(lambda: runner.run_program(inputs, bucketed=False), iters=30)
+    row["kv_program_graph"] = bench_graph(lambda: runner.run_program(inputs, bucketed=False))
+    if runner.graphs is not None and batch <= 8:
+        # As served: padded to its shape bucket and replayed from the bucket's CUDA graph.
+        row["kv_program_served"] = bench(lambda: runner.run_program(inputs), iters=30)
+        eager_out = runner.run_program(inputs, bucketed=False)
+        served_out = runner.run_program(inputs)
+        row["rel_err_served_vs_eager_program"] = max(
+            float((served_out.outputs[k].float() - eager_out.outputs[k].float()).norm()
+                  / eager_out.outputs[k].float().norm()) for k in eager_out.outputs)
+        row["kv_new_k_equal_served_vs_eager"] = bool(torch.equal(served_out.new_k, eager_out.new_k))
+        row["graph_counts"] = dict(runner.graphs.counts)
     row["kv_program_inputs"] = bench(lambda: runner.program_inputs(delta_features, cached, kv.cache.k, kv.cache.v,
                                                                    table), iters=20)
     row["kv_package_ranker"] = bench(lambda: reset_and_run(kv), iters=20)
@@ -307,6 +317,7 @@ def package_row(row: dict, package, budget: int, prefix: dict, features: dict, f
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
         (profile_dir / f"kv_profile_{work['history']}_{batch}.txt").write_text(text.getvalue())
     ratios = {"package_dense_over_kv_program": ("package_dense", "kv_program"),
+              "package_dense_over_kv_program_served": ("package_dense", "kv_program_served"),
               "package_dense_over_kv_program_graph": ("package_dense", "kv_program_graph"),
               "package_full_over_kv_package_ranker": ("package_full", "kv_package_ranker")}
     for name, (base, new) in ratios.items():

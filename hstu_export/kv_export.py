@@ -59,6 +59,12 @@ def kv_bounds(model: HstuRankingModel, ranges: Any) -> tuple[int, int]:
     return total, total
 
 
+def page_table_width_bound(max_seq_len: int, page_size: int) -> int:
+    """The widest page table the program accepts: a whole sequence's pages, and at least 64 (room for the
+    export example's width and for serving's rounding up to a power of two)."""
+    return max(-(-max_seq_len // page_size), 64)
+
+
 def attention_for(op_target: str, splits: int = 1) -> Callable[..., Tensor]:
     """The paged attention the program calls: our Triton kernel (``triton``) or plain aten (else)."""
     if op_target == "triton":
@@ -130,7 +136,7 @@ def dynamic_shapes(model: HstuRankingModel, ranges: Any, page_size: int,
     hist = Dim("new_history", min=0, max=max(b_max * ranges.max_lengths[HISTORY_LENGTHS], 5))
     cand = Dim("candidates", min=1, max=max(b_max * ranges.max_lengths[CANDIDATE_LENGTHS], 5))
     pages = Dim("pages", min=1, max=MAX_PAGES)
-    width = Dim("page_table_width", min=1, max=max(-(-max_seq_len // page_size), 64))  # >= the example's
+    width = Dim("page_table_width", min=1, max=page_table_width_bound(max_seq_len, page_size))
     dims: dict[str, dict[int, Any]] = {
         "uih_item_emb": {0: hist}, "uih_action_emb": {0: hist}, "uih_timestamps": {0: hist},
         "candidate_item_emb": {0: cand}, HISTORY_LENGTHS: {0: batch},

@@ -14,10 +14,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hstu_export.errors import PackageError
+from hstu_export.errors import ConfigError, PackageError
+from hstu_export.kv_export import page_table_width_bound
 from hstu_export.models.cached import KV_OUTPUTS, DeltaOutputs, KVLayout, stacked_contextual
-from hstu_export.models.ranking import HISTORY_LENGTHS
+from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS
 from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
+from hstu_export.runtimes.kv_graphs import Buckets, GraphCache, pad_to_bucket, unpad
 from hstu_export.settings import TORCH_DTYPES
 
 # The request's per-history-token features, and the sparse half's outputs per history token (zoo names).
@@ -28,7 +30,7 @@ HISTORY_EMBEDDINGS = ("uih_item_emb", "uih_action_emb")
 class PackageDelta:
     """A :class:`~hstu_export.serving.kv_cache.DeltaRunner` over a loaded package (``Predictor``)."""
 
-    def __init__(self, predictor: Any) -> None:
+    def __init__(self, predictor: Any, *, cuda_graphs: bool | None = None, graph_max_batch: int = 8) -> None:
         from hstu_export.manifest import resolve_inside
         from hstu_export.runtimes.aoti import _load_pt2
 
@@ -51,6 +53,17 @@ class PackageDelta:
         self._inputs = list(section["inputs"])
         self._min_history = predictor.package_manifest.ranges.lengths.min_lengths.get(HISTORY_LENGTHS, 0)
         self._outputs = list(section["outputs"])
+        # Requests of up to graph_max_batch users are padded to shape buckets and replayed from CUDA graphs
+        # (default: on CUDA). The bucket steps stay within the program's bounds on a user's new tokens.
+        ranges = predictor.package_manifest.ranges.lengths
+        self._buckets = Buckets(history=min(64, ranges.max_lengths[HISTORY_LENGTHS]),
+                                candidates=min(32, ranges.max_lengths[CANDIDATE_LENGTHS]),
+                                max_width=page_table_width_bound(section["max_seq_len"], self.page_size))
+        self._graph_max_batch = graph_max_batch
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if use_graphs and self.device.type != "cuda":
+            raise ConfigError(f"CUDA graphs need a CUDA package; {predictor.root} is for {self.device.type}")
+        self.graphs = GraphCache(self._run) if use_graphs else None
         path = resolve_inside(predictor.root, section["program"], "kv_cache.program")
         try:
             self._program = _load_pt2(path)
@@ -83,12 +96,23 @@ class PackageDelta:
                       "kv_page_table": page_table.to(self.device, torch.int32)}
         return {name: values[name].contiguous() for name in self._inputs}
 
-    def run_program(self, inputs: dict[str, Tensor]) -> DeltaOutputs:
-        """The delta program alone on :meth:`program_inputs` (what benchmarks time)."""
-        with torch.no_grad():
-            out = as_output_dict(self._program(**inputs), self._outputs)
+    def run_program(self, inputs: dict[str, Tensor], *, bucketed: bool | None = None) -> DeltaOutputs:
+        """The delta program alone on :meth:`program_inputs` (what benchmarks time). Small requests are
+        padded to a shape bucket and, with CUDA graphs, replayed from the bucket's graph; ``bucketed``
+        forces the padding on or off (tests compare the two)."""
+        small = inputs["kv_cached"].shape[0] <= self._graph_max_batch
+        if bucketed if bucketed is not None else (self.graphs is not None and small):
+            padded, candidates, kept = pad_to_bucket(inputs, self._buckets, self.layout.contextual_seq_len)
+            with torch.no_grad():
+                out = unpad(self.graphs(padded) if self.graphs is not None else self._run(**padded), candidates, kept)
+        else:
+            with torch.no_grad():
+                out = self._run(**inputs)
         model_outputs = {name: out[name] for name in self._outputs if name not in KV_OUTPUTS}
         return DeltaOutputs(model_outputs, out["kv_new_k"], out["kv_new_v"], out["kv_users"], out["kv_positions"])
+
+    def _run(self, **inputs: Tensor) -> dict[str, Tensor]:
+        return as_output_dict(self._program(**inputs), self._outputs)
 
     def _pad_history(self, features: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor | None]:
         """A delta request may bring fewer new history tokens than the sparse half accepts (often none:

@@ -6,6 +6,7 @@ evictions, the same user twice in a batch and two threads on one user."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import threading
@@ -75,10 +76,16 @@ def test_the_package_records_a_verified_delta_program(kv_package) -> None:  # ty
 
 
 @pytest.mark.slow
-def test_cached_package_answers_as_the_package_without_cache(kv_package) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("bucketed", [False, True], ids=["as-is", "padded-to-buckets"])
+def test_cached_package_answers_as_the_package_without_cache(kv_package, bucketed: bool) -> None:  # type: ignore[no-untyped-def]
+    """``padded-to-buckets``: every delta run padded with a padding user to its shape bucket, as small
+    requests are on CUDA before their graph replays (the graphs themselves need a GPU)."""
     name, root, _ = kv_package
     predictor = hstu_export.load(root)
     ranker = predictor.kv_cache(budget_bytes=1 << 20)
+    if bucketed:
+        runner = ranker.runner
+        runner.run_program = functools.partial(runner.run_program, bucketed=True)  # type: ignore[method-assign]
     users = Users(CONFIGS[name], seed=3)
     users.grow("a", 20)
     users.grow("b", 5)
@@ -210,3 +217,28 @@ def test_verify_serves_the_package_through_its_cache(kv_package, capsys) -> None
     assert cli_main(["verify", str(root), "--batches", "1"]) == 0
     out = capsys.readouterr().out
     assert "requests through its KV cache" in out and out.count("KV cache") >= 2
+
+
+def test_padding_to_a_bucket_appends_one_user_and_is_dropped_again() -> None:
+    from hstu_export.runtimes.kv_graphs import Buckets, pad_to_bucket, unpad
+
+    d, layers, c = 4, 2, 2
+    inputs = {
+        "uih_item_emb": torch.randn(5, d), "uih_action_emb": torch.randn(5, d), "uih_timestamps": torch.arange(5),
+        "candidate_item_emb": torch.randn(3, d), "contextual_emb": torch.randn(1, c, d),
+        "uih_lengths": torch.tensor([2, 3]), "candidate_lengths": torch.tensor([1, 2]),
+        "query_time": torch.tensor([9, 9]), "kv_cached": torch.tensor([0, 7]),
+        "kv_page_table": torch.tensor([[0, 0, 0], [1, 2, 3]], dtype=torch.int32),
+    }
+    padded, candidates, kept = pad_to_bucket(inputs, Buckets(history=8, candidates=4, max_width=64), c)
+    assert (candidates, kept) == (3, 5 + 1 * c)
+    assert padded["uih_lengths"].tolist() == [2, 3, 3] and padded["uih_item_emb"].shape[0] == 8
+    assert padded["candidate_lengths"].tolist() == [1, 2, 1] and padded["candidate_item_emb"].shape[0] == 4
+    assert padded["kv_cached"].tolist() == [0, 7, 0] and padded["contextual_emb"].shape[0] == 2
+    assert padded["kv_page_table"].shape == (3, 4) and padded["kv_page_table"][1].tolist() == [1, 2, 3, 0]
+    torch.testing.assert_close(padded["uih_item_emb"][:5], inputs["uih_item_emb"])
+    outputs = {"ctr": torch.arange(4.0), "kv_new_k": torch.zeros(layers, kept + 3 + c, 1, 1),
+               "kv_users": torch.arange(kept + 3 + c)}
+    trimmed = unpad(outputs, candidates, kept)
+    assert trimmed["ctr"].tolist() == [0.0, 1.0, 2.0] and trimmed["kv_new_k"].shape[1] == kept
+    assert trimmed["kv_users"].tolist() == list(range(kept))
