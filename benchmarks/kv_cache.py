@@ -269,7 +269,7 @@ def package_row(row: dict, package, budget: int, prefix: dict, features: dict, f
     """The package's own KV-cached path (``--kv-cache``): its delta program alone on a filled cache
     against the package's no-cache dense program, and its cached ranker end to end against the
     package end to end."""
-    kv = package.kv_cache(budget_bytes=budget)
+    kv = package.kv_cache(budget_bytes=budget, cuda_graphs=device.type == "cuda")
     users = list(range(batch))
     kv(prefix, users)
     got = kv(features, users)  # a hit

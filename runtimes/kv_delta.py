@@ -30,7 +30,7 @@ HISTORY_EMBEDDINGS = ("uih_item_emb", "uih_action_emb")
 class PackageDelta:
     """A :class:`~hstu_export.serving.kv_cache.DeltaRunner` over a loaded package (``Predictor``)."""
 
-    def __init__(self, predictor: Any, *, cuda_graphs: bool | None = None, graph_max_batch: int = 8) -> None:
+    def __init__(self, predictor: Any, *, cuda_graphs: bool = False, graph_max_batch: int = 8) -> None:
         from hstu_export.manifest import resolve_inside
         from hstu_export.runtimes.aoti import _load_pt2
 
@@ -53,14 +53,15 @@ class PackageDelta:
         self._inputs = list(section["inputs"])
         self._min_history = predictor.package_manifest.ranges.lengths.min_lengths.get(HISTORY_LENGTHS, 0)
         self._outputs = list(section["outputs"])
-        # Requests of up to graph_max_batch users are padded to shape buckets and replayed from CUDA graphs
-        # (default: on CUDA). The bucket steps stay within the program's bounds on a user's new tokens.
+        # With cuda_graphs, requests of up to graph_max_batch users are padded to shape buckets and replayed
+        # from CUDA graphs. Off by default: on the H100 the padding and the copies into the graph's buffers
+        # cost what the replay saves (docs/PERF.md). The bucket steps stay within the program's bounds.
         ranges = predictor.package_manifest.ranges.lengths
         self._buckets = Buckets(history=min(64, ranges.max_lengths[HISTORY_LENGTHS]),
                                 candidates=min(32, ranges.max_lengths[CANDIDATE_LENGTHS]),
                                 max_width=page_table_width_bound(section["max_seq_len"], self.page_size))
         self._graph_max_batch = graph_max_batch
-        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        use_graphs = bool(cuda_graphs)
         if use_graphs and self.device.type != "cuda":
             raise ConfigError(f"CUDA graphs need a CUDA package; {predictor.root} is for {self.device.type}")
         self.graphs = GraphCache(self._run) if use_graphs else None

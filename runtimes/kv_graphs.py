@@ -1,7 +1,9 @@
 """CUDA graphs for small delta requests: shape buckets and a graph per bucket.
 
 At a few users the delta program is launch-bound (on the H100 its host time is about twice its GPU
-time), which is what CUDA graphs remove. A graph replays fixed shapes, so a request is first padded to
+time), which is what CUDA graphs remove. Opt-in (``predictor.kv_cache(cuda_graphs=True)``): as built
+here, the padding and the copies into and out of the graph's buffers cost what the replay saves
+(docs/PERF.md). A graph replays fixed shapes, so a request is first padded to
 a *bucket*: a padding user is appended whose history and candidates round the token counts up to fixed
 multiples, and the page table's width is rounded up to a power of two. The padding user has nothing
 cached and attends only to itself, so the real users' answers are those of the unpadded request; its
