@@ -242,3 +242,10 @@ def test_padding_to_a_bucket_appends_one_user_and_is_dropped_again() -> None:
     trimmed = unpad(outputs, candidates, kept)
     assert trimmed["ctr"].tolist() == [0.0, 1.0, 2.0] and trimmed["kv_new_k"].shape[1] == kept
     assert trimmed["kv_users"].tolist() == list(range(kept))
+
+
+@pytest.mark.slow
+def test_cuda_graphs_are_refused_for_a_cpu_package(kv_package) -> None:  # type: ignore[no-untyped-def]
+    _, root, _ = kv_package
+    with pytest.raises(ConfigError, match="CUDA graphs need a CUDA package"):
+        hstu_export.load(root).kv_cache(budget_bytes=1 << 20, cuda_graphs=True)
