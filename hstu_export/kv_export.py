@@ -174,10 +174,15 @@ def compile_kv_delta(model: HstuRankingModel, ranges: Any, settings: Any, op_tar
         raise ExportError(f"AOTInductor compilation of the KV-cache delta program failed: "
                           f"{text[0] if text else type(exc).__name__}") from exc
     layout = KVLayout.of(model)
+    with torch.no_grad():
+        returned = list(program(**example))  # the compiled program returns its outputs in this order
+    if sorted(returned) != sorted([*output_names, *KV_OUTPUTS]):
+        raise ExportError(f"the KV-cache delta program returns {returned}, not the model's outputs {output_names} "
+                          f"and {list(KV_OUTPUTS)}")
     return {
         "program": KV_DELTA_FILE,
         "inputs": names,
-        "outputs": [*output_names, *KV_OUTPUTS],
+        "outputs": returned,
         "page_size": page_size,
         "splits": settings.kv_splits,
         "max_seq_len": max_seq_len,
