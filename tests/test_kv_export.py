@@ -245,7 +245,12 @@ def test_padding_to_a_bucket_appends_one_user_and_is_dropped_again() -> None:
 
 
 @pytest.mark.slow
-def test_cuda_graphs_are_refused_for_a_cpu_package(kv_package) -> None:  # type: ignore[no-untyped-def]
+def test_cuda_graphs_and_other_page_sizes_are_refused(kv_package) -> None:  # type: ignore[no-untyped-def]
     _, root, _ = kv_package
     with pytest.raises(ConfigError, match="CUDA graphs need a CUDA package"):
         hstu_export.load(root).kv_cache(budget_bytes=1 << 20, cuda_graphs=True)
+    from hstu_export.runtimes.kv_delta import PackageDelta
+    from hstu_export.serving.kv_cache import CachedRanker
+
+    with pytest.raises(ConfigError, match=f"reads pages of {PAGE} tokens"):
+        CachedRanker(PackageDelta(hstu_export.load(root)), budget_bytes=1 << 20, page_size=2 * PAGE)

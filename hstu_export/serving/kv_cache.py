@@ -215,6 +215,10 @@ class CachedRanker:
     def __init__(self, source: HstuRankingModel | DeltaRunner, *, budget_bytes: int, page_size: int = 64,
                  max_time_drift: int = 0, device: torch.device | str | None = None) -> None:
         self.runner: DeltaRunner = EagerDelta(source, device) if isinstance(source, HstuRankingModel) else source
+        fixed = getattr(self.runner, "page_size", None)  # an exported program reads pages of one size
+        if fixed is not None and fixed != page_size:
+            raise ConfigError(f"the delta program reads pages of {fixed} tokens; use page_size={fixed} "
+                              f"(or export again with --kv-page-size {page_size})")
         self.layout = layout = self.runner.layout
         self.device = self.runner.device
         self.max_time_drift = int(max_time_drift)
