@@ -437,9 +437,9 @@ def verify(package: str, model_path: str | None, batches: int, seed: int, rtol: 
                       f"({kv['cache']['hits']} hits)")
         console.print(_parity_table(kv))
     if not report["passed"]:
-        failed = kv if kv is not None and not kv["passed"] else report
-        why = (mismatch_summary(failed) if not all(r["passed"] for r in failed["batches"])
-               else "no request was served from the KV cache")
+        from hstu_export.kv_export import kv_failure
+
+        why = kv_failure(kv) if kv is not None and not kv["passed"] else mismatch_summary(report)
         raise VerificationError(f"{package} does not match the model: {why}")
     extra = f", and {len(kv['batches'])} requests through its KV cache" if kv is not None else ""
     console.print(f"[green]parity ok[/green] on {len(report['batches'])} batches{extra}")

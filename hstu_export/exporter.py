@@ -407,11 +407,11 @@ def export(
                     "(--rtol/--atol set the tolerances)"
                 )
             if "kv_cache" in parity and not parity["kv_cache"]["passed"]:
-                kv = parity["kv_cache"]
-                why = (mismatch_summary(kv) if not all(row["passed"] for row in kv["batches"])
-                       else "no request was served from the cache")
-                raise VerificationError(f"KV-cached serving of the package differs from the model: {why}; "
-                                        "nothing was written (--rtol/--atol set the tolerances)")
+                from hstu_export.kv_export import kv_failure
+
+                raise VerificationError(f"KV-cached serving of the package differs from the model: "
+                                        f"{kv_failure(parity['kv_cache'])}; nothing was written "
+                                        "(--rtol/--atol set the tolerances)")
         manifest["timings"] = timings
         if result.report_path is not None:  # the report gains the export's settings, parity, timings, files
             from hstu_export.report.build import complete_export_report

@@ -31,7 +31,12 @@ from torch import Tensor
 
 from hstu_export.errors import ConfigError, ExportError
 from hstu_export.models.cached import KV_OUTPUTS, PROGRAM_INPUTS, DeltaProgram, KVLayout, stacked_contextual
-from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HstuRankingModel
+from hstu_export.models.ranking import (
+    CANDIDATE_LENGTHS,
+    HISTORY_LENGTHS,
+    HISTORY_TOKEN_FEATURES,
+    HstuRankingModel,
+)
 
 KV_DELTA_FILE = "kv/delta.pt2"
 KV_INPUTS = ("kv_cached", "kv_k_pages", "kv_v_pages", "kv_page_table")
@@ -219,7 +224,7 @@ class _Histories:
                                lengths={HISTORY_LENGTHS: [1] * len(users), CANDIDATE_LENGTHS: cand})
         rows = torch.cat([torch.arange(u * self.max_hist, u * self.max_hist + h) for u, h in zip(users, hist)])
         out = dict(fresh)
-        for name in ("uih_item_ids", "uih_action_ids", "uih_timestamps"):
+        for name in HISTORY_TOKEN_FEATURES:
             out[name] = self.full[name][rows]
         out[HISTORY_LENGTHS] = torch.tensor(hist, dtype=self.full[HISTORY_LENGTHS].dtype)
         index = torch.tensor(users)
@@ -269,6 +274,15 @@ def verify_kv_cache(predictor: Any, reference: Callable[[dict[str, Tensor]], dic
     if report["cache"]["hits"] == 0:
         report["passed"] = False  # nothing was served from the cache: the delta path went unchecked
     return report
+
+
+def kv_failure(report: dict[str, Any]) -> str:
+    """Why :func:`verify_kv_cache`'s ``report`` failed, in one line."""
+    from hstu_export.verify import mismatch_summary
+
+    if all(row["passed"] for row in report["batches"]):
+        return "no request was served from the KV cache"
+    return mismatch_summary(report)
 
 
 def _user_id(index: int) -> Hashable:

@@ -17,13 +17,12 @@ from torch import Tensor
 from hstu_export.errors import ConfigError, PackageError
 from hstu_export.kv_export import page_table_width_bound
 from hstu_export.models.cached import KV_OUTPUTS, DeltaOutputs, KVLayout, stacked_contextual
-from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS
+from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES
 from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
 from hstu_export.runtimes.kv_graphs import Buckets, GraphCache, pad_to_bucket, unpad
 from hstu_export.settings import TORCH_DTYPES
 
-# The request's per-history-token features, and the sparse half's outputs per history token (zoo names).
-HISTORY_VALUES = ("uih_item_ids", "uih_action_ids", "uih_timestamps")
+# The sparse half's outputs per history token (zoo names).
 HISTORY_EMBEDDINGS = ("uih_item_emb", "uih_action_emb")
 
 
@@ -129,7 +128,7 @@ class PackageDelta:
             torch.cumsum(lengths, 0) - lengths, lengths)
         total = int(padded_lengths.sum())
         out = dict(features)
-        for name in HISTORY_VALUES:
+        for name in HISTORY_TOKEN_FEATURES:
             value = features[name]
             filled = value.new_zeros((total, *value.shape[1:]))
             filled[real.to(value.device)] = value

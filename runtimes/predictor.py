@@ -70,16 +70,14 @@ class Predictor:
         ``cuda_graphs`` (a CUDA package) replays requests of up to 8 users from CUDA graphs, one per shape
         bucket (``hstu_export.runtimes.kv_graphs``); off by default, as on the H100 it did not pay yet."""
         from hstu_export.runtimes.kv_delta import PackageDelta
-        from hstu_export.serving.kv_cache import CachedRanker
+        from hstu_export.serving.kv_cache import CachedRanker, page_bytes
 
         runner = PackageDelta(self, cuda_graphs=cuda_graphs)
         if budget_bytes is None:
-            section = self.manifest["kv_cache"]
             layout = runner.layout
-            pages = self.max_batch_size * -(-section["max_seq_len"] // runner.page_size)
-            item = torch.empty((), dtype=layout.dtype).element_size()
-            budget_bytes = pages * layout.num_layers * runner.page_size * layout.num_heads * (
-                layout.attention_dim + layout.linear_dim) * item
+            pages = self.max_batch_size * -(-self.manifest["kv_cache"]["max_seq_len"] // runner.page_size)
+            budget_bytes = pages * page_bytes(layout.num_layers, layout.num_heads, layout.attention_dim,
+                                              layout.linear_dim, runner.page_size, layout.dtype)
         return CachedRanker(runner, budget_bytes=budget_bytes, page_size=runner.page_size,
                             max_time_drift=max_time_drift)
 

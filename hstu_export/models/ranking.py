@@ -24,6 +24,7 @@ from hstu_export.schema import FeatureSpec, InputSchema
 
 HISTORY_LENGTHS = "uih_lengths"
 CANDIDATE_LENGTHS = "candidate_lengths"
+HISTORY_TOKEN_FEATURES = ("uih_item_ids", "uih_action_ids", "uih_timestamps")  # one value per history token
 
 
 def ranking_input_schema(config: HSTUConfig) -> InputSchema:

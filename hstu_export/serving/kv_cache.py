@@ -26,7 +26,7 @@ from torch import Tensor
 
 from hstu_export.errors import ConfigError, RequestError
 from hstu_export.models.cached import DeltaOutputs, DeltaRanker, KVLayout
-from hstu_export.models.ranking import HISTORY_LENGTHS, HstuRankingModel
+from hstu_export.models.ranking import HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES, HstuRankingModel
 from hstu_export.models.transducer import time_buckets
 from hstu_export.ops.paged import write_pages
 
@@ -85,6 +85,13 @@ class _Entry:
 _STRIPES = 64  # per-user request locks: a fixed set, the user's hash picks one
 
 
+def page_bytes(num_layers: int, num_heads: int, attention_dim: int, linear_dim: int, page_size: int,
+               dtype: torch.dtype) -> int:
+    """Bytes of one page: K and V of ``page_size`` tokens in every layer."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    return num_layers * page_size * num_heads * (attention_dim + linear_dim) * item
+
+
 class PagedKVCache:
     """K/V pages for ``num_layers`` layers within ``budget_bytes``; thread-safe.
 
@@ -107,9 +114,9 @@ class PagedKVCache:
         if page_size < 16 or page_size & (page_size - 1):
             raise ConfigError(f"KV cache page size must be a power of two >= 16 (a key block of the attention kernel "
                               f"never straddles a page), got {page_size}")
-        item = torch.empty(0, dtype=dtype).element_size()
         self.page_size = page_size
-        self.page_bytes = num_layers * page_size * num_heads * (attention_dim + linear_dim) * item
+        self.page_bytes = page_bytes(num_layers, num_heads, attention_dim, linear_dim, page_size, dtype)
+        item = torch.empty(0, dtype=dtype).element_size()
         self.num_pages = int(budget_bytes) // self.page_bytes
         if self.num_pages < 1:
             raise ConfigError(
@@ -231,7 +238,7 @@ class CachedRanker:
         c = layout.contextual_seq_len
         features = self.runner.validate(features)
         # On the host: what the bookkeeping reads (lengths, history, query time, contextual ids).
-        used = (HISTORY_LENGTHS, "uih_item_ids", "uih_action_ids", "uih_timestamps", "query_time",
+        used = (HISTORY_LENGTHS, *HISTORY_TOKEN_FEATURES, "query_time",
                 *layout.contextual_features)
         host = {name: features[name].cpu() for name in used}
         hist_len = host[HISTORY_LENGTHS].to(torch.int64)
@@ -287,11 +294,10 @@ class CachedRanker:
             skip = torch.clamp(cached - c, min=0)
             position = torch.arange(int(hist_len.sum())) - torch.repeat_interleave(torch.tensor(hist_off[:-1]), hist_len)
             fresh = position >= torch.repeat_interleave(skip, hist_len)
-            history = ("uih_item_ids", "uih_action_ids", "uih_timestamps")
             # Where the request's tensors are (the runner moves them): lengths stay on the host, so that the
             # runner's host-side work reads them without waiting for the device.
-            delta = {name: value for name, value in features.items() if name not in history}
-            delta.update({name: host[name][fresh] for name in history})
+            delta = {name: value for name, value in features.items() if name not in HISTORY_TOKEN_FEATURES}
+            delta.update({name: host[name][fresh] for name in HISTORY_TOKEN_FEATURES})
             delta[HISTORY_LENGTHS] = hist_len - skip
             result = self.runner(delta, cached, self.cache.k, self.cache.v, table)
             # Store the new history tokens' K/V of the stored users, then record what their pages hold.
