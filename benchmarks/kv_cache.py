@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import json
 import statistics
 import sys
@@ -160,6 +162,69 @@ def kernels(work: dict, batch: int, device: torch.device) -> dict:
     return out
 
 
+def sweep(work: dict, batches: list[int], device: torch.device) -> dict:
+    """The paged kernel under each candidate tile shape (CUDA graph replays, slices chosen per call), on
+    the same shapes as :func:`kernels`: which config the table should hold for it."""
+    return {batch: _sweep_batch(work, batch, device) for batch in batches}
+
+
+def _sweep_batch(work: dict, batch: int, device: torch.device) -> dict:
+    from hstu_export.ops._triton.configs import AttentionConfig
+
+    h, d, dtype = 4, 128, torch.bfloat16
+    cached, n = work["cached"], work["history"] + work["candidates"]
+    new = n - cached
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(batch * new, h, d, device=device, dtype=dtype, generator=gen) for _ in range(3))
+    per_user = -(-cached // PAGE)
+    table = torch.randperm(batch * per_user, device=device, generator=gen).to(torch.int32).reshape(batch, per_user)
+    k_pages, v_pages = (torch.randn(batch * per_user, PAGE, h, d, device=device, dtype=dtype, generator=gen)
+                        for _ in range(2))
+    q_offsets = torch.arange(batch + 1, device=device) * new
+    seq_lens = torch.full((batch,), n, device=device)
+    targets = torch.full((batch,), work["candidates"], device=device)
+    row: dict = {}
+    reference = None
+    for bm, bn, warps, stages in itertools.product((32, 64, 128), (32, 64), (4, 8), (2, 3, 4)):
+        cfg = AttentionConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+        call = functools.partial(paged_hstu_mha_triton_fwd, q, k, v, q_offsets, k_pages, v_pages, table, seq_lens,
+                                 targets, n, 1 / d**0.5, 0, 0, max_seq_len=n, max_query_len=new, config=cfg)
+        name = f"{bm}x{bn}_w{warps}_s{stages}"
+        try:
+            got = call().float()
+            reference = got if reference is None else reference
+            row[name] = {**bench_graph(call), "rel_err": float((got - reference).norm() / reference.norm())}
+        except Exception as exc:  # out of shared memory, say: recorded
+            row[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    timed = {name: r["p50_ms"] for name, r in row.items() if "p50_ms" in r}
+    row["best"] = min(timed, key=timed.__getitem__) if timed else None
+    return row
+
+
+def kernel_trace(runner, inputs: dict, path: Path, calls: int = 10) -> dict:  # type: ignore[no-untyped-def]
+    """The delta program's CUDA kernels per call (torch.profiler), and its host time per call against its
+    GPU time: how launch-bound it is. The table goes to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        runner.run_program(inputs, bucketed=False)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        runner.run_program(inputs, bucketed=False)
+    host_ms = (time.perf_counter() - t) * 1e3 / calls  # launches only: no sync inside the loop
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            runner.run_program(inputs, bucketed=False)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    path.write_text(events.table(sort_by="cuda_time_total", row_limit=80, max_name_column_width=90))
+    gpu = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    return {"host_ms_per_call": host_ms, "kernels_per_call": sum(e.count for e in gpu) / calls,
+            "gpu_ms_per_call": sum(e.device_time_total for e in gpu) / calls / 1e3}
+
+
 def request(model: HstuRankingModel, work: dict, batch: int, seed: int) -> dict[str, torch.Tensor]:
     lengths = {"uih_lengths": [work["history"]] * batch, "candidate_lengths": [work["candidates"]] * batch}
     return hstu_export.generate_batch(model.input_schema(), batch, seed=seed, lengths=lengths)
@@ -173,7 +238,7 @@ def host_tokens(host: dict, work: dict, b: int) -> torch.Tensor:
 
 
 def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dict, batch: int,  # type: ignore[no-untyped-def]
-              device: torch.device, profile_dir: Path | None = None) -> dict:
+              device: torch.device, profile_dir: Path | None = None, trace_dir: Path | None = None) -> dict:
     """The whole model per request: no-cache baselines against the cached path, on one batch."""
     cfg = gpu.config
     delta = DeltaRanker(gpu)
@@ -255,7 +320,7 @@ def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dic
         row["cached_ranker"] = bench(reset_and_run, iters=20)
         if package is not None and "kv_cache" in package.manifest:
             package_row(row, package, ranker.cache.bytes, prefix, features, full, work, batch, device, reset_and_run,
-                        profile_dir)
+                        profile_dir, trace_dir)
         for base in ("eager_full", "package_full"):
             if base in row:
                 row[f"{base}_over_delta_run"] = row[base]["p50_ms"] / row["delta_run"]["p50_ms"]
@@ -265,7 +330,8 @@ def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dic
 
 
 def package_row(row: dict, package, budget: int, prefix: dict, features: dict, full: dict, work: dict,  # type: ignore[no-untyped-def]
-                batch: int, device: torch.device, reset_and_run, profile_dir: Path | None = None) -> None:
+                batch: int, device: torch.device, reset_and_run, profile_dir: Path | None = None,
+                trace_dir: Path | None = None) -> None:
     """The package's own KV-cached path (``--kv-cache``): its delta program alone on a filled cache
     against the package's no-cache dense program, and its cached ranker end to end against the
     package end to end."""
@@ -288,6 +354,11 @@ def package_row(row: dict, package, budget: int, prefix: dict, features: dict, f
     inputs = runner.program_inputs(delta_features, cached, kv.cache.k, kv.cache.v, table)
     row["kv_program"] = bench(lambda: runner.run_program(inputs, bucketed=False), iters=30)
     row["kv_program_graph"] = bench_graph(lambda: runner.run_program(inputs, bucketed=False))
+    if trace_dir is not None and device.type == "cuda":
+        row["kv_program_trace"] = kernel_trace(runner, inputs, trace_dir / f"kv_kernels_{work['history']}_{batch}.txt")
+        dense_inputs_ = package.split.dense_inputs(features)
+        row["package_dense_trace"] = kernel_trace(_DenseRunner(package.split, dense_inputs_), {},
+                                                  trace_dir / f"dense_kernels_{work['history']}_{batch}.txt")
     if runner.graphs is not None and batch <= 8:
         # As served: padded to its shape bucket and replayed from the bucket's CUDA graph.
         row["kv_program_served"] = bench(lambda: runner.run_program(inputs), iters=30)
@@ -326,13 +397,38 @@ def package_row(row: dict, package, budget: int, prefix: dict, features: dict, f
     row["users_per_s_kv_package_ranker"] = batch / (row["kv_package_ranker"]["p50_ms"] / 1e3)
 
 
+class _DenseRunner:
+    """The no-cache dense program in :func:`kernel_trace`'s calling convention."""
+
+    def __init__(self, split, inputs: dict) -> None:  # type: ignore[no-untyped-def]
+        self.split, self.inputs = split, inputs
+
+    def run_program(self, _inputs: dict, bucketed: bool = False):  # type: ignore[no-untyped-def]
+        return self.split.dense(**self.inputs)
+
+
+def save_wrappers(package_root: Path, out: Path, name: str) -> None:
+    """The AOTInductor wrapper sources (C++) of the package's programs, to read what each call launches."""
+    import zipfile
+
+    for pt2 in package_root.rglob("*.pt2"):
+        with zipfile.ZipFile(pt2) as archive:
+            for member in archive.namelist():
+                if member.endswith(".wrapper.cpp"):
+                    (out / f"{name}_{pt2.stem}.wrapper.cpp").write_bytes(archive.read(member))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     parser.add_argument("--no-export", action="store_true")
-    parser.add_argument("--kv-splits", type=int, default=1, help="key slices of the exported delta program's kernel")
+    parser.add_argument("--kv-splits", type=int, default=0,
+                        help="key slices of the exported delta program's kernel (0: chosen per call)")
+    parser.add_argument("--sweep", action="store_true", help="time the paged kernel under each candidate tile shape")
+    parser.add_argument("--trace", action="store_true",
+                        help="profile the programs' kernels per call and keep their AOTInductor wrapper sources")
     parser.add_argument("--kernels-only", action="store_true", help="time the attention kernels only")
     parser.add_argument("--no-kernels", action="store_true", help="skip the attention kernels (time the models only)")
     parser.add_argument("--profile", action="store_true", help="write a cProfile of the package's cached requests")
@@ -354,6 +450,9 @@ def main() -> None:
         work = WORKLOADS[name]
         entry: dict = {"shape": work, "kernels": {}, "model": {}}
         report["workloads"][name] = entry
+        if args.sweep and device.type == "cuda":
+            entry["sweep"] = sweep(work, args.batches, device)
+            save()
         for batch in ([] if args.no_kernels else args.batches):
             try:
                 entry["kernels"][batch] = kernels(work, batch, device)
@@ -386,6 +485,8 @@ def main() -> None:
                 package = hstu_export.load(result.path)
                 entry["kv_export_check"] = result.manifest["parity"].get("kv_cache", {}).get("worst")
                 entry["kv_compile_seconds"] = result.manifest.get("kv_cache", {}).get("compile_seconds")
+                if args.trace:
+                    save_wrappers(Path(result.path), args.out, name)
             gpu = HstuRankingModel(cfg)
             gpu.load_state_dict(model.state_dict())
             gpu = gpu.to(device=device, dtype=torch.bfloat16).eval()
@@ -394,7 +495,7 @@ def main() -> None:
             set_kernel(gpu, Kernel.TRITON)
             for batch in args.batches:
                 entry["model"][batch] = model_row(gpu, model, package, work, batch, device,
-                                                  args.out if args.profile else None)
+                                                  args.out if args.profile else None, args.out if args.trace else None)
                 save()
                 torch.cuda.empty_cache()
         except Exception as exc:

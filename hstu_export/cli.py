@@ -241,8 +241,9 @@ def _stage_progress(quiet: bool) -> Any:
               help="Also export the delta program for KV-cached serving, verified against the model (docs/KV_CACHE.md).")
 @click.option("--kv-page-size", type=int, default=64, show_default=True,
               help="With --kv-cache: tokens per cache page (a power of two >= 16).")
-@click.option("--kv-splits", type=int, default=1, show_default=True,
-              help="With --kv-cache on CUDA: key slices of the paged attention kernel (more fill the GPU at small batches).")
+@click.option("--kv-splits", type=int, default=0, show_default=True,
+              help="With --kv-cache on CUDA: key slices of the paged attention kernel; 0 chooses per call from the "
+                   "request's size (more slices fill the GPU at small batches).")
 @click.option("--no-verify", is_flag=True, help="Skip the parity check (the manifest records that).")
 @click.option("--verify-batches", type=click.IntRange(min=0), default=4, show_default=True,
               help="Random batches verified besides the edge cases.")

@@ -70,7 +70,7 @@ def page_table_width_bound(max_seq_len: int, page_size: int) -> int:
     return max(-(-max_seq_len // page_size), 64)
 
 
-def attention_for(op_target: str, splits: int = 1) -> Callable[..., Tensor]:
+def attention_for(op_target: str, splits: int = 0) -> Callable[..., Tensor]:
     """The paged attention the program calls: our Triton kernel (``triton``) or plain aten (else)."""
     if op_target == "triton":
         import hstu_export.ops._triton  # noqa: F401  (registers hstu_export::paged_hstu_mha_triton)

@@ -353,8 +353,9 @@ def _kv_cache(value: Any, files: dict[str, str]) -> dict[str, Any]:
     page = _integer(_get(section, "page_size", "kv_cache"), "kv_cache.page_size", minimum=16)
     if page & (page - 1):
         raise _FieldError("kv_cache.page_size", f"expected a power of two, got {page}")
-    for key in ("max_seq_len", "max_query_len", "splits"):
+    for key in ("max_seq_len", "max_query_len"):
         _integer(_get(section, key, "kv_cache"), f"kv_cache.{key}", minimum=1)
+    _integer(_get(section, "splits", "kv_cache"), "kv_cache.splits", minimum=0)  # 0: chosen per call
     layout = _object(_get(section, "layout", "kv_cache"), "kv_cache.layout")
     for key in ("num_layers", "num_heads", "attention_dim", "linear_dim", "num_time_buckets"):
         _integer(_get(layout, key, "kv_cache.layout"), f"kv_cache.layout.{key}", minimum=1)

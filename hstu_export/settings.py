@@ -256,7 +256,7 @@ class ExportSettings:
     force: bool = False
     kv_cache: bool = False  # also export the delta program for KV-cached serving (hstu_export.kv_export)
     kv_page_size: int = 64  # tokens per cache page the delta program reads (a power of two >= 16)
-    kv_splits: int = 1  # key slices of the Triton paged attention in the delta program
+    kv_splits: int = 0  # key slices of the Triton paged attention in the delta program; 0: chosen per call
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype)
@@ -285,8 +285,8 @@ class ExportSettings:
         if not (isinstance(self.kv_page_size, int) and self.kv_page_size >= 16
                 and not self.kv_page_size & (self.kv_page_size - 1)):
             raise ConfigError(f"--kv-page-size must be a power of two >= 16, got {self.kv_page_size!r}")
-        if not (isinstance(self.kv_splits, int) and 1 <= self.kv_splits <= 64):
-            raise ConfigError(f"--kv-splits must be a whole number from 1 to 64, got {self.kv_splits!r}")
+        if not (isinstance(self.kv_splits, int) and 0 <= self.kv_splits <= 64):
+            raise ConfigError(f"--kv-splits must be a whole number from 0 (chosen per call) to 64, got {self.kv_splits!r}")
         if isinstance(self.quantization, str):  # Python API shorthand: quantization="int8"
             self.quantization = EmbeddingQuantization(self.quantization)
         elif not isinstance(self.quantization, EmbeddingQuantization):

@@ -237,9 +237,10 @@ class DeltaRanker:
             n = layer_norm_fp32(x, layer.input_norm_weight, layer.input_norm_bias)
             uvqk = torch.addmm(layer.uvqk_bias, n, layer.uvqk_weight)
             u, v, q, k = torch.split(uvqk, [dv * h, dv * h, dqk * h, dqk * h], dim=-1)
-            q, k, v = q.reshape(-1, h, dqk), k.reshape(-1, h, dqk), v.reshape(-1, h, dv)
+            # Views into uvqk (head dim contiguous): the kernel takes their strides, so no copy.
+            q, k, v = q.unflatten(-1, (h, dqk)), k.unflatten(-1, (h, dqk)), v.unflatten(-1, (h, dv))
             a = self.attention(
-                q.contiguous(), k.contiguous(), v.contiguous(), att_offsets, k_pages[number], v_pages[number],
+                q, k, v, att_offsets, k_pages[number], v_pages[number],
                 att_pages, att_seq_len, on["cand_len"], cfg.attn_scaling_seqlen, cfg.attn_alpha, c,
                 cfg.max_attn_len, max_seq_len=max_seq_len, max_query_len=max_query_len,
             ).reshape(-1, h * dv)  # fmt: skip

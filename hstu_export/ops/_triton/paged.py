@@ -4,7 +4,14 @@ A request's new tokens are few (hundreds per user) while the keys are many (thou
 program per query block leaves most SMs idle at small batches. Each program here takes a query block
 of one (user, head) and one slice of the keys: HSTU attention has no softmax, so the slices' partial
 sums add up (no running max or rescaling as in flash-decoding). With one slice the program writes the
-result; with several, fp32 partials go to a workspace summed in a fixed order (deterministic).
+result; with several, fp32 partials go to a workspace that a second kernel sums in a fixed order
+(deterministic). The slice count is chosen per call from the request's size (:func:`split_count`), in
+an exported program too: it is arithmetic on the symbolic sizes, and the summing kernel's grid is empty
+when there is one slice.
+
+The grid's first axis runs over every user's query blocks back to back (a program finds its user from
+the query offsets), so a request of users with few new tokens launches no idle programs whatever the
+longest user's count.
 
 Cached keys are read straight from the cache pages through the page table (no gather copy; a key
 block never straddles a page), the request's own keys from ``k_new``/``v_new``: the kernel writes nothing but its output, so the caller
@@ -15,6 +22,7 @@ Target rows add their self term, in slice 0 only.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton
@@ -22,14 +30,16 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .attention import _position, _silu_scaled
-from .configs import attention_config, next_power_of_2
+from .configs import AttentionConfig, attention_config, next_power_of_2
 
-__all__ = ["paged_hstu_mha_triton", "paged_hstu_mha_triton_fwd", "split_count"]
+__all__ = ["paged_hstu_mha_triton", "paged_hstu_mha_triton_fwd", "query_blocks", "split_count"]
 
 # Programs wanted in flight: about two waves of an H100's 132 SMs.
 _SMS = 132
 _TARGET_PROGRAMS = 2 * _SMS
 _MIN_KEYS_PER_SPLIT = 256
+_USER_CHUNK = 64  # users scanned at once when a program looks for its user
+_SUM_BLOCK = 1024
 
 
 @triton.jit
@@ -65,28 +75,56 @@ def _masked_block(acc, q, k_ptrs, v_ptrs, cols, end, rows, row_pos, row_ctx, ctx
 
 
 @triton.jit
+def _query_block(q_offsets, num_users, blk, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """(user, first row among the user's new tokens) of query block ``blk`` when every user's blocks are
+    numbered back to back; the user is ``num_users`` past the last block."""
+    user = 0
+    before = 0  # blocks of the users before `user`
+    seen = 0  # blocks of the users scanned so far
+    for c0 in range(0, num_users, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        ok = idx < num_users
+        lo = tl.load(q_offsets + idx, mask=ok, other=0)
+        hi = tl.load(q_offsets + idx + 1, mask=ok, other=0)
+        blocks = tl.where(ok, (hi - lo + BLOCK_M - 1) // BLOCK_M, 0).to(tl.int32)
+        done = ok & (seen + tl.cumsum(blocks, 0) <= blk)  # users whose blocks all come before blk
+        user += tl.sum(done.to(tl.int32))
+        before += tl.sum(tl.where(done, blocks, 0))
+        seen += tl.sum(blocks)
+    return user, (blk - before) * BLOCK_M
+
+
+@triton.jit
+def _sum_slices(Work, Out, numel, slices, stride_ws, inv_scale, BLOCK: tl.constexpr):
+    """Out = (sum of the slices' fp32 partials, in slice order) / scale."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, slices):
+        acc += tl.load(Work + tl.cast(s, tl.int64) * stride_ws + offs, mask=ok, other=0.0)
+    tl.store(Out + offs, (acc * tl.cast(inv_scale, tl.float32)).to(Out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _paged_attn_fwd(
     Q, KN, VN, KP, VP, Out, Work,
     q_offsets, seq_lens, num_targets, page_table,
     stride_qm, stride_qh, stride_knm, stride_knh, stride_vnm, stride_vnh,
     stride_kpp, stride_kpn, stride_kph, stride_vpp, stride_vpn, stride_vph,
     stride_pt, stride_om, stride_oh, stride_ws,
-    alpha, inv_scale, contextual_seq_len, max_attn_len, keys_per_split, H,
+    alpha, inv_scale, contextual_seq_len, max_attn_len, keys_per_split, num_users,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
     FAST_SILU: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):  # fmt: skip
     alpha = tl.cast(alpha, tl.float32)
     inv_scale = tl.cast(inv_scale, tl.float32)
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    h = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = pid_bh // H
-    h = pid_bh % H
-    q_start = tl.load(q_offsets + b)
-    q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
-    start = pid_m * BLOCK_M
-    if start < q_len:
+    b, start = _query_block(q_offsets, num_users, tl.program_id(0), BLOCK_M, CHUNK)
+    if b < num_users:
+        q_start = tl.load(q_offsets + b)
+        q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
         n = tl.load(seq_lens + b).to(tl.int32)
         hist_end = n - tl.load(num_targets + b).to(tl.int32)
         first_query = n - q_len
@@ -176,7 +214,7 @@ def _paged_attn_fwd(
             acc += s_self[:, None] * v_self.to(tl.float32)
 
         out_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
-        if SPLIT:
+        if tl.num_programs(2) > 1:
             w_ptrs = Work + pid_s.to(tl.int64) * stride_ws + q_rows[:, None] * stride_om + h * stride_oh
             tl.store(w_ptrs + offs_dv[None, :], acc, mask=out_mask)
         else:
@@ -184,19 +222,26 @@ def _paged_attn_fwd(
             tl.store(o_ptrs, (acc * inv_scale).to(Out.dtype.element_ty), mask=out_mask)
 
 
-def split_count(num_users: int, num_heads: int, max_query_len: int, max_seq_len: int, block_m: int,
-                block_n: int) -> tuple[int, int]:
-    """(slices, keys per slice). Keys are split only when the query blocks alone fill less than half the
-    GPU (below that the workspace and its sum cost more than they save: timed on the H100), into enough
-    slices to fill about two waves, never shorter than 256 keys."""
-    base = num_users * num_heads * triton.cdiv(max(max_query_len, 1), block_m)
-    if 2 * base > _SMS:
-        return _slices(max_seq_len, 1, block_n)
+def query_blocks(num_users: Any, total_rows: Any, max_query_len: Any, block_m: int) -> Any:
+    """Programs on the grid's first axis: a bound on the users' query blocks together (each user's rows
+    rounded up to a block), the tighter of two. Plain or symbolic ints (an exported program's sizes)."""
+    by_total = (total_rows + num_users * (block_m - 1)) // block_m
+    return torch.sym_max(torch.sym_min(by_total, num_users * triton.cdiv(max_query_len, block_m)), 1)
+
+
+def split_count(programs: Any, max_seq_len: int, block_n: int) -> tuple[Any, Any]:
+    """(slices, keys per slice) for ``programs`` query-block programs (blocks x heads). Keys are split only
+    when the query blocks alone fill less than half the GPU (below that the workspace and its sum cost
+    more than they save: timed on the H100), into enough slices to fill about two waves, never shorter
+    than 256 keys. Arithmetic only (no branch), so that it holds for the symbolic sizes of an exported
+    program: the count follows each call's size."""
+    fills_half = torch.sym_min(_SMS // (2 * programs), 1)  # 0 when the query blocks fill half the GPU
     most = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
-    return _slices(max_seq_len, max(1, min(most, triton.cdiv(_TARGET_PROGRAMS, base))), block_n)
+    wanted = torch.sym_max(1, fills_half * torch.sym_min(most, triton.cdiv(_TARGET_PROGRAMS, programs)))
+    return _slices(max_seq_len, wanted, block_n)
 
 
-def _slices(max_seq_len: int, splits: int, block_n: int) -> tuple[int, int]:
+def _slices(max_seq_len: int, splits: Any, block_n: int) -> tuple[Any, Any]:
     """About ``splits`` slices of the keys, each a whole number of blocks: (slices, keys per slice)."""
     per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
     return triton.cdiv(max(max_seq_len, 1), per_split), per_split
@@ -220,11 +265,12 @@ def paged_hstu_mha_triton_fwd(
     max_seq_len: int,
     max_query_len: int,
     splits: int | None = None,
+    config: AttentionConfig | None = None,
     traceable: bool = False,
 ) -> torch.Tensor:
-    """Launches the paged delta kernel. ``splits`` overrides the key-slice count (benchmarks; an exported
-    program fixes it, as the batch size is not known then). ``traceable``: launched inside the op, so that
-    torch.export and Inductor see the kernel."""
+    """Launches the paged delta kernel. ``splits`` (0 or None: chosen per call) forces the key-slice count,
+    ``config`` the tile shape (benchmarks). ``traceable``: launched inside the op, so that torch.export and
+    Inductor see the kernels; the sizes may then be symbolic."""
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     lq, num_heads, dqk = q.shape
     dv = v_new.shape[2]
@@ -232,35 +278,40 @@ def paged_hstu_mha_triton_fwd(
     if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("paged attention needs the head dim contiguous in q and the pages")
     capability = None if interpreting or q.device.type != "cuda" else torch.cuda.get_device_capability(q.device)
-    cfg = attention_config(capability, dqk, dv, q.dtype)
+    cfg = config or attention_config(capability, dqk, dv, q.dtype)
     block_n = min(cfg.block_n, page_size)
     if page_size % block_n or block_n < 16:
         raise ValueError(f"the page size ({page_size}) must be a multiple of 16 and of the key block ({cfg.block_n}); "
                          "use a power of two >= 16")
     num_users = seq_lens.shape[0]
-    if splits is None:
-        splits, per_split = split_count(num_users, num_heads, max_query_len, max_seq_len, cfg.block_m, block_n)
-    else:
-        splits, per_split = _slices(max_seq_len, splits, block_n)
-    out = torch.empty((lq, num_heads, dv), dtype=v_new.dtype, device=q.device)
-    work = torch.empty((splits, lq, num_heads, dv), dtype=torch.float32, device=q.device) if splits > 1 else out
-    fast_silu = capability is not None and q.dtype != torch.float32
     # No user has more new rows than the request has in all (a symbolic size in an exported program).
     rows = torch.sym_min(lq, max_query_len) if traceable else max_query_len
-    grid = (triton.cdiv(torch.sym_max(rows, 1), cfg.block_m), num_users * num_heads, splits)
+    blocks = query_blocks(num_users, lq, torch.sym_max(rows, 1), cfg.block_m)
+    if splits:
+        slices, per_split = _slices(max_seq_len, splits, block_n)
+    else:
+        slices, per_split = split_count(blocks * num_heads, max_seq_len, block_n)
+    out = torch.empty((lq, num_heads, dv), dtype=v_new.dtype, device=q.device)
+    # With one slice the kernel writes `out` and the workspace is not touched.
+    work = torch.empty((slices, lq, num_heads, dv), dtype=torch.float32, device=q.device)
+    fast_silu = capability is not None and q.dtype != torch.float32
     kernel = wrap_triton(_paged_attn_fwd) if traceable else _paged_attn_fwd
-    kernel[grid](
+    kernel[(blocks, num_heads, slices)](
         q, k_new, v_new, k_pages, v_pages, out, work, q_offsets, seq_lens, num_targets, page_table,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), v_pages.stride(0), v_pages.stride(1),
         v_pages.stride(2), page_table.stride(0), num_heads * dv, dv, lq * num_heads * dv,
-        float(alpha), 1.0 / float(scaling_seqlen), contextual_seq_len, max_attn_len, per_split, num_heads,
+        float(alpha), 1.0 / float(scaling_seqlen), contextual_seq_len, max_attn_len, per_split, num_users,
         DQK=dqk, DV=dv, BLOCK_DQK=max(next_power_of_2(dqk), 16), BLOCK_DV=max(next_power_of_2(dv), 16),
-        BLOCK_M=cfg.block_m, BLOCK_N=block_n, PAGE=page_size, SPLIT=splits > 1, FAST_SILU=fast_silu,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, PAGE=page_size, CHUNK=_USER_CHUNK, FAST_SILU=fast_silu,
         UPCAST_DOTS=interpreting and q.dtype != torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if splits > 1:
-        return (work.sum(0) * (1.0 / float(scaling_seqlen))).to(out.dtype)
+    numel = lq * num_heads * dv
+    # The sum's grid is empty with one slice (no program runs; AOTInductor skips the launch).
+    sum_programs = triton.cdiv(numel, _SUM_BLOCK) * torch.sym_min(slices - 1, 1)
+    if traceable or sum_programs > 0:
+        summing = wrap_triton(_sum_slices) if traceable else _sum_slices
+        summing[(sum_programs,)](work, out, numel, slices, numel, 1.0 / float(scaling_seqlen), BLOCK=_SUM_BLOCK)
     return out
 
 
