@@ -136,6 +136,9 @@ def kernels(work: dict, batch: int, device: torch.device) -> dict:
         out["graph_cached_gathered"] = bench_graph(
             lambda: cached_hstu_mha_triton_fwd(dq, k, v, offsets, new, n, scale, alpha, targets, 0, 0))
         out["graph_paged_split"] = bench_graph(paged)
+        out["graph_paged_no_prefetch"] = bench_graph(functools.partial(  # page numbers read in the block's turn
+            paged_hstu_mha_triton_fwd, dq, kn, vn, q_offsets, k_pages, v_pages, table, seq_lens, targets, scale, alpha,
+            0, 0, max_seq_len=n, max_query_len=new, prefetch_pages=False))
         for page in (128, 256):  # larger pages: fewer page-table reads per key
             per = -(-cached // page)
             big_table = torch.arange(batch * per, device=device, dtype=torch.int32).reshape(batch, per)
@@ -335,7 +338,7 @@ def package_row(row: dict, package, budget: int, prefix: dict, features: dict, f
     """The package's own KV-cached path (``--kv-cache``): its delta program alone on a filled cache
     against the package's no-cache dense program, and its cached ranker end to end against the
     package end to end."""
-    kv = package.kv_cache(budget_bytes=budget, cuda_graphs=device.type == "cuda")
+    kv = package.kv_cache(budget_bytes=budget)  # CUDA graphs on CUDA (the default)
     users = list(range(batch))
     kv(prefix, users)
     got = kv(features, users)  # a hit
@@ -359,9 +362,14 @@ def package_row(row: dict, package, budget: int, prefix: dict, features: dict, f
         dense_inputs_ = package.split.dense_inputs(features)
         row["package_dense_trace"] = kernel_trace(_DenseRunner(package.split, dense_inputs_), {},
                                                   trace_dir / f"dense_kernels_{work['history']}_{batch}.txt")
-    if runner.graphs is not None and batch <= 8:
+    if runner.graphs is not None:
         # As served: padded to its shape bucket and replayed from the bucket's CUDA graph.
         row["kv_program_served"] = bench(lambda: runner.run_program(inputs), iters=30)
+        t = time.perf_counter()
+        for _ in range(10):  # host time per served call (no sync inside the loop)
+            runner.run_program(inputs)
+        row["kv_program_served_host_ms"] = (time.perf_counter() - t) * 1e2
+        torch.cuda.synchronize()
         eager_out = runner.run_program(inputs, bucketed=False)
         served_out = runner.run_program(inputs)
         row["rel_err_served_vs_eager_program"] = max(

@@ -29,7 +29,7 @@ HISTORY_EMBEDDINGS = ("uih_item_emb", "uih_action_emb")
 class PackageDelta:
     """A :class:`~hstu_export.serving.kv_cache.DeltaRunner` over a loaded package (``Predictor``)."""
 
-    def __init__(self, predictor: Any, *, cuda_graphs: bool = False, graph_max_batch: int = 8) -> None:
+    def __init__(self, predictor: Any, *, cuda_graphs: bool | None = None, graph_max_batch: int | None = None) -> None:
         from hstu_export.manifest import resolve_inside
         from hstu_export.runtimes.aoti import _load_pt2
 
@@ -52,18 +52,19 @@ class PackageDelta:
         self._inputs = list(section["inputs"])
         self._min_history = predictor.package_manifest.ranges.lengths.min_lengths.get(HISTORY_LENGTHS, 0)
         self._outputs = list(section["outputs"])
-        # With cuda_graphs, requests of up to graph_max_batch users are padded to shape buckets and replayed
-        # from CUDA graphs. Off by default: on the H100 the padding and the copies into the graph's buffers
-        # cost what the replay saves (docs/PERF.md). The bucket steps stay within the program's bounds.
+        # With CUDA graphs (the default on CUDA; None: on for a CUDA package), requests of up to
+        # graph_max_batch users (default: any) run in shape buckets replayed from CUDA graphs
+        # (runtimes/kv_graphs.py; docs/PERF.md has the timings). The bucket steps stay within the program's
+        # bounds.
         ranges = predictor.package_manifest.ranges.lengths
         self._buckets = Buckets(history=min(64, ranges.max_lengths[HISTORY_LENGTHS]),
                                 candidates=min(32, ranges.max_lengths[CANDIDATE_LENGTHS]),
                                 max_width=page_table_width_bound(section["max_seq_len"], self.page_size))
         self._graph_max_batch = graph_max_batch
-        use_graphs = bool(cuda_graphs)
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if use_graphs and self.device.type != "cuda":
             raise ConfigError(f"CUDA graphs need a CUDA package; {predictor.root} is for {self.device.type}")
-        self.graphs = GraphCache(self._run) if use_graphs else None
+        self.graphs = GraphCache(self._run, self._buckets, self.layout.contextual_seq_len) if use_graphs else None
         path = resolve_inside(predictor.root, section["program"], "kv_cache.program")
         try:
             self._program = _load_pt2(path)
@@ -97,14 +98,19 @@ class PackageDelta:
         return {name: values[name].contiguous() for name in self._inputs}
 
     def run_program(self, inputs: dict[str, Tensor], *, bucketed: bool | None = None) -> DeltaOutputs:
-        """The delta program alone on :meth:`program_inputs` (what benchmarks time). Small requests are
-        padded to a shape bucket and, with CUDA graphs, replayed from the bucket's graph; ``bucketed``
-        forces the padding on or off (tests compare the two)."""
-        small = inputs["kv_cached"].shape[0] <= self._graph_max_batch
-        if bucketed if bucketed is not None else (self.graphs is not None and small):
+        """The delta program alone on :meth:`program_inputs` (what benchmarks time). With CUDA graphs, a
+        request goes to its shape bucket's graph; ``bucketed`` forces the padding to a bucket on or off,
+        without graphs when on (tests compare the two)."""
+        batch = inputs["kv_cached"].shape[0]
+        graphs = self.graphs is not None and (self._graph_max_batch is None or batch <= self._graph_max_batch)
+        if graphs and bucketed is None:
+            assert self.graphs is not None
+            with torch.no_grad():
+                out = self.graphs(inputs)
+        elif bucketed:
             padded, candidates, kept = pad_to_bucket(inputs, self._buckets, self.layout.contextual_seq_len)
             with torch.no_grad():
-                out = unpad(self.graphs(padded) if self.graphs is not None else self._run(**padded), candidates, kept)
+                out = unpad(self._run(**padded), candidates, kept)
         else:
             with torch.no_grad():
                 out = self._run(**inputs)

@@ -1,17 +1,18 @@
-"""CUDA graphs for small delta requests: shape buckets and a graph per bucket.
+"""CUDA graphs for delta requests: shape buckets and a graph per bucket.
 
-At a few users the delta program is launch-bound (on the H100 its host time is about twice its GPU
-time), which is what CUDA graphs remove. Opt-in (``predictor.kv_cache(cuda_graphs=True)``): as built
-here, the padding and the copies into and out of the graph's buffers cost what the replay saves
-(docs/PERF.md). A graph replays fixed shapes, so a request is first padded to
-a *bucket*: a padding user is appended whose history and candidates round the token counts up to fixed
-multiples, and the page table's width is rounded up to a power of two. The padding user has nothing
-cached and attends only to itself, so the real users' answers are those of the unpadded request; its
-outputs are dropped (its rows come last in every output).
+The delta program is launch-bound at a few users (on the H100 its host time is about four times its GPU
+time at one user) and its first, small kernels are at any batch: CUDA graphs remove that. A graph
+replays fixed shapes, so a request is run in a *bucket*: a padding user is appended whose history and
+candidates round the token counts up to fixed multiples, and the page table's width is rounded up to a
+power of two. The padding user has nothing cached and attends only to itself, so the real users'
+answers are those of the unpadded request; its outputs are dropped (its rows come last in every output).
 
-A bucket is captured the second time it is seen (one-off shapes stay eager), into a pool shared by
-every graph, and at most ``max_graphs`` are kept (least recently used first out). Replays are
-serialised: inputs are copied into the graph's buffers and outputs copied out under one lock.
+A bucket is captured the second time it is seen (one-off shapes run eagerly, unpadded), into a pool
+shared by every graph, and at most ``max_graphs`` are kept (least recently used first out). A replay
+writes the request straight into the graph's input buffers, one copy per input (:func:`fill_bucket`):
+the padding user's rows keep whatever an earlier request left there (finite values that only the
+padding user reads), and only its two token counts are written. Replays are serialised under one lock;
+the real rows of the outputs are copied out before it is released.
 """
 
 from __future__ import annotations
@@ -48,16 +49,24 @@ def _rounded(n: int, step: int) -> int:
     return -(-n // step) * step if n else step
 
 
+def _bucket_sizes(inputs: dict[str, Tensor], buckets: Buckets) -> tuple[int, int, int]:
+    """(padding history tokens, padding candidates, page-table width) of a request's bucket."""
+    hist = inputs["uih_item_emb"].shape[0]
+    cand = inputs["candidate_item_emb"].shape[0]
+    width = inputs["kv_page_table"].shape[1]
+    pad_h = _rounded(hist + 1, buckets.history) - hist  # at least one token, so every bucket has one
+    pad_c = _rounded(cand + 1, buckets.candidates) - cand
+    return pad_h, pad_c, min(max(1 << (width - 1).bit_length(), width), max(buckets.max_width, width))
+
+
 def pad_to_bucket(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) -> tuple[dict[str, Tensor], int, int]:
     """``inputs`` of the delta program with a padding user appended. Returns the padded inputs, the real
     candidate rows and the real new-K/V rows (the outputs' first rows that belong to real users)."""
     hist = inputs["uih_item_emb"].shape[0]
     cand = inputs["candidate_item_emb"].shape[0]
     fresh = inputs["contextual_emb"].shape[0]
-    pad_h = _rounded(hist + 1, buckets.history) - hist  # at least one token, so every bucket has one
-    pad_c = _rounded(cand + 1, buckets.candidates) - cand
+    pad_h, pad_c, wide = _bucket_sizes(inputs, buckets)
     width = inputs["kv_page_table"].shape[1]
-    wide = min(max(1 << (width - 1).bit_length(), width), max(buckets.max_width, width))
 
     def rows(t: Tensor, n: int) -> Tensor:
         return torch.cat([t, t.new_zeros((n, *t.shape[1:]))])
@@ -79,6 +88,38 @@ def pad_to_bucket(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) 
     return out, cand, hist + fresh * contextual
 
 
+def bucket_key(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) -> tuple[Any, ...]:
+    """What identifies a request's bucket: the shapes :func:`pad_to_bucket` gives it, and the pages' addresses."""
+    pad_h, pad_c, wide = _bucket_sizes(inputs, buckets)
+    return (inputs["kv_cached"].shape[0], inputs["uih_item_emb"].shape[0] + pad_h,
+            inputs["candidate_item_emb"].shape[0] + pad_c, inputs["contextual_emb"].shape[0] + (1 if contextual else 0),
+            wide, *(inputs[name].data_ptr() for name in STATIC_INPUTS if name in inputs))
+
+
+# The inputs with a row per token (or per user with nothing cached), and with an entry per user.
+ROW_INPUTS = ("uih_item_emb", "uih_action_emb", "uih_timestamps", "candidate_item_emb", "contextual_emb")
+USER_INPUTS = (HISTORY_LENGTHS, CANDIDATE_LENGTHS, "query_time", "kv_cached")
+
+
+def fill_bucket(static: dict[str, Tensor], inputs: dict[str, Tensor], contextual: int) -> tuple[int, int]:
+    """Writes a request into the padded buffers of its bucket (made by :func:`pad_to_bucket` for an earlier
+    request of the same bucket): the real rows, and the padding user's two token counts. Returns what
+    :func:`pad_to_bucket` returns besides the inputs."""
+    batch = inputs["kv_cached"].shape[0]
+    for name in ROW_INPUTS:
+        rows = inputs[name].shape[0]
+        if rows:
+            static[name][:rows].copy_(inputs[name])
+    for name in USER_INPUTS:  # the padding user's entries: its cached count stays 0, its time any
+        static[name][:batch].copy_(inputs[name])
+    hist, cand = inputs["uih_item_emb"].shape[0], inputs["candidate_item_emb"].shape[0]
+    static[HISTORY_LENGTHS][batch:].fill_(static["uih_item_emb"].shape[0] - hist)
+    static[CANDIDATE_LENGTHS][batch:].fill_(static["candidate_item_emb"].shape[0] - cand)
+    table = inputs["kv_page_table"]
+    static["kv_page_table"][:batch, : table.shape[1]].copy_(table)  # later columns: never read
+    return cand, hist + inputs["contextual_emb"].shape[0] * contextual
+
+
 def unpad(outputs: dict[str, Tensor], candidates: int, kept: int) -> dict[str, Tensor]:
     """The real users' rows of a padded run's outputs."""
     trimmed = {}
@@ -94,16 +135,22 @@ def unpad(outputs: dict[str, Tensor], candidates: int, kept: int) -> dict[str, T
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None  # None: replays call the function on the buffers (no CUDA)
     inputs: dict[str, Tensor]
     outputs: dict[str, Tensor]
 
 
 class GraphCache:
-    """``fn(**inputs) -> dict`` replayed from CUDA graphs, one per input-shape key."""
+    """``fn(**inputs) -> dict`` for delta requests, replayed from CUDA graphs, one per bucket; returns the
+    real users' rows of the outputs (copies, not the graph's buffers). ``capture=False`` keeps the buckets'
+    buffers without capturing graphs (a replay calls ``fn`` on them): the same bookkeeping, on any device."""
 
-    def __init__(self, fn: Callable[..., dict[str, Tensor]], max_graphs: int = 16) -> None:
+    def __init__(self, fn: Callable[..., dict[str, Tensor]], buckets: Buckets, contextual: int,
+                 max_graphs: int = 16, capture: bool = True) -> None:
         self._fn = fn
+        self._cuda = capture
+        self._buckets = buckets
+        self._contextual = contextual
         self._max = max_graphs
         self._graphs: OrderedDict[Any, _Graph] = OrderedDict()
         self._seen: dict[Any, int] = {}
@@ -112,8 +159,7 @@ class GraphCache:
         self.counts = {"replays": 0, "captures": 0, "eager": 0}
 
     def __call__(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
-        key = tuple((name, tuple(t.shape), t.dtype, t.data_ptr() if name in STATIC_INPUTS else 0)
-                    for name, t in inputs.items())
+        key = bucket_key(inputs, self._buckets, self._contextual)
         with self._lock:
             entry = self._graphs.get(key)
             if entry is None:
@@ -123,19 +169,25 @@ class GraphCache:
                 if self._seen[key] < 2:
                     self.counts["eager"] += 1
                     return self._fn(**inputs)
-                entry = self._capture(inputs)
+                padded, candidates, kept = pad_to_bucket(inputs, self._buckets, self._contextual)
+                entry = self._capture(padded)
                 self._graphs[key] = entry
                 if len(self._graphs) > self._max:
                     self._graphs.popitem(last=False)
+            else:
+                candidates, kept = fill_bucket(entry.inputs, inputs, self._contextual)
             self._graphs.move_to_end(key)
-            for name, value in inputs.items():
-                if name not in STATIC_INPUTS:
-                    entry.inputs[name].copy_(value, non_blocking=True)
-            entry.graph.replay()
+            if entry.graph is not None:
+                entry.graph.replay()
+            else:
+                entry.outputs = self._fn(**entry.inputs)
             self.counts["replays"] += 1
-            return {name: value.clone() for name, value in entry.outputs.items()}
+            return {name: value.clone() for name, value in unpad(entry.outputs, candidates, kept).items()}
 
     def _capture(self, inputs: dict[str, Tensor]) -> _Graph:
+        if not self._cuda:
+            return _Graph(None, {name: value if name in STATIC_INPUTS else value.clone() for name, value in
+                                 inputs.items()}, {})
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         static = {name: value if name in STATIC_INPUTS else value.clone() for name, value in inputs.items()}

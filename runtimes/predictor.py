@@ -62,13 +62,14 @@ class Predictor:
 
     predict = __call__
 
-    def kv_cache(self, budget_bytes: int | None = None, *, max_time_drift: int = 0, cuda_graphs: bool = False) -> Any:
+    def kv_cache(self, budget_bytes: int | None = None, *, max_time_drift: int = 0,
+                 cuda_graphs: bool | None = None) -> Any:
         """A :class:`~hstu_export.serving.kv_cache.CachedRanker` over this package's delta program (a package
         exported with ``--kv-cache``): ``ranker(request, user_ids)`` answers as ``predictor(request)``,
         running only each user's tokens past its cached prefix. ``budget_bytes`` (default: room for
         ``max_batch_size`` users at the longest sequence) is allocated now, on the package's device.
-        ``cuda_graphs`` (a CUDA package) replays requests of up to 8 users from CUDA graphs, one per shape
-        bucket (``hstu_export.runtimes.kv_graphs``); off by default, as on the H100 it did not pay yet."""
+        ``cuda_graphs`` (default: on for a CUDA package) replays requests from CUDA graphs, one per shape
+        bucket (``runtimes/kv_graphs.py``)."""
         from hstu_export.runtimes.kv_delta import PackageDelta
         from hstu_export.serving.kv_cache import CachedRanker, page_bytes
 

@@ -76,16 +76,21 @@ def test_the_package_records_a_verified_delta_program(kv_package) -> None:  # ty
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bucketed", [False, True], ids=["as-is", "padded-to-buckets"])
-def test_cached_package_answers_as_the_package_without_cache(kv_package, bucketed: bool) -> None:  # type: ignore[no-untyped-def]
-    """``padded-to-buckets``: every delta run padded with a padding user to its shape bucket, as small
-    requests are on CUDA before their graph replays (the graphs themselves need a GPU)."""
+@pytest.mark.parametrize("bucketed", [False, True, "buffers"], ids=["as-is", "padded-to-buckets", "bucket-buffers"])
+def test_cached_package_answers_as_the_package_without_cache(kv_package, bucketed: bool | str) -> None:  # type: ignore[no-untyped-def]
+    """``padded-to-buckets``: every delta run padded with a padding user to its shape bucket.
+    ``bucket-buffers``: requests run as on CUDA with graphs, written into their bucket's buffers (which
+    keep an earlier request's padding rows) and the program run on those (the graphs need a GPU)."""
+    from hstu_export.runtimes.kv_graphs import GraphCache
+
     name, root, _ = kv_package
     predictor = hstu_export.load(root)
     ranker = predictor.kv_cache(budget_bytes=1 << 20)
-    if bucketed:
-        runner = ranker.runner
+    runner = ranker.runner
+    if bucketed is True:
         runner.run_program = functools.partial(runner.run_program, bucketed=True)  # type: ignore[method-assign]
+    elif bucketed == "buffers":
+        runner.graphs = GraphCache(runner._run, runner._buckets, runner.layout.contextual_seq_len, capture=False)
     users = Users(CONFIGS[name], seed=3)
     users.grow("a", 20)
     users.grow("b", 5)
@@ -102,12 +107,19 @@ def test_cached_package_answers_as_the_package_without_cache(kv_package, buckete
     for names, candidates in ((["a", "b"], [2, 2]), (["c", "a", "b"], [1, 3, 2])):
         request = users.request(names, candidates)
         _same(ranker(request, names), predictor(request))
+    # Requests of one bucket: new candidates only, split differently between the users: the second is
+    # captured into the bucket's buffers, the later ones written over it.
+    for candidates in ([2, 3], [2, 3], [4, 1], [1, 4]):
+        request = users.request(["a", "b"], candidates)
+        _same(ranker(request, ["a", "b"]), predictor(request))
+    if bucketed == "buffers":
+        assert runner.graphs is not None and runner.graphs.counts["replays"] >= 3
     stats = ranker.cache.stats()
     assert stats["misses"] == 3 and stats["users"] == 3
     if name == "no-context":
-        assert stats["hits"] == 6 and stats["stale"] == 0
+        assert stats["hits"] == 14 and stats["stale"] == 0
     else:  # contextual tokens see the whole history: a grown history is recomputed
-        assert stats["hits"] == 4 and stats["stale"] == 2
+        assert stats["hits"] == 12 and stats["stale"] == 2
 
 
 @pytest.mark.slow
@@ -220,7 +232,7 @@ def test_verify_serves_the_package_through_its_cache(kv_package, capsys) -> None
 
 
 def test_padding_to_a_bucket_appends_one_user_and_is_dropped_again() -> None:
-    from hstu_export.runtimes.kv_graphs import Buckets, pad_to_bucket, unpad
+    from hstu_export.runtimes.kv_graphs import Buckets, bucket_key, fill_bucket, pad_to_bucket, unpad
 
     d, layers, c = 4, 2, 2
     inputs = {
@@ -242,6 +254,19 @@ def test_padding_to_a_bucket_appends_one_user_and_is_dropped_again() -> None:
     trimmed = unpad(outputs, candidates, kept)
     assert trimmed["ctr"].tolist() == [0.0, 1.0, 2.0] and trimmed["kv_new_k"].shape[1] == kept
     assert trimmed["kv_users"].tolist() == list(range(kept))
+    # Another request of the same bucket, written into those buffers: its rows, the padding user's counts.
+    later = {**inputs, "uih_item_emb": torch.randn(6, d), "uih_action_emb": torch.randn(6, d),
+             "uih_timestamps": torch.arange(6) + 100, "candidate_item_emb": torch.randn(2, d),
+             "uih_lengths": torch.tensor([6, 0]), "candidate_lengths": torch.tensor([0, 2]),
+             "kv_cached": torch.tensor([0, 9]), "kv_page_table": torch.tensor([[4, 0, 0], [5, 6, 7]], dtype=torch.int32)}
+    buckets = Buckets(history=8, candidates=4, max_width=64)
+    assert bucket_key(later, buckets, c) == bucket_key(inputs, buckets, c)
+    assert bucket_key({**later, "candidate_item_emb": torch.randn(4, d)}, buckets, c) != bucket_key(inputs, buckets, c)
+    assert fill_bucket(padded, later, c) == (2, 6 + c)
+    assert padded["uih_lengths"].tolist() == [6, 0, 2] and padded["candidate_lengths"].tolist() == [0, 2, 2]
+    assert padded["kv_cached"].tolist() == [0, 9, 0] and padded["kv_page_table"][:, :3].tolist() == [[4, 0, 0], [5, 6, 7], [0, 0, 0]]
+    torch.testing.assert_close(padded["uih_item_emb"][:6], later["uih_item_emb"])
+    assert padded["uih_timestamps"][:6].tolist() == list(range(100, 106))
 
 
 @pytest.mark.slow

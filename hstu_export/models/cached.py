@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HstuRankingModel
 from hstu_export.models.stu import LAYER_NORM_EPS, layer_norm_fp32
 from hstu_export.models.transducer import time_buckets, token_positions
-from hstu_export.ops.jagged import lengths_to_offsets
+from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offsets
 from hstu_export.ops.paged import paged_hstu_mha
 from hstu_export.ops.reference import stu_gate
 
@@ -164,9 +164,8 @@ class DeltaRanker:
         with nothing cached only (:func:`fresh_contextual`). Device work only (no sync, no host copy, no
         size read from a tensor), so a CUDA graph can capture it and torch.export can trace it."""
         cfg, tr = self.config, self.transducer
-        device = page_table.device
         c = cfg.contextual_seq_len
-        on, batch, total_new, total_kept = plan.on, plan.batch, plan.total_new, plan.total_kept
+        on, total_new, total_kept = plan.on, plan.total_new, plan.total_kept
         max_seq_len, max_query_len = plan.max_seq_len, plan.max_query_len
 
         # The new tokens of each user, in sequence order: contextual (nothing cached), the history past
@@ -180,14 +179,15 @@ class DeltaRanker:
                                for proj, name in zip(pre.contextual_proj, cfg.contextual_features)], dim=1)
             parts.append(ctx.flatten(0, 1))
         table = torch.cat(parts)
-        users = torch.arange(batch, device=device)
         fresh_rank = torch.cumsum((on["ctx_new"] > 0).to(torch.int64), 0) - 1  # row among the contextual users
         # Every data-dependent index below is clamped into its table: counts that disagree with the sizes of
         # the inputs (a caller's mistake, or the made-up values a compiler runs a kernel on while it tunes
         # it) give wrong numbers, never a read outside a tensor.
-        user = torch.repeat_interleave(users, on["new_len"], output_size=total_new).clamp(0, batch - 1)
+        #
+        # Each token's user by a search of the offsets (one fused kernel; repeat_interleave is three, and
+        # calls that do not fuse): users and indices within their rows, kept in range (see the function).
         q_offsets = lengths_to_offsets(on["new_len"])
-        r = torch.arange(total_new, device=device) - q_offsets[:-1][user]  # index among the user's new tokens
+        user, r = jagged_positions_by_search(q_offsets, total_new)  # r: index among the user's new tokens
         index = on["cached"][user] + r  # index in the user's whole sequence
         is_ctx = r < on["ctx_new"][user]
         is_cand = r >= (on["ctx_new"] + on["new_hist"])[user]
@@ -215,14 +215,10 @@ class DeltaRanker:
         x = tokens * enc.scale + F.embedding(pos, enc.position_emb) + F.embedding(bucket, enc.time_emb)
 
         # Rows of the new non-target tokens and of the candidates, gathered without a device sync.
-        kept_user = torch.repeat_interleave(users, on["kept_len"], output_size=total_kept).clamp(0, batch - 1)
-        kept = q_offsets[:-1][kept_user] + torch.arange(total_kept, device=device) - lengths_to_offsets(
-            on["kept_len"])[:-1][kept_user]
-        kept = kept.clamp(0, total_new - 1)
-        cand_user = torch.repeat_interleave(users, on["cand_len"], output_size=plan.total_cand).clamp(0, batch - 1)
-        cand_rows = (q_offsets[1:] - on["cand_len"])[cand_user] + torch.arange(cand_user.numel(), device=device) - \
-            cand_off[:-1][cand_user]
-        cand_rows = cand_rows.clamp(0, total_new - 1)
+        kept_user, kept_r = jagged_positions_by_search(lengths_to_offsets(on["kept_len"]), total_kept)
+        kept = (q_offsets[:-1][kept_user] + kept_r).clamp(0, total_new - 1)
+        cand_user, cand_r = jagged_positions_by_search(cand_off, plan.total_cand)
+        cand_rows = ((q_offsets[1:] - on["cand_len"])[cand_user] + cand_r).clamp(0, total_new - 1)
 
         # What the attention kernel walks, kept inside its tensors: query rows within the new tokens, keys
         # within the page table's width, pages within the cache.

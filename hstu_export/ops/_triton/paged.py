@@ -115,7 +115,7 @@ def _paged_attn_fwd(
     alpha, inv_scale, contextual_seq_len, max_attn_len, keys_per_split, num_users,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
-    FAST_SILU: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    FAST_SILU: tl.constexpr, UPCAST_DOTS: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     alpha = tl.cast(alpha, tl.float32)
     inv_scale = tl.cast(inv_scale, tl.float32)
@@ -166,8 +166,14 @@ def _paged_attn_fwd(
         p_mid = tl.where(full_rows, s_lo + (tl.maximum(p_hi - s_lo, 0) // BLOCK_N) * BLOCK_N, s_lo)
         kp_offs = offs_n[None, :] * stride_kpn + offs_dqk[:, None]
         vp_offs = offs_n[:, None] * stride_vpn + offs_dv[None, :]
+        # The next block's page is read one block ahead, so that the K/V loads do not wait on the page table.
+        last_page = tl.maximum(p_mid - 1, 0) // PAGE
+        page = tl.load(pt_row + tl.minimum(s_lo // PAGE, last_page)).to(tl.int64)
         for start_n in range(s_lo, p_mid, BLOCK_N):
-            page = tl.load(pt_row + start_n // PAGE).to(tl.int64)
+            if PREFETCH:
+                next_page = tl.load(pt_row + tl.minimum((start_n + BLOCK_N) // PAGE, last_page)).to(tl.int64)
+            else:
+                page = tl.load(pt_row + start_n // PAGE).to(tl.int64)
             in_page = tl.cast(start_n % PAGE, tl.int64)
             k_ptrs = KP + page * stride_kpp + in_page * stride_kpn + h * stride_kph + kp_offs
             if BLOCK_DQK != DQK:
@@ -183,6 +189,8 @@ def _paged_attn_fwd(
             else:
                 v = tl.load(v_ptrs)
             acc = _dot_acc(acc, s, v, UPCAST_DOTS)
+            if PREFETCH:
+                page = next_page
         for start_n in range(p_mid, p_hi, BLOCK_N):
             page = tl.load(pt_row + start_n // PAGE).to(tl.int64)
             in_page = tl.cast(start_n % PAGE, tl.int64)
@@ -266,10 +274,12 @@ def paged_hstu_mha_triton_fwd(
     max_query_len: int,
     splits: int | None = None,
     config: AttentionConfig | None = None,
+    prefetch_pages: bool = True,
     traceable: bool = False,
 ) -> torch.Tensor:
     """Launches the paged delta kernel. ``splits`` (0 or None: chosen per call) forces the key-slice count,
-    ``config`` the tile shape (benchmarks). ``traceable``: launched inside the op, so that torch.export and
+    ``config`` the tile shape, ``prefetch_pages`` whether page numbers are read a block ahead (benchmarks).
+    ``traceable``: launched inside the op, so that torch.export and
     Inductor see the kernels; the sizes may then be symbolic."""
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     lq, num_heads, dqk = q.shape
@@ -304,7 +314,8 @@ def paged_hstu_mha_triton_fwd(
         float(alpha), 1.0 / float(scaling_seqlen), contextual_seq_len, max_attn_len, per_split, num_users,
         DQK=dqk, DV=dv, BLOCK_DQK=max(next_power_of_2(dqk), 16), BLOCK_DV=max(next_power_of_2(dv), 16),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, PAGE=page_size, CHUNK=_USER_CHUNK, FAST_SILU=fast_silu,
-        UPCAST_DOTS=interpreting and q.dtype != torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST_DOTS=interpreting and q.dtype != torch.float32, PREFETCH=prefetch_pages, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     numel = lq * num_heads * dv
     # The sum's grid is empty with one slice (no program runs; AOTInductor skips the launch).
