@@ -380,6 +380,10 @@ def package_row(row: dict, package, budget: int, prefix: dict, features: dict, f
     row["kv_program_inputs"] = bench(lambda: runner.program_inputs(delta_features, cached, kv.cache.k, kv.cache.v,
                                                                    table), iters=20)
     row["kv_package_ranker"] = bench(lambda: reset_and_run(kv), iters=20)
+    if runner.graphs is not None:  # the same requests with the program run eagerly
+        graphs, runner.graphs = runner.graphs, None
+        row["kv_package_ranker_no_graphs"] = bench(lambda: reset_and_run(kv), iters=20)
+        runner.graphs = graphs
     if profile_dir is not None:  # where the host time of a whole cached request goes
         import cProfile
         import io
@@ -398,7 +402,8 @@ def package_row(row: dict, package, budget: int, prefix: dict, features: dict, f
     ratios = {"package_dense_over_kv_program": ("package_dense", "kv_program"),
               "package_dense_over_kv_program_served": ("package_dense", "kv_program_served"),
               "package_dense_over_kv_program_graph": ("package_dense", "kv_program_graph"),
-              "package_full_over_kv_package_ranker": ("package_full", "kv_package_ranker")}
+              "package_full_over_kv_package_ranker": ("package_full", "kv_package_ranker"),
+              "package_full_over_kv_package_ranker_no_graphs": ("package_full", "kv_package_ranker_no_graphs")}
     for name, (base, new) in ratios.items():
         if "p50_ms" in row.get(base, {}) and "p50_ms" in row.get(new, {}):
             row[name] = row[base]["p50_ms"] / row[new]["p50_ms"]
