@@ -279,8 +279,8 @@ def paged_hstu_mha_triton_fwd(
 ) -> torch.Tensor:
     """Launches the paged delta kernel. ``splits`` (0 or None: chosen per call) forces the key-slice count,
     ``config`` the tile shape, ``prefetch_pages`` whether page numbers are read a block ahead (benchmarks).
-    ``traceable``: launched inside the op, so that torch.export and
-    Inductor see the kernels; the sizes may then be symbolic."""
+    ``traceable``: launched inside the op, so that torch.export and Inductor see the kernels; the sizes may
+    then be symbolic."""
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     lq, num_heads, dqk = q.shape
     dv = v_new.shape[2]
