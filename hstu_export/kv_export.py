@@ -1,8 +1,8 @@
 """``--kv-cache``: the package also carries the model's delta program, for KV-cached serving.
 
 The delta program (:class:`hstu_export.models.cached.DeltaProgram`) runs a request's new tokens (fresh
-history and candidates) against each user's cached K/V and returns the model's outputs plus the new
-tokens' K/V. With nothing cached for a user it is that user's prefill: one program serves hits, misses
+history and candidates) against each user's cached K/V, returns the model's outputs and writes the new
+tokens' K/V into the cache's pages (its page-pool inputs are mutated in place). With nothing cached for a user it is that user's prefill: one program serves hits, misses
 and mixed batches. It is exported with dynamic shapes (every size follows from its inputs: users,
 users with nothing cached, new history tokens, candidates, cache pages, page-table width) and compiled
 by AOTInductor into ``kv/delta.pt2`` beside the package's ordinary (no-cache) programs.
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, ExportError
-from hstu_export.models.cached import KV_OUTPUTS, PROGRAM_INPUTS, DeltaProgram, KVLayout, stacked_contextual
+from hstu_export.models.cached import PROGRAM_INPUTS, DeltaProgram, KVLayout, stacked_contextual
 from hstu_export.models.ranking import (
     CANDIDATE_LENGTHS,
     HISTORY_LENGTHS,
@@ -181,9 +181,8 @@ def compile_kv_delta(model: HstuRankingModel, ranges: Any, settings: Any, op_tar
     layout = KVLayout.of(model)
     with torch.no_grad():
         returned = list(program(**example))  # the compiled program returns its outputs in this order
-    if sorted(returned) != sorted([*output_names, *KV_OUTPUTS]):
-        raise ExportError(f"the KV-cache delta program returns {returned}, not the model's outputs {output_names} "
-                          f"and {list(KV_OUTPUTS)}")
+    if sorted(returned) != sorted(output_names):
+        raise ExportError(f"the KV-cache delta program returns {returned}, not the model's outputs {output_names}")
     return {
         "program": KV_DELTA_FILE,
         "inputs": names,

@@ -3,8 +3,8 @@
 
 A delta request goes through the package's own sparse half (the history past each user's cached prefix
 only), then the delta program gets the embeddings (contextual ones for the users with nothing cached),
-the request's lengths and times, and the cache's pages and page table. The program trusts the counts it
-is given; :class:`~hstu_export.serving.kv_cache.CachedRanker` derives them from a validated request.
+the request's lengths and times, and the cache's pages and page table; it returns the model's outputs and
+writes the new K/V into the pages. The program trusts the counts it is given; :class:`~hstu_export.serving.kv_cache.CachedRanker` derives them from a validated request.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from hstu_export.errors import ConfigError, PackageError
 from hstu_export.kv_export import page_table_width_bound
-from hstu_export.models.cached import KV_OUTPUTS, DeltaOutputs, KVLayout, stacked_contextual
+from hstu_export.models.cached import KVLayout, stacked_contextual
 from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES
 from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
 from hstu_export.runtimes.kv_graphs import Buckets, GraphCache, pad_to_bucket, unpad
@@ -24,6 +24,8 @@ from hstu_export.settings import TORCH_DTYPES
 
 # The sparse half's outputs per history token (zoo names).
 HISTORY_EMBEDDINGS = ("uih_item_emb", "uih_action_emb")
+# What a delta program returned before it wrote the new K/V into the pages itself (packages of then).
+OLD_KV_OUTPUTS = {"kv_new_k", "kv_new_v", "kv_users", "kv_positions"}
 
 
 class PackageDelta:
@@ -52,6 +54,9 @@ class PackageDelta:
         self._inputs = list(section["inputs"])
         self._min_history = predictor.package_manifest.ranges.lengths.min_lengths.get(HISTORY_LENGTHS, 0)
         self._outputs = list(section["outputs"])
+        if OLD_KV_OUTPUTS & set(self._outputs):
+            raise PackageError(f"{predictor.root}: its delta program was exported by an older hstu-export (it returns "
+                               f"the new K/V instead of writing them into the cache); export it again with --kv-cache")
         # With CUDA graphs (the default on CUDA; None: on for a CUDA package), requests of up to
         # graph_max_batch users (default: any) run in shape buckets replayed from CUDA graphs
         # (runtimes/kv_graphs.py; docs/PERF.md has the timings). The bucket steps stay within the program's
@@ -76,7 +81,7 @@ class PackageDelta:
         return self._predictor.check_request(features)
 
     def __call__(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
-                 page_table: Tensor) -> DeltaOutputs:
+                 page_table: Tensor) -> dict[str, Tensor]:
         return self.run_program(self.program_inputs(features, cached, k_pages, v_pages, page_table))
 
     def program_inputs(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
@@ -97,8 +102,9 @@ class PackageDelta:
                       "kv_page_table": page_table.to(self.device, torch.int32)}
         return {name: values[name].contiguous() for name in self._inputs}
 
-    def run_program(self, inputs: dict[str, Tensor], *, bucketed: bool | None = None) -> DeltaOutputs:
-        """The delta program alone on :meth:`program_inputs` (what benchmarks time). With CUDA graphs, a
+    def run_program(self, inputs: dict[str, Tensor], *, bucketed: bool | None = None) -> dict[str, Tensor]:
+        """The delta program alone on :meth:`program_inputs` (what benchmarks time): the model's outputs; the
+        new K/V written into the pages. With CUDA graphs, a
         request goes to its shape bucket's graph; ``bucketed`` forces the padding to a bucket on or off,
         without graphs when on (tests compare the two)."""
         batch = inputs["kv_cached"].shape[0]
@@ -108,14 +114,13 @@ class PackageDelta:
             with torch.no_grad():
                 out = self.graphs(inputs)
         elif bucketed:
-            padded, candidates, kept = pad_to_bucket(inputs, self._buckets, self.layout.contextual_seq_len)
+            padded, candidates = pad_to_bucket(inputs, self._buckets, self.layout.contextual_seq_len)
             with torch.no_grad():
-                out = unpad(self._run(**padded), candidates, kept)
+                out = unpad(self._run(**padded), candidates)
         else:
             with torch.no_grad():
                 out = self._run(**inputs)
-        model_outputs = {name: out[name] for name in self._outputs if name not in KV_OUTPUTS}
-        return DeltaOutputs(model_outputs, out["kv_new_k"], out["kv_new_v"], out["kv_users"], out["kv_positions"])
+        return out
 
     def _run(self, **inputs: Tensor) -> dict[str, Tensor]:
         return as_output_dict(self._program(**inputs), self._outputs)

@@ -5,14 +5,16 @@ time at one user) and its first, small kernels are at any batch: CUDA graphs rem
 replays fixed shapes, so a request is run in a *bucket*: a padding user is appended whose history and
 candidates round the token counts up to fixed multiples, and the page table's width is rounded up to a
 power of two. The padding user has nothing cached and attends only to itself, so the real users'
-answers are those of the unpadded request; its outputs are dropped (its rows come last in every output).
+answers are those of the unpadded request; its outputs are dropped (its rows come last), and its K/V go
+to the pool's scratch page (the last page: its table row, and every padded column, point there).
 
 A bucket is captured the second time it is seen (one-off shapes run eagerly, unpadded), into a pool
 shared by every graph, and at most ``max_graphs`` are kept (least recently used first out). A replay
 writes the request straight into the graph's input buffers, one copy per input (:func:`fill_bucket`):
 the padding user's rows keep whatever an earlier request left there (finite values that only the
 padding user reads), and only its two token counts are written. Replays are serialised under one lock;
-the real rows of the outputs are copied out before it is released.
+the real rows of the outputs are copied out before it is released. The run itself writes the new K/V
+into the pages, so they are not outputs to copy.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hstu_export.models.cached import KV_OUTPUTS
 from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS
 
 # The pages are the cache itself: the same tensors on every call, never copied (their address is part
@@ -59,12 +60,15 @@ def _bucket_sizes(inputs: dict[str, Tensor], buckets: Buckets) -> tuple[int, int
     return pad_h, pad_c, min(max(1 << (width - 1).bit_length(), width), max(buckets.max_width, width))
 
 
-def pad_to_bucket(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) -> tuple[dict[str, Tensor], int, int]:
-    """``inputs`` of the delta program with a padding user appended. Returns the padded inputs, the real
-    candidate rows and the real new-K/V rows (the outputs' first rows that belong to real users)."""
-    hist = inputs["uih_item_emb"].shape[0]
+def scratch_page(inputs: dict[str, Tensor]) -> int:
+    """The pool's scratch page (its last; :class:`hstu_export.serving.kv_cache.PagedKVCache`)."""
+    return inputs["kv_k_pages"].shape[1] - 1
+
+
+def pad_to_bucket(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) -> tuple[dict[str, Tensor], int]:
+    """``inputs`` of the delta program with a padding user appended. Returns the padded inputs and the real
+    candidate rows (the outputs' first rows, which belong to real users)."""
     cand = inputs["candidate_item_emb"].shape[0]
-    fresh = inputs["contextual_emb"].shape[0]
     pad_h, pad_c, wide = _bucket_sizes(inputs, buckets)
     width = inputs["kv_page_table"].shape[1]
 
@@ -84,8 +88,10 @@ def pad_to_bucket(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) 
     out["query_time"] = rows(inputs["query_time"], 1)
     out["kv_cached"] = rows(inputs["kv_cached"], 1)  # nothing cached: it reads no page
     table = inputs["kv_page_table"]
-    out["kv_page_table"] = torch.nn.functional.pad(rows(table, 1), (0, wide - width))
-    return out, cand, hist + fresh * contextual
+    scratch = scratch_page(inputs)
+    out["kv_page_table"] = torch.nn.functional.pad(
+        torch.cat([table, table.new_full((1, width), scratch)]), (0, wide - width), value=scratch)
+    return out, cand
 
 
 def bucket_key(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) -> tuple[Any, ...]:
@@ -101,7 +107,7 @@ ROW_INPUTS = ("uih_item_emb", "uih_action_emb", "uih_timestamps", "candidate_ite
 USER_INPUTS = (HISTORY_LENGTHS, CANDIDATE_LENGTHS, "query_time", "kv_cached")
 
 
-def fill_bucket(static: dict[str, Tensor], inputs: dict[str, Tensor], contextual: int) -> tuple[int, int]:
+def fill_bucket(static: dict[str, Tensor], inputs: dict[str, Tensor]) -> int:
     """Writes a request into the padded buffers of its bucket (made by :func:`pad_to_bucket` for an earlier
     request of the same bucket): the real rows, and the padding user's two token counts. Returns what
     :func:`pad_to_bucket` returns besides the inputs."""
@@ -116,21 +122,15 @@ def fill_bucket(static: dict[str, Tensor], inputs: dict[str, Tensor], contextual
     static[HISTORY_LENGTHS][batch:].fill_(static["uih_item_emb"].shape[0] - hist)
     static[CANDIDATE_LENGTHS][batch:].fill_(static["candidate_item_emb"].shape[0] - cand)
     table = inputs["kv_page_table"]
-    static["kv_page_table"][:batch, : table.shape[1]].copy_(table)  # later columns: never read
-    return cand, hist + inputs["contextual_emb"].shape[0] * contextual
+    static["kv_page_table"][:batch, : table.shape[1]].copy_(table)
+    # Later columns may hold an earlier request's pages: the scratch page, so that no write lands there.
+    static["kv_page_table"][:batch, table.shape[1]:].fill_(scratch_page(inputs))
+    return cand
 
 
-def unpad(outputs: dict[str, Tensor], candidates: int, kept: int) -> dict[str, Tensor]:
-    """The real users' rows of a padded run's outputs."""
-    trimmed = {}
-    for name, value in outputs.items():
-        if name in ("kv_new_k", "kv_new_v"):
-            trimmed[name] = value[:, :kept]
-        elif name in KV_OUTPUTS:
-            trimmed[name] = value[:kept]
-        else:
-            trimmed[name] = value[:candidates]
-    return trimmed
+def unpad(outputs: dict[str, Tensor], candidates: int) -> dict[str, Tensor]:
+    """The real users' rows of a padded run's outputs (a row per candidate)."""
+    return {name: value[:candidates] for name, value in outputs.items()}
 
 
 @dataclass
@@ -169,20 +169,20 @@ class GraphCache:
                 if self._seen[key] < 2:
                     self.counts["eager"] += 1
                     return self._fn(**inputs)
-                padded, candidates, kept = pad_to_bucket(inputs, self._buckets, self._contextual)
+                padded, candidates = pad_to_bucket(inputs, self._buckets, self._contextual)
                 entry = self._capture(padded)
                 self._graphs[key] = entry
                 if len(self._graphs) > self._max:
                     self._graphs.popitem(last=False)
             else:
-                candidates, kept = fill_bucket(entry.inputs, inputs, self._contextual)
+                candidates = fill_bucket(entry.inputs, inputs)
             self._graphs.move_to_end(key)
             if entry.graph is not None:
                 entry.graph.replay()
             else:
                 entry.outputs = self._fn(**entry.inputs)
             self.counts["replays"] += 1
-            return {name: value.clone() for name, value in unpad(entry.outputs, candidates, kept).items()}
+            return {name: value.clone() for name, value in unpad(entry.outputs, candidates).items()}
 
     def _capture(self, inputs: dict[str, Tensor]) -> _Graph:
         if not self._cuda:

@@ -67,7 +67,7 @@ class Predictor:
         """A :class:`~hstu_export.serving.kv_cache.CachedRanker` over this package's delta program (a package
         exported with ``--kv-cache``): ``ranker(request, user_ids)`` answers as ``predictor(request)``,
         running only each user's tokens past its cached prefix. ``budget_bytes`` (default: room for
-        ``max_batch_size`` users at the longest sequence) is allocated now, on the package's device.
+        ``max_batch_size`` users at the longest sequence, and the scratch page) is allocated now, on the package's device.
         ``cuda_graphs`` (default: on for a CUDA package) replays requests from CUDA graphs, one per shape
         bucket (``runtimes/kv_graphs.py``)."""
         from hstu_export.runtimes.kv_delta import PackageDelta
@@ -76,7 +76,8 @@ class Predictor:
         runner = PackageDelta(self, cuda_graphs=cuda_graphs)
         if budget_bytes is None:
             layout = runner.layout
-            pages = self.max_batch_size * -(-self.manifest["kv_cache"]["max_seq_len"] // runner.page_size)
+            # plus the scratch page (serving/kv_cache.py)
+            pages = self.max_batch_size * -(-self.manifest["kv_cache"]["max_seq_len"] // runner.page_size) + 1
             budget_bytes = pages * page_bytes(layout.num_layers, layout.num_heads, layout.attention_dim,
                                               layout.linear_dim, runner.page_size, layout.dtype)
         return CachedRanker(runner, budget_bytes=budget_bytes, page_size=runner.page_size,

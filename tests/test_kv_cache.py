@@ -101,7 +101,7 @@ def test_eviction_keeps_answers_right_and_counts() -> None:
     model = _model(NO_CONTEXT)
     cfg = NO_CONTEXT
     page_bytes = cfg.num_layers * 16 * cfg.num_heads * (cfg.attention_dim + cfg.linear_dim) * 4
-    ranker = CachedRanker(model, budget_bytes=4 * page_bytes, page_size=16)  # 64 tokens in all
+    ranker = CachedRanker(model, budget_bytes=5 * page_bytes, page_size=16)  # 64 tokens, and the scratch page
     users = Users(cfg, seed=5)
     for user in ("a", "b", "c"):
         users.grow(user, 24)  # two pages each: room for two users
@@ -116,7 +116,7 @@ def test_a_cache_too_small_or_full_of_users_in_use_serves_without_storing() -> N
     model = _model(NO_CONTEXT)
     cfg = NO_CONTEXT
     page_bytes = cfg.num_layers * 16 * cfg.num_heads * (cfg.attention_dim + cfg.linear_dim) * 4
-    ranker = CachedRanker(model, budget_bytes=2 * page_bytes, page_size=16)
+    ranker = CachedRanker(model, budget_bytes=3 * page_bytes, page_size=16)  # two pages, and the scratch page
     users = Users(cfg, seed=6)
     users.grow("big", 40)  # three pages: never fits
     users.grow("small", 20)  # both pages
@@ -137,6 +137,10 @@ def test_the_same_user_twice_in_a_batch() -> None:
     users.grow("v", 4)
     _check(ranker, users.request(["u", "v", "u"], [2, 2, 5]), ["u", "v", "u"])
     assert ranker.cache.stats()["bypassed"] == 2 and "u" not in ranker.cache and "v" in ranker.cache
+    # u's K/V went to the scratch page; no page but v's and the scratch page was written.
+    cache = ranker.cache
+    written = (cache.k != 0).flatten(2).any(-1).any(0).nonzero()[:, 0].tolist()
+    assert written == sorted([*cache.entry("v").pages, cache.scratch_page])
 
 
 def test_requests_for_one_user_from_many_threads() -> None:

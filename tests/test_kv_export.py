@@ -128,7 +128,7 @@ def test_eviction_same_user_twice_and_threads(kv_package) -> None:  # type: igno
     predictor = hstu_export.load(root)
     layout = manifest["kv_cache"]["layout"]
     page_bytes = layout["num_layers"] * PAGE * layout["num_heads"] * (layout["attention_dim"] + layout["linear_dim"]) * 4
-    ranker = predictor.kv_cache(budget_bytes=3 * page_bytes)  # room for about one user
+    ranker = predictor.kv_cache(budget_bytes=4 * page_bytes)  # room for about one user, and the scratch page
     users = Users(CONFIGS[name], seed=5)
     for user in ("a", "b", "c"):
         users.grow(user, 2 * PAGE + 1)
@@ -168,6 +168,15 @@ def test_a_tampered_kv_section_is_refused(kv_package, tmp_path) -> None:  # type
         (copy / "manifest.sha256").write_text(manifest_sha256_line(data))
         with pytest.raises(PackageError, match=problem):
             hstu_export.load(copy)
+    # A package whose delta program returns the new K/V (exported before the program wrote them into the
+    # pages) loads, but is refused for cached serving: its cache would never be filled.
+    old = {**manifest, "kv_cache": {**manifest["kv_cache"],
+                                    "outputs": [*manifest["kv_cache"]["outputs"], "kv_new_k", "kv_new_v"]}}
+    data = json.dumps(old).encode()
+    (copy / "manifest.json").write_bytes(data)
+    (copy / "manifest.sha256").write_text(manifest_sha256_line(data))
+    with pytest.raises(PackageError, match="older hstu-export.*export it again with --kv-cache"):
+        hstu_export.load(copy).kv_cache(budget_bytes=1 << 20)
 
 
 def test_kv_cache_refuses_what_it_cannot_build(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -240,31 +249,37 @@ def test_padding_to_a_bucket_appends_one_user_and_is_dropped_again() -> None:
         "candidate_item_emb": torch.randn(3, d), "contextual_emb": torch.randn(1, c, d),
         "uih_lengths": torch.tensor([2, 3]), "candidate_lengths": torch.tensor([1, 2]),
         "query_time": torch.tensor([9, 9]), "kv_cached": torch.tensor([0, 7]),
-        "kv_page_table": torch.tensor([[0, 0, 0], [1, 2, 3]], dtype=torch.int32),
+        "kv_page_table": torch.tensor([[9, 9, 9], [1, 2, 3]], dtype=torch.int32),
+        "kv_k_pages": torch.zeros(layers, 10, 16, 1, 1),  # page 9: the scratch page
     }
-    padded, candidates, kept = pad_to_bucket(inputs, Buckets(history=8, candidates=4, max_width=64), c)
-    assert (candidates, kept) == (3, 5 + 1 * c)
+    padded, candidates = pad_to_bucket(inputs, Buckets(history=8, candidates=4, max_width=64), c)
+    assert candidates == 3
     assert padded["uih_lengths"].tolist() == [2, 3, 3] and padded["uih_item_emb"].shape[0] == 8
     assert padded["candidate_lengths"].tolist() == [1, 2, 1] and padded["candidate_item_emb"].shape[0] == 4
     assert padded["kv_cached"].tolist() == [0, 7, 0] and padded["contextual_emb"].shape[0] == 2
-    assert padded["kv_page_table"].shape == (3, 4) and padded["kv_page_table"][1].tolist() == [1, 2, 3, 0]
+    # Padded columns and the padding user's row point at the scratch page only (its K/V are written there).
+    assert padded["kv_page_table"].tolist() == [[9, 9, 9, 9], [1, 2, 3, 9], [9, 9, 9, 9]]
     torch.testing.assert_close(padded["uih_item_emb"][:5], inputs["uih_item_emb"])
-    outputs = {"ctr": torch.arange(4.0), "kv_new_k": torch.zeros(layers, kept + 3 + c, 1, 1),
-               "kv_users": torch.arange(kept + 3 + c)}
-    trimmed = unpad(outputs, candidates, kept)
-    assert trimmed["ctr"].tolist() == [0.0, 1.0, 2.0] and trimmed["kv_new_k"].shape[1] == kept
-    assert trimmed["kv_users"].tolist() == list(range(kept))
+    trimmed = unpad({"ctr": torch.arange(4.0), "cvr": torch.arange(4.0) + 1}, candidates)
+    assert trimmed["ctr"].tolist() == [0.0, 1.0, 2.0] and trimmed["cvr"].tolist() == [1.0, 2.0, 3.0]
     # Another request of the same bucket, written into those buffers: its rows, the padding user's counts.
     later = {**inputs, "uih_item_emb": torch.randn(6, d), "uih_action_emb": torch.randn(6, d),
              "uih_timestamps": torch.arange(6) + 100, "candidate_item_emb": torch.randn(2, d),
              "uih_lengths": torch.tensor([6, 0]), "candidate_lengths": torch.tensor([0, 2]),
-             "kv_cached": torch.tensor([0, 9]), "kv_page_table": torch.tensor([[4, 0, 0], [5, 6, 7]], dtype=torch.int32)}
+             "kv_cached": torch.tensor([0, 9]), "kv_page_table": torch.tensor([[4, 9, 9, 9], [5, 6, 7, 8]], dtype=torch.int32)}
     buckets = Buckets(history=8, candidates=4, max_width=64)
     assert bucket_key(later, buckets, c) == bucket_key(inputs, buckets, c)
     assert bucket_key({**later, "candidate_item_emb": torch.randn(4, d)}, buckets, c) != bucket_key(inputs, buckets, c)
-    assert fill_bucket(padded, later, c) == (2, 6 + c)
+    assert fill_bucket(padded, later) == 2
     assert padded["uih_lengths"].tolist() == [6, 0, 2] and padded["candidate_lengths"].tolist() == [0, 2, 2]
-    assert padded["kv_cached"].tolist() == [0, 9, 0] and padded["kv_page_table"][:, :3].tolist() == [[4, 0, 0], [5, 6, 7], [0, 0, 0]]
+    assert padded["kv_cached"].tolist() == [0, 9, 0]
+    assert padded["kv_page_table"].tolist() == [[4, 9, 9, 9], [5, 6, 7, 8], [9, 9, 9, 9]]
+    # A narrower table of the same bucket: the column the earlier request left (page 8) now points at the
+    # scratch page, so that no write of this request can land in another user's page.
+    narrower = {**later, "kv_page_table": torch.tensor([[4, 9, 9], [5, 6, 7]], dtype=torch.int32)}
+    assert bucket_key(narrower, buckets, c) == bucket_key(inputs, buckets, c)
+    fill_bucket(padded, narrower)
+    assert padded["kv_page_table"].tolist() == [[4, 9, 9, 9], [5, 6, 7, 9], [9, 9, 9, 9]]
     torch.testing.assert_close(padded["uih_item_emb"][:6], later["uih_item_emb"])
     assert padded["uih_timestamps"][:6].tolist() == list(range(100, 106))
 

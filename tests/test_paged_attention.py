@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hstu_export.ops.paged import paged_hstu_mha_reference, write_pages
+from hstu_export.ops.paged import paged_hstu_mha_reference
 from hstu_export.ops.reference import hstu_mha_reference
 
 
@@ -46,8 +46,9 @@ def _case(q_lens: list[int], seq_lens: list[int], targets: list[int], *, heads: 
         new_rows.append(offsets[b] + torch.arange(n - m, n))
     users_t, positions_t = torch.cat(users), torch.cat(positions)
     token = offsets[users_t] + positions_t
-    write_pages(k_pages, table, k[token], positions_t, users_t)
-    write_pages(v_pages, table, v[token], positions_t, users_t)
+    page, slot = table.long()[users_t, positions_t // page_size], positions_t % page_size
+    k_pages[page, slot] = k[token]
+    v_pages[page, slot] = v[token]
     rows = torch.cat(new_rows)
     q_offsets = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
     return dict(q=q, k=k, v=v, offsets=offsets, rows=rows, q_offsets=q_offsets, k_pages=k_pages, v_pages=v_pages,

@@ -15,6 +15,8 @@ cache (:mod:`hstu_export.serving.kv_cache`) checks before it reuses an entry:
    when it was computed (the bucket is log(query_time - t)).
 
 Calling :meth:`DeltaRanker.run` with nothing cached (``cached == 0``) is the prefill: the same code.
+A run writes the K/V of its new non-target tokens into the pages itself, where the page table says
+(:func:`store_new_kv`); tokens that are not to be kept get the pool's scratch page in their table row.
 A delta request carries only the history after the cached prefix; the cache's owner slices it. The
 contextual tokens of a user with a cached prefix are cached too, so :meth:`DeltaRanker.dense` takes the
 contextual embeddings of the users with nothing cached only: every size of a delta run then follows
@@ -39,11 +41,8 @@ from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offset
 from hstu_export.ops.paged import paged_hstu_mha
 from hstu_export.ops.reference import stu_gate
 
-__all__ = ["KV_OUTPUTS", "PROGRAM_INPUTS", "DeltaOutputs", "DeltaPlan", "DeltaProgram", "DeltaRanker", "KVLayout",
-           "fresh_contextual", "plan_on_device", "stacked_contextual"]
-
-# The outputs a delta program adds to the model's: the new non-target tokens' K/V and where they go.
-KV_OUTPUTS = ("kv_new_k", "kv_new_v", "kv_users", "kv_positions")
+__all__ = ["PROGRAM_INPUTS", "DeltaPlan", "DeltaProgram", "DeltaRanker", "KVLayout", "fresh_contextual",
+           "plan_on_device", "stacked_contextual", "store_new_kv"]
 
 
 @dataclass
@@ -104,18 +103,6 @@ class KVLayout:
                    float(enc.time_bucket_base), int(enc.num_time_buckets), model.transducer.post_norm_weight.dtype)
 
 
-@dataclass
-class DeltaOutputs:
-    """What one delta run gives: the model's outputs, and the K/V of the new non-target tokens for the
-    cache (``[layers, T, H, D]``, token t is position ``positions[t]`` of batch row ``users[t]``)."""
-
-    outputs: dict[str, Tensor]
-    new_k: Tensor
-    new_v: Tensor
-    users: Tensor
-    positions: Tensor
-
-
 class DeltaRanker:
     """Runs :class:`~hstu_export.models.ranking.HstuRankingModel` on the new tokens of each user."""
 
@@ -135,11 +122,12 @@ class DeltaRanker:
         k_pages: Tensor,
         v_pages: Tensor,
         page_table: Tensor,
-    ) -> DeltaOutputs:
-        """One delta request. ``cached`` [B] (host): tokens of each user in the cache, 0 or contextual + a
+    ) -> dict[str, Tensor]:
+        """One delta request: the model's outputs; the new non-target tokens' K/V written into the pages. ``cached`` [B] (host): tokens of each user in the cache, 0 or contextual + a
         history prefix. ``features``: the request as the model takes it, except that each user's history
         holds only the tokens after the cached prefix (``uih_lengths`` counts those). ``k_pages``/``v_pages``
-        [layers, P, page, H, D] and ``page_table`` [B, pages] as in :mod:`hstu_export.ops.paged`."""
+        [layers, P, page, H, D] and ``page_table`` [B, pages] as in :mod:`hstu_export.ops.paged`; each user's
+        row covers its cached and new non-target tokens, or is the scratch page where they are not kept."""
         emb = self.model.sparse_arch(features)
         plan = self.plan(features, cached, page_table.device)
         return self.dense(fresh_contextual(emb, self.config.contextual_features, cached), features, plan, k_pages,
@@ -159,9 +147,10 @@ class DeltaRanker:
 
     @torch.no_grad()
     def dense(self, emb: dict[str, Tensor], features: dict[str, Tensor], plan: DeltaPlan, k_pages: Tensor,
-              v_pages: Tensor, page_table: Tensor) -> DeltaOutputs:
+              v_pages: Tensor, page_table: Tensor) -> dict[str, Tensor]:
         """The dense half of :meth:`run` on the sparse half's embeddings, the contextual ones of the users
-        with nothing cached only (:func:`fresh_contextual`). Device work only (no sync, no host copy, no
+        with nothing cached only (:func:`fresh_contextual`); writes the new K/V into the pages (in place,
+        after each layer's attention has read them). Device work only (no sync, no host copy, no
         size read from a tensor), so a CUDA graph can capture it and torch.export can trace it."""
         cfg, tr = self.config, self.transducer
         c = cfg.contextual_seq_len
@@ -225,9 +214,13 @@ class DeltaRanker:
         att_offsets = q_offsets.clamp(0, total_new)
         att_seq_len = on["cached"].clamp(max=page_table.shape[1] * k_pages.shape[2]) + att_offsets[1:] - att_offsets[:-1]
         att_pages = page_table.clamp(0, k_pages.shape[1] - 1)
+        # Where each new non-target token's K/V go: its page (by its position), and the slot in it.
+        kept_pos = index[kept]
+        kept_page = att_pages[kept_user.clamp(0, att_pages.shape[0] - 1),
+                              (kept_pos // k_pages.shape[2]).clamp(0, att_pages.shape[1] - 1)]
+        kept_slot = kept_pos % k_pages.shape[2]
 
-        # The STU layers on the new rows; new non-target tokens' K/V kept for the cache.
-        new_k, new_v = [], []
+        # The STU layers on the new rows; new non-target tokens' K/V stored in the pages.
         for number, layer in enumerate(tr.stu.layers):
             h, dqk, dv = layer.num_heads, layer.attention_dim, layer.linear_dim
             n = layer_norm_fp32(x, layer.input_norm_weight, layer.input_norm_bias)
@@ -242,16 +235,23 @@ class DeltaRanker:
             ).reshape(-1, h * dv)  # fmt: skip
             gated = stu_gate(u, a, layer.output_norm_weight, layer.output_norm_bias, LAYER_NORM_EPS)
             x = x + gated @ layer.output_weight
-            new_k.append(k[kept])
-            new_v.append(v[kept])
+            store_new_kv(k_pages, v_pages, number, kept_page, kept_slot, k[kept], v[kept])
 
         candidates = x[cand_rows]
         if cfg.postprocessor == "l2norm":
             candidates = F.normalize(candidates, p=2.0, dim=-1, eps=1e-6)
         else:
             candidates = layer_norm_fp32(candidates, tr.post_norm_weight, tr.post_norm_bias)
-        return DeltaOutputs(self.model.task_heads(candidates), torch.stack(new_k), torch.stack(new_v), kept_user,
-                            index[kept])
+        return self.model.task_heads(candidates)
+
+
+def store_new_kv(k_pages: Tensor, v_pages: Tensor, layer: int, page: Tensor, slot: Tensor, k: Tensor,
+                 v: Tensor) -> None:
+    """``k_pages[layer, page, slot] = k`` and the same for V (in place): one scatter each, indexed on the
+    whole pool (not on a view of it), so that an exported program writes straight into its input."""
+    at = (torch.full_like(page, layer), page, slot)
+    k_pages.index_put_(at, k.to(k_pages.dtype))
+    v_pages.index_put_(at, v.to(v_pages.dtype))
 
 
 def fresh_contextual(emb: dict[str, Tensor], names: Sequence[str], cached: Tensor) -> dict[str, Tensor]:
@@ -272,7 +272,8 @@ class DeltaProgram(nn.Module):
     with nothing cached, in batch order; ``uih_lengths`` (history tokens past the cached prefix),
     ``candidate_lengths``, ``uih_timestamps`` (of those history tokens), ``query_time``; ``kv_cached`` [B]
     (cached tokens per user, 0: prefill), ``kv_k_pages``/``kv_v_pages`` [layers, pages, page, H, D] and
-    ``kv_page_table`` [B, W]. Outputs: the model's, plus :data:`KV_OUTPUTS`. ``max_seq_len`` and
+    ``kv_page_table`` [B, W]. Outputs: the model's; the new non-target tokens' K/V are written into
+    ``kv_k_pages``/``kv_v_pages`` (the program mutates those inputs). ``max_seq_len`` and
     ``max_query_len`` are the exported bounds: a user's whole sequence, and its new tokens."""
 
     def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor], max_seq_len: int,
@@ -293,9 +294,7 @@ class DeltaProgram(nn.Module):
         emb = {"uih_item_emb": uih_item_emb, "uih_action_emb": uih_action_emb, "candidate_item_emb": candidate_item_emb,
                **{f"{name}_emb": contextual_emb[:, i] for i, name in enumerate(cfg.contextual_features)}}
         features = {"uih_timestamps": uih_timestamps, "query_time": query_time}
-        out = self.delta.dense(emb, features, plan, kv_k_pages, kv_v_pages, kv_page_table)
-        return {**out.outputs, "kv_new_k": out.new_k, "kv_new_v": out.new_v, "kv_users": out.users,
-                "kv_positions": out.positions}
+        return self.delta.dense(emb, features, plan, kv_k_pages, kv_v_pages, kv_page_table)
 
 
 # The delta program's inputs, in order.

@@ -5,9 +5,9 @@ token ``j`` lives in page ``page_table[b, j // page_size]`` at row ``j % page_si
 
 Per user ``b``: ``seq_lens[b]`` tokens in all, ``num_targets[b]`` of them targets (candidates, last), the
 last ``q_offsets[b+1] - q_offsets[b]`` of them new (the rows of ``q``, ``k_new``, ``v_new``); the tokens
-before those are cached and read from the pages. Nothing is written: the caller stores the new
-non-target tokens' K/V afterwards (:func:`write_pages`). Targets are never cached (no later token
-attends to them).
+before those are cached and read from the pages. Nothing is written: the delta run stores the new
+non-target tokens' K/V afterwards (:func:`hstu_export.models.cached.store_new_kv`). Targets are never
+cached (no later token attends to them).
 The result equals those rows of :func:`hstu_export.ops.reference.hstu_mha_reference` over the whole
 sequence (same mask, same scale), which is what makes cached serving exact.
 """
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from hstu_export.ops.reference import _hstu_attend, hstu_attention_mask
 
-__all__ = ["paged_hstu_mha", "paged_hstu_mha_reference", "write_pages"]
+__all__ = ["paged_hstu_mha", "paged_hstu_mha_reference"]
 
 
 def _padded_rows(values: Tensor, offsets: Tensor, max_len: int) -> tuple[Tensor, Tensor]:
@@ -125,15 +125,3 @@ def paged_hstu_mha(
         q, k_new, v_new, q_offsets, k_pages, v_pages, page_table, seq_lens, num_targets, scaling_seqlen, alpha,
         contextual_seq_len, max_attn_len,
     )  # fmt: skip
-
-
-def write_pages(pages: Tensor, page_table: Tensor, rows: Tensor, positions: Tensor, users: Tensor) -> None:
-    """pages[..., page_table[users, positions // page_size], positions % page_size] = rows (in place).
-
-    pages [..., P, page_size, H, D] (leading dims: layers, written in the same call), rows [..., T, H, D];
-    positions and users [T] (int64): token position within its user, and the user's row in page_table.
-    One scatter; the caller has allocated the pages."""
-    page_size = pages.size(-3)
-    slots = page_table.to(torch.int64)[users, positions // page_size] * page_size + positions % page_size
-    flat = pages.view(*pages.shape[:-4], -1, *pages.shape[-2:])
-    flat.index_copy_(flat.dim() - 3, slots, rows.to(pages.dtype))

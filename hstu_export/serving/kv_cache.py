@@ -4,7 +4,9 @@ Layout (as vLLM's PagedAttention lays out an LLM's cache): one block of ``num_pa
 ``k [layers, pages, page_size, H, Dqk]`` and ``v [..., Dv]``, allocated once from a byte budget at load.
 A user owns a list of pages; the attention kernel reads them through a page table, so a growing
 history takes one more page, never a copy. Whole users are evicted, least recently used first, and
-never while a request uses them (pinned).
+never while a request uses them (pinned). The delta run writes its new K/V into the pages itself, where
+the page table points: the pool's last page is a scratch page, owned by no user and never read, where
+the K/V of users that are not stored go (their table rows point only at it).
 
 :class:`CachedRanker` serves :class:`~hstu_export.models.ranking.HstuRankingModel` with it. A request
 names its users (``user_ids``); an entry is reused only when that is exact
@@ -25,10 +27,9 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, RequestError
-from hstu_export.models.cached import DeltaOutputs, DeltaRanker, KVLayout
+from hstu_export.models.cached import DeltaRanker, KVLayout
 from hstu_export.models.ranking import HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES, HstuRankingModel
 from hstu_export.models.transducer import time_buckets
-from hstu_export.ops.paged import write_pages
 
 __all__ = ["CacheFull", "CachedRanker", "DeltaRunner", "EagerDelta", "PagedKVCache"]
 
@@ -44,9 +45,9 @@ class DeltaRunner(Protocol):
         """``features`` as the runner takes them; RequestError when it is not a request the model accepts."""
 
     def __call__(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
-                 page_table: Tensor) -> DeltaOutputs:
-        """:meth:`hstu_export.models.cached.DeltaRanker.run`'s contract; ``features`` may be on the host
-        (the runner moves them to its device)."""
+                 page_table: Tensor) -> dict[str, Tensor]:
+        """:meth:`hstu_export.models.cached.DeltaRanker.run`'s contract (the model's outputs; the new K/V
+        written into the pages); ``features`` may be on the host (the runner moves them to its device)."""
 
 
 class EagerDelta:
@@ -63,7 +64,7 @@ class EagerDelta:
         return features
 
     def __call__(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
-                 page_table: Tensor) -> DeltaOutputs:
+                 page_table: Tensor) -> dict[str, Tensor]:
         on_device = {name: value.to(self.device, non_blocking=True) for name, value in features.items()}
         return self.delta.run(on_device, cached, k_pages, v_pages, page_table)
 
@@ -93,7 +94,8 @@ def page_bytes(num_layers: int, num_heads: int, attention_dim: int, linear_dim: 
 
 
 class PagedKVCache:
-    """K/V pages for ``num_layers`` layers within ``budget_bytes``; thread-safe.
+    """K/V pages for ``num_layers`` layers within ``budget_bytes``; thread-safe. One page of the budget is
+    the scratch page (``scratch_page``, the last), where the K/V of tokens that are not stored are written.
 
     Counters (:meth:`stats`): ``hits``, ``misses`` (nothing cached), ``stale`` (an entry that could not
     be reused exactly and was recomputed), ``evictions``, ``bypassed`` (users served without storing:
@@ -117,16 +119,18 @@ class PagedKVCache:
         self.page_size = page_size
         self.page_bytes = page_bytes(num_layers, num_heads, attention_dim, linear_dim, page_size, dtype)
         item = torch.empty(0, dtype=dtype).element_size()
-        self.num_pages = int(budget_bytes) // self.page_bytes
+        self.num_pages = int(budget_bytes) // self.page_bytes - 1  # users' pages; then the scratch page
         if self.num_pages < 1:
             raise ConfigError(
-                f"KV cache budget of {budget_bytes} bytes holds no page ({self.page_bytes} bytes each: "
+                f"KV cache budget of {budget_bytes} bytes holds no page for users ({self.page_bytes} bytes each: "
                 f"{num_layers} layers x {page_size} tokens x {num_heads} heads x ({attention_dim}+{linear_dim}) "
-                f"x {item} bytes); raise the budget"
+                f"x {item} bytes, and one more for the scratch page); raise the budget"
             )
-        self.k = torch.zeros(num_layers, self.num_pages, page_size, num_heads, attention_dim, dtype=dtype,
+        self.scratch_page = self.num_pages
+        self.k = torch.zeros(num_layers, self.num_pages + 1, page_size, num_heads, attention_dim, dtype=dtype,
                              device=device)  # fmt: skip
-        self.v = torch.zeros(num_layers, self.num_pages, page_size, num_heads, linear_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(num_layers, self.num_pages + 1, page_size, num_heads, linear_dim, dtype=dtype,
+                             device=device)  # fmt: skip
         self._free = list(range(self.num_pages - 1, -1, -1))
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
@@ -289,7 +293,9 @@ class CachedRanker:
             if bypassed:
                 self.cache.count("bypassed", bypassed)
             width = max(1, *(len(t) for t in tables))
-            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device)
+            scratch = self.cache.scratch_page  # the rest of a row, and the whole row of a user not stored
+            table = torch.tensor([t + [scratch] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                 device=self.device)  # fmt: skip
             # The delta request: each user's history after its cached prefix.
             skip = torch.clamp(cached - c, min=0)
             position = torch.arange(int(hist_len.sum())) - torch.repeat_interleave(torch.tensor(hist_off[:-1]), hist_len)
@@ -299,18 +305,12 @@ class CachedRanker:
             delta = {name: value for name, value in features.items() if name not in HISTORY_TOKEN_FEATURES}
             delta.update({name: host[name][fresh] for name in HISTORY_TOKEN_FEATURES})
             delta[HISTORY_LENGTHS] = hist_len - skip
-            result = self.runner(delta, cached, self.cache.k, self.cache.v, table)
-            # Store the new history tokens' K/V of the stored users, then record what their pages hold.
-            users, positions, new_k, new_v = result.users, result.positions, result.new_k, result.new_v
-            if bypassed:
-                stored = torch.tensor([plan is not None for plan in plans], device=self.device)[users].nonzero()[:, 0]
-                users, positions, new_k, new_v = users[stored], positions[stored], new_k[:, stored], new_v[:, stored]
-            write_pages(self.cache.k, table, new_k, positions, users)  # every layer in one scatter
-            write_pages(self.cache.v, table, new_v, positions, users)
+            # The run writes the stored users' new K/V into their pages; then record what those hold.
+            outputs = self.runner(delta, cached, self.cache.k, self.cache.v, table)
             for b, (user, plan) in enumerate(zip(ids, plans)):
                 if plan is not None:
                     self.cache.commit(user, c + int(hist_len[b]), *plan)
-            return result.outputs
+            return outputs
 
     def _reusable(self, entry: _Entry | None, tokens: Tensor, buckets: Tensor, query_time: int, hist_len: int) -> int:
         """Tokens of the entry that may be reused exactly (0: recompute), counting hit, miss or stale."""
