@@ -112,19 +112,19 @@ def fill_bucket(static: dict[str, Tensor], inputs: dict[str, Tensor]) -> int:
     request of the same bucket): the real rows, and the padding user's two token counts. Returns what
     :func:`pad_to_bucket` returns besides the inputs."""
     batch = inputs["kv_cached"].shape[0]
-    for name in ROW_INPUTS:
-        rows = inputs[name].shape[0]
-        if rows:
-            static[name][:rows].copy_(inputs[name])
-    for name in USER_INPUTS:  # the padding user's entries: its cached count stays 0, its time any
-        static[name][:batch].copy_(inputs[name])
+    table = inputs["kv_page_table"]
+    # One call for every copy (a served call's host time is mostly such small operations).
+    sources = [inputs[name] for name in ROW_INPUTS if inputs[name].shape[0]]
+    targets = [static[name][: inputs[name].shape[0]] for name in ROW_INPUTS if inputs[name].shape[0]]
+    sources += [inputs[name] for name in USER_INPUTS]  # the padding user's entries: its cached count stays 0
+    targets += [static[name][:batch] for name in USER_INPUTS]
+    torch._foreach_copy_([*targets, static["kv_page_table"][:batch, : table.shape[1]]], [*sources, table])
     hist, cand = inputs["uih_item_emb"].shape[0], inputs["candidate_item_emb"].shape[0]
     static[HISTORY_LENGTHS][batch:].fill_(static["uih_item_emb"].shape[0] - hist)
     static[CANDIDATE_LENGTHS][batch:].fill_(static["candidate_item_emb"].shape[0] - cand)
-    table = inputs["kv_page_table"]
-    static["kv_page_table"][:batch, : table.shape[1]].copy_(table)
-    # Later columns may hold an earlier request's pages: the scratch page, so that no write lands there.
-    static["kv_page_table"][:batch, table.shape[1]:].fill_(scratch_page(inputs))
+    if table.shape[1] < static["kv_page_table"].shape[1]:
+        # Later columns may hold an earlier request's pages: the scratch page, so that no write lands there.
+        static["kv_page_table"][:batch, table.shape[1]:].fill_(scratch_page(inputs))
     return cand
 
 
