@@ -43,11 +43,11 @@ from hstu_export.models.transducer import time_buckets
 from hstu_export.ops import Kernel
 from hstu_export.ops._triton import cached_hstu_mha_triton_fwd, hstu_mha_triton_fwd
 from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd
-from hstu_export.serving.kv_cache import CachedRanker
+from hstu_export.serving.kv_cache import CachedRanker, EntryRecord
 
 WORKLOADS = {"long": dict(history=4096, cached=3968, candidates=256), "dlrm": dict(history=1024, cached=1024,
                                                                                    candidates=2048)}
-PAGE = 64
+PAGE = 128
 
 
 def bench(fn, iters: int = 30, warmup: int = 5) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -233,11 +233,13 @@ def request(model: HstuRankingModel, work: dict, batch: int, seed: int) -> dict[
     return hstu_export.generate_batch(model.input_schema(), batch, seed=seed, lengths=lengths)
 
 
-def host_tokens(host: dict, work: dict, b: int) -> torch.Tensor:
-    """What the cache records for user ``b``'s first ``cached`` history tokens: (item, action, time) each."""
+def prefix_record(host: dict, work: dict, b: int, enc) -> EntryRecord:  # type: ignore[no-untyped-def]
+    """What the cache records for user ``b``'s first ``cached`` history tokens (no contextual features)."""
     rows = slice(b * work["history"], b * work["history"] + work["cached"])
-    return torch.stack([host["uih_item_ids"][rows], host["uih_action_ids"][rows], host["uih_timestamps"][rows]],
-                       1).to(torch.int64).flatten()
+    events = tuple(host[name][rows].to(torch.int64).clone() for name in ("uih_item_ids", "uih_action_ids",
+                                                                         "uih_timestamps"))
+    buckets = time_buckets(host["query_time"][b], events[2], enc.time_bucket_base, enc.num_time_buckets)
+    return EntryRecord(torch.empty(0, dtype=torch.int64), events, buckets, int(host["query_time"][b]))
 
 
 def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dict, batch: int,  # type: ignore[no-untyped-def]
@@ -310,14 +312,12 @@ def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dic
 
         prefix_state = {}  # each user's entry at `cached` tokens, computed once (not part of what is timed)
         for b in users:
-            ts = host["uih_timestamps"][b * work["history"]:b * work["history"] + work["cached"]]
-            prefix_state[b] = (host_tokens(host, work, b), time_buckets(host["query_time"][b], ts, enc.time_bucket_base,
-                                                                        enc.num_time_buckets), int(host["query_time"][b]))
+            prefix_state[b] = prefix_record(host, work, b, enc)
 
         def reset_and_run(ranker=ranker):  # type: ignore[no-untyped-def]
             # Put each user back to `cached` tokens (bookkeeping only: a dict update each), then serve.
             for b in users:
-                ranker.cache.commit(b, work["cached"], *prefix_state[b])
+                ranker.cache.commit(b, work["cached"], prefix_state[b])
             return ranker(features, users)
 
         row["cached_ranker"] = bench(reset_and_run, iters=20)

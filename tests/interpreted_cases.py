@@ -29,6 +29,20 @@ def test_triton_kernel_equals_full_attention_rows(name: str, splits: int) -> Non
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, None])
+def test_triton_kernel_with_pages_larger_than_a_key_block(splits: int) -> None:
+    """Pages of 128 tokens hold two or more key blocks: a block's page and its offset in the page."""
+    from hstu_export.ops._triton.configs import attention_config
+    from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd
+
+    assert attention_config(None, 16, 16, torch.float32).block_n < 128
+    case = _case([5, 40, 1], [300, 170, 129], [5, 8, 1], page_size=128, seed=11)
+    got = _call(paged_hstu_mha_triton_fwd, case, 0, 0, 512, 0.25, max_seq_len=300, max_query_len=40, splits=splits)
+    want = _expected(case, 0, 0, 512, 0.25)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_triton_kernel_bf16() -> None:
     from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd
 

@@ -17,6 +17,7 @@ which is the prefill. Requests for the same user are serialised; different users
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
@@ -31,7 +32,7 @@ from hstu_export.models.cached import DeltaRanker, KVLayout
 from hstu_export.models.ranking import HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES, HstuRankingModel
 from hstu_export.models.transducer import time_buckets
 
-__all__ = ["CacheFull", "CachedRanker", "DeltaRunner", "EagerDelta", "PagedKVCache"]
+__all__ = ["CacheFull", "CachedRanker", "DeltaRunner", "EagerDelta", "EntryRecord", "PagedKVCache"]
 
 
 class DeltaRunner(Protocol):
@@ -73,14 +74,30 @@ class CacheFull(Exception):
     """The pages a request needs cannot be freed (the budget is too small, or every other user is in use)."""
 
 
+def _empty() -> Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
 @dataclass
 class _Entry:
     pages: list[int]
     length: int = 0  # tokens cached (contextual + history)
-    tokens: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # what they were, CPU
-    buckets: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # their time buckets
+    # What they were (CPU, int64): contextual ids [c], and item, action and time of each history token.
+    context: Tensor = field(default_factory=_empty)
+    events: tuple[Tensor, ...] = ()
+    buckets: Tensor = field(default_factory=_empty)  # the history tokens' time buckets
     query_time: int = 0  # the earliest query time whose buckets the entry holds
     pins: int = 0
+
+
+@dataclass
+class EntryRecord:
+    """What a request leaves in a stored user's entry (:meth:`PagedKVCache.commit`)."""
+
+    context: Tensor
+    events: tuple[Tensor, ...]
+    buckets: Tensor
+    query_time: int
 
 
 _STRIPES = 64  # per-user request locks: a fixed set, the user's hash picks one
@@ -111,7 +128,7 @@ class PagedKVCache:
         budget_bytes: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        page_size: int = 64,
+        page_size: int = 128,
     ) -> None:
         if page_size < 16 or page_size & (page_size - 1):
             raise ConfigError(f"KV cache page size must be a power of two >= 16 (a key block of the attention kernel "
@@ -209,11 +226,12 @@ class PagedKVCache:
             entry.pages.extend(self._free.pop() for _ in range(max(missing, 0)))
             return list(entry.pages)
 
-    def commit(self, user: Hashable, length: int, tokens: Tensor, buckets: Tensor, query_time: int) -> None:
+    def commit(self, user: Hashable, length: int, record: EntryRecord) -> None:
         """Records what the user's pages hold now (after the K/V were written)."""
         with self._lock:
             entry = self._entries[user]
-            entry.length, entry.tokens, entry.buckets, entry.query_time = length, tokens, buckets, query_time
+            entry.length, entry.context, entry.events = length, record.context, record.events
+            entry.buckets, entry.query_time = record.buckets, record.query_time
 
 
 class CachedRanker:
@@ -223,7 +241,7 @@ class CachedRanker:
     ``max_time_drift`` (seconds, default 0: exact) lets cached history tokens keep their timestamp
     buckets for that long after they were computed."""
 
-    def __init__(self, source: HstuRankingModel | DeltaRunner, *, budget_bytes: int, page_size: int = 64,
+    def __init__(self, source: HstuRankingModel | DeltaRunner, *, budget_bytes: int, page_size: int = 128,
                  max_time_drift: int = 0, device: torch.device | str | None = None) -> None:
         self.runner: DeltaRunner = EagerDelta(source, device) if isinstance(source, HstuRankingModel) else source
         fixed = getattr(self.runner, "page_size", None)  # an exported program reads pages of one size
@@ -241,88 +259,101 @@ class CachedRanker:
         layout = self.layout
         c = layout.contextual_seq_len
         features = self.runner.validate(features)
-        # On the host: what the bookkeeping reads (lengths, history, query time, contextual ids).
-        used = (HISTORY_LENGTHS, *HISTORY_TOKEN_FEATURES, "query_time",
-                *layout.contextual_features)
-        host = {name: features[name].cpu() for name in used}
+        # On the host: what the bookkeeping reads (lengths, history, query time, contextual ids). The work
+        # over every token is done once for the batch; per user there are only a few comparisons.
+        host = {name: features[name].cpu() for name in (HISTORY_LENGTHS, *HISTORY_TOKEN_FEATURES, "query_time",
+                                                         *layout.contextual_features)}
         hist_len = host[HISTORY_LENGTHS].to(torch.int64)
-        batch = hist_len.numel()
+        lengths = hist_len.tolist()
+        batch = len(lengths)
         ids = list(user_ids)
         if len(ids) != batch:
             raise RequestError(f"{len(ids)} user ids for a batch of {batch} users")
-        hist_off = [0, *hist_len.cumsum(0).tolist()]
+        hist_off = [0, *itertools.accumulate(lengths)]
         query_time = host["query_time"].to(torch.int64)
-        # What defines each user's tokens: contextual ids, then (item, action, time) per history token;
-        # and the history tokens' time buckets at this query time. One pass over the batch, on the host.
-        events = torch.stack([host["uih_item_ids"], host["uih_action_ids"], host["uih_timestamps"]], 1).to(torch.int64)
-        per_token_time = torch.repeat_interleave(query_time, hist_len)
-        all_buckets = time_buckets(per_token_time, host["uih_timestamps"], layout.time_bucket_base,
-                                   layout.num_time_buckets)
-        context = torch.stack([host[name] for name in layout.contextual_features], 1).to(torch.int64) if c else None
+        times = query_time.tolist()
+        events = tuple(host[name].to(torch.int64) for name in HISTORY_TOKEN_FEATURES)
+        # Each history token's time bucket at this query time.
+        all_buckets = time_buckets(torch.repeat_interleave(query_time, hist_len, output_size=hist_off[-1]), events[2],
+                                   layout.time_bucket_base, layout.num_time_buckets)
+        context = (torch.stack([host[name] for name in layout.contextual_features], 1).to(torch.int64) if c
+                   else torch.empty(batch, 0, dtype=torch.int64))
         counts: dict[Hashable, int] = {}
         for user in ids:
             counts[user] = counts.get(user, 0) + 1
         with self.cache.using(ids):
-            cached = torch.zeros(batch, dtype=torch.int64)
+            cached = [0] * batch
             tables: list[list[int]] = []
-            plans: list[tuple[Tensor, Tensor, int] | None] = []  # what to record per stored user
+            records: list[EntryRecord | None] = []  # what to record per stored user
             for b, user in enumerate(ids):
-                tokens = events[hist_off[b]:hist_off[b + 1]].flatten()
-                if context is not None:
-                    tokens = torch.cat([context[b], tokens])
-                buckets = all_buckets[hist_off[b]:hist_off[b + 1]]
                 if counts[user] > 1:  # the same user twice in one batch: served, not stored
                     tables.append([])
-                    plans.append(None)
+                    records.append(None)
                     continue
+                span = slice(hist_off[b], hist_off[b + 1])
                 entry = self.cache.entry(user)
-                reuse = self._reusable(entry, tokens, buckets, int(query_time[b]), int(hist_len[b]))
+                reuse = self._reusable(entry, context[b], tuple(e[span] for e in events), all_buckets[span], times[b])
                 try:
-                    tables.append(self.cache.reserve(user, c + int(hist_len[b]), reuse))
+                    tables.append(self.cache.reserve(user, c + lengths[b], reuse))
                 except CacheFull:
                     tables.append([])
-                    plans.append(None)
+                    records.append(None)
                     continue
                 cached[b] = reuse
-                if reuse:  # cached tokens keep the buckets (and time) they were computed with
-                    assert entry is not None
-                    plans.append((tokens, torch.cat([entry.buckets, buckets[entry.length - c:]]), entry.query_time))
-                else:
-                    plans.append((tokens, buckets, int(query_time[b])))
-            bypassed = sum(plan is None for plan in plans)
+                records.append(self._record(entry if reuse else None, context[b], events, all_buckets, span, times[b]))
+            bypassed = sum(record is None for record in records)
             if bypassed:
                 self.cache.count("bypassed", bypassed)
             width = max(1, *(len(t) for t in tables))
             scratch = self.cache.scratch_page  # the rest of a row, and the whole row of a user not stored
             table = torch.tensor([t + [scratch] * (width - len(t)) for t in tables], dtype=torch.int32,
                                  device=self.device)  # fmt: skip
-            # The delta request: each user's history after its cached prefix.
-            skip = torch.clamp(cached - c, min=0)
-            position = torch.arange(int(hist_len.sum())) - torch.repeat_interleave(torch.tensor(hist_off[:-1]), hist_len)
-            fresh = position >= torch.repeat_interleave(skip, hist_len)
+            # The delta request: each user's history after its cached prefix (one gather of the new tokens).
+            new_len = [n - max(k - c, 0) for n, k in zip(lengths, cached)]
+            new_start = torch.tensor([hist_off[b + 1] - n for b, n in enumerate(new_len)], dtype=torch.int64)
+            new_counts = torch.tensor(new_len, dtype=torch.int64)
+            total_new = sum(new_len)
+            fresh = torch.repeat_interleave(new_start - (torch.cumsum(new_counts, 0) - new_counts), new_counts,
+                                            output_size=total_new) + torch.arange(total_new)
             # Where the request's tensors are (the runner moves them): lengths stay on the host, so that the
             # runner's host-side work reads them without waiting for the device.
             delta = {name: value for name, value in features.items() if name not in HISTORY_TOKEN_FEATURES}
             delta.update({name: host[name][fresh] for name in HISTORY_TOKEN_FEATURES})
-            delta[HISTORY_LENGTHS] = hist_len - skip
+            delta[HISTORY_LENGTHS] = new_counts.to(hist_len.dtype)
             # The run writes the stored users' new K/V into their pages; then record what those hold.
-            outputs = self.runner(delta, cached, self.cache.k, self.cache.v, table)
-            for b, (user, plan) in enumerate(zip(ids, plans)):
-                if plan is not None:
-                    self.cache.commit(user, c + int(hist_len[b]), *plan)
+            outputs = self.runner(delta, torch.tensor(cached, dtype=torch.int64), self.cache.k, self.cache.v, table)
+            for b, (user, record) in enumerate(zip(ids, records)):
+                if record is not None:
+                    self.cache.commit(user, c + lengths[b], record)
             return outputs
 
-    def _reusable(self, entry: _Entry | None, tokens: Tensor, buckets: Tensor, query_time: int, hist_len: int) -> int:
-        """Tokens of the entry that may be reused exactly (0: recompute), counting hit, miss or stale."""
+    def _reusable(self, entry: _Entry | None, context: Tensor, events: tuple[Tensor, ...], buckets: Tensor,
+                  query_time: int) -> int:
+        """Tokens of the entry that may be reused exactly (0: recompute), counting hit, miss or stale.
+        ``context``, ``events`` and ``buckets``: the user's in this request (views, CPU)."""
         c = self.layout.contextual_seq_len
         if entry is None or entry.length == 0:
             self.cache.count("misses")
             return 0
-        hist = entry.length - c
-        ok = hist <= hist_len and torch.equal(entry.tokens, tokens[: c + 3 * hist])
-        if ok and c > 0 and hist != hist_len:
-            ok = False  # contextual tokens would see the new history
-        if ok and not torch.equal(entry.buckets, buckets[:hist]):
+        hist, hist_len = entry.length - c, events[0].numel()
+        # Contextual tokens see the whole history: with them, only an unchanged history is reused.
+        ok = hist <= hist_len and not (c > 0 and hist != hist_len) and torch.equal(entry.context, context)
+        ok = ok and all(torch.equal(old, new[:hist]) for old, new in zip(entry.events, events))
+        if ok and query_time != entry.query_time and not torch.equal(entry.buckets, buckets[:hist]):
             ok = query_time - entry.query_time <= self.max_time_drift
         self.cache.count("hits" if ok else "stale")
         return entry.length if ok else 0
+
+    @staticmethod
+    def _record(reused: _Entry | None, context: Tensor, events: tuple[Tensor, ...], buckets: Tensor, span: slice,
+                query_time: int) -> EntryRecord:
+        """What a stored user's entry holds after this request: its own copies (never views of the request),
+        and, where an entry was reused, its tokens' buckets and query time."""
+        if reused is None:
+            return EntryRecord(context.clone(), tuple(e[span].clone() for e in events), buckets[span].clone(), query_time)
+        hist = reused.buckets.numel()
+        if span.stop - span.start == hist:  # nothing new: the entry stays as it is
+            return EntryRecord(reused.context, reused.events, reused.buckets, reused.query_time)
+        start = span.start + hist  # cached tokens keep the buckets (and time) they were computed with
+        return EntryRecord(reused.context, tuple(torch.cat([old, e[start:span.stop]]) for old, e in zip(reused.events, events)),
+                       torch.cat([reused.buckets, buckets[start:span.stop]]), reused.query_time)
