@@ -47,7 +47,7 @@ from hstu_export.serving.kv_cache import CachedRanker, EntryRecord
 
 WORKLOADS = {"long": dict(history=4096, cached=3968, candidates=256), "dlrm": dict(history=1024, cached=1024,
                                                                                    candidates=2048)}
-PAGE = 128
+PAGE = 64
 
 
 def bench(fn, iters: int = 30, warmup: int = 5) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -139,9 +139,9 @@ def kernels(work: dict, batch: int, device: torch.device) -> dict:
         out["graph_paged_no_prefetch"] = bench_graph(functools.partial(  # page numbers read in the block's turn
             paged_hstu_mha_triton_fwd, dq, kn, vn, q_offsets, k_pages, v_pages, table, seq_lens, targets, scale, alpha,
             0, 0, max_seq_len=n, max_query_len=new, prefetch_pages=False))
-        for page in (128, 256):  # larger pages: fewer page-table reads per key
+        for page in (128, 256):  # larger pages: fewer page-table reads per key (shuffled, as the others)
             per = -(-cached // page)
-            big_table = torch.arange(batch * per, device=device, dtype=torch.int32).reshape(batch, per)
+            big_table = torch.randperm(batch * per, device=device, generator=gen).to(torch.int32).reshape(batch, per)
             big_k = torch.zeros(batch * per, page, h, d, device=device, dtype=dtype)
             big_v = torch.zeros_like(big_k)
             out[f"graph_paged_page_{page}"] = bench_graph(

@@ -239,7 +239,7 @@ def _stage_progress(quiet: bool) -> Any:
 @click.option("--force", is_flag=True, help="Replace an existing package directory.")
 @click.option("--kv-cache", is_flag=True,
               help="Also export the delta program for KV-cached serving, verified against the model (docs/KV_CACHE.md).")
-@click.option("--kv-page-size", type=int, default=128, show_default=True,
+@click.option("--kv-page-size", type=int, default=64, show_default=True,
               help="With --kv-cache: tokens per cache page (a power of two >= 16; larger pages mean fewer page-table "
                    "reads in the attention kernel, smaller ones less unused room per user).")
 @click.option("--kv-splits", type=int, default=0, show_default=True,

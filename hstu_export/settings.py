@@ -255,7 +255,7 @@ class ExportSettings:
     quantization: EmbeddingQuantization = field(default_factory=EmbeddingQuantization)
     force: bool = False
     kv_cache: bool = False  # also export the delta program for KV-cached serving (hstu_export.kv_export)
-    kv_page_size: int = 128  # tokens per cache page the delta program reads (a power of two >= 16)
+    kv_page_size: int = 64  # tokens per cache page the delta program reads (a power of two >= 16)
     kv_splits: int = 0  # key slices of the Triton paged attention in the delta program; 0: chosen per call
 
     def __post_init__(self) -> None:

@@ -128,7 +128,7 @@ class PagedKVCache:
         budget_bytes: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        page_size: int = 128,
+        page_size: int = 64,
     ) -> None:
         if page_size < 16 or page_size & (page_size - 1):
             raise ConfigError(f"KV cache page size must be a power of two >= 16 (a key block of the attention kernel "
@@ -241,7 +241,7 @@ class CachedRanker:
     ``max_time_drift`` (seconds, default 0: exact) lets cached history tokens keep their timestamp
     buckets for that long after they were computed."""
 
-    def __init__(self, source: HstuRankingModel | DeltaRunner, *, budget_bytes: int, page_size: int = 128,
+    def __init__(self, source: HstuRankingModel | DeltaRunner, *, budget_bytes: int, page_size: int = 64,
                  max_time_drift: int = 0, device: torch.device | str | None = None) -> None:
         self.runner: DeltaRunner = EagerDelta(source, device) if isinstance(source, HstuRankingModel) else source
         fixed = getattr(self.runner, "page_size", None)  # an exported program reads pages of one size
