@@ -314,11 +314,11 @@ def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dic
         for b in users:
             prefix_state[b] = prefix_record(host, work, b, enc)
 
-        def reset_and_run(ranker=ranker):  # type: ignore[no-untyped-def]
+        def reset_and_run(ranker=ranker, request=features):  # type: ignore[no-untyped-def]
             # Put each user back to `cached` tokens (bookkeeping only: a dict update each), then serve.
             for b in users:
                 ranker.cache.commit(b, work["cached"], prefix_state[b])
-            return ranker(features, users)
+            return ranker(request, users)
 
         row["cached_ranker"] = bench(reset_and_run, iters=20)
         if package is not None and "kv_cache" in package.manifest:
@@ -386,6 +386,12 @@ def package_row(row: dict, package, budget: int, prefix: dict, features: dict, f
     row["kv_program_inputs"] = bench(lambda: runner.program_inputs(delta_features, cached, kv.cache.k, kv.cache.v,
                                                                    table), iters=20)
     row["kv_package_ranker"] = bench(lambda: reset_and_run(kv), iters=20)
+    # Requests as they arrive from a client: on the host. The package then copies the whole request to the
+    # GPU; the cached path only each user's new tokens (and compares the rest on the host).
+    on_host = {name: value.cpu() for name, value in features.items()}
+    row["package_full_host_request"] = bench(lambda: package(on_host), iters=20)
+    row["kv_package_ranker_host_request"] = bench(lambda: reset_and_run(kv, on_host), iters=20)
+    row["kv_ranker_phases_host_request"] = ranker_phases(kv, on_host, lambda: reset_and_run(kv, on_host))
     if runner.graphs is not None:  # the same requests with the program run eagerly
         graphs, runner.graphs = runner.graphs, None
         row["kv_package_ranker_no_graphs"] = bench(lambda: reset_and_run(kv), iters=20)
@@ -409,7 +415,9 @@ def package_row(row: dict, package, budget: int, prefix: dict, features: dict, f
               "package_dense_over_kv_program_served": ("package_dense", "kv_program_served"),
               "package_dense_over_kv_program_graph": ("package_dense", "kv_program_graph"),
               "package_full_over_kv_package_ranker": ("package_full", "kv_package_ranker"),
-              "package_full_over_kv_package_ranker_no_graphs": ("package_full", "kv_package_ranker_no_graphs")}
+              "package_full_over_kv_package_ranker_no_graphs": ("package_full", "kv_package_ranker_no_graphs"),
+              "package_full_over_kv_package_ranker_host_request": ("package_full_host_request",
+                                                                   "kv_package_ranker_host_request")}
     for name, (base, new) in ratios.items():
         if "p50_ms" in row.get(base, {}) and "p50_ms" in row.get(new, {}):
             row[name] = row[base]["p50_ms"] / row[new]["p50_ms"]
@@ -421,6 +429,45 @@ def new_token_slots(table: torch.Tensor, work: dict) -> tuple[torch.Tensor, torc
     positions = torch.arange(work["cached"], work["history"], device=table.device)
     page = table.long()[:, positions // PAGE].flatten()
     return page, (positions % PAGE).repeat(table.shape[0])
+
+
+def ranker_phases(kv, request: dict, call, iters: int = 20) -> dict:  # type: ignore[no-untyped-def]
+    """Host milliseconds of a whole cached request's phases (each call synchronised): validation; the
+    cache's bookkeeping (the runner replaced by one that returns at once); the runner's input preparation
+    (sparse half included) and its program, on the delta request the ranker made."""
+    runner = kv.runner
+    seen: dict = {}
+
+    class Recorder:  # validates as the runner does; keeps the delta request instead of running it
+        validate = runner.validate
+
+        def __call__(self, features, cached, k, v, table):  # type: ignore[no-untyped-def]
+            seen.update(features=features, cached=cached, table=table)
+            return {}
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def timed(fn) -> float:  # type: ignore[no-untyped-def]
+        fn()
+        sync()
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+            sync()
+        return (time.perf_counter() - t) * 1e3 / iters
+
+    out = {"validate": timed(lambda: runner.validate(request))}
+    kv.runner = Recorder()
+    try:
+        out["bookkeeping_with_validate"] = timed(call)
+    finally:
+        kv.runner = runner
+    args = (seen["features"], seen["cached"], kv.cache.k, kv.cache.v, seen["table"])
+    out["program_inputs"] = timed(lambda: runner.program_inputs(*args))
+    inputs = runner.program_inputs(*args)
+    out["run_program"] = timed(lambda: runner.run_program(inputs))
+    out["whole"] = timed(call)
+    return out
 
 
 class _DenseRunner:
