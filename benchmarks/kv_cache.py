@@ -236,10 +236,10 @@ def request(model: HstuRankingModel, work: dict, batch: int, seed: int) -> dict[
 def prefix_record(host: dict, work: dict, b: int, enc) -> EntryRecord:  # type: ignore[no-untyped-def]
     """What the cache records for user ``b``'s first ``cached`` history tokens (no contextual features)."""
     rows = slice(b * work["history"], b * work["history"] + work["cached"])
-    events = tuple(host[name][rows].to(torch.int64).clone() for name in ("uih_item_ids", "uih_action_ids",
-                                                                         "uih_timestamps"))
+    events = [host[name][rows].to(torch.int64) for name in ("uih_item_ids", "uih_action_ids", "uih_timestamps")]
     buckets = time_buckets(host["query_time"][b], events[2], enc.time_bucket_base, enc.num_time_buckets)
-    return EntryRecord(torch.empty(0, dtype=torch.int64), events, buckets, int(host["query_time"][b]))
+    return EntryRecord(torch.empty(0, dtype=torch.int64), torch.stack([*events, buckets]),
+                       int(host["query_time"][b]))
 
 
 def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dict, batch: int,  # type: ignore[no-untyped-def]

@@ -74,6 +74,10 @@ class CacheFull(Exception):
     """The pages a request needs cannot be freed (the budget is too small, or every other user is in use)."""
 
 
+# The rows of a cache entry's history tokens: HISTORY_TOKEN_FEATURES, then the time bucket.
+TOKEN_ROWS = (*HISTORY_TOKEN_FEATURES, "time_bucket")
+_BUCKET = len(HISTORY_TOKEN_FEATURES)
+
 def _empty() -> Tensor:
     return torch.empty(0, dtype=torch.int64)
 
@@ -82,10 +86,10 @@ def _empty() -> Tensor:
 class _Entry:
     pages: list[int]
     length: int = 0  # tokens cached (contextual + history)
-    # What they were (CPU, int64): contextual ids [c], and item, action and time of each history token.
+    # What they were (CPU, int64): contextual ids [c], and [4, history]: item, action, time and time
+    # bucket of each history token (one tensor: a request compares a user in one call).
     context: Tensor = field(default_factory=_empty)
-    events: tuple[Tensor, ...] = ()
-    buckets: Tensor = field(default_factory=_empty)  # the history tokens' time buckets
+    tokens: Tensor = field(default_factory=lambda: torch.empty(len(TOKEN_ROWS), 0, dtype=torch.int64))
     query_time: int = 0  # the earliest query time whose buckets the entry holds
     pins: int = 0
 
@@ -95,8 +99,7 @@ class EntryRecord:
     """What a request leaves in a stored user's entry (:meth:`PagedKVCache.commit`)."""
 
     context: Tensor
-    events: tuple[Tensor, ...]
-    buckets: Tensor
+    tokens: Tensor  # [4, history]: TOKEN_ROWS
     query_time: int
 
 
@@ -230,8 +233,8 @@ class PagedKVCache:
         """Records what the user's pages hold now (after the K/V were written)."""
         with self._lock:
             entry = self._entries[user]
-            entry.length, entry.context, entry.events = length, record.context, record.events
-            entry.buckets, entry.query_time = record.buckets, record.query_time
+            entry.length, entry.context = length, record.context
+            entry.tokens, entry.query_time = record.tokens, record.query_time
 
 
 class CachedRanker:
@@ -272,10 +275,13 @@ class CachedRanker:
         hist_off = [0, *itertools.accumulate(lengths)]
         query_time = host["query_time"].to(torch.int64)
         times = query_time.tolist()
-        events = tuple(host[name].to(torch.int64) for name in HISTORY_TOKEN_FEATURES)
-        # Each history token's time bucket at this query time.
-        all_buckets = time_buckets(torch.repeat_interleave(query_time, hist_len, output_size=hist_off[-1]), events[2],
-                                   layout.time_bucket_base, layout.num_time_buckets)
+        # Each history token's item, action, time and time bucket at this query time: one [4, N] tensor
+        # (rows, not columns: stacking rows is a plain copy of each).
+        stamps = host["uih_timestamps"].to(torch.int64)
+        buckets = time_buckets(torch.repeat_interleave(query_time, hist_len, output_size=hist_off[-1]), stamps,
+                               layout.time_bucket_base, layout.num_time_buckets)
+        tokens = torch.stack([host["uih_item_ids"].to(torch.int64), host["uih_action_ids"].to(torch.int64), stamps,
+                              buckets])
         context = (torch.stack([host[name] for name in layout.contextual_features], 1).to(torch.int64) if c
                    else torch.empty(batch, 0, dtype=torch.int64))
         counts: dict[Hashable, int] = {}
@@ -290,9 +296,9 @@ class CachedRanker:
                     tables.append([])
                     records.append(None)
                     continue
-                span = slice(hist_off[b], hist_off[b + 1])
+                mine = tokens[:, hist_off[b]:hist_off[b + 1]]
                 entry = self.cache.entry(user)
-                reuse = self._reusable(entry, context[b], tuple(e[span] for e in events), all_buckets[span], times[b])
+                reuse = self._reusable(entry, context[b] if c else None, mine, times[b])
                 try:
                     tables.append(self.cache.reserve(user, c + lengths[b], reuse))
                 except CacheFull:
@@ -300,7 +306,7 @@ class CachedRanker:
                     records.append(None)
                     continue
                 cached[b] = reuse
-                records.append(self._record(entry if reuse else None, context[b], events, all_buckets, span, times[b]))
+                records.append(self._record(entry if reuse else None, context[b], mine, times[b]))
             bypassed = sum(record is None for record in records)
             if bypassed:
                 self.cache.count("bypassed", bypassed)
@@ -327,33 +333,32 @@ class CachedRanker:
                     self.cache.commit(user, c + lengths[b], record)
             return outputs
 
-    def _reusable(self, entry: _Entry | None, context: Tensor, events: tuple[Tensor, ...], buckets: Tensor,
-                  query_time: int) -> int:
+    def _reusable(self, entry: _Entry | None, context: Tensor | None, tokens: Tensor, query_time: int) -> int:
         """Tokens of the entry that may be reused exactly (0: recompute), counting hit, miss or stale.
-        ``context``, ``events`` and ``buckets``: the user's in this request (views, CPU)."""
+        ``context`` (None without contextual features) and ``tokens`` ([4, history], TOKEN_ROWS): the
+        user's in this request (views, CPU)."""
         c = self.layout.contextual_seq_len
         if entry is None or entry.length == 0:
             self.cache.count("misses")
             return 0
-        hist, hist_len = entry.length - c, events[0].numel()
+        hist = entry.length - c
         # Contextual tokens see the whole history: with them, only an unchanged history is reused.
-        ok = hist <= hist_len and not (c > 0 and hist != hist_len) and torch.equal(entry.context, context)
-        ok = ok and all(torch.equal(old, new[:hist]) for old, new in zip(entry.events, events))
-        if ok and query_time != entry.query_time and not torch.equal(entry.buckets, buckets[:hist]):
-            ok = query_time - entry.query_time <= self.max_time_drift
+        ok = hist <= tokens.shape[1] and not (c > 0 and hist != tokens.shape[1])
+        ok = ok and (context is None or torch.equal(entry.context, context))
+        if ok and not torch.equal(entry.tokens, tokens[:, :hist]):  # the same tokens, in the same time buckets
+            ok = torch.equal(entry.tokens[:_BUCKET], tokens[:_BUCKET, :hist])  # the same tokens, later
+            ok = ok and query_time - entry.query_time <= self.max_time_drift
         self.cache.count("hits" if ok else "stale")
         return entry.length if ok else 0
 
     @staticmethod
-    def _record(reused: _Entry | None, context: Tensor, events: tuple[Tensor, ...], buckets: Tensor, span: slice,
-                query_time: int) -> EntryRecord:
+    def _record(reused: _Entry | None, context: Tensor, tokens: Tensor, query_time: int) -> EntryRecord:
         """What a stored user's entry holds after this request: its own copies (never views of the request),
         and, where an entry was reused, its tokens' buckets and query time."""
         if reused is None:
-            return EntryRecord(context.clone(), tuple(e[span].clone() for e in events), buckets[span].clone(), query_time)
-        hist = reused.buckets.numel()
-        if span.stop - span.start == hist:  # nothing new: the entry stays as it is
-            return EntryRecord(reused.context, reused.events, reused.buckets, reused.query_time)
-        start = span.start + hist  # cached tokens keep the buckets (and time) they were computed with
-        return EntryRecord(reused.context, tuple(torch.cat([old, e[start:span.stop]]) for old, e in zip(reused.events, events)),
-                       torch.cat([reused.buckets, buckets[start:span.stop]]), reused.query_time)
+            return EntryRecord(context.clone(), tokens.clone(), query_time)
+        hist = reused.tokens.shape[1]
+        if tokens.shape[1] == hist:  # nothing new: the entry stays as it is
+            return EntryRecord(reused.context, reused.tokens, reused.query_time)
+        # Cached tokens keep the buckets (and time) they were computed with.
+        return EntryRecord(reused.context, torch.cat([reused.tokens, tokens[:, hist:]], 1), reused.query_time)
