@@ -352,8 +352,7 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
                      f"worst rel. L2 {w['rel_l2']:.2e}, max abs {w['max_abs']:.2e}")
         table.add_row("kv cache", line)
     for name, ra in parity.get("rank_agreement", {}).items():
-        table.add_row("rank agreement", f"{name}: Kendall tau per user mean {ra['mean_tau']:.4f}, min "
-                                        f"{ra['min_tau']:.4f} ({ra['users']} users)")
+        table.add_row("rank agreement", f"{escape(name)}: {_rank_agreement(ra)}")
     for t in manifest.get("embedding_quantization", {}).get("tables", []):
         table.add_row("embeddings", f"{t['name']} {t['mode']}: {human_bytes(t['fp32_bytes'])} → "
                                     f"{human_bytes(t['bytes'])} (saved {human_bytes(t['fp32_bytes'] - t['bytes'])})")
@@ -382,6 +381,12 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
 def _schema_features(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     schema = manifest.get("input_schema", [])
     return schema.get("features", []) if isinstance(schema, dict) else schema
+
+
+def _rank_agreement(stats: dict[str, Any]) -> str:
+    """One rank-agreement record (``parity.rank_agreement``) in words; the user count when it is known."""
+    users = f" ({stats['users']} users)" if isinstance(stats.get("users"), int) else ""
+    return f"Kendall tau per user mean {stats['mean_tau']:.4f}, min {stats['min_tau']:.4f}{users}"
 
 
 def _parity_table(parity: dict[str, Any]) -> Table:
@@ -431,8 +436,7 @@ def verify(package: str, model_path: str | None, batches: int, seed: int, rtol: 
                             rtol=rtol, atol=atol, imports=imports)
     console.print(_parity_table(report))
     for name, ra in report.get("rank_agreement", {}).items():
-        console.print(f"rank agreement {escape(name)}: Kendall tau per user mean {ra['mean_tau']:.4f}, "
-                      f"min {ra['min_tau']:.4f} ({ra['users']} users)")
+        console.print(f"rank agreement {escape(name)}: {_rank_agreement(ra)}")
     kv = report.get("kv_cache")
     if kv is not None:
         console.print("KV cache: the delta program, serving these requests in order through the package's cache "
@@ -777,8 +781,7 @@ def _inspect_package(root: Any, open_report: bool) -> None:
     ranking = parity.get("rank_agreement") if isinstance(parity.get("rank_agreement"), dict) else {}
     for name, stats in ranking.items():
         if isinstance(stats, dict) and all(isinstance(stats.get(k), (int, float)) for k in ("mean_tau", "min_tau")):
-            console.print(f"rank agreement {escape(str(name))}: Kendall tau per user mean {stats['mean_tau']:.4f}, "
-                          f"min {stats['min_tau']:.4f}", soft_wrap=True)
+            console.print(f"rank agreement {escape(str(name))}: {_rank_agreement(stats)}", soft_wrap=True)
     quantized = raw.get("embedding_quantization") if isinstance(raw.get("embedding_quantization"), dict) else {}
     tables = [t for t in quantized.get("tables", []) if isinstance(t, dict)
               and all(isinstance(t.get(k), int) for k in ("fp32_bytes", "bytes"))] if isinstance(

@@ -140,6 +140,15 @@ def test_pooled_collection_quantizes() -> None:
 # ---- rank agreement --------------------------------------------------------------------------------
 
 
+def test_rank_agreement_line_names_the_users_when_known() -> None:
+    """The one line export, verify and describe print for each rank-agreement record."""
+    from hstu_export.cli import _rank_agreement
+
+    assert _rank_agreement({"mean_tau": 0.98765, "min_tau": 0.5, "users": 7}) == \
+        "Kendall tau per user mean 0.9877, min 0.5000 (7 users)"
+    assert _rank_agreement({"mean_tau": 1.0, "min_tau": 1.0}) == "Kendall tau per user mean 1.0000, min 1.0000"
+
+
 def test_kendall_tau_values() -> None:
     x = torch.tensor([0.1, 0.2, 0.3, 0.4])
     assert kendall_tau(x, x) == pytest.approx(1.0)
