@@ -128,7 +128,7 @@ def test_split_count_is_arithmetic_on_symbolic_sizes() -> None:
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-    from hstu_export.ops._triton.paged import query_blocks, split_count
+    from hstu_export.ops._triton.paged import query_blocks, split_count, workspace_numel
 
     env = ShapeEnv()
 
@@ -139,6 +139,7 @@ def test_split_count_is_arithmetic_on_symbolic_sizes() -> None:
     users, rows = symbol("users", 3), symbol("rows", 900)
     blocks = query_blocks(users, rows, torch.sym_max(torch.sym_min(rows, 4352), 1), 64)
     slices, per = split_count(4 * blocks, 4352, 64)
+    work = workspace_numel(slices, rows * 4 * 128)
     assert not env.guards
     seen = set()
     for b, n in [(1, 1), (1, 384), (2, 700), (3, 900), (8, 3072), (32, 12288)]:
@@ -147,4 +148,6 @@ def test_split_count_is_arithmetic_on_symbolic_sizes() -> None:
         got = (int(slices.node.expr.xreplace(at)), int(per.node.expr.xreplace(at)))
         assert got == want, (b, n)
         seen.add(got[0])
+        # The workspace: every slice's partials when there are several, a single float with one.
+        assert int(work.node.expr.xreplace(at)) == (got[0] * n * 512 if got[0] > 1 else 1), (b, n)
     assert len(seen) >= 3  # the count does follow the size

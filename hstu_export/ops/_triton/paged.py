@@ -249,6 +249,13 @@ def split_count(programs: Any, max_seq_len: int, block_n: int) -> tuple[Any, Any
     return _slices(max_seq_len, wanted, block_n)
 
 
+def workspace_numel(slices: Any, numel: Any) -> Any:
+    """Floats of the slices' workspace: ``slices x numel``, or 1 with one slice (the kernel does not touch
+    it then; one element, not none, so that it has a device address). Arithmetic only, like
+    :func:`split_count`."""
+    return torch.sym_max(slices * torch.sym_min(slices - 1, 1) * numel, 1)
+
+
 def _slices(max_seq_len: int, splits: Any, block_n: int) -> tuple[Any, Any]:
     """About ``splits`` slices of the keys, each a whole number of blocks: (slices, keys per slice)."""
     per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
@@ -302,8 +309,11 @@ def paged_hstu_mha_triton_fwd(
     else:
         slices, per_split = split_count(blocks * num_heads, max_seq_len, block_n)
     out = torch.empty((lq, num_heads, dv), dtype=v_new.dtype, device=q.device)
-    # With one slice the kernel writes `out` and the workspace is not touched.
-    work = torch.empty((slices, lq, num_heads, dv), dtype=torch.float32, device=q.device)
+    # With one slice the kernel writes `out` and the workspace is not touched: it is then one element (not
+    # empty, so that it has a device address to pass), instead of slices x rows x heads x dv floats. Flat:
+    # the kernels take its strides as arguments.
+    numel = lq * num_heads * dv
+    work = torch.empty(workspace_numel(slices, numel), dtype=torch.float32, device=q.device)
     fast_silu = capability is not None and q.dtype != torch.float32
     kernel = wrap_triton(_paged_attn_fwd) if traceable else _paged_attn_fwd
     kernel[(blocks, num_heads, slices)](
@@ -317,7 +327,6 @@ def paged_hstu_mha_triton_fwd(
         UPCAST_DOTS=interpreting and q.dtype != torch.float32, PREFETCH=prefetch_pages, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
-    numel = lq * num_heads * dv
     # The sum's grid is empty with one slice (no program runs; AOTInductor skips the launch).
     sum_programs = triton.cdiv(numel, _SUM_BLOCK) * torch.sym_min(slices - 1, 1)
     if traceable or sum_programs > 0:
