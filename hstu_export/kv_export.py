@@ -2,10 +2,11 @@
 
 The delta program (:class:`hstu_export.models.cached.DeltaProgram`) runs a request's new tokens (fresh
 history and candidates) against each user's cached K/V, returns the model's outputs and writes the new
-tokens' K/V into the cache's pages (its page-pool inputs are mutated in place). With nothing cached for a user it is that user's prefill: one program serves hits, misses
-and mixed batches. It is exported with dynamic shapes (every size follows from its inputs: users,
-users with nothing cached, new history tokens, candidates, cache pages, page-table width) and compiled
-by AOTInductor into ``kv/delta.pt2`` beside the package's ordinary (no-cache) programs.
+tokens' K/V into the cache's pages (its page-pool inputs are mutated in place). With nothing cached for
+a user it is that user's prefill: one program serves hits, misses and mixed batches. It is exported with
+dynamic shapes (every size follows from its inputs: users, users with nothing cached, new history tokens,
+candidates, cache pages, page-table width) and compiled by AOTInductor into ``kv/delta.pt2`` beside the
+package's ordinary (no-cache) programs.
 
 Verification then serves scripted requests through the package's own cache (prefill, a hit with new
 candidates only, one new token, a history grown across requests and across a page, reordered users, a

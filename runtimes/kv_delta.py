@@ -3,8 +3,9 @@
 
 A delta request goes through the package's own sparse half (the history past each user's cached prefix
 only), then the delta program gets the embeddings (contextual ones for the users with nothing cached),
-the request's lengths and times, and the cache's pages and page table; it returns the model's outputs and
-writes the new K/V into the pages. The program trusts the counts it is given; :class:`~hstu_export.serving.kv_cache.CachedRanker` derives them from a validated request.
+the request's lengths and times, and the cache's pages and page table; it returns the model's outputs
+and writes the new K/V into the pages. The program trusts the counts it is given;
+:class:`~hstu_export.serving.kv_cache.CachedRanker` derives them from a validated request.
 """
 
 from __future__ import annotations

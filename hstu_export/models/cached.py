@@ -123,9 +123,10 @@ class DeltaRanker:
         v_pages: Tensor,
         page_table: Tensor,
     ) -> dict[str, Tensor]:
-        """One delta request: the model's outputs; the new non-target tokens' K/V written into the pages. ``cached`` [B] (host): tokens of each user in the cache, 0 or contextual + a
-        history prefix. ``features``: the request as the model takes it, except that each user's history
-        holds only the tokens after the cached prefix (``uih_lengths`` counts those). ``k_pages``/``v_pages``
+        """One delta request: the model's outputs; the new non-target tokens' K/V written into the pages.
+        ``cached`` [B] (host): tokens of each user in the cache, 0 or contextual + a history prefix.
+        ``features``: the request as the model takes it, except that each user's history holds only the
+        tokens after the cached prefix (``uih_lengths`` counts those). ``k_pages``/``v_pages``
         [layers, P, page, H, D] and ``page_table`` [B, pages] as in :mod:`hstu_export.ops.paged`; each user's
         row covers its cached and new non-target tokens, or is the scratch page where they are not kept."""
         emb = self.model.sparse_arch(features)

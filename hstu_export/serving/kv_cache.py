@@ -78,6 +78,7 @@ class CacheFull(Exception):
 TOKEN_ROWS = (*HISTORY_TOKEN_FEATURES, "time_bucket")
 _BUCKET = len(HISTORY_TOKEN_FEATURES)
 
+
 def _empty() -> Tensor:
     return torch.empty(0, dtype=torch.int64)
 
