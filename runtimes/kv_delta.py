@@ -105,9 +105,9 @@ class PackageDelta:
 
     def run_program(self, inputs: dict[str, Tensor], *, bucketed: bool | None = None) -> dict[str, Tensor]:
         """The delta program alone on :meth:`program_inputs` (what benchmarks time): the model's outputs; the
-        new K/V written into the pages. With CUDA graphs, a
-        request goes to its shape bucket's graph; ``bucketed`` forces the padding to a bucket on or off,
-        without graphs when on (tests compare the two)."""
+        new K/V written into the pages. With CUDA graphs, a request goes to its shape bucket's graph;
+        ``bucketed`` forces the padding to a bucket on or off, without graphs when on (tests compare the
+        two)."""
         batch = inputs["kv_cached"].shape[0]
         graphs = self.graphs is not None and (self._graph_max_batch is None or batch <= self._graph_max_batch)
         if graphs and bucketed is None:

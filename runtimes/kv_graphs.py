@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hstu_export.models.cached import scratch_page
 from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS
 
 # The pages are the cache itself: the same tensors on every call, never copied (their address is part
@@ -60,11 +61,6 @@ def _bucket_sizes(inputs: dict[str, Tensor], buckets: Buckets) -> tuple[int, int
     return pad_h, pad_c, min(max(1 << (width - 1).bit_length(), width), max(buckets.max_width, width))
 
 
-def scratch_page(inputs: dict[str, Tensor]) -> int:
-    """The pool's scratch page (its last; :class:`hstu_export.serving.kv_cache.PagedKVCache`)."""
-    return inputs["kv_k_pages"].shape[1] - 1
-
-
 def pad_to_bucket(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) -> tuple[dict[str, Tensor], int]:
     """``inputs`` of the delta program with a padding user appended. Returns the padded inputs and the real
     candidate rows (the outputs' first rows, which belong to real users)."""
@@ -88,7 +84,7 @@ def pad_to_bucket(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) 
     out["query_time"] = rows(inputs["query_time"], 1)
     out["kv_cached"] = rows(inputs["kv_cached"], 1)  # nothing cached: it reads no page
     table = inputs["kv_page_table"]
-    scratch = scratch_page(inputs)
+    scratch = scratch_page(inputs["kv_k_pages"])
     out["kv_page_table"] = torch.nn.functional.pad(
         torch.cat([table, table.new_full((1, width), scratch)]), (0, wide - width), value=scratch)
     return out, cand
@@ -124,7 +120,7 @@ def fill_bucket(static: dict[str, Tensor], inputs: dict[str, Tensor]) -> int:
     static[CANDIDATE_LENGTHS][batch:].fill_(static["candidate_item_emb"].shape[0] - cand)
     if table.shape[1] < static["kv_page_table"].shape[1]:
         # Later columns may hold an earlier request's pages: the scratch page, so that no write lands there.
-        static["kv_page_table"][:batch, table.shape[1]:].fill_(scratch_page(inputs))
+        static["kv_page_table"][:batch, table.shape[1]:].fill_(scratch_page(inputs["kv_k_pages"]))
     return cand
 
 

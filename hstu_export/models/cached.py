@@ -42,7 +42,7 @@ from hstu_export.ops.paged import paged_hstu_mha
 from hstu_export.ops.reference import stu_gate
 
 __all__ = ["PROGRAM_INPUTS", "DeltaPlan", "DeltaProgram", "DeltaRanker", "KVLayout", "fresh_contextual",
-           "plan_on_device", "stacked_contextual", "store_new_kv"]
+           "plan_on_device", "scratch_page", "stacked_contextual", "store_new_kv"]
 
 
 @dataclass
@@ -244,6 +244,12 @@ class DeltaRanker:
         else:
             candidates = layer_norm_fp32(candidates, tr.post_norm_weight, tr.post_norm_bias)
         return self.model.task_heads(candidates)
+
+
+def scratch_page(k_pages: Tensor) -> int:
+    """The page of a pool ``[layers, pages, ...]`` where the K/V of tokens that are not stored are written:
+    its last, which no user owns and nothing reads (:class:`hstu_export.serving.kv_cache.PagedKVCache`)."""
+    return k_pages.shape[1] - 1
 
 
 def store_new_kv(k_pages: Tensor, v_pages: Tensor, layer: int, page: Tensor, slot: Tensor, k: Tensor,

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, RequestError
-from hstu_export.models.cached import DeltaRanker, KVLayout
+from hstu_export.models.cached import DeltaRanker, KVLayout, scratch_page
 from hstu_export.models.ranking import HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES, HstuRankingModel
 from hstu_export.models.transducer import time_buckets
 
@@ -147,11 +147,11 @@ class PagedKVCache:
                 f"{num_layers} layers x {page_size} tokens x {num_heads} heads x ({attention_dim}+{linear_dim}) "
                 f"x {item} bytes, and one more for the scratch page); raise the budget"
             )
-        self.scratch_page = self.num_pages
         self.k = torch.zeros(num_layers, self.num_pages + 1, page_size, num_heads, attention_dim, dtype=dtype,
                              device=device)  # fmt: skip
         self.v = torch.zeros(num_layers, self.num_pages + 1, page_size, num_heads, linear_dim, dtype=dtype,
                              device=device)  # fmt: skip
+        self.scratch_page = scratch_page(self.k)
         self._free = list(range(self.num_pages - 1, -1, -1))
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()

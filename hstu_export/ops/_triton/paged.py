@@ -14,8 +14,9 @@ the query offsets), so a request of users with few new tokens launches no idle p
 longest user's count.
 
 Cached keys are read straight from the cache pages through the page table (no gather copy; a key
-block never straddles a page), the request's own keys from ``k_new``/``v_new``: the kernel writes nothing but its output, so the caller
-stores the new history K/V after the call (the program stays a pure function, as an export needs).
+block never straddles a page), the request's own keys from ``k_new``/``v_new``. The kernel writes nothing
+but its output (the op stays a pure function, as an export needs): the delta run stores the new history
+K/V after the call (:func:`hstu_export.models.cached.store_new_kv`).
 Target rows add their self term, in slice 0 only.
 """
 
