@@ -3,18 +3,19 @@
 The delta program is launch-bound at a few users (on the H100 its host time is about four times its GPU
 time at one user) and its first, small kernels are at any batch: CUDA graphs remove that. A graph
 replays fixed shapes, so a request is run in a *bucket*: a padding user is appended whose history and
-candidates round the token counts up to fixed multiples, and the page table's width is rounded up to a
+candidates round the token counts up to fixed multiples (it may have none), and the page table's width is rounded up to a
 power of two. The padding user has nothing cached and attends only to itself, so the real users'
 answers are those of the unpadded request; its outputs are dropped (its rows come last), and its K/V go
 to the pool's scratch page (the last page: its table row, and every padded column, point there).
 
 A bucket is captured the second time it is seen (one-off shapes run eagerly, unpadded), into a pool
 shared by every graph, and at most ``max_graphs`` are kept (least recently used first out). A replay
-writes the request straight into the graph's input buffers, one copy per input (:func:`fill_bucket`):
+writes the request straight into the graph's input buffers, one copy per dtype (:func:`fill_bucket`):
 the padding user's rows keep whatever an earlier request left there (finite values that only the
-padding user reads), and only its two token counts are written. Replays are serialised under one lock;
-the real rows of the outputs are copied out before it is released. The run itself writes the new K/V
-into the pages, so they are not outputs to copy.
+padding user reads), and its two token counts are computed on the device by the graph itself
+(:func:`padding_counts`). Replays are serialised under one lock; the real rows of the outputs are
+copied out before it is released. The run itself writes the new K/V into the pages, so they are not
+outputs to copy.
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ def _bucket_sizes(inputs: dict[str, Tensor], buckets: Buckets) -> tuple[int, int
     hist = inputs["uih_item_emb"].shape[0]
     cand = inputs["candidate_item_emb"].shape[0]
     width = inputs["kv_page_table"].shape[1]
-    pad_h = _rounded(hist + 1, buckets.history) - hist  # at least one token, so every bucket has one
-    pad_c = _rounded(cand + 1, buckets.candidates) - cand
+    # The padding user takes what rounds the counts up, often nothing; a request without history tokens still
+    # gets a block of them (``_rounded(0)``), so that the program's history input is never empty.
+    pad_h = _rounded(hist, buckets.history) - hist
+    pad_c = _rounded(cand, buckets.candidates) - cand
     return pad_h, pad_c, min(max(1 << (width - 1).bit_length(), width), max(buckets.max_width, width))
 
 
@@ -104,24 +107,38 @@ USER_INPUTS = (HISTORY_LENGTHS, CANDIDATE_LENGTHS, "query_time", "kv_cached")
 
 
 def fill_bucket(static: dict[str, Tensor], inputs: dict[str, Tensor]) -> int:
-    """Writes a request into the padded buffers of its bucket (made by :func:`pad_to_bucket` for an earlier
-    request of the same bucket): the real rows, and the padding user's two token counts. Returns what
-    :func:`pad_to_bucket` returns besides the inputs."""
+    """Writes a request's real rows into the padded buffers of its bucket (made by :func:`pad_to_bucket` for
+    an earlier request of the same bucket). The padding user's two token counts are the replay's to write
+    (:func:`padding_counts`, captured with the program). Returns what :func:`pad_to_bucket` returns besides
+    the inputs."""
     batch = inputs["kv_cached"].shape[0]
     table = inputs["kv_page_table"]
-    # One call for every copy (a served call's host time is mostly such small operations).
-    sources = [inputs[name] for name in ROW_INPUTS if inputs[name].shape[0]]
-    targets = [static[name][: inputs[name].shape[0]] for name in ROW_INPUTS if inputs[name].shape[0]]
-    sources += [inputs[name] for name in USER_INPUTS]  # the padding user's entries: its cached count stays 0
-    targets += [static[name][:batch] for name in USER_INPUTS]
-    torch._foreach_copy_([*targets, static["kv_page_table"][:batch, : table.shape[1]]], [*sources, table])
-    hist, cand = inputs["uih_item_emb"].shape[0], inputs["candidate_item_emb"].shape[0]
-    static[HISTORY_LENGTHS][batch:].fill_(static["uih_item_emb"].shape[0] - hist)
-    static[CANDIDATE_LENGTHS][batch:].fill_(static["candidate_item_emb"].shape[0] - cand)
+    # One call per dtype: a served call's host time is mostly such small operations, and tensors of one dtype
+    # and layout are copied by one kernel on CUDA (mixed dtypes fall back to a copy each).
+    groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+    for name in (*ROW_INPUTS, *USER_INPUTS):
+        source = inputs[name]
+        if source.shape[0]:
+            targets, sources = groups.setdefault(source.dtype, ([], []))
+            targets.append(static[name][: source.shape[0]])
+            sources.append(source)
+    for targets, sources in groups.values():
+        torch._foreach_copy_(targets, sources)
+    static["kv_page_table"][:batch, : table.shape[1]].copy_(table)
     if table.shape[1] < static["kv_page_table"].shape[1]:
         # Later columns may hold an earlier request's pages: the scratch page, so that no write lands there.
         static["kv_page_table"][:batch, table.shape[1]:].fill_(scratch_page(inputs["kv_k_pages"]))
-    return cand
+    return inputs["candidate_item_emb"].shape[0]
+
+
+def padding_counts(static: dict[str, Tensor], batch: int) -> None:
+    """Sets the padding user's history and candidate counts (the entries after the ``batch`` real users')
+    so that the counts add up to the bucket's rows: device work only, run at the start of every replay."""
+    for name, rows in ((HISTORY_LENGTHS, "uih_item_emb"), (CANDIDATE_LENGTHS, "candidate_item_emb")):
+        counts = static[name]
+        # The bucket's rows as a host scalar: a CUDA graph keeps it as a kernel argument (two kernels a count).
+        total = torch.tensor(static[rows].shape[0], dtype=counts.dtype)
+        torch.sub(total, counts[:batch].sum(0, keepdim=True), out=counts[batch:])
 
 
 def unpad(outputs: dict[str, Tensor], candidates: int) -> dict[str, Tensor]:
@@ -176,9 +193,14 @@ class GraphCache:
             if entry.graph is not None:
                 entry.graph.replay()
             else:
-                entry.outputs = self._fn(**entry.inputs)
+                entry.outputs = self._run_bucket(entry.inputs)
             self.counts["replays"] += 1
             return {name: value.clone() for name, value in unpad(entry.outputs, candidates).items()}
+
+    def _run_bucket(self, static: dict[str, Tensor]) -> dict[str, Tensor]:
+        """What a replay runs: the padding user's counts (its row is the last), then the program."""
+        padding_counts(static, static["kv_cached"].shape[0] - 1)
+        return self._fn(**static)
 
     def _capture(self, inputs: dict[str, Tensor]) -> _Graph:
         if not self._cuda:
@@ -191,10 +213,10 @@ class GraphCache:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up outside the capture (allocations, lazy initialisation)
             for _ in range(2):
-                self._fn(**static)
+                self._run_bucket(static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self._fn(**static)
+            outputs = self._run_bucket(static)
         self.counts["captures"] += 1
         return _Graph(graph, static, outputs)

@@ -120,6 +120,18 @@ def test_cached_package_answers_as_the_package_without_cache(kv_package, buckete
         assert stats["hits"] == 14 and stats["stale"] == 0
     else:  # contextual tokens see the whole history: a grown history is recomputed
         assert stats["hits"] == 12 and stats["stale"] == 2
+    # New users whose tokens fill the buckets exactly: the padding user then has no history token and no
+    # candidate (without contextual features, no token at all). Three requests: eager, captured, replayed.
+    step_h, step_c = runner._buckets.history, runner._buckets.candidates
+    replays = runner.graphs.counts["replays"] if runner.graphs is not None else 0
+    for pair in (["d", "e"], ["f", "g"], ["h", "i"]):
+        users.grow(pair[0], step_h // 2)
+        users.grow(pair[1], step_h - step_h // 2)
+        request = users.request(pair, [step_c // 2, step_c - step_c // 2])
+        _same(ranker(request, pair), predictor(request))
+    if bucketed == "buffers":
+        assert runner.graphs is not None and runner.graphs.counts["replays"] >= replays + 2
+    assert ranker.cache.stats()["misses"] == 9
 
 
 @pytest.mark.slow
@@ -241,6 +253,7 @@ def test_verify_serves_the_package_through_its_cache(kv_package, capsys) -> None
 
 
 def test_padding_to_a_bucket_appends_one_user_and_is_dropped_again() -> None:
+    from hstu_export.runtimes import kv_graphs
     from hstu_export.runtimes.kv_graphs import Buckets, bucket_key, fill_bucket, pad_to_bucket, unpad
 
     d, layers, c = 4, 2, 2
@@ -269,8 +282,10 @@ def test_padding_to_a_bucket_appends_one_user_and_is_dropped_again() -> None:
              "kv_cached": torch.tensor([0, 9]), "kv_page_table": torch.tensor([[4, 9, 9, 9], [5, 6, 7, 8]], dtype=torch.int32)}
     buckets = Buckets(history=8, candidates=4, max_width=64)
     assert bucket_key(later, buckets, c) == bucket_key(inputs, buckets, c)
-    assert bucket_key({**later, "candidate_item_emb": torch.randn(4, d)}, buckets, c) != bucket_key(inputs, buckets, c)
+    assert bucket_key({**later, "candidate_item_emb": torch.randn(5, d)}, buckets, c) != bucket_key(inputs, buckets, c)
     assert fill_bucket(padded, later) == 2
+    assert padded["uih_lengths"].tolist() == [6, 0, 3] and padded["candidate_lengths"].tolist() == [0, 2, 1]
+    kv_graphs.padding_counts(padded, 2)  # what the replay does first: the padding user's counts fill the bucket
     assert padded["uih_lengths"].tolist() == [6, 0, 2] and padded["candidate_lengths"].tolist() == [0, 2, 2]
     assert padded["kv_cached"].tolist() == [0, 9, 0]
     assert padded["kv_page_table"].tolist() == [[4, 9, 9, 9], [5, 6, 7, 8], [9, 9, 9, 9]]
@@ -282,6 +297,18 @@ def test_padding_to_a_bucket_appends_one_user_and_is_dropped_again() -> None:
     assert padded["kv_page_table"].tolist() == [[4, 9, 9, 9], [5, 6, 7, 9], [9, 9, 9, 9]]
     torch.testing.assert_close(padded["uih_item_emb"][:6], later["uih_item_emb"])
     assert padded["uih_timestamps"][:6].tolist() == list(range(100, 106))
+    # Counts already on the bucket's multiples: the padding user has no tokens (only a contextual row); with
+    # no history at all it has one block of it, so that the history input is never empty.
+    exact = {**later, "uih_item_emb": torch.randn(8, d), "uih_action_emb": torch.randn(8, d),
+             "uih_timestamps": torch.arange(8), "uih_lengths": torch.tensor([5, 3]),
+             "candidate_item_emb": torch.randn(4, d), "candidate_lengths": torch.tensor([1, 3])}
+    padded_exact, _ = pad_to_bucket(exact, buckets, c)
+    assert padded_exact["uih_lengths"].tolist() == [5, 3, 0] and padded_exact["uih_item_emb"].shape[0] == 8
+    assert padded_exact["candidate_lengths"].tolist() == [1, 3, 0] and padded_exact["contextual_emb"].shape[0] == 2
+    no_history = {**exact, "uih_item_emb": torch.randn(0, d), "uih_action_emb": torch.randn(0, d),
+                  "uih_timestamps": torch.arange(0), "uih_lengths": torch.tensor([0, 0])}
+    padded_empty, _ = pad_to_bucket(no_history, buckets, c)
+    assert padded_empty["uih_lengths"].tolist() == [0, 0, 8] and padded_empty["uih_item_emb"].shape[0] == 8
 
 
 @pytest.mark.slow
