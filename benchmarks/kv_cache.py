@@ -228,6 +228,51 @@ def kernel_trace(runner, inputs: dict, path: Path, calls: int = 10) -> dict:  # 
             "gpu_ms_per_call": sum(e.device_time_total for e in gpu) / calls / 1e3}
 
 
+def served_steps(graphs, inputs: dict, iters: int = 50) -> dict:  # type: ignore[no-untyped-def]
+    """Host time of each step of a served call (ms, medians), the request's bucket already captured: its key,
+    the copies into its buffers, the graph's launch, the copies of the outputs. Synchronised between calls
+    (outside the timings), so that the GPU is idle when each starts, as in the timed served calls."""
+    from hstu_export.runtimes.kv_graphs import bucket_key, unpad
+
+    key = bucket_key(inputs, graphs._buckets, graphs._contextual)
+    entry = graphs._graphs[key]
+    steps: dict[str, list[float]] = {"key": [], "fill": [], "replay": [], "outputs": []}
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        bucket_key(inputs, graphs._buckets, graphs._contextual)
+        t1 = time.perf_counter()
+        candidates = graphs._fill(entry, inputs)
+        t2 = time.perf_counter()
+        entry.graph.replay()
+        t3 = time.perf_counter()
+        {name: value.clone() for name, value in unpad(entry.outputs, candidates).items()}
+        t4 = time.perf_counter()
+        for name, a, b in (("key", t0, t1), ("fill", t1, t2), ("replay", t2, t3), ("outputs", t3, t4)):
+            steps[name].append((b - a) * 1e3)
+    torch.cuda.synchronize()
+    return {name: statistics.median(values) for name, values in steps.items()}
+
+
+def served_trace(runner, inputs: dict, path: Path, calls: int = 10) -> dict:  # type: ignore[no-untyped-def]
+    """torch.profiler over served calls (CUDA graph replays): the host-side operations and their CPU time,
+    to ``path``; the GPU's busy time per call against the call's length."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        runner.run_program(inputs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            runner.run_program(inputs)
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    path.write_text(events.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=90))
+    gpu = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    return {"gpu_ms_per_call": sum(e.device_time_total for e in gpu) / calls / 1e3,
+            "kernels_per_call": sum(e.count for e in gpu) / calls}
+
+
 def request(model: HstuRankingModel, work: dict, batch: int, seed: int) -> dict[str, torch.Tensor]:
     lengths = {"uih_lengths": [work["history"]] * batch, "candidate_lengths": [work["candidates"]] * batch}
     return hstu_export.generate_batch(model.input_schema(), batch, seed=seed, lengths=lengths)
@@ -370,6 +415,9 @@ def package_row(row: dict, package, budget: int, prefix: dict, features: dict, f
             runner.run_program(inputs)
         row["kv_program_served_host_ms"] = (time.perf_counter() - t) * 1e2
         torch.cuda.synchronize()
+        row["kv_program_served_host_steps"] = served_steps(runner.graphs, inputs)
+        if trace_dir is not None:
+            row["kv_program_served_trace"] = served_trace(runner, inputs, trace_dir / f"kv_served_{work['history']}_{batch}.txt")
         # Both runs write the new tokens' K/V into their pages: cleared before each, compared after.
         at = new_token_slots(table, work)
         kv.cache.k[:, at[0], at[1]] = 0

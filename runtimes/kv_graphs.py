@@ -106,28 +106,51 @@ ROW_INPUTS = ("uih_item_emb", "uih_action_emb", "uih_timestamps", "candidate_ite
 USER_INPUTS = (HISTORY_LENGTHS, CANDIDATE_LENGTHS, "query_time", "kv_cached")
 
 
-def fill_bucket(static: dict[str, Tensor], inputs: dict[str, Tensor]) -> int:
+@dataclass(frozen=True)
+class Copies:
+    """Where a request's tensors go in its bucket's buffers (:func:`copies_into`): the targets of each dtype,
+    with the inputs they take; the page table's real columns; its later columns (a narrower table), or None."""
+
+    groups: tuple[tuple[list[Tensor], tuple[str, ...]], ...]
+    table: Tensor
+    rest: Tensor | None
+
+
+def copies_into(static: dict[str, Tensor], inputs: dict[str, Tensor]) -> Copies:
+    """The :class:`Copies` of ``inputs`` into the buffers ``static`` of their bucket. They depend on the
+    request's sizes only (:func:`request_sizes`), so a bucket keeps them for its next request of those sizes."""
+    groups: dict[torch.dtype, tuple[list[Tensor], list[str]]] = {}
+    for name in (*ROW_INPUTS, *USER_INPUTS):
+        rows = inputs[name].shape[0]
+        if rows:
+            targets, names = groups.setdefault(inputs[name].dtype, ([], []))
+            targets.append(static[name][:rows])
+            names.append(name)
+    batch, width = inputs["kv_page_table"].shape
+    table = static["kv_page_table"]
+    rest = table[:batch, width:] if width < table.shape[1] else None
+    return Copies(tuple((targets, tuple(names)) for targets, names in groups.values()), table[:batch, :width], rest)
+
+
+def request_sizes(inputs: dict[str, Tensor]) -> tuple[int, ...]:
+    """What :func:`copies_into` depends on: the rows of each input, and the page table's width."""
+    return (*(inputs[name].shape[0] for name in ROW_INPUTS), *inputs["kv_page_table"].shape)
+
+
+def fill_bucket(static: dict[str, Tensor], inputs: dict[str, Tensor], copies: Copies | None = None) -> int:
     """Writes a request's real rows into the padded buffers of its bucket (made by :func:`pad_to_bucket` for
-    an earlier request of the same bucket). The padding user's two token counts are the replay's to write
-    (:func:`padding_counts`, captured with the program). Returns what :func:`pad_to_bucket` returns besides
-    the inputs."""
-    batch = inputs["kv_cached"].shape[0]
-    table = inputs["kv_page_table"]
+    an earlier request of the same bucket), by ``copies`` (default: :func:`copies_into`). The padding user's
+    two token counts are the replay's to write (:func:`padding_counts`, captured with the program). Returns
+    what :func:`pad_to_bucket` returns besides the inputs."""
+    copies = copies or copies_into(static, inputs)
     # One call per dtype: a served call's host time is mostly such small operations, and tensors of one dtype
     # and layout are copied by one kernel on CUDA (mixed dtypes fall back to a copy each).
-    groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
-    for name in (*ROW_INPUTS, *USER_INPUTS):
-        source = inputs[name]
-        if source.shape[0]:
-            targets, sources = groups.setdefault(source.dtype, ([], []))
-            targets.append(static[name][: source.shape[0]])
-            sources.append(source)
-    for targets, sources in groups.values():
-        torch._foreach_copy_(targets, sources)
-    static["kv_page_table"][:batch, : table.shape[1]].copy_(table)
-    if table.shape[1] < static["kv_page_table"].shape[1]:
+    for targets, names in copies.groups:
+        torch._foreach_copy_(targets, [inputs[name] for name in names])
+    copies.table.copy_(inputs["kv_page_table"])
+    if copies.rest is not None:
         # Later columns may hold an earlier request's pages: the scratch page, so that no write lands there.
-        static["kv_page_table"][:batch, table.shape[1]:].fill_(scratch_page(inputs["kv_k_pages"]))
+        copies.rest.fill_(scratch_page(inputs["kv_k_pages"]))
     return inputs["candidate_item_emb"].shape[0]
 
 
@@ -151,6 +174,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None: replays call the function on the buffers (no CUDA)
     inputs: dict[str, Tensor]
     outputs: dict[str, Tensor]
+    copies: tuple[tuple[int, ...], Copies] | None = None  # the last request's sizes, and its copies
 
 
 class GraphCache:
@@ -188,7 +212,7 @@ class GraphCache:
                 if len(self._graphs) > self._max:
                     self._graphs.popitem(last=False)
             else:
-                candidates = fill_bucket(entry.inputs, inputs)
+                candidates = self._fill(entry, inputs)
             self._graphs.move_to_end(key)
             if entry.graph is not None:
                 entry.graph.replay()
@@ -196,6 +220,15 @@ class GraphCache:
                 entry.outputs = self._run_bucket(entry.inputs)
             self.counts["replays"] += 1
             return {name: value.clone() for name, value in unpad(entry.outputs, candidates).items()}
+
+    @staticmethod
+    def _fill(entry: _Graph, inputs: dict[str, Tensor]) -> int:
+        """:func:`fill_bucket` into ``entry``'s buffers, with the copies of its last request when the sizes are
+        the same (the steady state: no view made again)."""
+        sizes = request_sizes(inputs)
+        if entry.copies is None or entry.copies[0] != sizes:
+            entry.copies = (sizes, copies_into(entry.inputs, inputs))
+        return fill_bucket(entry.inputs, inputs, entry.copies[1])
 
     def _run_bucket(self, static: dict[str, Tensor]) -> dict[str, Tensor]:
         """What a replay runs: the padding user's counts (its row is the last), then the program."""
