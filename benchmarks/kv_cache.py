@@ -39,11 +39,10 @@ import hstu_export
 from hstu_export.models.cached import DeltaRanker
 from hstu_export.models.config import preset_config
 from hstu_export.models.ranking import HstuRankingModel
-from hstu_export.models.transducer import time_buckets
 from hstu_export.ops import Kernel
 from hstu_export.ops._triton import cached_hstu_mha_triton_fwd, hstu_mha_triton_fwd
 from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd
-from hstu_export.serving.kv_cache import CachedRanker, EntryRecord
+from hstu_export.serving.kv_cache import TOKEN_ROWS, CachedRanker, EntryRecord, valid_query_times
 
 WORKLOADS = {"long": dict(history=4096, cached=3968, candidates=256), "dlrm": dict(history=1024, cached=1024,
                                                                                    candidates=2048)}
@@ -278,13 +277,14 @@ def request(model: HstuRankingModel, work: dict, batch: int, seed: int) -> dict[
     return hstu_export.generate_batch(model.input_schema(), batch, seed=seed, lengths=lengths)
 
 
-def prefix_record(host: dict, work: dict, b: int, enc) -> EntryRecord:  # type: ignore[no-untyped-def]
+def prefix_record(host: dict, work: dict, b: int, layout) -> EntryRecord:  # type: ignore[no-untyped-def]
     """What the cache records for user ``b``'s first ``cached`` history tokens (no contextual features)."""
     rows = slice(b * work["history"], b * work["history"] + work["cached"])
-    events = [host[name][rows].to(torch.int64) for name in ("uih_item_ids", "uih_action_ids", "uih_timestamps")]
-    buckets = time_buckets(host["query_time"][b], events[2], enc.time_bucket_base, enc.num_time_buckets)
-    return EntryRecord(torch.empty(0, dtype=torch.int64), torch.stack([*events, buckets]),
-                       int(host["query_time"][b]))
+    events = [host[name][rows].to(torch.int64) for name in TOKEN_ROWS]
+    now = int(host["query_time"][b])
+    stamps = events[TOKEN_ROWS.index("uih_timestamps")]
+    lo, hi = valid_query_times(stamps, torch.full_like(stamps, now), torch.zeros_like(stamps), 1, layout)
+    return EntryRecord(torch.empty(0, dtype=torch.int64), torch.stack(events), now, (lo[0], hi[0]))
 
 
 def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dict, batch: int,  # type: ignore[no-untyped-def]
@@ -353,11 +353,10 @@ def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dic
         row["rel_err_delta_run_vs_full"] = max(float((ran[k].float() - full[k].float()).norm()
                                                      / full[k].float().norm()) for k in full)
         host = {k: v.cpu() for k, v in features.items()}
-        enc = gpu.transducer.positional_encoder
 
         prefix_state = {}  # each user's entry at `cached` tokens, computed once (not part of what is timed)
         for b in users:
-            prefix_state[b] = prefix_record(host, work, b, enc)
+            prefix_state[b] = prefix_record(host, work, b, ranker.layout)
 
         def reset_and_run(ranker=ranker, request=features):  # type: ignore[no-untyped-def]
             # Put each user back to `cached` tokens (bookkeeping only: a dict update each), then serve.

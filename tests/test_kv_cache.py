@@ -12,9 +12,11 @@ import torch
 from kv_requests import Users
 
 from hstu_export.errors import ConfigError, RequestError
+from hstu_export.models.cached import KVLayout
 from hstu_export.models.config import HSTUConfig
 from hstu_export.models.ranking import HstuRankingModel
-from hstu_export.serving.kv_cache import CachedRanker
+from hstu_export.models.transducer import bucket_edges, time_buckets
+from hstu_export.serving.kv_cache import CachedRanker, valid_query_times
 
 # Same shapes as the tiny preset, with and without contextual tokens.
 CONTEXT = HSTUConfig()
@@ -95,6 +97,54 @@ def test_a_later_query_time_is_exact_by_default_and_bounded_when_allowed() -> No
     much_later = users.request(["u"], [3], query_time=20_000)  # beyond the allowed drift: recomputed
     _check(drifting, much_later, ["u"])
     assert drifting.cache.stats()["stale"] == 1
+
+
+@pytest.mark.parametrize("base,num_buckets", [(0.301, 128), (0.5, 8), (1.0, 64)])
+def test_valid_query_times_are_where_no_bucket_moves(base: float, num_buckets: int) -> None:
+    """An entry is reused exactly when the query time lies in its valid interval: that must be exactly
+    when every cached token's time bucket is the one it was computed with."""
+    edges = bucket_edges(base, num_buckets)
+    zero = torch.zeros(1, dtype=torch.int64)
+    inner = edges[1:-1][edges[1:-1] < (1 << 40)]
+    for k in range(num_buckets):  # each edge is where the bucket steps up
+        if -(1 << 61) < edges[k] < (1 << 40) and edges[k] < edges[k + 1]:
+            assert int(time_buckets(edges[k:k + 1], zero, base, num_buckets)) == k
+            assert int(time_buckets(edges[k:k + 1] - 1, zero, base, num_buckets)) < k
+    gen = torch.Generator().manual_seed(5)
+    now = 1_700_000_000
+    layout = KVLayout(1, 1, 8, 8, (), base, num_buckets, torch.float32)
+    for _ in range(20):
+        # Histories whose time differences sit on and next to the edges, and anywhere.
+        picks = inner[torch.randint(0, inner.numel(), (12,), generator=gen)]
+        stamps = torch.cat([now - picks + torch.randint(-2, 3, (12,), generator=gen),
+                            now - torch.randint(0, 10**7, (12,), generator=gen)])
+        users = torch.randint(0, 3, (24,), generator=gen)
+        lo, hi = valid_query_times(stamps, torch.full_like(stamps, now), users, 3, layout)
+        at_now = time_buckets(now, stamps, base, num_buckets)
+        for u in range(3):
+            mine = users == u
+            for q in {now, lo[u] - 1, lo[u], hi[u] - 1, hi[u], now + 1, now + 1000, now - 1}:
+                if abs(q) >= 1 << 61:
+                    continue
+                same = bool((time_buckets(q, stamps[mine], base, num_buckets) == at_now[mine]).all())
+                assert same == (lo[u] <= q < hi[u]), (u, q, lo[u], hi[u])
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert valid_query_times(empty, empty, empty, 2, layout) == ([-(1 << 62)] * 2, [1 << 62] * 2)
+
+
+def test_a_later_query_time_that_moves_no_bucket_is_still_a_hit() -> None:
+    model = _model(NO_CONTEXT)
+    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=16)
+    users = Users(NO_CONTEXT, seed=6)
+    users.grow("u", 12, now=10_000)
+    ranker(users.request(["u"], [3], query_time=10_000), ["u"])
+    low, high = ranker.cache._entries["u"].valid
+    assert low <= 10_000 < high
+    users.grow("u", 2, now=high - 1)  # two new tokens; the first twelve keep their buckets until `high`
+    _check(ranker, users.request(["u"], [3], query_time=high - 1), ["u"])
+    assert ranker.cache.stats()["hits"] == 1 and ranker.cache.stats()["stale"] == 0
+    _check(ranker, users.request(["u"], [3], query_time=high), ["u"])  # a bucket moves: recomputed
+    assert ranker.cache.stats()["stale"] == 1
 
 
 def test_eviction_keeps_answers_right_and_counts() -> None:

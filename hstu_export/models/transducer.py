@@ -7,6 +7,7 @@ sequence is ``contextual tokens ⊕ history ⊕ candidates`` and candidates are 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -72,6 +73,30 @@ def time_buckets(query_time: Tensor, timestamps: Tensor, base: float, num_bucket
     """Timestamp bucket of history tokens: log(query_time - t) / base, in [0, num_buckets)."""
     delta = (query_time - timestamps).clamp(min=1).to(torch.float32)
     return (torch.log(delta) / base).to(torch.int64).clamp(min=0, max=num_buckets - 1)
+
+
+# Beyond any time difference a request can hold: the bounds of the first and the last bucket.
+UNBOUNDED = 1 << 62
+
+
+@functools.cache
+def bucket_edges(base: float, num_buckets: int) -> Tensor:
+    """``edges`` [num_buckets + 1] such that :func:`time_buckets` gives bucket ``k`` exactly for the time
+    differences ``d`` with ``edges[k] <= d < edges[k + 1]`` (``-UNBOUNDED`` and ``UNBOUNDED`` at the ends; a
+    bucket that no difference reaches has the next one's edge). The bucket is a non-decreasing function of
+    ``d`` (each of its steps is), so each edge is found by a binary search over ``d`` with that same
+    function: float32 rounding included, and without inverting the logarithm."""
+    wanted = torch.arange(1, num_buckets, dtype=torch.int64)
+    lo = torch.ones_like(wanted)  # bucket(lo) < k, or lo is the edge
+    hi = torch.full_like(wanted, UNBOUNDED)  # bucket(hi) >= k, or UNBOUNDED: k is not reached
+    zero = torch.zeros_like(wanted)
+    for _ in range(UNBOUNDED.bit_length()):
+        mid = (lo + hi) // 2
+        reached = time_buckets(mid, zero, base, num_buckets) >= wanted
+        hi = torch.where(reached, mid, hi)
+        lo = torch.where(reached, lo, mid + 1)
+    edges = torch.where(time_buckets(lo, zero, base, num_buckets) >= wanted, lo, UNBOUNDED)
+    return torch.cat([edges.new_tensor([-UNBOUNDED]), edges, edges.new_tensor([UNBOUNDED])])
 
 
 class PositionalEncoder(nn.Module):

@@ -30,7 +30,7 @@ from torch import Tensor
 from hstu_export.errors import ConfigError, RequestError
 from hstu_export.models.cached import DeltaRanker, KVLayout, scratch_page
 from hstu_export.models.ranking import HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES, HstuRankingModel
-from hstu_export.models.transducer import time_buckets
+from hstu_export.models.transducer import UNBOUNDED, bucket_edges, time_buckets
 
 __all__ = ["CacheFull", "CachedRanker", "DeltaRunner", "EagerDelta", "EntryRecord", "PagedKVCache"]
 
@@ -74,9 +74,10 @@ class CacheFull(Exception):
     """The pages a request needs cannot be freed (the budget is too small, or every other user is in use)."""
 
 
-# The rows of a cache entry's history tokens: HISTORY_TOKEN_FEATURES, then the time bucket.
-TOKEN_ROWS = (*HISTORY_TOKEN_FEATURES, "time_bucket")
-_BUCKET = len(HISTORY_TOKEN_FEATURES)
+# The rows of a cache entry's history tokens: HISTORY_TOKEN_FEATURES.
+TOKEN_ROWS = HISTORY_TOKEN_FEATURES
+_TIME = TOKEN_ROWS.index("uih_timestamps")
+EVERY_QUERY_TIME = (-UNBOUNDED, UNBOUNDED)
 
 
 def _empty() -> Tensor:
@@ -87,11 +88,13 @@ def _empty() -> Tensor:
 class _Entry:
     pages: list[int]
     length: int = 0  # tokens cached (contextual + history)
-    # What they were (CPU, int64): contextual ids [c], and [4, history]: item, action, time and time
-    # bucket of each history token (one tensor: a request compares a user in one call).
+    # What they were (CPU, int64): contextual ids [c], and [3, history]: item, action and time of each history
+    # token (a request compares each row in one call).
     context: Tensor = field(default_factory=_empty)
     tokens: Tensor = field(default_factory=lambda: torch.empty(len(TOKEN_ROWS), 0, dtype=torch.int64))
     query_time: int = 0  # the earliest query time whose buckets the entry holds
+    # The query times [lo, hi) at which every cached token falls in the time bucket it was computed with.
+    valid: tuple[int, int] = EVERY_QUERY_TIME
     pins: int = 0
 
 
@@ -100,8 +103,23 @@ class EntryRecord:
     """What a request leaves in a stored user's entry (:meth:`PagedKVCache.commit`)."""
 
     context: Tensor
-    tokens: Tensor  # [4, history]: TOKEN_ROWS
+    tokens: Tensor  # [3, history]: TOKEN_ROWS
     query_time: int
+    valid: tuple[int, int]  # as _Entry.valid
+
+
+def valid_query_times(timestamps: Tensor, query_time: Tensor, users: Tensor, batch: int, layout: KVLayout
+                      ) -> tuple[list[int], list[int]]:
+    """For each of ``batch`` users, the query times [lo, hi) at which its tokens among ``timestamps`` (user
+    ``users[i]``'s, its query time ``query_time[i]``) keep the time bucket they have at that query time:
+    the intersection of each token's bucket (:func:`~hstu_export.models.transducer.bucket_edges`) shifted
+    by its timestamp. A user without tokens gets every query time."""
+    edges = bucket_edges(layout.time_bucket_base, layout.num_time_buckets)
+    bucket = time_buckets(query_time, timestamps, layout.time_bucket_base, layout.num_time_buckets)
+    lo = torch.full((batch,), -UNBOUNDED, dtype=torch.int64).scatter_reduce(0, users, timestamps + edges[bucket], "amax")
+    hi = torch.full((batch,), UNBOUNDED, dtype=torch.int64).scatter_reduce(0, users, timestamps + edges[bucket + 1],
+                                                                            "amin")
+    return lo.tolist(), hi.tolist()
 
 
 _STRIPES = 64  # per-user request locks: a fixed set, the user's hash picks one
@@ -235,7 +253,7 @@ class PagedKVCache:
         with self._lock:
             entry = self._entries[user]
             entry.length, entry.context = length, record.context
-            entry.tokens, entry.query_time = record.tokens, record.query_time
+            entry.tokens, entry.query_time, entry.valid = record.tokens, record.query_time, record.valid
 
 
 class CachedRanker:
@@ -263,8 +281,9 @@ class CachedRanker:
         layout = self.layout
         c = layout.contextual_seq_len
         features = self.runner.validate(features)
-        # On the host: what the bookkeeping reads (lengths, history, query time, contextual ids). The work
-        # over every token is done once for the batch; per user there are only a few comparisons.
+        # On the host: what the bookkeeping reads (lengths, history, query time, contextual ids). Per user
+        # it compares each token row with the entry's in one call, and its time buckets in O(1) (the
+        # entry's valid query times); buckets are computed for the request's new tokens only.
         host = {name: features[name].cpu() for name in (HISTORY_LENGTHS, *HISTORY_TOKEN_FEATURES, "query_time",
                                                          *layout.contextual_features)}
         hist_len = host[HISTORY_LENGTHS].to(torch.int64)
@@ -276,13 +295,7 @@ class CachedRanker:
         hist_off = [0, *itertools.accumulate(lengths)]
         query_time = host["query_time"].to(torch.int64)
         times = query_time.tolist()
-        # Each history token's item, action, time and time bucket at this query time: one [4, N] tensor
-        # (rows, not columns: stacking rows is a plain copy of each).
-        stamps = host["uih_timestamps"].to(torch.int64)
-        buckets = time_buckets(torch.repeat_interleave(query_time, hist_len, output_size=hist_off[-1]), stamps,
-                               layout.time_bucket_base, layout.num_time_buckets)
-        tokens = torch.stack([host["uih_item_ids"].to(torch.int64), host["uih_action_ids"].to(torch.int64), stamps,
-                              buckets])
+        rows = [host[name].to(torch.int64) for name in TOKEN_ROWS]
         context = (torch.stack([host[name] for name in layout.contextual_features], 1).to(torch.int64) if c
                    else torch.empty(batch, 0, dtype=torch.int64))
         counts: dict[Hashable, int] = {}
@@ -291,24 +304,25 @@ class CachedRanker:
         with self.cache.using(ids):
             cached = [0] * batch
             tables: list[list[int]] = []
-            records: list[EntryRecord | None] = []  # what to record per stored user
+            stored: list[_Entry | bool | None] = []  # per user: the entry reused, True (stored afresh), None (not)
+            mine: list[list[Tensor]] = []  # per user: its history's rows (views)
             for b, user in enumerate(ids):
+                mine.append([row[hist_off[b]:hist_off[b + 1]] for row in rows])
                 if counts[user] > 1:  # the same user twice in one batch: served, not stored
                     tables.append([])
-                    records.append(None)
+                    stored.append(None)
                     continue
-                mine = tokens[:, hist_off[b]:hist_off[b + 1]]
                 entry = self.cache.entry(user)
-                reuse = self._reusable(entry, context[b] if c else None, mine, times[b])
+                reuse = self._reusable(entry, context[b] if c else None, mine[b], times[b])
                 try:
                     tables.append(self.cache.reserve(user, c + lengths[b], reuse))
                 except CacheFull:
                     tables.append([])
-                    records.append(None)
+                    stored.append(None)
                     continue
                 cached[b] = reuse
-                records.append(self._record(entry if reuse else None, context[b], mine, times[b]))
-            bypassed = sum(record is None for record in records)
+                stored.append(entry if reuse else True)
+            bypassed = sum(kept is None for kept in stored)
             if bypassed:
                 self.cache.count("bypassed", bypassed)
             width = max(1, *(len(t) for t in tables))
@@ -329,14 +343,19 @@ class CachedRanker:
             delta[HISTORY_LENGTHS] = new_counts.to(hist_len.dtype)
             # The run writes the stored users' new K/V into their pages; then record what those hold.
             outputs = self.runner(delta, torch.tensor(cached, dtype=torch.int64), self.cache.k, self.cache.v, table)
-            for b, (user, record) in enumerate(zip(ids, records)):
-                if record is not None:
-                    self.cache.commit(user, c + lengths[b], record)
+            if bypassed < batch:
+                owner = torch.repeat_interleave(torch.arange(batch), new_counts, output_size=total_new)
+                lo, hi = valid_query_times(rows[_TIME][fresh], query_time[owner], owner, batch, layout)
+                for b, (user, kept) in enumerate(zip(ids, stored)):
+                    if kept is not None:
+                        record = self._record(kept if isinstance(kept, _Entry) else None, context[b], mine[b],
+                                              times[b], (lo[b], hi[b]))
+                        self.cache.commit(user, c + lengths[b], record)
             return outputs
 
-    def _reusable(self, entry: _Entry | None, context: Tensor | None, tokens: Tensor, query_time: int) -> int:
+    def _reusable(self, entry: _Entry | None, context: Tensor | None, tokens: list[Tensor], query_time: int) -> int:
         """Tokens of the entry that may be reused exactly (0: recompute), counting hit, miss or stale.
-        ``context`` (None without contextual features) and ``tokens`` ([4, history], TOKEN_ROWS): the
+        ``context`` (None without contextual features) and ``tokens`` (TOKEN_ROWS, each [history]): the
         user's in this request (views, CPU)."""
         c = self.layout.contextual_seq_len
         if entry is None or entry.length == 0:
@@ -344,22 +363,28 @@ class CachedRanker:
             return 0
         hist = entry.length - c
         # Contextual tokens see the whole history: with them, only an unchanged history is reused.
-        ok = hist <= tokens.shape[1] and not (c > 0 and hist != tokens.shape[1])
+        ok = hist <= tokens[0].shape[0] and not (c > 0 and hist != tokens[0].shape[0])
         ok = ok and (context is None or torch.equal(entry.context, context))
-        if ok and not torch.equal(entry.tokens, tokens[:, :hist]):  # the same tokens, in the same time buckets
-            ok = torch.equal(entry.tokens[:_BUCKET], tokens[:_BUCKET, :hist])  # the same tokens, later
-            ok = ok and query_time - entry.query_time <= self.max_time_drift
+        ok = ok and all(torch.equal(entry.tokens[i], row[:hist]) for i, row in enumerate(tokens))  # the same tokens
+        # In the same time buckets, or within the allowed drift.
+        low, high = entry.valid
+        ok = ok and (low <= query_time < high or query_time - entry.query_time <= self.max_time_drift)
         self.cache.count("hits" if ok else "stale")
         return entry.length if ok else 0
 
     @staticmethod
-    def _record(reused: _Entry | None, context: Tensor, tokens: Tensor, query_time: int) -> EntryRecord:
+    def _record(reused: _Entry | None, context: Tensor, tokens: list[Tensor], query_time: int,
+                valid: tuple[int, int]) -> EntryRecord:
         """What a stored user's entry holds after this request: its own copies (never views of the request),
-        and, where an entry was reused, its tokens' buckets and query time."""
+        and, where an entry was reused, its tokens' buckets and query time. ``valid``: the query times at
+        which the request's new tokens keep their buckets."""
         if reused is None:
-            return EntryRecord(context.clone(), tokens.clone(), query_time)
+            return EntryRecord(context.clone(), torch.stack(tokens), query_time, valid)
         hist = reused.tokens.shape[1]
-        if tokens.shape[1] == hist:  # nothing new: the entry stays as it is
-            return EntryRecord(reused.context, reused.tokens, reused.query_time)
+        if tokens[0].shape[0] == hist:  # nothing new: the entry stays as it is
+            return EntryRecord(reused.context, reused.tokens, reused.query_time, reused.valid)
         # Cached tokens keep the buckets (and time) they were computed with.
-        return EntryRecord(reused.context, torch.cat([reused.tokens, tokens[:, hist:]], 1), reused.query_time)
+        both = (max(reused.valid[0], valid[0]), min(reused.valid[1], valid[1]))
+        return EntryRecord(reused.context, torch.cat([reused.tokens, torch.stack([t[hist:] for t in tokens])], 1),
+                           reused.query_time, both)
+
