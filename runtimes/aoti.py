@@ -25,6 +25,7 @@ from hstu_export.runtimes.base import (
 from hstu_export.runtimes.graph_io import (
     BUILTIN_NAMESPACES,
     OP_LIBRARY_MODULES,
+    data_dependent_advice,
     export_ready,
     plain_first_line,
 )
@@ -46,8 +47,8 @@ def export_dense(inputs: CompileInputs) -> torch.export.ExportedProgram:
                 strict=False,
             )
     except Exception as exc:
-        text = str(exc).strip().splitlines()
-        raise ExportError(f"torch.export of the dense graph failed: {text[0] if text else type(exc).__name__}") from exc
+        raise ExportError(f"torch.export of the dense graph failed: {plain_first_line(exc)}"
+                          f"{data_dependent_advice(exc)}") from exc
 
 
 class AotiBackend(Backend):
@@ -61,8 +62,8 @@ class AotiBackend(Backend):
         try:
             torch._inductor.aoti_compile_and_package(program, package_path=str(out_dir / DENSE_FILE))
         except Exception as exc:
-            text = str(exc).strip().splitlines()
-            raise ExportError(f"AOTInductor compilation failed: {text[0] if text else type(exc).__name__}") from exc
+            raise ExportError(f"AOTInductor compilation failed: {plain_first_line(exc)}"
+                              f"{data_dependent_advice(exc)}") from exc
         return BackendArtifacts(
             files={"sparse": sparse, "dense": DENSE_FILE},
             meta={"dense_exported_nodes": len(program.graph.nodes)},

@@ -52,6 +52,27 @@ def plain_first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+# What torch.export and Inductor say when a size read from tensor values must be compared with a number.
+_DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "data-dependent expression")
+
+
+def data_dependent_advice(exc: BaseException) -> str:
+    """What to do, as a clause to append to a compiler's error (empty for other errors), when ``exc`` (or its
+    cause) is a guard on a size the dense graph reads from tensor values: typically a max length taken with
+    ``.max()``/``.item()`` inside a model's own attention function, which a fixed shape compiler cannot
+    always handle."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if any(marker in str(link) for marker in _DATA_DEPENDENT):
+            return ("; a size in the dense graph is read from tensor values (a max length taken with .max() or "
+                    ".item(), often in the model's own attention function): map that function onto a known one "
+                    "with --map-function NAME=RULE (README, 'Your own model'), or export with --backend torchscript")
+        link = link.__cause__ or link.__context__
+    return ""
+
+
 def symbolic_int(value: Any) -> Any:
     """``int(value)`` as torch.export can trace it: a symbolic int stays symbolic (``int()`` of an
     unbacked size would demand its value), an integer tensor becomes its (unbacked) item."""

@@ -25,7 +25,12 @@ from hstu_export.runtimes.base import (
     Runner,
     SplitRunner,
 )
-from hstu_export.runtimes.graph_io import BUILTIN_NAMESPACES, op_calls, plain_first_line
+from hstu_export.runtimes.graph_io import (
+    BUILTIN_NAMESPACES,
+    data_dependent_advice,
+    op_calls,
+    plain_first_line,
+)
 from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
 from hstu_export.settings import ExportSettings
 
@@ -108,7 +113,8 @@ class OnnxBackend(Backend):
                     output_names=inputs.output_names, external_data=False, verbose=False,
                 )
         except Exception as exc:
-            raise ExportError(f"ONNX export of the dense graph failed: {plain_first_line(exc)}") from exc
+            raise ExportError(f"ONNX export of the dense graph failed: {plain_first_line(exc)}"
+                              f"{data_dependent_advice(exc)}") from exc
         del onnx_program
         return BackendArtifacts(files={"sparse": sparse, "dense": DENSE_FILE}, meta={"opset": OPSET},
                                 op_libraries=sparse_libraries)

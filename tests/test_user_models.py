@@ -239,6 +239,36 @@ def test_mismatch_names_output_batch_and_sizes(bundles: dict[str, Path], tmp_pat
     assert not (tmp_path / "pkg").exists()
 
 
+def test_sizes_read_from_values_get_advice_not_a_compiler_dump(bundles: dict[str, Path], tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Without the mapping of its attention function, the user model pads to a max length it reads from the
+    lengths' values, and AOTInductor cannot compile the batched product over it: the error is one line that
+    says what to do, the exit code is non-zero, and nothing is written."""
+    from hstu_export.cli import main as cli_main
+
+    target = tmp_path / "pkg"
+    code = cli_main([str(bundles["dlrm_hstu"]), "--backend", "aoti", "--out", str(target), "--max-batch-size",
+                     str(MAX_BATCH), "-q"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and len(err.splitlines()) == 1, err
+    assert "AOTInductor compilation failed" in err and "read from tensor values" in err
+    assert "--map-function NAME=RULE" in err and "--backend torchscript" in err
+    assert not target.exists()
+
+
+def test_data_dependent_advice_reads_the_cause_chain() -> None:
+    from hstu_export.runtimes.graph_io import data_dependent_advice
+
+    try:
+        try:
+            raise RuntimeError("GuardOnDataDependentSymNode: Could not guard on data-dependent expression Eq(u0, 1)")
+        except RuntimeError as inner:
+            raise ValueError("LoweringException") from inner
+    except ValueError as outer:
+        assert "--map-function" in data_dependent_advice(outer)
+    assert data_dependent_advice(RuntimeError("out of memory")) == ""
+
+
 def wrong_scale_attention(call):  # type: ignore[no-untyped-def]
     bound = call.static_bound("max_seq_len")
     return torch.ops.hstu_export.hstu_mha.default(call["q"], call["k"], call["v"], call["seq_offsets"], bound,
