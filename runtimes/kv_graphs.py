@@ -3,10 +3,11 @@
 The delta program is launch-bound at a few users (on the H100 its host time is about four times its GPU
 time at one user) and its first, small kernels are at any batch: CUDA graphs remove that. A graph
 replays fixed shapes, so a request is run in a *bucket*: a padding user is appended whose history and
-candidates round the token counts up to fixed multiples (it may have none), and the page table's width is rounded up to a
-power of two. The padding user has nothing cached and attends only to itself, so the real users'
-answers are those of the unpadded request; its outputs are dropped (its rows come last), and its K/V go
-to the pool's scratch page (the last page: its table row, and every padded column, point there).
+candidates round the token counts up to fixed multiples (it may have none), and the page table's width
+is rounded up to a power of two. The padding user has nothing cached and attends only to itself, so the
+real users' answers are those of the unpadded request; its outputs are dropped (its rows come last), and
+its K/V go to the pool's scratch page (the last page: its table row, and every padded column, point
+there).
 
 A bucket is captured the second time it is seen (one-off shapes run eagerly, unpadded), into a pool
 shared by every graph, and at most ``max_graphs`` are kept (least recently used first out). A replay

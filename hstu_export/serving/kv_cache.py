@@ -366,9 +366,10 @@ class CachedRanker:
         ok = hist <= tokens[0].shape[0] and not (c > 0 and hist != tokens[0].shape[0])
         ok = ok and (context is None or torch.equal(entry.context, context))
         ok = ok and all(torch.equal(entry.tokens[i], row[:hist]) for i, row in enumerate(tokens))  # the same tokens
-        # In the same time buckets, or within the allowed drift.
+        # In the same time buckets, or within the allowed drift (none by default: exact).
         low, high = entry.valid
-        ok = ok and (low <= query_time < high or query_time - entry.query_time <= self.max_time_drift)
+        drift = query_time - entry.query_time
+        ok = ok and (low <= query_time < high or (0 < self.max_time_drift and drift <= self.max_time_drift))
         self.cache.count("hits" if ok else "stale")
         return entry.length if ok else 0
 
@@ -387,4 +388,3 @@ class CachedRanker:
         both = (max(reused.valid[0], valid[0]), min(reused.valid[1], valid[1]))
         return EntryRecord(reused.context, torch.cat([reused.tokens, torch.stack([t[hist:] for t in tokens])], 1),
                            reused.query_time, both)
-
