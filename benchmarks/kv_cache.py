@@ -255,7 +255,8 @@ def served_steps(graphs, inputs: dict, iters: int = 50) -> dict:  # type: ignore
 
 def served_trace(runner, inputs: dict, path: Path, calls: int = 10) -> dict:  # type: ignore[no-untyped-def]
     """torch.profiler over served calls (CUDA graph replays): the host-side operations and their CPU time,
-    to ``path``; the GPU's busy time per call against the call's length."""
+    to ``path``; returns the GPU's busy time and its kernels per call (the graph's, the copies' and the
+    outputs')."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
