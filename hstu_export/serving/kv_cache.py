@@ -76,7 +76,6 @@ class CacheFull(Exception):
 
 # The rows of a cache entry's history tokens: HISTORY_TOKEN_FEATURES.
 TOKEN_ROWS = HISTORY_TOKEN_FEATURES
-_TIME = TOKEN_ROWS.index("uih_timestamps")
 EVERY_QUERY_TIME = (-UNBOUNDED, UNBOUNDED)
 
 
@@ -345,7 +344,8 @@ class CachedRanker:
             outputs = self.runner(delta, torch.tensor(cached, dtype=torch.int64), self.cache.k, self.cache.v, table)
             if bypassed < batch:
                 owner = torch.repeat_interleave(torch.arange(batch), new_counts, output_size=total_new)
-                lo, hi = valid_query_times(rows[_TIME][fresh], query_time[owner], owner, batch, layout)
+                stamps = delta["uih_timestamps"].to(torch.int64)  # the new tokens' (gathered above)
+                lo, hi = valid_query_times(stamps, query_time[owner], owner, batch, layout)
                 for b, (user, kept) in enumerate(zip(ids, stored)):
                     if kept is not None:
                         record = self._record(kept if isinstance(kept, _Entry) else None, context[b], mine[b],
