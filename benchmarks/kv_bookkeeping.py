@@ -59,8 +59,12 @@ def measure(model: HstuRankingModel, batch: int, iters: int) -> dict[str, float]
         prefix[name] = features[name][keep]
     ranker(prefix, users)  # every user stored with its first CACHED tokens
     fields = [f.name for f in dataclasses.fields(EntryRecord)]
-    state = {b: (ranker.cache.entry(b).length, EntryRecord(**{name: getattr(ranker.cache.entry(b), name)
-                                                              for name in fields})) for b in users}
+
+    def snapshot(entry) -> EntryRecord:  # type: ignore[no-untyped-def]
+        # Entries keep their record (older commits kept its fields on the entry itself).
+        return getattr(entry, "record", None) or EntryRecord(**{name: getattr(entry, name) for name in fields})
+
+    state = {b: (ranker.cache.entry(b).length, snapshot(ranker.cache.entry(b))) for b in users}
 
     def request() -> None:
         for b, (length, record) in state.items():

@@ -138,7 +138,9 @@ def test_a_later_query_time_that_moves_no_bucket_is_still_a_hit() -> None:
     users = Users(NO_CONTEXT, seed=6)
     users.grow("u", 12, now=10_000)
     ranker(users.request(["u"], [3], query_time=10_000), ["u"])
-    low, high = ranker.cache._entries["u"].valid
+    record = ranker.cache._entries["u"].record
+    assert record is not None
+    low, high = record.valid
     assert low <= 10_000 < high
     users.grow("u", 2, now=high - 1)  # two new tokens; the first twelve keep their buckets until `high`
     _check(ranker, users.request(["u"], [3], query_time=high - 1), ["u"])

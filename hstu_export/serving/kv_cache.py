@@ -21,7 +21,7 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -76,35 +76,25 @@ class CacheFull(Exception):
 
 # The rows of a cache entry's history tokens: HISTORY_TOKEN_FEATURES.
 TOKEN_ROWS = HISTORY_TOKEN_FEATURES
-EVERY_QUERY_TIME = (-UNBOUNDED, UNBOUNDED)
 
 
-def _empty() -> Tensor:
-    return torch.empty(0, dtype=torch.int64)
+@dataclass
+class EntryRecord:
+    """What a user's pages hold, left by the request that wrote them (:meth:`PagedKVCache.commit`); CPU."""
+
+    context: Tensor  # contextual ids [c]
+    tokens: Tensor  # [3, history]: TOKEN_ROWS (int64; a request compares each row in one call)
+    query_time: int  # the earliest query time whose buckets the entry holds
+    # The query times [lo, hi) at which every cached token falls in the time bucket it was computed with.
+    valid: tuple[int, int]
 
 
 @dataclass
 class _Entry:
     pages: list[int]
     length: int = 0  # tokens cached (contextual + history)
-    # What they were (CPU, int64): contextual ids [c], and [3, history]: item, action and time of each history
-    # token (a request compares each row in one call).
-    context: Tensor = field(default_factory=_empty)
-    tokens: Tensor = field(default_factory=lambda: torch.empty(len(TOKEN_ROWS), 0, dtype=torch.int64))
-    query_time: int = 0  # the earliest query time whose buckets the entry holds
-    # The query times [lo, hi) at which every cached token falls in the time bucket it was computed with.
-    valid: tuple[int, int] = EVERY_QUERY_TIME
+    record: EntryRecord | None = None  # what they were (set with length)
     pins: int = 0
-
-
-@dataclass
-class EntryRecord:
-    """What a request leaves in a stored user's entry (:meth:`PagedKVCache.commit`)."""
-
-    context: Tensor
-    tokens: Tensor  # [3, history]: TOKEN_ROWS
-    query_time: int
-    valid: tuple[int, int]  # as _Entry.valid
 
 
 def valid_query_times(timestamps: Tensor, query_time: Tensor, users: Tensor, batch: int, layout: KVLayout
@@ -251,8 +241,7 @@ class PagedKVCache:
         """Records what the user's pages hold now (after the K/V were written)."""
         with self._lock:
             entry = self._entries[user]
-            entry.length, entry.context = length, record.context
-            entry.tokens, entry.query_time, entry.valid = record.tokens, record.query_time, record.valid
+            entry.length, entry.record = length, record
 
 
 class CachedRanker:
@@ -303,7 +292,7 @@ class CachedRanker:
         with self.cache.using(ids):
             cached = [0] * batch
             tables: list[list[int]] = []
-            stored: list[_Entry | bool | None] = []  # per user: the entry reused, True (stored afresh), None (not)
+            stored: list[EntryRecord | bool | None] = []  # per user: the record reused, True (stored afresh), None
             mine: list[list[Tensor]] = []  # per user: its history's rows (views)
             for b, user in enumerate(ids):
                 mine.append([row[hist_off[b]:hist_off[b + 1]] for row in rows])
@@ -320,7 +309,7 @@ class CachedRanker:
                     stored.append(None)
                     continue
                 cached[b] = reuse
-                stored.append(entry if reuse else True)
+                stored.append(entry.record if reuse and entry is not None else True)
             bypassed = sum(kept is None for kept in stored)
             if bypassed:
                 self.cache.count("bypassed", bypassed)
@@ -348,7 +337,7 @@ class CachedRanker:
                 lo, hi = valid_query_times(stamps, query_time[owner], owner, batch, layout)
                 for b, (user, kept) in enumerate(zip(ids, stored)):
                     if kept is not None:
-                        record = self._record(kept if isinstance(kept, _Entry) else None, context[b], mine[b],
+                        record = self._record(kept if isinstance(kept, EntryRecord) else None, context[b], mine[b],
                                               times[b], (lo[b], hi[b]))
                         self.cache.commit(user, c + lengths[b], record)
             return outputs
@@ -358,23 +347,24 @@ class CachedRanker:
         ``context`` (None without contextual features) and ``tokens`` (TOKEN_ROWS, each [history]): the
         user's in this request (views, CPU)."""
         c = self.layout.contextual_seq_len
-        if entry is None or entry.length == 0:
+        if entry is None or entry.length == 0 or entry.record is None:
             self.cache.count("misses")
             return 0
+        record = entry.record
         hist = entry.length - c
         # Contextual tokens see the whole history: with them, only an unchanged history is reused.
         ok = hist <= tokens[0].shape[0] and not (c > 0 and hist != tokens[0].shape[0])
-        ok = ok and (context is None or torch.equal(entry.context, context))
-        ok = ok and all(torch.equal(entry.tokens[i], row[:hist]) for i, row in enumerate(tokens))  # the same tokens
+        ok = ok and (context is None or torch.equal(record.context, context))
+        ok = ok and all(torch.equal(record.tokens[i], row[:hist]) for i, row in enumerate(tokens))  # the same tokens
         # In the same time buckets, or within the allowed drift (none by default: exact).
-        low, high = entry.valid
-        drift = query_time - entry.query_time
+        low, high = record.valid
+        drift = query_time - record.query_time
         ok = ok and (low <= query_time < high or (0 < self.max_time_drift and drift <= self.max_time_drift))
         self.cache.count("hits" if ok else "stale")
         return entry.length if ok else 0
 
     @staticmethod
-    def _record(reused: _Entry | None, context: Tensor, tokens: list[Tensor], query_time: int,
+    def _record(reused: EntryRecord | None, context: Tensor, tokens: list[Tensor], query_time: int,
                 valid: tuple[int, int]) -> EntryRecord:
         """What a stored user's entry holds after this request: its own copies (never views of the request),
         and, where an entry was reused, its tokens' buckets and query time. ``valid``: the query times at
@@ -383,7 +373,7 @@ class CachedRanker:
             return EntryRecord(context.clone(), torch.stack(tokens), query_time, valid)
         hist = reused.tokens.shape[1]
         if tokens[0].shape[0] == hist:  # nothing new: the entry stays as it is
-            return EntryRecord(reused.context, reused.tokens, reused.query_time, reused.valid)
+            return reused
         # Cached tokens keep the buckets (and time) they were computed with.
         both = (max(reused.valid[0], valid[0]), min(reused.valid[1], valid[1]))
         return EntryRecord(reused.context, torch.cat([reused.tokens, torch.stack([t[hist:] for t in tokens])], 1),
