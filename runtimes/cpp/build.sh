@@ -31,7 +31,7 @@ plain_build() {
   local flags=(-std=c++20 -O2 -fPIC -D_GLIBCXX_USE_CXX11_ABI="$abi" -I"$here/include"
                -isystem "$torch_dir/include" -isystem "$torch_dir/include/torch/csrc/api/include")
   c++ "${flags[@]}" -shared -DHSTU_EXPORT_DEFAULT_OP_LIBRARY_DIRS="\"$ops\"" \
-    "$here"/src/runtime.cpp "$here"/src/tensor_dir.cpp "$here"/src/json.cpp "$here"/src/sha256.cpp \
+    "$here"/src/runtime.cpp "$here"/src/kv_cache.cpp "$here"/src/tensor_dir.cpp "$here"/src/json.cpp "$here"/src/sha256.cpp \
     -o "$build/libhstu_export_runtime.so" -Wl,--no-as-needed -L"$torch_dir/lib" $libs -ldl \
     -Wl,-rpath,"$torch_dir/lib"
   c++ "${flags[@]}" "$here/src/main.cpp" -o "$build/hstu-export-run" -Wl,--no-as-needed \

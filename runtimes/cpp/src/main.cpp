@@ -1,16 +1,22 @@
 // hstu-export-run: open a package with the C++ runtime, run one request directory, print (and write) the
 // outputs. Also a smoke test for serving: --repeat times it, --threads runs it from several threads at
-// once and checks every thread got the same outputs bit for bit.
+// once and checks every thread got the same outputs bit for bit. With --kv-cache it serves a sequence of
+// request directories through the package's KV cache (CachedRanker), each with its users' ids.
+#include <ATen/ATen.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <functional>
 #include <cstdio>
 #include <iostream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "hstu_export/kv_cache.h"
 #include "hstu_export/runtime.h"
 
 namespace {
@@ -18,12 +24,14 @@ namespace {
 constexpr const char* kUsage =
     "usage: hstu-export-run PACKAGE REQUEST_DIR [--out DIR] [--op-library-dir DIR]... [--no-verify-checksums]\n"
     "                       [--repeat N] [--warmup N] [--threads N] [--quiet]\n"
+    "       hstu-export-run PACKAGE REQUEST_DIR... --kv-cache BUDGET --user-ids IDS... [--max-time-drift S] [...]\n"
     "\n"
     "Open an hstu-export package (aoti or torchscript) with the C++ runtime, validate the request in\n"
     "REQUEST_DIR (one <feature>.pt per feature: `hstu-export request PACKAGE --out DIR` writes one),\n"
     "run it and print the outputs.\n"
     "\n"
-    "  --out DIR              write the outputs there, one <output>.pt each (torch.load reads them)\n"
+    "  --out DIR              write the outputs there, one <output>.pt each (torch.load reads them);\n"
+    "                         with several REQUEST_DIRs, DIR/1, DIR/2, ... in their order\n"
     "  --op-library-dir DIR   where op libraries such as fbgemm_gpu_py.so are (repeatable; also\n"
     "                         $HSTU_EXPORT_OP_LIBRARY_PATH, ':'-separated, and the build's defaults)\n"
     "  --no-verify-checksums  skip the per-file sha256 check (manifest.sha256 is still checked)\n"
@@ -31,15 +39,28 @@ constexpr const char* kUsage =
     "  --warmup N             before those, N runs that are not timed (TorchScript optimises its graph on\n"
     "                         the first runs; compare warm latencies)\n"
     "  --threads N            run from N threads at once (with --repeat: N each); outputs must all be equal\n"
-    "  --quiet                print nothing but errors\n";
+    "  --quiet                print nothing but errors\n"
+    "\n"
+    "KV-cached serving (a package exported with --kv-cache; docs/KV_CACHE.md):\n"
+    "  --kv-cache BUDGET      serve the REQUEST_DIRs in order through one KV cache of BUDGET bytes (a number,\n"
+    "                         with KiB, MiB or GiB; 'auto': room for max_batch_size users at the longest\n"
+    "                         sequence), then print its counters. --repeat and --threads serve the whole\n"
+    "                         sequence again and print how far the outputs are from the first pass's\n"
+    "  --user-ids IDS         the users of one REQUEST_DIR, comma-separated integers in batch order; give\n"
+    "                         it once per REQUEST_DIR, in the same order\n"
+    "  --max-time-drift S     seconds a cached token keeps its timestamp bucket (default 0: exact)\n";
 
 struct Args {
-  std::string package, request, out;
+  std::string package, out;
+  std::vector<std::string> requests;
   hstu_export::Options options;
   int repeat = 0;
   int warmup = 0;
   int threads = 1;
   bool quiet = false;
+  bool kv = false;
+  hstu_export::KVCacheOptions kv_options;
+  std::vector<std::vector<int64_t>> user_ids;
 };
 
 [[noreturn]] void usage_error(const std::string& what) {
@@ -47,14 +68,48 @@ struct Args {
   std::exit(2);
 }
 
-int positive(const std::string& flag, const std::string& text) {
+int64_t integer(const std::string& flag, const std::string& text, int64_t low) {
   try {
     size_t used = 0;
-    int value = std::stoi(text, &used);
-    if (used == text.size() && value >= 1) return value;
+    long long value = std::stoll(text, &used);
+    if (used == text.size() && value >= low) return value;
   } catch (const std::exception&) {
   }
-  usage_error(flag + " needs a positive integer, got '" + text + "'");
+  usage_error(flag + " needs " + (low >= 1 ? "a positive integer" : low == 0 ? "an integer of 0 or more" : "integers") +
+              ", got '" + text + "'");
+}
+
+int positive(const std::string& flag, const std::string& text) {
+  int64_t value = integer(flag, text, 1);
+  if (value > 1'000'000'000) usage_error(flag + " is too large: " + text);
+  return static_cast<int>(value);
+}
+
+// "auto" (0), or bytes: a number with an optional KiB/MiB/GiB (or K/M/G) suffix.
+int64_t budget(const std::string& text) {
+  if (text == "auto") return 0;
+  static const std::pair<const char*, int> kUnits[] = {{"KiB", 10}, {"MiB", 20}, {"GiB", 30}, {"K", 10}, {"M", 20}, {"G", 30}};
+  for (const auto& [unit, shift] : kUnits) {
+    std::string suffix(unit);
+    if (text.size() > suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      int64_t value = integer("--kv-cache", text.substr(0, text.size() - suffix.size()), 1);
+      if (value > (int64_t{1} << (62 - shift))) usage_error("--kv-cache budget " + text + " is too large");
+      return value << shift;
+    }
+  }
+  return integer("--kv-cache", text, 1);
+}
+
+std::vector<int64_t> user_ids(const std::string& text) {
+  std::vector<int64_t> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t end = text.find(',', start);
+    if (end == std::string::npos) end = text.size();
+    out.push_back(integer("--user-ids", text.substr(start, end - start), INT64_MIN));
+    start = end + 1;
+  }
+  return out;
 }
 
 Args parse(int argc, char** argv) {
@@ -83,29 +138,174 @@ Args parse(int argc, char** argv) {
       args.threads = positive(arg, value());
     } else if (arg == "--quiet" || arg == "-q") {
       args.quiet = true;
+    } else if (arg == "--kv-cache") {
+      args.kv = true;
+      args.kv_options.budget_bytes = budget(value());
+    } else if (arg == "--user-ids") {
+      args.user_ids.push_back(user_ids(value()));
+    } else if (arg == "--max-time-drift") {
+      args.kv_options.max_time_drift = integer(arg, value(), 0);
     } else if (!arg.empty() && arg[0] == '-') {
       usage_error("unknown option " + arg);
     } else {
       positional.push_back(arg);
     }
   }
-  if (positional.size() != 2) usage_error("expected PACKAGE and REQUEST_DIR");
+  if (positional.size() < 2 || (positional.size() > 2 && !args.kv)) {
+    usage_error(positional.size() < 2 ? "expected PACKAGE and REQUEST_DIR"
+                                      : "expected PACKAGE and one REQUEST_DIR (several only with --kv-cache)");
+  }
+  if (!args.kv && (!args.user_ids.empty() || args.kv_options.max_time_drift != 0)) {
+    usage_error("--user-ids and --max-time-drift go with --kv-cache");
+  }
   args.package = positional[0];
-  args.request = positional[1];
+  args.requests.assign(positional.begin() + 1, positional.end());
+  if (args.kv && args.user_ids.size() != args.requests.size()) {
+    usage_error("--kv-cache needs one --user-ids per REQUEST_DIR: got " + std::to_string(args.user_ids.size()) +
+                " for " + std::to_string(args.requests.size()));
+  }
   args.options.concurrency = static_cast<size_t>(args.threads);
   return args;
 }
 
-bool same(const hstu_export::NamedTensors& a, const hstu_export::NamedTensors& b) {
-  if (a.size() != b.size()) return false;
+// The largest absolute difference between two runs' outputs (0: bit for bit; infinity: other names or shapes).
+double difference(const hstu_export::NamedTensors& a, const hstu_export::NamedTensors& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double most = 0;
   for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i].first != b[i].first || !a[i].second.equal(b[i].second)) return false;
+    if (a[i].first != b[i].first || a[i].second.sizes() != b[i].second.sizes()) return INFINITY;
+    if (a[i].second.equal(b[i].second)) continue;
+    at::Tensor gap = (a[i].second.to(at::kDouble) - b[i].second.to(at::kDouble)).abs();
+    most = std::max(most, gap.numel() ? gap.max().item<double>() : 0.0);
+    if (std::isnan(most)) return INFINITY;
   }
-  return true;
+  return most;
 }
 
 void synchronize(const hstu_export::Package& package) {
   if (package.device().is_cuda()) torch::cuda::synchronize();
+}
+
+void print_outputs(const hstu_export::NamedTensors& outputs) {
+  for (const auto& [name, tensor] : outputs) {
+    at::Tensor head = tensor.detach().flatten().slice(0, 0, 4).to(at::kDouble).cpu();
+    std::string values;
+    for (int64_t i = 0; i < head.numel(); ++i) {
+      char cell[32];
+      std::snprintf(cell, sizeof cell, "%s%.4f", i ? ", " : "", head[i].item<double>());
+      values += cell;
+    }
+    std::printf("  %-24s %-16s %-8s %s\n", name.c_str(), c10::str(tensor.sizes()).c_str(),
+                c10::toString(tensor.scalar_type()), values.c_str());
+  }
+}
+
+// --warmup and --repeat over the requests, from --threads threads: latency per request, and the largest
+// difference of any output from the first pass's (`exact`: throw unless it is 0).
+void repeat(const Args& args, const hstu_export::Package& package, size_t count,
+            const std::function<hstu_export::NamedTensors(size_t)>& run_one,
+            const std::vector<hstu_export::NamedTensors>& first, bool exact) {
+  int runs = std::max(args.repeat, 1);
+  std::vector<std::vector<double>> latencies(args.threads);
+  std::vector<double> gaps(args.threads, 0.0);
+  std::vector<std::string> failures(args.threads);
+  for (int w = 0; w < args.warmup; ++w) {
+    for (size_t k = 0; k < count; ++k) {
+      if (exact && difference(run_one(k), first[k]) != 0) throw hstu_export::Error("a warm-up run gave different outputs");
+    }
+  }
+  synchronize(package);
+  std::vector<std::thread> workers;
+  auto started = std::chrono::steady_clock::now();
+  for (int t = 0; t < args.threads; ++t) {
+    workers.emplace_back([&, t] {
+      try {
+        for (int r = 0; r < runs; ++r) {
+          for (size_t k = 0; k < count; ++k) {
+            auto begin = std::chrono::steady_clock::now();
+            auto again = run_one(k);
+            synchronize(package);
+            latencies[t].push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count());
+            gaps[t] = std::max(gaps[t], difference(again, first[k]));
+            if (exact && gaps[t] != 0) throw hstu_export::Error("a repeated run gave different outputs");
+          }
+        }
+      } catch (const std::exception& exc) {
+        failures[t] = exc.what();
+      }
+    });
+  }
+  for (auto& worker : workers) worker.join();
+  double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  for (int t = 0; t < args.threads; ++t) {
+    if (!failures[t].empty()) throw hstu_export::Error("thread " + std::to_string(t) + ": " + failures[t]);
+  }
+  std::vector<double> all;
+  for (const auto& each : latencies) all.insert(all.end(), each.begin(), each.end());
+  std::sort(all.begin(), all.end());
+  double p50 = all[all.size() / 2];
+  double p99 = all[std::min(all.size() - 1, static_cast<size_t>(0.99 * static_cast<double>(all.size())))];
+  double gap = *std::max_element(gaps.begin(), gaps.end());
+  if (args.quiet) return;
+  std::printf("latency over %zu runs on %d thread(s): p50 %.3f ms, p99 %.3f ms, %.1f requests/s; ", all.size(),
+              args.threads, p50, p99, static_cast<double>(all.size()) / wall);
+  if (exact) {
+    std::printf("all outputs equal\n");
+  } else if (gap == 0) {
+    std::printf("outputs equal to the first pass's bit for bit\n");
+  } else {
+    std::printf("largest difference from the first pass: %.3g\n", gap);
+  }
+}
+
+std::string stats_line(const hstu_export::CachedRanker& ranker) {
+  hstu_export::KVCacheStats s = ranker.stats();
+  char line[320];
+  std::snprintf(line, sizeof line,
+                "kv cache: %lld hits, %lld misses, %lld stale, %lld evictions, %lld bypassed; %lld users in "
+                "%lld of %lld pages (%.1f MiB)",
+                static_cast<long long>(s.hits), static_cast<long long>(s.misses), static_cast<long long>(s.stale),
+                static_cast<long long>(s.evictions), static_cast<long long>(s.bypassed), static_cast<long long>(s.users),
+                static_cast<long long>(s.pages_used), static_cast<long long>(s.pages),
+                static_cast<double>(ranker.bytes()) / (1 << 20));
+  return line;
+}
+
+int serve(const Args& args) {
+  auto package = hstu_export::Package::open(args.package, args.options);
+  std::shared_ptr<hstu_export::CachedRanker> ranker;
+  if (args.kv) ranker = hstu_export::CachedRanker::open(package, args.kv_options);
+  std::vector<hstu_export::Tensors> requests;
+  for (const auto& directory : args.requests) requests.push_back(hstu_export::load_tensor_dir(directory));
+  auto run_one = [&](size_t k) {
+    return ranker ? ranker->run(requests[k], args.user_ids[k]) : package->run(requests[k]);
+  };
+  std::vector<hstu_export::NamedTensors> outputs;
+  for (size_t k = 0; k < requests.size(); ++k) {
+    int64_t batch_size = package->validate(requests[k]);
+    outputs.push_back(run_one(k));
+    synchronize(*package);
+    if (args.quiet) continue;
+    if (requests.size() > 1) std::printf("request %zu (%s): ", k + 1, args.requests[k].c_str());
+    std::printf("%s: %s package on %s, batch of %lld users%s\n", args.package.c_str(), package->backend().c_str(),
+                package->device().str().c_str(), static_cast<long long>(batch_size), ranker ? ", KV-cached" : "");
+    print_outputs(outputs[k]);
+  }
+  if (ranker && !args.quiet) std::printf("%s\n", stats_line(*ranker).c_str());
+  if (args.repeat > 0 || args.threads > 1) {
+    // Served again, cached answers may differ from the first pass's in the last bits (a prefill and a
+    // hit sum in another order on the GPU); without a cache every run must be equal.
+    repeat(args, *package, requests.size(), run_one, outputs, /*exact=*/!ranker);
+    if (ranker && !args.quiet) std::printf("%s\n", stats_line(*ranker).c_str());
+  }
+  if (!args.out.empty()) {
+    for (size_t k = 0; k < outputs.size(); ++k) {
+      std::string directory = outputs.size() > 1 ? (std::filesystem::path(args.out) / std::to_string(k + 1)).string() : args.out;
+      hstu_export::save_tensor_dir(outputs[k], directory);
+    }
+    if (!args.quiet) std::printf("wrote the outputs of %zu request(s) to %s\n", outputs.size(), args.out.c_str());
+  }
+  return 0;
 }
 
 }  // namespace
@@ -113,70 +313,7 @@ void synchronize(const hstu_export::Package& package) {
 int main(int argc, char** argv) {
   Args args = parse(argc, argv);
   try {
-    auto package = hstu_export::Package::open(args.package, args.options);
-    hstu_export::Tensors request = hstu_export::load_tensor_dir(args.request);
-    int64_t batch_size = package->validate(request);
-    hstu_export::NamedTensors outputs = package->run(request);
-    synchronize(*package);
-    if (!args.quiet) {
-      std::printf("%s: %s package on %s, batch of %lld users\n", args.package.c_str(), package->backend().c_str(),
-                  package->device().str().c_str(), static_cast<long long>(batch_size));
-      for (const auto& [name, tensor] : outputs) {
-        at::Tensor head = tensor.detach().flatten().slice(0, 0, 4).to(at::kDouble).cpu();
-        std::string values;
-        for (int64_t i = 0; i < head.numel(); ++i) {
-          char cell[32];
-          std::snprintf(cell, sizeof cell, "%s%.4f", i ? ", " : "", head[i].item<double>());
-          values += cell;
-        }
-        std::printf("  %-24s %-16s %-8s %s\n", name.c_str(), c10::str(tensor.sizes()).c_str(),
-                    c10::toString(tensor.scalar_type()), values.c_str());
-      }
-    }
-    if (args.repeat > 0 || args.threads > 1) {
-      int runs = std::max(args.repeat, 1);
-      std::vector<std::vector<double>> latencies(args.threads);
-      std::vector<std::string> failures(args.threads);
-      std::vector<std::thread> workers;
-      for (int w = 0; w < args.warmup; ++w) {
-        if (!same(package->run(request), outputs)) throw hstu_export::Error("a warm-up run gave different outputs");
-      }
-      synchronize(*package);
-      auto started = std::chrono::steady_clock::now();
-      for (int t = 0; t < args.threads; ++t) {
-        workers.emplace_back([&, t] {
-          try {
-            for (int r = 0; r < runs; ++r) {
-              auto begin = std::chrono::steady_clock::now();
-              auto again = package->run(request);
-              synchronize(*package);
-              latencies[t].push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count());
-              if (!same(again, outputs)) throw hstu_export::Error("a repeated run gave different outputs");
-            }
-          } catch (const std::exception& exc) {
-            failures[t] = exc.what();
-          }
-        });
-      }
-      for (auto& worker : workers) worker.join();
-      double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-      for (int t = 0; t < args.threads; ++t) {
-        if (!failures[t].empty()) throw hstu_export::Error("thread " + std::to_string(t) + ": " + failures[t]);
-      }
-      std::vector<double> all;
-      for (const auto& each : latencies) all.insert(all.end(), each.begin(), each.end());
-      std::sort(all.begin(), all.end());
-      double p50 = all[all.size() / 2];
-      double p99 = all[std::min(all.size() - 1, static_cast<size_t>(0.99 * static_cast<double>(all.size())))];
-      if (!args.quiet) {
-        std::printf("latency over %zu runs on %d thread(s): p50 %.3f ms, p99 %.3f ms, %.1f requests/s; "
-                    "all outputs equal\n", all.size(), args.threads, p50, p99, static_cast<double>(all.size()) / wall);
-      }
-    }
-    if (!args.out.empty()) {
-      hstu_export::save_tensor_dir(outputs, args.out);
-      if (!args.quiet) std::printf("wrote %zu outputs to %s\n", outputs.size(), args.out.c_str());
-    }
+    return serve(args);
   } catch (const hstu_export::Error& exc) {
     std::cerr << "hstu-export-run: error: " << exc.what() << "\n";
     return 1;
@@ -185,5 +322,4 @@ int main(int argc, char** argv) {
     std::cerr << "hstu-export-run: internal error: " << text.substr(0, text.find('\n')) << "\n";
     return 1;
   }
-  return 0;
 }

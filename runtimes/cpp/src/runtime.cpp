@@ -3,9 +3,7 @@
 
 #include <c10/core/InferenceMode.h>
 #include <dlfcn.h>
-#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/cuda.h>
-#include <torch/script.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -17,6 +15,7 @@
 #include <sstream>
 
 #include "json.h"
+#include "package_impl.h"
 #include "sha256.h"
 
 #ifndef HSTU_EXPORT_DEFAULT_OP_LIBRARY_DIRS
@@ -27,6 +26,84 @@ namespace hstu_export {
 
 namespace fs = std::filesystem;
 using json::Value;
+
+namespace {
+
+std::string first_line(const std::string& text) {
+  std::istringstream lines(text);
+  std::string line;
+  while (std::getline(lines, line)) {
+    auto start = line.find_first_not_of(" \t\r");
+    if (start == std::string::npos) continue;
+    line = line.substr(start);
+    return line.size() > 400 ? line.substr(0, 397) + "..." : line;
+  }
+  return "unknown error";
+}
+
+}  // namespace
+
+namespace detail {
+
+std::string error_text(const std::exception& exc) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&exc)) {
+    return first_line(c10_error->what_without_backtrace());
+  }
+  return first_line(exc.what());
+}
+
+std::string in_quotes(const std::string& text) { return "'" + text.substr(0, 200) + "'"; }
+
+std::optional<at::ScalarType> scalar_type(const std::string& name) {
+  static const std::pair<const char*, at::ScalarType> kTypes[] = {
+      {"int64", at::kLong},     {"int32", at::kInt},      {"float32", at::kFloat}, {"bfloat16", at::kBFloat16},
+      {"float16", at::kHalf},   {"float64", at::kDouble}, {"bool", at::kBool},
+  };
+  for (const auto& [text, type] : kTypes) {
+    if (name == text) return type;
+  }
+  return std::nullopt;
+}
+
+NamedTensors named_outputs(const c10::IValue& value, const std::vector<std::string>& names, const std::string& what) {
+  NamedTensors out;
+  auto add = [&](const std::string& name, const c10::IValue& item) {
+    if (!item.isTensor()) throw Error(what + " returned a non-tensor for " + in_quotes(name));
+    out.emplace_back(name, item.toTensor());
+  };
+  if (value.isGenericDict()) {
+    auto dict = value.toGenericDict();
+    for (const auto& name : names) {
+      auto it = dict.find(c10::IValue(name));
+      if (it == dict.end()) throw Error(what + " returned no output " + in_quotes(name));
+      add(name, it->value());
+    }
+    return out;
+  }
+  std::vector<c10::IValue> items;
+  if (value.isTuple()) {
+    items = value.toTupleRef().elements().vec();
+  } else if (value.isList()) {
+    items = value.toListRef().vec();
+  } else {
+    items = {value};
+  }
+  if (items.size() != names.size()) {
+    throw Error(what + " returned " + std::to_string(items.size()) + " outputs, the manifest names " +
+                std::to_string(names.size()));
+  }
+  for (size_t i = 0; i < names.size(); ++i) add(names[i], items[i]);
+  return out;
+}
+
+}  // namespace detail
+
+using detail::Artifact;
+using detail::error_text;
+using detail::in_quotes;
+using detail::named_outputs;
+using detail::scalar_type;
+using detail::TensorSpec;
 
 namespace {
 
@@ -61,25 +138,6 @@ constexpr CompanionLibrary kCompanionLibraries[] = {
     {"fbgemm_gpu", "fbgemm_gpu_tbe_inference.so"},
 };
 
-std::string first_line(const std::string& text) {
-  std::istringstream lines(text);
-  std::string line;
-  while (std::getline(lines, line)) {
-    auto start = line.find_first_not_of(" \t\r");
-    if (start == std::string::npos) continue;
-    line = line.substr(start);
-    return line.size() > 400 ? line.substr(0, 397) + "..." : line;
-  }
-  return "unknown error";
-}
-
-std::string error_text(const std::exception& exc) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&exc)) {
-    return first_line(c10_error->what_without_backtrace());
-  }
-  return first_line(exc.what());
-}
-
 // "a, b, c"
 template <typename Container>
 std::string joined(const Container& items) {
@@ -87,8 +145,6 @@ std::string joined(const Container& items) {
   for (const auto& item : items) out += (out.empty() ? "" : ", ") + std::string(item);
   return out;
 }
-
-std::string in_quotes(const std::string& text) { return "'" + text.substr(0, 200) + "'"; }
 
 // Typed reads of manifest fields; errors name the field.
 class Fields {
@@ -224,17 +280,6 @@ fs::path inside(const fs::path& root, const std::string& relative, const std::st
   }
 }
 
-std::optional<at::ScalarType> scalar_type(const std::string& name) {
-  static const std::pair<const char*, at::ScalarType> kTypes[] = {
-      {"int64", at::kLong},     {"int32", at::kInt},      {"float32", at::kFloat}, {"bfloat16", at::kBFloat16},
-      {"float16", at::kHalf},   {"float64", at::kDouble}, {"bool", at::kBool},
-  };
-  for (const auto& [text, type] : kTypes) {
-    if (name == text) return type;
-  }
-  return std::nullopt;
-}
-
 std::string dtype_name(at::ScalarType type) {
   static const std::pair<at::ScalarType, const char*> kNames[] = {
       {at::kLong, "int64"},   {at::kInt, "int32"},      {at::kFloat, "float32"}, {at::kBFloat16, "bfloat16"},
@@ -310,68 +355,86 @@ void load_op_libraries(const std::vector<std::string>& names, const Options& opt
   }
 }
 
-struct TensorSpec {
-  std::string name;
-  std::string feature;  // the request feature it is fed from; "" for an output of the sparse artifact
-};
-
-struct Artifact {
-  std::string file;
-  std::string format;
-  std::vector<TensorSpec> inputs;
-  std::vector<std::string> outputs;
-};
-
-// Outputs of a TorchScript call (a dict by name, or a tuple/list/tensor in the declared order).
-NamedTensors named_outputs(const c10::IValue& value, const std::vector<std::string>& names, const std::string& what) {
-  NamedTensors out;
-  auto add = [&](const std::string& name, const c10::IValue& item) {
-    if (!item.isTensor()) throw Error(what + " returned a non-tensor for " + in_quotes(name));
-    out.emplace_back(name, item.toTensor());
+// The manifest's kv_cache section, checked against the package it is in: the delta program is a listed
+// file; each of its inputs is a sparse output, a feature fed to the dense program, or one the cache makes;
+// it returns the package's outputs; the request has the features the cache's reuse checks read.
+detail::KVSection read_kv_section(const Fields& fields, const Value& manifest, const Value& kv,
+                                  const std::map<std::string, fs::path>& listed, const Package::Impl& impl) {
+  detail::KVSection out;
+  const std::string where = "kv_cache";
+  out.program_file = fields.string(kv, "program", where);
+  if (!listed.count(out.program_file)) fields.fail(where + ".program", "names a file that files does not list");
+  out.program = listed.at(out.program_file);
+  out.inputs = fields.strings(fields.member(kv, "inputs", where), where + ".inputs");
+  out.outputs = fields.strings(fields.member(kv, "outputs", where), where + ".outputs");
+  auto positive = [&](const Value& object, const std::string& key, const std::string& at) {
+    int64_t value = fields.integer(fields.member(object, key, at), Fields::join(at, key));
+    if (value < 1) fields.fail(Fields::join(at, key), "is below 1");
+    return value;
   };
-  if (value.isGenericDict()) {
-    auto dict = value.toGenericDict();
-    for (const auto& name : names) {
-      auto it = dict.find(c10::IValue(name));
-      if (it == dict.end()) throw Error(what + " returned no output " + in_quotes(name));
-      add(name, it->value());
+  out.page_size = positive(kv, "page_size", where);
+  if (out.page_size < 16 || (out.page_size & (out.page_size - 1)) != 0) {
+    fields.fail(where + ".page_size", "is not a power of two of at least 16");
+  }
+  out.max_seq_len = positive(kv, "max_seq_len", where);
+  const Value& layout = fields.member(kv, "layout", where);
+  const std::string at = where + ".layout";
+  out.num_layers = positive(layout, "num_layers", at);
+  out.num_heads = positive(layout, "num_heads", at);
+  out.attention_dim = positive(layout, "attention_dim", at);
+  out.linear_dim = positive(layout, "linear_dim", at);
+  out.num_time_buckets = positive(layout, "num_time_buckets", at);
+  out.contextual_features = fields.strings(fields.member(layout, "contextual_features", at), at + ".contextual_features");
+  out.time_bucket_base = fields.of_type(fields.member(layout, "time_bucket_base", at), Value::Type::Number,
+                                        at + ".time_bucket_base").number;
+  if (!(out.time_bucket_base > 0)) fields.fail(at + ".time_bucket_base", "is not positive");
+  std::string dtype = fields.string(manifest, "dtype", "");
+  auto type = scalar_type(dtype);
+  if (!type || !at::isFloatingType(*type)) fields.fail("dtype", "is " + in_quotes(dtype) + ", not a floating dtype");
+  out.dtype = *type;
+  const Value& lengths = fields.member(fields.member(manifest, "ranges", ""), "lengths", "ranges");
+  if (const Value* low = fields.member(lengths, "min_lengths", "ranges.lengths").find("uih_lengths")) {
+    out.min_history = fields.integer(*low, "ranges.lengths.min_lengths.uih_lengths");
+  }
+
+  // What the cache reads of every request: the zoo ranking model's history, candidates and times.
+  std::vector<std::string> needed = {"uih_lengths", "candidate_lengths", "uih_item_ids", "uih_action_ids",
+                                     "uih_timestamps", "query_time"};
+  needed.insert(needed.end(), out.contextual_features.begin(), out.contextual_features.end());
+  for (const auto& name : needed) {
+    bool found = std::any_of(impl.features.begin(), impl.features.end(), [&](const Feature& f) { return f.name == name; });
+    if (!found) fields.fail(where, "needs the request feature " + in_quotes(name) + ", which input_schema lacks");
+  }
+  const auto& sparse = impl.artifacts.at("sparse").outputs;
+  const auto& dense = impl.artifacts.at("dense").inputs;
+  const std::set<std::string> made = {"contextual_emb", "kv_cached", "kv_k_pages", "kv_v_pages", "kv_page_table"};
+  for (const auto& name : out.inputs) {
+    bool from_sparse = std::find(sparse.begin(), sparse.end(), name) != sparse.end();
+    bool from_feature = std::any_of(dense.begin(), dense.end(), [&](const TensorSpec& s) {
+      return s.name == name && !s.feature.empty();
+    });
+    if (!from_sparse && !from_feature && !made.count(name)) {
+      fields.fail(where + ".inputs", "takes " + in_quotes(name) + ", which is neither a sparse output, a feature nor " +
+                                         "a cache input (an older or newer hstu-export wrote it: re-export with --kv-cache)");
     }
-    return out;
   }
-  std::vector<c10::IValue> items;
-  if (value.isTuple()) {
-    items = value.toTupleRef().elements().vec();
-  } else if (value.isList()) {
-    items = value.toListRef().vec();
-  } else {
-    items = {value};
+  for (const auto& name : made) {
+    if (std::find(out.inputs.begin(), out.inputs.end(), name) == out.inputs.end()) {
+      fields.fail(where + ".inputs", "lacks " + in_quotes(name) + "; an older hstu-export wrote it: re-export with --kv-cache");
+    }
   }
-  if (items.size() != names.size()) {
-    throw Error(what + " returned " + std::to_string(items.size()) + " outputs, the manifest names " +
-                std::to_string(names.size()));
+  auto sorted = [](std::vector<std::string> names) {
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  if (sorted(out.outputs) != sorted(impl.output_names)) {
+    fields.fail(where + ".outputs", "is not the package's outputs [" + joined(impl.output_names) + "]; an older " +
+                                        "hstu-export wrote it (it returned the new K/V): re-export with --kv-cache");
   }
-  for (size_t i = 0; i < names.size(); ++i) add(names[i], items[i]);
   return out;
 }
 
 }  // namespace
-
-struct Package::Impl {
-  std::string root;
-  std::string backend;
-  c10::Device device = c10::Device(c10::kCPU);
-  int64_t max_batch_size = 0;
-  std::vector<Feature> features;
-  std::vector<std::string> output_names;
-  std::map<std::string, Artifact> artifacts;  // by role: model | sparse + dense
-  // TorchScript modules: forward is safe to call from several threads; Module's API is not const.
-  mutable torch::jit::Module model;
-  mutable torch::jit::Module sparse;
-  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> dense;
-
-  Tensors plain(const Tensors& request) const;
-  NamedTensors run(const Tensors& inputs) const;
-};
 
 Package::Package(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Package::~Package() = default;
@@ -386,6 +449,7 @@ const std::vector<std::string>& Package::output_names() const { return impl_->ou
 std::shared_ptr<const Package> Package::open(const std::string& path, const Options& options) {
   auto impl = std::make_unique<Impl>();
   impl->root = path;
+  impl->concurrency = std::max<size_t>(options.concurrency, 1);
   const fs::path root(path);
   std::error_code ec;
   if (!fs::is_directory(root, ec)) throw PackageError(path + " is not a package directory (no such directory)");
@@ -573,6 +637,18 @@ std::shared_ptr<const Package> Package::open(const std::string& path, const Opti
                        "packages (export with --backend aoti or --backend torchscript)");
   }
 
+  if (const Value* kv = manifest.find("kv_cache"); kv != nullptr && !kv->is_null()) {
+    if (impl->backend != "aoti") {
+      impl->kv_problem = path + " has a KV-cache section but is a " + impl->backend + " package; re-export it with --backend aoti";
+    } else {
+      try {
+        impl->kv = read_kv_section(fields, manifest, *kv, listed, *impl);
+      } catch (const PackageError& exc) {
+        impl->kv_problem = exc.what();  // raised when a cache is asked for; plain serving still works
+      }
+    }
+  }
+
   // Op libraries before the artifacts that call them.
   load_op_libraries(fields.strings(fields.member(manifest, "op_libraries", ""), "op_libraries"), options, path);
 
@@ -592,7 +668,7 @@ std::shared_ptr<const Package> Package::open(const std::string& path, const Opti
     try {
       c10::DeviceIndex index = impl->device.is_cuda() ? impl->device.index() : -1;
       impl->dense = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
-          listed.at(impl->artifacts["dense"].file).string(), "model", false, std::max<size_t>(options.concurrency, 1), index);
+          listed.at(impl->artifacts["dense"].file).string(), "model", false, impl->concurrency, index);
     } catch (const std::exception& exc) {
       throw PackageError(path + ": AOTInductor could not load " + impl->artifacts["dense"].file + ": " + error_text(exc));
     }
@@ -702,6 +778,13 @@ Tensors Package::Impl::plain(const Tensors& request) const {
   return out;
 }
 
+NamedTensors Package::Impl::sparse_outputs(const Tensors& request) const {
+  const Artifact& artifact = artifacts.at("sparse");
+  torch::jit::Kwargs kwargs;
+  for (const auto& spec : artifact.inputs) kwargs.emplace(spec.name, request.at(spec.feature));
+  return named_outputs(sparse.forward({}, kwargs), artifact.outputs, artifact.file);
+}
+
 NamedTensors Package::Impl::run(const Tensors& request) const {
   if (backend == "torchscript") {
     const Artifact& artifact = artifacts.at("model");
@@ -709,11 +792,8 @@ NamedTensors Package::Impl::run(const Tensors& request) const {
     for (const auto& spec : artifact.inputs) kwargs.emplace(spec.name, request.at(spec.feature));
     return named_outputs(model.forward({}, kwargs), output_names, artifact.file);
   }
-  const Artifact& sparse_artifact = artifacts.at("sparse");
   const Artifact& dense_artifact = artifacts.at("dense");
-  torch::jit::Kwargs kwargs;
-  for (const auto& spec : sparse_artifact.inputs) kwargs.emplace(spec.name, request.at(spec.feature));
-  NamedTensors boundary = named_outputs(sparse.forward({}, kwargs), sparse_artifact.outputs, sparse_artifact.file);
+  NamedTensors boundary = sparse_outputs(request);
   std::vector<at::Tensor> inputs;
   inputs.reserve(dense_artifact.inputs.size());
   for (const auto& spec : dense_artifact.inputs) {

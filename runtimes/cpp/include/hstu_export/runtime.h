@@ -90,6 +90,7 @@ class Package {
   struct Impl;
 
  private:
+  friend class CachedRanker;  // KV-cached serving runs the package's sparse half and its delta program
   explicit Package(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

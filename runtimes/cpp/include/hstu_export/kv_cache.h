@@ -1,0 +1,69 @@
+// KV-cached serving from C++: a package exported with --kv-cache, served through a paged cache of each
+// user's per-layer keys and values (docs/KV_CACHE.md). The same cache as Python's
+// `predictor.kv_cache(...)` (hstu_export/serving/kv_cache.py), with the same answers and counters:
+//
+//   auto package = hstu_export::Package::open("model.aoti");
+//   auto ranker = hstu_export::CachedRanker::open(package, {.budget_bytes = int64_t{8} << 30});
+//   auto outputs = ranker->run(request, {1017, 2203});   // what package->run(request) returns
+//   hstu_export::KVCacheStats stats = ranker->stats();
+//
+// Only each user's tokens past its cached prefix are computed. An entry is reused only when that is
+// exact: the request's contextual ids and history start with the cached ones (with contextual features:
+// the history is unchanged) and every cached token keeps its timestamp bucket at the request's query
+// time; otherwise the user is recomputed (a prefill). Pages are allocated once, on the package's device;
+// whole users are evicted, least recently used first, never while a request uses them. run() may be
+// called from many threads: requests for the same user are serialised, others run at once.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "hstu_export/runtime.h"
+
+namespace hstu_export {
+
+struct KVCacheOptions {
+  // Bytes of K/V pages, allocated at open. 0: room for max_batch_size users at the longest sequence.
+  int64_t budget_bytes = 0;
+  // Seconds a cached token may keep the timestamp bucket it was computed with (an approximation);
+  // 0: exact, an entry whose buckets moved is recomputed.
+  int64_t max_time_drift = 0;
+};
+
+struct KVCacheStats {
+  int64_t hits = 0;
+  int64_t misses = 0;     // nothing cached for the user
+  int64_t stale = 0;      // an entry that could not be reused exactly, recomputed
+  int64_t evictions = 0;  // users evicted to make room
+  int64_t bypassed = 0;   // users served without being stored (no room, or twice in one batch)
+  int64_t users = 0;
+  int64_t pages_used = 0;
+  int64_t pages = 0;
+};
+
+class CachedRanker {
+ public:
+  // PackageError when the package has no usable delta program; Error when the budget holds no page.
+  static std::shared_ptr<CachedRanker> open(std::shared_ptr<const Package> package, const KVCacheOptions& options = {});
+  ~CachedRanker();
+  CachedRanker(const CachedRanker&) = delete;
+  CachedRanker& operator=(const CachedRanker&) = delete;
+
+  // Validates the request as Package::run does (and one user id per user: RequestError), serves it
+  // through the cache, and returns the outputs in the package's output_names() order. Thread-safe.
+  NamedTensors run(const Tensors& request, const std::vector<int64_t>& user_ids);
+
+  KVCacheStats stats() const;
+  int64_t bytes() const;      // of the K/V pages
+  int64_t page_size() const;  // tokens per page
+  const Package& package() const;
+
+  struct Impl;
+
+ private:
+  explicit CachedRanker(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hstu_export

@@ -1,0 +1,501 @@
+// CachedRanker: the paged KV cache of hstu_export/serving/kv_cache.py, in C++, over a package's delta
+// program (docs/KV_CACHE.md). The bookkeeping follows the Python one step for step (reuse checks, page
+// reservation, eviction order, counters), so the two serve the same requests with the same programs'
+// inputs; tests/test_cpp_kv_cache.py compares them.
+#include "hstu_export/kv_cache.h"
+
+#include <c10/core/InferenceMode.h>
+
+#include <algorithm>
+#include <array>
+#include <functional>
+#include <list>
+#include <mutex>
+#include <unordered_map>
+
+#include "package_impl.h"
+
+namespace hstu_export {
+
+namespace {
+
+// The zoo ranking model's request features that the cache reads (hstu_export/models/ranking.py).
+constexpr const char* kHistoryLengths = "uih_lengths";
+constexpr const char* kQueryTime = "query_time";
+constexpr std::array<const char*, 3> kTokenRows = {"uih_item_ids", "uih_action_ids", "uih_timestamps"};
+constexpr size_t kTimestampRow = 2;
+// The sparse half's outputs per history token.
+constexpr std::array<const char*, 2> kHistoryEmbeddings = {"uih_item_emb", "uih_action_emb"};
+// Beyond any time difference a request holds: the outer bounds of the first and last time buckets.
+constexpr int64_t kUnbounded = int64_t{1} << 62;
+constexpr size_t kStripes = 64;  // per-user request locks: a fixed set, the user's hash picks one
+
+// log(query_time - t) / base, in [0, num_buckets): hstu_export/models/transducer.py's time_buckets, with
+// the same ATen ops (so the same float32 rounding).
+at::Tensor time_buckets(const at::Tensor& query_time, const at::Tensor& timestamps, double base, int64_t num_buckets) {
+  at::Tensor delta = (query_time - timestamps).clamp_min(1).to(at::kFloat);
+  return (at::log(delta) / base).to(at::kLong).clamp(0, num_buckets - 1);
+}
+
+// edges[k] <= d < edges[k + 1] exactly for the time differences d of bucket k: the binary search of
+// transducer.py's bucket_edges, over the bucket function itself.
+std::vector<int64_t> bucket_edges(double base, int64_t num_buckets) {
+  at::Tensor wanted = at::arange(1, num_buckets, at::kLong);
+  at::Tensor lo = at::ones_like(wanted);
+  at::Tensor hi = at::full_like(wanted, kUnbounded);
+  at::Tensor zero = at::zeros_like(wanted);
+  for (int step = 0; step < 63; ++step) {  // the bit length of kUnbounded
+    at::Tensor mid = at::div(lo + hi, 2, "floor");
+    at::Tensor reached = time_buckets(mid, zero, base, num_buckets) >= wanted;
+    hi = at::where(reached, mid, hi);
+    lo = at::where(reached, lo, mid + 1);
+  }
+  at::Tensor found = at::where(time_buckets(lo, zero, base, num_buckets) >= wanted, lo, kUnbounded).contiguous();
+  std::vector<int64_t> edges = {-kUnbounded};
+  edges.insert(edges.end(), found.data_ptr<int64_t>(), found.data_ptr<int64_t>() + found.numel());
+  edges.push_back(kUnbounded);
+  return edges;
+}
+
+// What a user's pages hold, left by the request that wrote them.
+struct Record {
+  std::vector<int64_t> context;                // contextual ids
+  std::array<std::vector<int64_t>, 3> tokens;  // kTokenRows of the cached history
+  int64_t query_time = 0;                      // the earliest query time whose buckets the entry holds
+  int64_t valid_lo = 0;                        // query times [lo, hi) at which every cached token keeps its bucket
+  int64_t valid_hi = 0;
+};
+
+struct Entry {
+  std::vector<int64_t> pages;
+  int64_t length = 0;  // tokens cached (contextual + history)
+  std::shared_ptr<const Record> record;
+  int pins = 0;
+  std::list<int64_t>::iterator order;  // its place in the recency list
+};
+
+class CacheFull : public std::exception {};
+
+// A host int64 copy of a request tensor, and its values.
+struct HostInts {
+  at::Tensor tensor;
+  const int64_t* data = nullptr;
+  explicit HostInts(const at::Tensor& value) : tensor(value.to(at::kCPU).to(at::kLong).contiguous()) {
+    data = tensor.data_ptr<int64_t>();
+  }
+};
+
+}  // namespace
+
+struct CachedRanker::Impl {
+  std::shared_ptr<const Package> package;
+  const Package::Impl* pkg = nullptr;
+  detail::KVSection kv;
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> program;
+  int64_t max_time_drift = 0;
+  std::vector<int64_t> edges;
+  std::map<std::string, std::string> feature_of;  // delta program input -> the request feature it is fed from
+  at::Tensor k, v;                                // [layers, pages + 1, page, H, D]; the last page is the scratch page
+  int64_t num_pages = 0;
+  int64_t scratch = 0;
+
+  mutable std::mutex mutex;  // entries, recency, free pages, counters
+  std::unordered_map<int64_t, Entry> entries;
+  std::list<int64_t> recency;  // least recently used first
+  std::vector<int64_t> free_pages;
+  KVCacheStats counts;
+  std::array<std::mutex, kStripes> stripes;
+
+  NamedTensors run(const Tensors& request, const std::vector<int64_t>& users, int64_t batch);
+  int64_t reusable(int64_t user, const int64_t* context, const std::array<const int64_t*, 3>& tokens, int64_t length,
+                   int64_t query_time, std::shared_ptr<const Record>* reused);
+  std::vector<int64_t> reserve(int64_t user, int64_t tokens, int64_t keep);
+  void commit(int64_t user, int64_t length, std::shared_ptr<const Record> record);
+  void count(int64_t KVCacheStats::*counter, int64_t by = 1) {
+    std::lock_guard<std::mutex> lock(mutex);
+    counts.*counter += by;
+  }
+};
+
+namespace {
+
+// Serialises requests per user (striped locks, taken in index order: no deadlock) and pins the users'
+// entries against eviction while a request runs.
+class UsingUsers {
+ public:
+  UsingUsers(CachedRanker::Impl& cache, const std::vector<int64_t>& users) : cache_(cache) {
+    std::vector<size_t> stripes;
+    for (int64_t user : users) {
+      if (std::find(distinct_.begin(), distinct_.end(), user) == distinct_.end()) distinct_.push_back(user);
+      stripes.push_back(std::hash<int64_t>{}(user) % kStripes);
+    }
+    std::sort(stripes.begin(), stripes.end());
+    stripes.erase(std::unique(stripes.begin(), stripes.end()), stripes.end());
+    for (size_t index : stripes) locks_.emplace_back(cache_.stripes[index]);
+    std::lock_guard<std::mutex> lock(cache_.mutex);
+    for (int64_t user : distinct_) {
+      if (auto it = cache_.entries.find(user); it != cache_.entries.end()) it->second.pins += 1;
+    }
+  }
+  ~UsingUsers() {
+    std::lock_guard<std::mutex> lock(cache_.mutex);
+    for (int64_t user : distinct_) {
+      if (auto it = cache_.entries.find(user); it != cache_.entries.end()) it->second.pins = std::max(0, it->second.pins - 1);
+    }
+  }
+  UsingUsers(const UsingUsers&) = delete;
+  UsingUsers& operator=(const UsingUsers&) = delete;
+
+ private:
+  CachedRanker::Impl& cache_;
+  std::vector<int64_t> distinct_;
+  std::vector<std::unique_lock<std::mutex>> locks_;
+};
+
+}  // namespace
+
+CachedRanker::CachedRanker(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CachedRanker::~CachedRanker() = default;
+
+std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> package, const KVCacheOptions& options) {
+  if (!package) throw Error("CachedRanker::open needs an open package");
+  const Package::Impl& pkg = *package->impl_;
+  if (!pkg.kv) {
+    if (!pkg.kv_problem.empty()) throw PackageError(pkg.kv_problem);
+    throw PackageError(pkg.root + " has no KV-cache delta program; export it with --kv-cache");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->package = package;
+  impl->pkg = &pkg;
+  impl->kv = *pkg.kv;
+  const detail::KVSection& kv = impl->kv;
+  if (options.max_time_drift < 0) throw Error("max_time_drift must be 0 or more seconds, got " + std::to_string(options.max_time_drift));
+  impl->max_time_drift = options.max_time_drift;
+  for (const auto& spec : pkg.artifacts.at("dense").inputs) {
+    if (!spec.feature.empty()) impl->feature_of[spec.name] = spec.feature;
+  }
+
+  // Pages: K and V of page_size tokens in every layer; one page of the budget is the scratch page.
+  int64_t item = static_cast<int64_t>(c10::elementSize(kv.dtype));
+  int64_t page_bytes = kv.num_layers * kv.page_size * kv.num_heads * (kv.attention_dim + kv.linear_dim) * item;
+  int64_t budget = options.budget_bytes;
+  if (budget == 0) budget = (pkg.max_batch_size * ((kv.max_seq_len + kv.page_size - 1) / kv.page_size) + 1) * page_bytes;
+  impl->num_pages = budget / page_bytes - 1;
+  if (budget < 0 || impl->num_pages < 1) {
+    throw Error("KV cache budget of " + std::to_string(budget) + " bytes holds no page for users (" +
+                std::to_string(page_bytes) + " bytes each, and one more for the scratch page); raise the budget");
+  }
+  auto pages = at::TensorOptions().dtype(kv.dtype).device(pkg.device);
+  try {
+    impl->k = at::zeros({kv.num_layers, impl->num_pages + 1, kv.page_size, kv.num_heads, kv.attention_dim}, pages);
+    impl->v = at::zeros({kv.num_layers, impl->num_pages + 1, kv.page_size, kv.num_heads, kv.linear_dim}, pages);
+  } catch (const std::exception& exc) {
+    throw Error("cannot allocate a KV cache of " + std::to_string(budget) + " bytes on " + pkg.device.str() + ": " +
+                detail::error_text(exc) + "; lower the budget");
+  }
+  impl->scratch = impl->num_pages;
+  for (int64_t page = impl->num_pages - 1; page >= 0; --page) impl->free_pages.push_back(page);
+  impl->counts.pages = impl->num_pages;
+  impl->edges = bucket_edges(kv.time_bucket_base, kv.num_time_buckets);
+  try {
+    c10::DeviceIndex index = pkg.device.is_cuda() ? pkg.device.index() : -1;
+    impl->program = std::make_unique<torch::inductor::AOTIModelPackageLoader>(kv.program.string(), "model", false,
+                                                                              pkg.concurrency, index);
+  } catch (const std::exception& exc) {
+    throw PackageError(pkg.root + ": AOTInductor could not load " + kv.program_file + ": " + detail::error_text(exc));
+  }
+  return std::shared_ptr<CachedRanker>(new CachedRanker(std::move(impl)));
+}
+
+KVCacheStats CachedRanker::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  KVCacheStats out = impl_->counts;
+  out.users = static_cast<int64_t>(impl_->entries.size());
+  out.pages_used = impl_->num_pages - static_cast<int64_t>(impl_->free_pages.size());
+  return out;
+}
+
+int64_t CachedRanker::bytes() const {
+  return static_cast<int64_t>(impl_->k.nbytes() + impl_->v.nbytes());
+}
+
+int64_t CachedRanker::page_size() const { return impl_->kv.page_size; }
+
+const Package& CachedRanker::package() const { return *impl_->package; }
+
+NamedTensors CachedRanker::run(const Tensors& request, const std::vector<int64_t>& user_ids) {
+  int64_t batch = impl_->package->validate(request);
+  if (static_cast<int64_t>(user_ids.size()) != batch) {
+    throw RequestError(std::to_string(user_ids.size()) + " user ids for a batch of " + std::to_string(batch) + " users");
+  }
+  c10::InferenceMode guard;
+  try {
+    return impl_->run(request, user_ids, batch);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& exc) {
+    throw Error(impl_->pkg->root + ": KV-cached serving failed: " + detail::error_text(exc));
+  }
+}
+
+// Tokens of the user's entry that may be reused exactly (0: recompute), counting a hit, miss or stale.
+int64_t CachedRanker::Impl::reusable(int64_t user, const int64_t* context, const std::array<const int64_t*, 3>& tokens,
+                                     int64_t length, int64_t query_time, std::shared_ptr<const Record>* reused) {
+  const int64_t c = static_cast<int64_t>(kv.contextual_features.size());
+  std::shared_ptr<const Record> record;
+  int64_t cached = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = entries.find(user);
+    if (it != entries.end()) {
+      recency.splice(recency.end(), recency, it->second.order);  // most recently used
+      record = it->second.record;
+      cached = it->second.length;
+    }
+  }
+  if (cached == 0 || !record) {
+    count(&KVCacheStats::misses);
+    return 0;
+  }
+  int64_t hist = cached - c;
+  // Contextual tokens see the whole history: with them, only an unchanged history is reused.
+  bool ok = hist <= length && !(c > 0 && hist != length);
+  ok = ok && std::equal(record->context.begin(), record->context.end(), context);
+  for (size_t row = 0; ok && row < tokens.size(); ++row) {
+    ok = std::equal(record->tokens[row].begin(), record->tokens[row].end(), tokens[row]);
+  }
+  // In the same time buckets, or within the allowed drift (none by default: exact).
+  bool in_buckets = record->valid_lo <= query_time && query_time < record->valid_hi;
+  ok = ok && (in_buckets || (max_time_drift > 0 && query_time - record->query_time <= max_time_drift));
+  count(ok ? &KVCacheStats::hits : &KVCacheStats::stale);
+  if (!ok) return 0;
+  *reused = record;
+  return cached;
+}
+
+// Pages for `tokens` tokens of the user, the first `keep` already cached (0: start afresh, the old
+// entry's pages are released). Evicts least recently used users not in use; CacheFull leaves a kept
+// entry as it was.
+std::vector<int64_t> CachedRanker::Impl::reserve(int64_t user, int64_t tokens, int64_t keep) {
+  int64_t needed = (tokens + kv.page_size - 1) / kv.page_size;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = entries.find(user);
+  if (it != entries.end() && keep == 0) {
+    free_pages.insert(free_pages.end(), it->second.pages.begin(), it->second.pages.end());
+    it->second.pages.clear();
+    it->second.length = 0;
+  }
+  if (it == entries.end()) {
+    it = entries.emplace(user, Entry{}).first;
+    it->second.pins = 1;
+    it->second.order = recency.insert(recency.end(), user);
+  } else {
+    recency.splice(recency.end(), recency, it->second.order);
+  }
+  Entry& entry = it->second;
+  int64_t missing = needed - static_cast<int64_t>(entry.pages.size());
+  while (missing > static_cast<int64_t>(free_pages.size())) {
+    auto victim = std::find_if(recency.begin(), recency.end(), [&](int64_t other) {
+      return other != user && entries.at(other).pins == 0;
+    });
+    if (victim == recency.end()) {
+      if (entry.length == 0) {
+        free_pages.insert(free_pages.end(), entry.pages.begin(), entry.pages.end());
+        recency.erase(entry.order);
+        entries.erase(it);
+      }
+      throw CacheFull();
+    }
+    auto gone = entries.find(*victim);
+    free_pages.insert(free_pages.end(), gone->second.pages.begin(), gone->second.pages.end());
+    recency.erase(victim);
+    entries.erase(gone);
+    counts.evictions += 1;
+  }
+  for (int64_t i = 0; i < missing; ++i) {
+    entry.pages.push_back(free_pages.back());
+    free_pages.pop_back();
+  }
+  return entry.pages;
+}
+
+void CachedRanker::Impl::commit(int64_t user, int64_t length, std::shared_ptr<const Record> record) {
+  std::lock_guard<std::mutex> lock(mutex);
+  Entry& entry = entries.at(user);
+  entry.length = length;
+  entry.record = std::move(record);
+}
+
+NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<int64_t>& users, int64_t batch) {
+  const int64_t c = static_cast<int64_t>(kv.contextual_features.size());
+  const c10::Device device = pkg->device;
+  // On the host: what the bookkeeping reads.
+  HostInts hist_len(request.at(kHistoryLengths));
+  HostInts query_time(request.at(kQueryTime));
+  std::vector<HostInts> rows, context;
+  for (const char* name : kTokenRows) rows.emplace_back(request.at(name));
+  for (const auto& name : kv.contextual_features) context.emplace_back(request.at(name));
+  std::vector<int64_t> hist_off(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) hist_off[b + 1] = hist_off[b] + hist_len.data[b];
+  std::unordered_map<int64_t, int> seen;
+  for (int64_t user : users) seen[user] += 1;
+
+  UsingUsers in_use(*this, users);
+  std::vector<int64_t> cached(batch, 0);
+  std::vector<std::vector<int64_t>> tables(batch);
+  std::vector<bool> stored(batch, false);
+  std::vector<std::shared_ptr<const Record>> reused(batch);
+  std::vector<std::vector<int64_t>> contexts(batch);
+  int64_t bypassed = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (const auto& column : context) contexts[b].push_back(column.data[b]);
+    if (seen[users[b]] > 1) {  // the same user twice in one batch: served, not stored
+      bypassed += 1;
+      continue;
+    }
+    std::array<const int64_t*, 3> tokens;
+    for (size_t row = 0; row < tokens.size(); ++row) tokens[row] = rows[row].data + hist_off[b];
+    int64_t reuse = reusable(users[b], contexts[b].data(), tokens, hist_len.data[b], query_time.data[b], &reused[b]);
+    try {
+      tables[b] = reserve(users[b], c + hist_len.data[b], reuse);
+    } catch (const CacheFull&) {
+      reused[b].reset();
+      bypassed += 1;
+      continue;
+    }
+    cached[b] = reuse;
+    stored[b] = true;
+  }
+  if (bypassed > 0) count(&KVCacheStats::bypassed, bypassed);
+  int64_t width = 1;
+  for (const auto& row : tables) width = std::max<int64_t>(width, static_cast<int64_t>(row.size()));
+  // The rest of a row, and the whole row of a user not stored, point at the scratch page.
+  at::Tensor table = at::full({batch, width}, scratch, at::kInt);
+  for (int64_t b = 0; b < batch; ++b) {
+    auto* row = table.data_ptr<int32_t>() + b * width;
+    for (size_t i = 0; i < tables[b].size(); ++i) row[i] = static_cast<int32_t>(tables[b][i]);
+  }
+
+  // The delta request: each user's history after its cached prefix.
+  std::vector<int64_t> new_len(batch), fresh;
+  for (int64_t b = 0; b < batch; ++b) {
+    new_len[b] = hist_len.data[b] - std::max<int64_t>(cached[b] - c, 0);
+    for (int64_t i = hist_off[b + 1] - new_len[b]; i < hist_off[b + 1]; ++i) fresh.push_back(i);
+  }
+  at::Tensor fresh_rows = at::tensor(fresh, at::kLong);
+  Tensors delta = request;
+  for (const char* name : kTokenRows) delta[name] = request.at(name).to(at::kCPU).index_select(0, fresh_rows);
+  delta[kHistoryLengths] = at::tensor(new_len, at::kLong).to(request.at(kHistoryLengths).scalar_type());
+
+  // The sparse half takes at least the exported minimum of history tokens per user: placeholder tokens
+  // (id 0) fill a user's up, and their embeddings are dropped.
+  Tensors sparse_request = delta;
+  std::optional<at::Tensor> keep;
+  bool padded = std::any_of(new_len.begin(), new_len.end(), [&](int64_t n) { return n < kv.min_history; });
+  if (padded) {
+    std::vector<int64_t> padded_len(batch), real;
+    int64_t start = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      padded_len[b] = std::max(new_len[b], kv.min_history);
+      for (int64_t i = 0; i < new_len[b]; ++i) real.push_back(start + i);
+      start += padded_len[b];
+    }
+    at::Tensor real_rows = at::tensor(real, at::kLong);
+    for (const char* name : kTokenRows) {
+      const at::Tensor& value = delta.at(name);
+      std::vector<int64_t> shape = value.sizes().vec();
+      shape[0] = start;
+      sparse_request[name] = at::zeros(shape, value.options()).index_copy_(0, real_rows, value);
+    }
+    sparse_request[kHistoryLengths] = at::tensor(padded_len, at::kLong).to(request.at(kHistoryLengths).scalar_type());
+    keep = real_rows.to(device);
+  }
+  Tensors on_device = pkg->plain(delta);
+  NamedTensors boundary = pkg->sparse_outputs(padded ? pkg->plain(sparse_request) : on_device);
+  std::map<std::string, at::Tensor> emb;
+  for (auto& [name, value] : boundary) emb[name] = value;
+  if (keep) {
+    for (const char* name : kHistoryEmbeddings) emb[name] = emb.at(name).index_select(0, *keep);
+  }
+  at::Tensor cached_tensor = at::tensor(cached, at::kLong).to(device);
+  at::Tensor contextual;
+  if (c == 0) {
+    const at::Tensor& like = emb.at(kHistoryEmbeddings[0]);
+    contextual = at::zeros({0, 0, like.size(-1)}, like.options());
+  } else {  // [F, contextual features, D] for the F users with nothing cached, in batch order
+    at::Tensor fresh_users = (cached_tensor == 0).nonzero().select(1, 0);
+    std::vector<at::Tensor> columns;
+    for (const auto& name : kv.contextual_features) columns.push_back(emb.at(name + "_emb").index_select(0, fresh_users));
+    contextual = at::stack(columns, 1);
+  }
+  std::vector<at::Tensor> inputs;
+  for (const auto& name : kv.inputs) {
+    if (name == "kv_cached") {
+      inputs.push_back(cached_tensor);
+    } else if (name == "kv_k_pages") {
+      inputs.push_back(k);
+    } else if (name == "kv_v_pages") {
+      inputs.push_back(v);
+    } else if (name == "kv_page_table") {
+      inputs.push_back(table.to(device));
+    } else if (name == "contextual_emb") {
+      inputs.push_back(contextual.contiguous());
+    } else if (auto it = emb.find(name); it != emb.end()) {
+      inputs.push_back(it->second.contiguous());
+    } else {
+      inputs.push_back(on_device.at(feature_of.at(name)));
+    }
+  }
+  // The run writes the stored users' new K/V into their pages.
+  std::vector<at::Tensor> outputs = program->run(inputs);
+  if (outputs.size() != kv.outputs.size()) {
+    throw Error(kv.program_file + " returned " + std::to_string(outputs.size()) + " outputs, the manifest names " +
+                std::to_string(kv.outputs.size()));
+  }
+
+  // Record what the stored users' pages hold now, with the query times at which their new tokens keep
+  // their time buckets.
+  if (bypassed < batch) {
+    std::vector<int64_t> owner;
+    for (int64_t b = 0; b < batch; ++b) owner.insert(owner.end(), new_len[b], b);
+    HostInts stamps(delta.at(kTokenRows[kTimestampRow]));
+    at::Tensor owner_rows = at::tensor(owner, at::kLong);
+    at::Tensor buckets = time_buckets(query_time.tensor.index_select(0, owner_rows), stamps.tensor,
+                                      kv.time_bucket_base, kv.num_time_buckets).contiguous();
+    const int64_t* bucket = buckets.data_ptr<int64_t>();
+    std::vector<int64_t> lo(batch, -kUnbounded), hi(batch, kUnbounded);
+    for (size_t i = 0; i < owner.size(); ++i) {
+      lo[owner[i]] = std::max(lo[owner[i]], stamps.data[i] + edges[bucket[i]]);
+      hi[owner[i]] = std::min(hi[owner[i]], stamps.data[i] + edges[bucket[i] + 1]);
+    }
+    for (int64_t b = 0; b < batch; ++b) {
+      if (!stored[b]) continue;
+      const std::shared_ptr<const Record>& before = reused[b];
+      int64_t kept = before ? static_cast<int64_t>(before->tokens[0].size()) : 0;
+      if (before && kept == hist_len.data[b]) {  // nothing new: the entry stays as it is
+        commit(users[b], c + hist_len.data[b], before);
+        continue;
+      }
+      auto record = std::make_shared<Record>();
+      record->context = before ? before->context : contexts[b];
+      for (size_t row = 0; row < kTokenRows.size(); ++row) {
+        if (before) record->tokens[row] = before->tokens[row];
+        const int64_t* values = rows[row].data + hist_off[b];
+        record->tokens[row].insert(record->tokens[row].end(), values + kept, values + hist_len.data[b]);
+      }
+      // Cached tokens keep the buckets (and time) they were computed with.
+      record->query_time = before ? before->query_time : query_time.data[b];
+      record->valid_lo = before ? std::max(before->valid_lo, lo[b]) : lo[b];
+      record->valid_hi = before ? std::min(before->valid_hi, hi[b]) : hi[b];
+      commit(users[b], c + hist_len.data[b], std::move(record));
+    }
+  }
+  NamedTensors out;
+  for (const auto& name : pkg->output_names) {
+    size_t index = std::find(kv.outputs.begin(), kv.outputs.end(), name) - kv.outputs.begin();
+    out.emplace_back(name, outputs.at(index));
+  }
+  return out;
+}
+
+}  // namespace hstu_export

@@ -1,0 +1,84 @@
+// Package::Impl and what runtime.cpp (Package) and kv_cache.cpp (CachedRanker) share. Internal: not installed.
+#pragma once
+
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/script.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "hstu_export/runtime.h"
+
+namespace hstu_export {
+namespace detail {
+
+// The first non-blank line of an exception's message (c10 errors without their backtrace), at most 400 chars.
+std::string error_text(const std::exception& exc);
+std::string in_quotes(const std::string& text);
+std::optional<at::ScalarType> scalar_type(const std::string& name);  // manifest dtype names
+// Outputs of a TorchScript call (a dict by name, or a tuple/list/tensor in the declared order).
+NamedTensors named_outputs(const c10::IValue& value, const std::vector<std::string>& names, const std::string& what);
+
+struct TensorSpec {
+  std::string name;
+  std::string feature;  // the request feature it is fed from; "" for an output of the sparse artifact
+};
+
+struct Artifact {
+  std::string file;
+  std::string format;
+  std::vector<TensorSpec> inputs;
+  std::vector<std::string> outputs;
+};
+
+// The manifest's kv_cache section (docs/KV_CACHE.md): the delta program and what the cache's pages and
+// its reuse checks need to know of the model.
+struct KVSection {
+  std::string program_file;
+  std::filesystem::path program;  // inside the package, listed in files (so checksummed)
+  std::vector<std::string> inputs;
+  std::vector<std::string> outputs;
+  int64_t page_size = 0;
+  int64_t max_seq_len = 0;
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  int64_t attention_dim = 0;
+  int64_t linear_dim = 0;
+  std::vector<std::string> contextual_features;
+  double time_bucket_base = 0;
+  int64_t num_time_buckets = 0;
+  at::ScalarType dtype = at::kFloat;  // the package's dtype: the pages'
+  int64_t min_history = 0;            // the exported minimum history length (the sparse half's)
+};
+
+}  // namespace detail
+
+struct Package::Impl {
+  std::string root;
+  std::string backend;
+  c10::Device device = c10::Device(c10::kCPU);
+  int64_t max_batch_size = 0;
+  size_t concurrency = 1;
+  std::vector<Feature> features;
+  std::vector<std::string> output_names;
+  std::map<std::string, detail::Artifact> artifacts;  // by role: model | sparse + dense
+  // TorchScript modules: forward is safe to call from several threads; Module's API is not const.
+  mutable torch::jit::Module model;
+  mutable torch::jit::Module sparse;
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> dense;
+  // The KV-cache section when the package has one and it reads well; else kv_problem says why not (a
+  // package whose cache section this runtime cannot use still serves requests without a cache).
+  std::optional<detail::KVSection> kv;
+  std::string kv_problem;
+
+  Tensors plain(const Tensors& request) const;
+  // The sparse artifact on a plain request: its outputs by name (aoti packages).
+  NamedTensors sparse_outputs(const Tensors& request) const;
+  NamedTensors run(const Tensors& inputs) const;
+};
+
+}  // namespace hstu_export
