@@ -75,3 +75,20 @@ def cpp_runtime() -> CppRuntime:
                           env={**_cpp_env(), "PYTHON": sys.executable}, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return CppRuntime(CPP_BUILD / "hstu-export-run")
+
+
+@pytest.fixture(scope="session", params=["context", "no-context"])
+def kv_package(request, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """(config name, package path, manifest): the zoo model of kv_requests.CONFIGS exported on CPU with
+    --kv-cache (pages of kv_requests.PAGE tokens), once a session for every test that serves one."""
+    from kv_requests import CONFIGS, PAGE, bundle_of
+
+    from hstu_export import ExportSettings
+    from hstu_export.exporter import export
+
+    name = request.param
+    work = tmp_path_factory.mktemp(f"kv-{name}")
+    bundle = bundle_of(CONFIGS[name], work / "model.pt")
+    result = export(bundle, work / "pkg", ExportSettings(max_batch_size=4, kv_cache=True, kv_page_size=PAGE))
+    return name, work / "pkg", result.manifest
+

@@ -1,11 +1,29 @@
-"""Requests for KV-cache tests: per-user histories that grow between requests (shared by
-test_kv_cache.py and test_kv_export.py)."""
+"""Requests for KV-cache tests: per-user histories that grow between requests, and the models of the
+packages exported with --kv-cache (shared by test_kv_cache.py, test_kv_export.py and
+test_cpp_kv_cache.py; conftest.py's ``kv_package`` exports them once a session)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from hstu_export import generate_batch, save_bundle
 from hstu_export.models.config import HSTUConfig
+from hstu_export.models.ranking import HstuRankingModel
+
+PAGE = 16  # small pages, so that the tiny model's histories span several
+CONFIGS = {
+    "no-context": HSTUConfig(contextual_features=(), contextual_vocab_sizes=()),
+    "context": HSTUConfig(),
+}
+
+
+def bundle_of(config: HSTUConfig, path: Path) -> Path:
+    """The zoo ranking model of ``config`` (seeded) saved as a bundle at ``path``."""
+    torch.manual_seed(0)
+    model = HstuRankingModel(config).eval()
+    return save_bundle(model, path, generate_batch(model.input_schema(), 4, seed=2))
 
 
 class Users:

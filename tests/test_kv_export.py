@@ -10,43 +10,20 @@ import functools
 import json
 import shutil
 import threading
-from pathlib import Path
 
 import pytest
 import torch
-from kv_requests import Users
+from kv_requests import CONFIGS, PAGE, Users, bundle_of
 
 import hstu_export
-from hstu_export import ExportSettings, generate_batch, save_bundle
+from hstu_export import ExportSettings
 from hstu_export.cli import main as cli_main
 from hstu_export.errors import ConfigError, PackageError
 from hstu_export.exporter import export
-from hstu_export.models.config import HSTUConfig
 from hstu_export.models.ranking import HstuRankingModel
 from hstu_export.package import manifest_sha256_line
 
-PAGE = 16  # small pages, so that the tiny model's histories span several
 CLOSE = dict(rtol=1e-5, atol=1e-5)
-CONFIGS = {
-    "no-context": HSTUConfig(contextual_features=(), contextual_vocab_sizes=()),
-    "context": HSTUConfig(),
-}
-
-
-def _bundle(config: HSTUConfig, path: Path) -> Path:
-    torch.manual_seed(0)
-    model = HstuRankingModel(config).eval()
-    return save_bundle(model, path, generate_batch(model.input_schema(), 4, seed=2))
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def kv_package(request, tmp_path_factory):  # type: ignore[no-untyped-def]
-    name = request.param
-    work = tmp_path_factory.mktemp(f"kv-{name}")
-    bundle = _bundle(CONFIGS[name], work / "model.pt")
-    settings = ExportSettings(max_batch_size=4, kv_cache=True, kv_page_size=PAGE)
-    result = export(bundle, work / "pkg", settings)
-    return name, work / "pkg", result.manifest
 
 
 def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -192,7 +169,7 @@ def test_a_tampered_kv_section_is_refused(kv_package, tmp_path) -> None:  # type
 
 
 def test_kv_cache_refuses_what_it_cannot_build(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    bundle = _bundle(CONFIGS["context"], tmp_path / "model.pt")
+    bundle = bundle_of(CONFIGS["context"], tmp_path / "model.pt")
     assert cli_main([str(bundle), "--backend", "torchscript", "--kv-cache", "-o", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "error: --kv-cache builds an AOTInductor delta program; use --backend aoti (not torchscript)"
@@ -212,7 +189,7 @@ def test_kv_cache_refuses_what_it_cannot_build(tmp_path, capsys) -> None:  # typ
 
 @pytest.mark.slow
 def test_a_package_without_the_program_says_so(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    bundle = _bundle(CONFIGS["no-context"], tmp_path / "model.pt")
+    bundle = bundle_of(CONFIGS["no-context"], tmp_path / "model.pt")
     result = export(bundle, tmp_path / "plain", ExportSettings(backend="torchscript", max_batch_size=4))
     with pytest.raises(PackageError, match="--kv-cache"):
         hstu_export.load(result.path).kv_cache(budget_bytes=1 << 20)

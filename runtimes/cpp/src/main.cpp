@@ -206,7 +206,7 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
             const std::function<hstu_export::NamedTensors(size_t)>& run_one,
             const std::vector<hstu_export::NamedTensors>& first, bool exact) {
   int runs = std::max(args.repeat, 1);
-  std::vector<std::vector<double>> latencies(args.threads);
+  std::vector<std::vector<std::vector<double>>> latencies(args.threads, std::vector<std::vector<double>>(count));
   std::vector<double> gaps(args.threads, 0.0);
   std::vector<std::string> failures(args.threads);
   for (int w = 0; w < args.warmup; ++w) {
@@ -225,7 +225,7 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
             auto begin = std::chrono::steady_clock::now();
             auto again = run_one(k);
             synchronize(package);
-            latencies[t].push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count());
+            latencies[t][k].push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count());
             gaps[t] = std::max(gaps[t], difference(again, first[k]));
             if (exact && gaps[t] != 0) throw hstu_export::Error("a repeated run gave different outputs");
           }
@@ -240,11 +240,20 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
   for (int t = 0; t < args.threads; ++t) {
     if (!failures[t].empty()) throw hstu_export::Error("thread " + std::to_string(t) + ": " + failures[t]);
   }
+  auto percentiles = [](std::vector<double> values) {
+    std::sort(values.begin(), values.end());
+    size_t p99 = std::min(values.size() - 1, static_cast<size_t>(0.99 * static_cast<double>(values.size())));
+    return std::pair<double, double>(values[values.size() / 2], values[p99]);
+  };
   std::vector<double> all;
-  for (const auto& each : latencies) all.insert(all.end(), each.begin(), each.end());
-  std::sort(all.begin(), all.end());
-  double p50 = all[all.size() / 2];
-  double p99 = all[std::min(all.size() - 1, static_cast<size_t>(0.99 * static_cast<double>(all.size())))];
+  std::vector<std::vector<double>> each(count);  // by request
+  for (const auto& thread : latencies) {
+    for (size_t k = 0; k < count; ++k) {
+      all.insert(all.end(), thread[k].begin(), thread[k].end());
+      each[k].insert(each[k].end(), thread[k].begin(), thread[k].end());
+    }
+  }
+  auto [p50, p99] = percentiles(all);
   double gap = *std::max_element(gaps.begin(), gaps.end());
   if (args.quiet) return;
   std::printf("latency over %zu runs on %d thread(s): p50 %.3f ms, p99 %.3f ms, %.1f requests/s; ", all.size(),
@@ -255,6 +264,10 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
     std::printf("outputs equal to the first pass's bit for bit\n");
   } else {
     std::printf("largest difference from the first pass: %.3g\n", gap);
+  }
+  for (size_t k = 0; count > 1 && k < count; ++k) {
+    auto [one_p50, one_p99] = percentiles(each[k]);
+    std::printf("  request %zu: p50 %.3f ms, p99 %.3f ms\n", k + 1, one_p50, one_p99);
   }
 }
 

@@ -1,0 +1,198 @@
+"""The C++ runtime's KV cache on the GPU (``hstu-export-run --kv-cache``), against the no-cache package and
+against Python's cache (``predictor.kv_cache``), same run, whole requests sent from the host.
+
+    PYTHONPATH=$PWD python benchmarks/cpp_kv_cache.py --out $OUT [--workloads long dlrm] [--batches 1 8 32]
+
+Builds runtimes/cpp against this machine's torch and exports the dlrmv3-shaped package of
+benchmarks/kv_cache.py (bf16, Triton kernels, --kv-cache). Per workload and batch size it serves the same
+sequence of requests again and again, with the users' ids fixed:
+  long  [prefix (the first 3968 history tokens), whole (4096 history + 256 candidates)]: each pass the
+        prefix is recomputed (it is shorter than the cached history: stale) and the whole request is a
+        hit with 384 new tokens per user; its latency is the one reported;
+  dlrm  [whole (1024 history + 2048 candidates)]: after the first pass every request is a hit with 2048
+        new tokens per user.
+Baselines, same run: the same whole request through the package without cache (C++ and Python). The
+C++ runtime replays no CUDA graphs; Python's cache is timed with them (its default) and without.
+Outputs: the C++ cache's first whole answer against Python's cache without graphs (the same program on
+the same inputs: bit for bit) and against the package without cache (relative L2).
+Writes cpp_kv_cache.json (after every step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kv_cache import PAGE, WORKLOADS, request
+
+import hstu_export
+from hstu_export.models.config import preset_config
+from hstu_export.models.ranking import HstuRankingModel
+from hstu_export.tensor_dir import load_tensors, save_tensors
+
+REPO = Path(__file__).resolve().parent.parent
+LATENCY = re.compile(r"p50 ([0-9.]+) ms, p99 ([0-9.]+) ms")
+
+
+def prefix_of(whole: dict[str, torch.Tensor], work: dict, batch: int) -> dict[str, torch.Tensor]:
+    """``whole`` with each user's first ``cached`` history tokens only."""
+    keep = torch.cat([torch.arange(b * work["history"], b * work["history"] + work["cached"]) for b in range(batch)])
+    out = dict(whole)
+    for key in ("uih_item_ids", "uih_action_ids", "uih_timestamps"):
+        out[key] = whole[key][keep]
+    out["uih_lengths"] = torch.full_like(whole["uih_lengths"], work["cached"])
+    return out
+
+
+def python_latency(call, iters: int, before=None) -> dict:  # type: ignore[no-untyped-def]
+    """p50/p99 of ``call()`` (synchronised), ``before()`` run untimed ahead of each call."""
+    times = []
+    for i in range(iters + 3):
+        if before is not None:
+            before()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    return {"p50_ms": statistics.median(times), "p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))]}
+
+
+def cpp(runner: Path, *args: object) -> tuple[subprocess.CompletedProcess[str], dict]:
+    done = subprocess.run([str(runner), *map(str, args)], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        return done, {"error": done.stderr.strip()[-2000:]}
+    found = LATENCY.findall(done.stdout)
+    if not found:
+        return done, {"error": done.stdout[-2000:]}
+    p50, p99 = found[-1]  # with several requests, the last request's own line comes last
+    stats = re.findall(r"kv cache: .*", done.stdout)
+    return done, {"p50_ms": float(p50), "p99_ms": float(p99), **({"cache": stats[-1]} if stats else {})}
+
+
+def rel_l2(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).norm() / b[k].float().norm()) for k in b)
+
+
+def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingModel, work: dict, batch: int,  # type: ignore[no-untyped-def]
+              iters: int, work_dir: Path) -> dict:
+    row: dict = {}
+    whole = request(model, work, batch, 100 + batch)  # on the host, as from a client
+    steps = [prefix_of(whole, work, batch), whole] if work["cached"] < work["history"] else [whole]
+    dirs = [save_tensors(step, work_dir / f"b{batch}_request{k}") for k, step in enumerate(steps)]
+    ids = ",".join(str(u) for u in range(batch))
+    users = list(range(batch))
+
+    _, row["cpp_no_cache"] = cpp(runner, package_root, dirs[-1], "--repeat", iters, "--warmup", 3, "-q")
+    out = work_dir / f"b{batch}_out"
+    shutil.rmtree(out, ignore_errors=True)
+    kv_args: list[object] = [package_root, *dirs, "--kv-cache", "auto"]
+    for _ in dirs:
+        kv_args += ["--user-ids", ids]
+    done, row["cpp_kv"] = cpp(runner, *kv_args, "--repeat", iters, "--warmup", 2, "--out", out)
+    row["cpp_kv_stdout_tail"] = done.stdout[-600:]
+
+    with torch.no_grad():
+        row["python_no_cache"] = python_latency(lambda: predictor(whole), iters)
+        full = predictor(whole)
+        for name, graphs in (("python_kv", True), ("python_kv_no_graphs", False)):
+            ranker = predictor.kv_cache(cuda_graphs=graphs)
+            first = [ranker(step, users) for step in steps][-1]
+            if len(steps) > 1:
+                row[name] = python_latency(lambda r=ranker: r(whole, users), iters,
+                                           before=lambda r=ranker: r(steps[0], users))
+            else:
+                row[name] = python_latency(lambda r=ranker: r(whole, users), iters)
+            row[f"{name}_stats"] = ranker.cache.stats()
+            row[f"rel_l2_{name}_vs_no_cache"] = rel_l2(first, full)
+            if not graphs and out.exists():
+                cpp_first = load_tensors(out / str(len(steps)) if len(steps) > 1 else out)
+                row["cpp_kv_equal_python_kv_no_graphs"] = all(torch.equal(cpp_first[k], first[k].cpu()) for k in first)
+                row["rel_l2_cpp_kv_vs_no_cache"] = rel_l2({k: v.cuda() for k, v in cpp_first.items()}, full)
+            del ranker
+            torch.cuda.empty_cache()
+    ratios = {"cpp_no_cache_over_cpp_kv": ("cpp_no_cache", "cpp_kv"),
+              "python_no_cache_over_python_kv": ("python_no_cache", "python_kv"),
+              "python_no_cache_over_cpp_kv": ("python_no_cache", "cpp_kv"),
+              "python_kv_over_cpp_kv": ("python_kv", "cpp_kv"),
+              "python_kv_no_graphs_over_cpp_kv": ("python_kv_no_graphs", "cpp_kv")}
+    for name, (base, new) in ratios.items():
+        if "p50_ms" in row[base] and "p50_ms" in row[new]:
+            row[name] = row[base]["p50_ms"] / row[new]["p50_ms"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--workloads", nargs="+", default=["long", "dlrm"], choices=sorted(WORKLOADS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work_dir = Path("/tmp/cpp_kv_cache")
+    shutil.rmtree(work_dir, ignore_errors=True)
+    work_dir.mkdir()
+    report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                    "page_size": PAGE, "iters": args.iters, "workloads": {}}
+
+    def save() -> None:
+        (args.out / "cpp_kv_cache.json").write_text(json.dumps(report, indent=2))
+
+    start = time.perf_counter()
+    build = subprocess.run(["bash", str(REPO / "runtimes/cpp/build.sh"), str(work_dir / "build")],
+                           capture_output=True, text=True)
+    report["build"] = {"returncode": build.returncode, "seconds": round(time.perf_counter() - start, 1),
+                       "tail": (build.stdout + build.stderr)[-1500:]}
+    save()
+    if build.returncode != 0:
+        return
+    runner = work_dir / "build" / "hstu-export-run"
+    for name in args.workloads:
+        work = WORKLOADS[name]
+        entry: dict = {"shape": work, "batches": {}}
+        report["workloads"][name] = entry
+        try:
+            cfg = dataclasses.replace(preset_config("dlrmv3"), max_history_len=work["history"],
+                                      max_num_candidates=work["candidates"])
+            torch.manual_seed(0)
+            model = HstuRankingModel(cfg).eval()
+            bundle = hstu_export.save_bundle(model, work_dir / f"{name}.pt", request(model, work, 2, 1))
+            settings = hstu_export.ExportSettings(backend="aoti", device="cuda", dtype="bf16", op_target="triton",
+                                                  max_batch_size=max(args.batches), kv_cache=True, kv_page_size=PAGE,
+                                                  verify=hstu_export.VerifySettings(num_random_batches=1))
+            t = time.perf_counter()
+            result = hstu_export.export(bundle, work_dir / f"{name}.aoti", settings)
+            entry["export_seconds"] = round(time.perf_counter() - t, 1)
+            predictor = hstu_export.load(result.path)
+            for batch in args.batches:
+                try:
+                    entry["batches"][batch] = batch_row(runner, Path(result.path), predictor, model, work, batch,
+                                                        args.iters, work_dir)
+                except Exception as exc:  # recorded; the rest still runs
+                    entry["batches"][batch] = {"error": f"{type(exc).__name__}: {exc}"[:1500],
+                                               "traceback": traceback.format_exc()[-2000:]}
+                save()
+                torch.cuda.empty_cache()
+        except Exception as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:1500]
+            entry["traceback"] = traceback.format_exc()[-3000:]
+        save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The C++ runtime's KV cache (``hstu-export-run --kv-cache``, runtimes/cpp/src/kv_cache.cpp) against
+Python's (``predictor.kv_cache``): the same sequences of requests give the same answers bit for bit (and
+those of the package without cache), and the same counters, through prefills, hits, one-token and
+multi-page growth, reordered and new users, the same user twice in a batch, a query time that moves a
+time bucket, evictions and users served without being stored; from several threads at once; and bad
+input is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from kv_requests import CONFIGS, PAGE, Users
+
+import hstu_export
+from hstu_export.package import manifest_sha256_line
+from hstu_export.serving.kv_cache import page_bytes
+from hstu_export.tensor_dir import load_tensors, save_tensors
+
+pytestmark = pytest.mark.slow
+
+CLOSE = dict(rtol=1e-5, atol=1e-5)
+IDS = {"a": 11, "b": -2, "c": 1 << 40, "d": 7}  # the users' ids as the C++ runtime takes them (int64)
+STATS = re.compile(r"kv cache: (\d+) hits, (\d+) misses, (\d+) stale, (\d+) evictions, (\d+) bypassed; (\d+) users in "
+                   r"(\d+) of (\d+) pages")
+
+
+def _sequence(name: str) -> list[tuple[list[str], dict[str, torch.Tensor]]]:
+    """(users, request) in serving order: every case the cache distinguishes."""
+    users = Users(CONFIGS[name], seed=7)
+    users.grow("a", 20)
+    users.grow("b", 5)
+    users.grow("c", 40)
+    out = [(["a", "b"], users.request(["a", "b"], [3, 2]))]  # prefill
+    out.append((["b", "a"], users.request(["b", "a"], [1, 4])))  # hits: new candidates only
+    users.grow("b", 1)
+    users.grow("a", PAGE + 3)
+    out.append((["c", "a", "b"], users.request(["c", "a", "b"], [2, 2, 1])))  # a new user; growth by 1 and > a page
+    out.append((["a", "a", "b"], users.request(["a", "a", "b"], [1, 2, 3])))  # the same user twice
+    # A later query time moves recent tokens to another time bucket: recomputed (stale), not reused.
+    out.append((["b", "c"], users.request(["b", "c"], [2, 2], query_time=10_000 + 4000)))
+    return out
+
+
+def _run_cpp(runner, package: Path, steps, work: Path, *extra: object):  # type: ignore[no-untyped-def]
+    args: list[object] = [package]
+    for k, (_, request) in enumerate(steps):
+        args.append(save_tensors(request, work / f"request{k}"))
+    for who, _ in steps:
+        args += ["--user-ids", ",".join(str(IDS[u]) for u in who)]
+    done = runner.run(*args, "--out", work / "out", *extra)
+    assert done.returncode == 0, done.stderr
+    outputs = [load_tensors(work / "out" / str(k + 1)) for k in range(len(steps))] if len(steps) > 1 else \
+        [load_tensors(work / "out")]
+    return done, outputs
+
+
+def _stats(stdout: str) -> dict[str, int]:
+    found = STATS.findall(stdout)
+    assert found, stdout
+    keys = ("hits", "misses", "stale", "evictions", "bypassed", "users", "pages_used", "pages")
+    return dict(zip(keys, map(int, found[-1])))
+
+
+@pytest.mark.parametrize("budget_pages", [None, 5], ids=["roomy", "five-pages"])
+def test_cpp_cache_serves_as_python_bit_for_bit(cpp_runtime, kv_package, tmp_path, budget_pages) -> None:  # type: ignore[no-untyped-def]
+    """``five-pages``: a budget of 4 users' pages and the scratch page, so a user is evicted and others
+    are served without being stored; the two caches must agree on which."""
+    name, root, manifest = kv_package
+    layout = manifest["kv_cache"]["layout"]
+    budget = None if budget_pages is None else budget_pages * page_bytes(
+        layout["num_layers"], layout["num_heads"], layout["attention_dim"], layout["linear_dim"], PAGE, torch.float32)
+    steps = _sequence(name)
+    done, cpp = _run_cpp(cpp_runtime, root, steps, tmp_path, "--kv-cache", budget or "auto")
+    predictor = hstu_export.load(root)
+    ranker = predictor.kv_cache(budget_bytes=budget)
+    for k, ((who, request), got) in enumerate(zip(steps, cpp)):
+        python = ranker(request, [IDS[u] for u in who])
+        full = predictor(request)
+        assert sorted(got) == sorted(python)
+        for key in python:
+            assert torch.equal(got[key], python[key]), (k, key, (got[key] - python[key]).abs().max().item())
+            torch.testing.assert_close(got[key], full[key], **CLOSE)
+    stats = _stats(done.stdout)
+    assert stats == ranker.cache.stats()
+    assert stats["hits"] > 0 and stats["misses"] > 0 and stats["bypassed"] > 0
+    assert stats["stale"] > 0
+    assert (stats["evictions"] > 0) == (budget_pages is not None)
+    assert "KV-cached" in done.stdout
+
+
+def test_cpp_cache_from_several_threads(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Four threads serve the same sequence at once (the same users in every thread: serialised per
+    user); on CPU in fp32 every answer equals the first pass's bit for bit."""
+    name, root, _ = kv_package
+    steps = _sequence(name)[:3]
+    done, _ = _run_cpp(cpp_runtime, root, steps, tmp_path, "--kv-cache", "1MiB", "--threads", 4, "--repeat", 3)
+    assert "latency over 36 runs on 4 thread(s)" in done.stdout, done.stdout
+    assert "outputs equal to the first pass's bit for bit" in done.stdout
+    stats = _stats(done.stdout)
+    # Misses in the first pass only (a repeated pass starts with shorter histories than the cached ones:
+    # stale), and nothing evicted from a roomy cache.
+    assert stats["misses"] == 3 and stats["hits"] > 12 and stats["evictions"] == 0
+
+
+def _edit_manifest(root: Path, copy: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+    shutil.copytree(root, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest)
+    data = json.dumps(manifest).encode()
+    (copy / "manifest.json").write_bytes(data)
+    (copy / "manifest.sha256").write_text(manifest_sha256_line(data))
+    return copy
+
+
+def _kv_edit(**changes: object):  # type: ignore[no-untyped-def]
+    return lambda m: m["kv_cache"].update(changes)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda m: m.pop("kv_cache"), "has no KV-cache delta program; export it with --kv-cache"),
+    (_kv_edit(page_size=24), "'kv_cache.page_size' is not a power of two of at least 16"),
+    (_kv_edit(program="kv/other.pt2"), "'kv_cache.program' names a file that files does not list"),
+    (lambda m: m["kv_cache"]["outputs"].append("kv_new_k"), "it returned the new K/V): re-export with --kv-cache"),
+    (lambda m: m["kv_cache"]["inputs"].remove("kv_page_table"), "lacks 'kv_page_table'"),
+])
+def test_a_package_without_a_usable_cache_section(cpp_runtime, kv_package, tmp_path, edit, message) -> None:  # type: ignore[no-untyped-def]
+    """--kv-cache is refused in one line; the package still serves requests without a cache."""
+    name, root, _ = kv_package
+    package = _edit_manifest(root, tmp_path / "pkg", edit)
+    _, request = _sequence(name)[0]
+    directory = save_tensors(request, tmp_path / "request")
+    done = cpp_runtime.run(package, directory, "--kv-cache", "auto", "--user-ids", "1,2")
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("hstu-export-run: error: ") and message in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1
+    assert cpp_runtime.run(package, directory, "-q").returncode == 0
+
+
+def test_bad_kv_arguments_are_refused_in_one_line(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    name, root, _ = kv_package
+    _, request = _sequence(name)[0]
+    one = save_tensors(request, tmp_path / "one")
+    usage = [
+        ((one, "--kv-cache", "auto"), "--kv-cache needs one --user-ids per REQUEST_DIR: got 0 for 1"),
+        ((one, one, "--user-ids", "1,2"), "several only with --kv-cache"),
+        ((one, "--kv-cache", "12XB", "--user-ids", "1,2"), "--kv-cache needs a positive integer, got '12XB'"),
+        ((one, "--kv-cache", "auto", "--user-ids", "1,x"), "--user-ids needs integers, got 'x'"),
+        ((one, "--user-ids", "1,2"), "--user-ids and --max-time-drift go with --kv-cache"),
+    ]
+    for args, message in usage:
+        done = cpp_runtime.run(root, *args)
+        assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+    served = [
+        ((one, "--kv-cache", "auto", "--user-ids", "1,2,3"), "3 user ids for a batch of 2 users"),
+        ((one, "--kv-cache", "100", "--user-ids", "1,2"), "holds no page for users"),
+    ]
+    for args, message in served:
+        done = cpp_runtime.run(root, *args, "--out", tmp_path / "out")
+        assert done.returncode == 1 and done.stdout == "", (args, done.stdout)
+        assert done.stderr.startswith("hstu-export-run: error: ") and message in done.stderr, done.stderr
+        assert done.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
