@@ -59,14 +59,14 @@ def prefix_of(whole: dict[str, torch.Tensor], work: dict, batch: int) -> dict[st
 def python_latency(call, iters: int, before=None) -> dict:  # type: ignore[no-untyped-def]
     """p50/p99 of ``call()`` (synchronised), ``before()`` run untimed ahead of each call."""
     times = []
-    for i in range(iters + 3):
+    for i in range(iters + 5):
         if before is not None:
             before()
         torch.cuda.synchronize()
         start = time.perf_counter()
         call()
         torch.cuda.synchronize()
-        if i >= 3:
+        if i >= 5:
             times.append((time.perf_counter() - start) * 1e3)
     times.sort()
     return {"p50_ms": statistics.median(times), "p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))]}
@@ -97,13 +97,13 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
     ids = ",".join(str(u) for u in range(batch))
     users = list(range(batch))
 
-    _, row["cpp_no_cache"] = cpp(runner, package_root, dirs[-1], "--repeat", iters, "--warmup", 3, "-q")
+    _, row["cpp_no_cache"] = cpp(runner, package_root, dirs[-1], "--repeat", iters, "--warmup", 5)
     out = work_dir / f"b{batch}_out"
     shutil.rmtree(out, ignore_errors=True)
     kv_args: list[object] = [package_root, *dirs, "--kv-cache", "auto"]
     for _ in dirs:
         kv_args += ["--user-ids", ids]
-    done, row["cpp_kv"] = cpp(runner, *kv_args, "--repeat", iters, "--warmup", 2, "--out", out)
+    done, row["cpp_kv"] = cpp(runner, *kv_args, "--repeat", iters, "--warmup", 5, "--out", out)
     row["cpp_kv_stdout_tail"] = done.stdout[-600:]
 
     with torch.no_grad():
