@@ -11,10 +11,11 @@ sequence of requests again and again, with the users' ids fixed:
         hit with 384 new tokens per user; its latency is the one reported;
   dlrm  [whole (1024 history + 2048 candidates)]: after the first pass every request is a hit with 2048
         new tokens per user.
-Baselines, same run: the same whole request through the package without cache (C++ and Python). The
-C++ runtime replays no CUDA graphs; Python's cache is timed with them (its default) and without.
-Outputs: the C++ cache's first whole answer against Python's cache without graphs (the same program on
-the same inputs: bit for bit) and against the package without cache (relative L2).
+Baselines, same run: the same whole request through the package without cache (C++ and Python). Both
+caches are timed with CUDA graphs (their default; the C++ runtime's when built with CUDA headers) and
+without; each C++ run writes every timed request's latency to latencies_*.txt.
+Outputs: the C++ cache's first whole answer without graphs against Python's cache without graphs (the
+same program on the same inputs: bit for bit) and against the package without cache (relative L2).
 Writes cpp_kv_cache.json (after every step).
 """
 
@@ -89,7 +90,7 @@ def rel_l2(a: dict, b: dict) -> float:
 
 
 def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingModel, work: dict, batch: int,  # type: ignore[no-untyped-def]
-              iters: int, work_dir: Path) -> dict:
+              iters: int, work_dir: Path, log_dir: Path) -> dict:
     row: dict = {}
     whole = request(model, work, batch, 100 + batch)  # on the host, as from a client
     steps = [prefix_of(whole, work, batch), whole] if work["cached"] < work["history"] else [whole]
@@ -103,8 +104,11 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
     kv_args: list[object] = [package_root, *dirs, "--kv-cache", "auto"]
     for _ in dirs:
         kv_args += ["--user-ids", ids]
-    done, row["cpp_kv"] = cpp(runner, *kv_args, "--repeat", iters, "--warmup", 5, "--out", out)
-    row["cpp_kv_stdout_tail"] = done.stdout[-600:]
+    for name, graphs in (("cpp_kv_no_graphs", "off"), ("cpp_kv", "auto")):
+        log = log_dir / f"latencies_{name}_{work['history']}_{batch}.txt"
+        done, row[name] = cpp(runner, *kv_args, "--kv-graphs", graphs, "--repeat", iters, "--warmup", 5,
+                              "--latency-log", log, *(("--out", out) if graphs == "off" else ()))
+        row[f"{name}_stdout_tail"] = done.stdout[-700:]
 
     with torch.no_grad():
         row["python_no_cache"] = python_latency(lambda: predictor(whole), iters)
@@ -129,7 +133,9 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
               "python_no_cache_over_python_kv": ("python_no_cache", "python_kv"),
               "python_no_cache_over_cpp_kv": ("python_no_cache", "cpp_kv"),
               "python_kv_over_cpp_kv": ("python_kv", "cpp_kv"),
-              "python_kv_no_graphs_over_cpp_kv": ("python_kv_no_graphs", "cpp_kv")}
+              "python_kv_no_graphs_over_cpp_kv": ("python_kv_no_graphs", "cpp_kv"),
+              "cpp_no_cache_over_cpp_kv_no_graphs": ("cpp_no_cache", "cpp_kv_no_graphs"),
+              "cpp_kv_no_graphs_over_cpp_kv": ("cpp_kv_no_graphs", "cpp_kv")}
     for name, (base, new) in ratios.items():
         if "p50_ms" in row[base] and "p50_ms" in row[new]:
             row[name] = row[base]["p50_ms"] / row[new]["p50_ms"]
@@ -182,7 +188,7 @@ def main() -> None:
             for batch in args.batches:
                 try:
                     entry["batches"][batch] = batch_row(runner, Path(result.path), predictor, model, work, batch,
-                                                        args.iters, work_dir)
+                                                        args.iters, work_dir, args.out)
                 except Exception as exc:  # recorded; the rest still runs
                     entry["batches"][batch] = {"error": f"{type(exc).__name__}: {exc}"[:1500],
                                                "traceback": traceback.format_exc()[-2000:]}

@@ -93,6 +93,34 @@ def test_cpp_cache_serves_as_python_bit_for_bit(cpp_runtime, kv_package, tmp_pat
     assert "KV-cached" in done.stdout
 
 
+def test_cpp_shape_buckets_as_python_bit_for_bit(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--kv-graphs buckets``: requests run in shape buckets (a padding user, the bucket's buffers written
+    per request, the padding counts computed by the run), as CUDA graphs run them but without capturing.
+    The sequence twice, so that buckets are seen again: the same answers bit for bit as Python's cache in
+    the same mode, the same number of bucketed and one-off runs, and the answers of the package without
+    cache."""
+    from hstu_export.runtimes.kv_graphs import GraphCache
+
+    name, root, _ = kv_package
+    steps = _sequence(name) * 2
+    done, cpp = _run_cpp(cpp_runtime, root, steps, tmp_path, "--kv-cache", "auto", "--kv-graphs", "buckets")
+    predictor = hstu_export.load(root)
+    ranker = predictor.kv_cache()
+    runner = ranker.runner
+    runner.graphs = GraphCache(runner._run, runner._buckets, runner.layout.contextual_seq_len, capture=False)
+    for k, ((who, request), got) in enumerate(zip(steps, cpp)):
+        python = ranker(request, [IDS[u] for u in who])
+        full = predictor(request)
+        for key in python:
+            assert torch.equal(got[key], python[key]), (k, key, (got[key] - python[key]).abs().max().item())
+            torch.testing.assert_close(got[key], full[key], **CLOSE)
+    counts = runner.graphs.counts
+    assert counts["replays"] > 0 and counts["eager"] > 0
+    assert (f"shape buckets: {counts['replays']} replays, 0 graphs captured, {counts['eager']} run as they are"
+            in done.stdout), done.stdout
+    assert _stats(done.stdout) == ranker.cache.stats()
+
+
 def test_cpp_cache_from_several_threads(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Four threads serve the same sequence at once (the same users in every thread: serialised per
     user); on CPU in fp32 every answer equals the first pass's bit for bit."""
@@ -150,7 +178,9 @@ def test_bad_kv_arguments_are_refused_in_one_line(cpp_runtime, kv_package, tmp_p
         ((one, one, "--user-ids", "1,2"), "several only with --kv-cache"),
         ((one, "--kv-cache", "12XB", "--user-ids", "1,2"), "--kv-cache needs a positive integer, got '12XB'"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,x"), "--user-ids needs integers, got 'x'"),
-        ((one, "--user-ids", "1,2"), "--user-ids and --max-time-drift go with --kv-cache"),
+        ((one, "--user-ids", "1,2"), "--user-ids, --max-time-drift and --kv-graphs go with --kv-cache"),
+        ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-graphs", "always"),
+         "--kv-graphs is auto, on, off or buckets, got 'always'"),
     ]
     for args, message in usage:
         done = cpp_runtime.run(root, *args)
@@ -158,6 +188,7 @@ def test_bad_kv_arguments_are_refused_in_one_line(cpp_runtime, kv_package, tmp_p
     served = [
         ((one, "--kv-cache", "auto", "--user-ids", "1,2,3"), "3 user ids for a batch of 2 users"),
         ((one, "--kv-cache", "100", "--user-ids", "1,2"), "holds no page for users"),
+        ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-graphs", "on"), "CUDA graphs need a CUDA package"),
     ]
     for args, message in served:
         done = cpp_runtime.run(root, *args, "--out", tmp_path / "out")

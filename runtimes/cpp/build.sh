@@ -30,8 +30,13 @@ plain_build() {
   mkdir -p "$build"
   local flags=(-std=c++20 -O2 -fPIC -D_GLIBCXX_USE_CXX11_ABI="$abi" -I"$here/include"
                -isystem "$torch_dir/include" -isystem "$torch_dir/include/torch/csrc/api/include")
-  c++ "${flags[@]}" -shared -DHSTU_EXPORT_DEFAULT_OP_LIBRARY_DIRS="\"$ops\"" \
-    "$here"/src/runtime.cpp "$here"/src/kv_cache.cpp "$here"/src/tensor_dir.cpp "$here"/src/json.cpp "$here"/src/sha256.cpp \
+  # CUDA graphs for the KV cache need the CUDA runtime's headers and a CUDA libtorch (as in CMakeLists.txt).
+  local cuda_include="${CUDA_HOME:-/usr/local/cuda}/include" graphs=()
+  if [ -e "$cuda_include/cuda_runtime_api.h" ] && [ -e "$torch_dir/lib/libtorch_cuda.so" ]; then
+    graphs=(-isystem "$cuda_include" -DHSTU_EXPORT_CUDA_GRAPHS)
+  fi
+  c++ "${flags[@]}" "${graphs[@]}" -shared -DHSTU_EXPORT_DEFAULT_OP_LIBRARY_DIRS="\"$ops\"" \
+    "$here"/src/runtime.cpp "$here"/src/kv_cache.cpp "$here"/src/kv_graphs.cpp "$here"/src/tensor_dir.cpp "$here"/src/json.cpp "$here"/src/sha256.cpp \
     -o "$build/libhstu_export_runtime.so" -Wl,--no-as-needed -L"$torch_dir/lib" $libs -ldl \
     -Wl,-rpath,"$torch_dir/lib"
   c++ "${flags[@]}" "$here/src/main.cpp" -o "$build/hstu-export-run" -Wl,--no-as-needed \

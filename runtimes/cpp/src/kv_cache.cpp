@@ -13,6 +13,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "kv_graphs.h"
 #include "package_impl.h"
 
 namespace hstu_export {
@@ -92,6 +93,7 @@ struct CachedRanker::Impl {
   const Package::Impl* pkg = nullptr;
   detail::KVSection kv;
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> program;
+  std::unique_ptr<detail::DeltaGraphs> graphs;  // shape buckets (CUDA graphs), or null: the program as it is
   int64_t max_time_drift = 0;
   std::vector<int64_t> edges;
   std::map<std::string, std::string> feature_of;  // delta program input -> the request feature it is fed from
@@ -107,6 +109,11 @@ struct CachedRanker::Impl {
   std::array<std::mutex, kStripes> stripes;
 
   NamedTensors run(const Tensors& request, const std::vector<int64_t>& users, int64_t batch);
+  std::vector<at::Tensor> run_program(const detail::ProgramInputs& inputs) const {
+    std::vector<at::Tensor> ordered;
+    for (const auto& name : kv.inputs) ordered.push_back(inputs.at(name));
+    return program->run(ordered);
+  }
   int64_t reusable(int64_t user, const int64_t* context, const std::array<const int64_t*, 3>& tokens, int64_t length,
                    int64_t query_time, std::shared_ptr<const Record>* reused);
   std::vector<int64_t> reserve(int64_t user, int64_t tokens, int64_t keep);
@@ -204,7 +211,34 @@ std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> 
   } catch (const std::exception& exc) {
     throw PackageError(pkg.root + ": AOTInductor could not load " + kv.program_file + ": " + detail::error_text(exc));
   }
+  bool cuda = pkg.device.is_cuda();
+  KVGraphs graphs = options.graphs;
+  if (graphs == KVGraphs::kOn && !cuda) {
+    throw Error("CUDA graphs need a CUDA package; " + pkg.root + " is for " + pkg.device.str());
+  }
+  if (graphs == KVGraphs::kOn && !detail::cuda_graphs_built()) {
+    throw Error("this C++ runtime was built without CUDA graph support (no CUDA headers when it was built); "
+                "rebuild it where the CUDA toolkit's headers are, or serve without graphs");
+  }
+  if (graphs == KVGraphs::kAuto) graphs = cuda && detail::cuda_graphs_built() ? KVGraphs::kOn : KVGraphs::kOff;
+  if (graphs != KVGraphs::kOff) {
+    // The bucket steps stay within the program's bounds (runtimes/kv_delta.py chooses the same).
+    detail::Buckets buckets{std::min<int64_t>(64, kv.max_history), std::min<int64_t>(32, kv.max_candidates),
+                            std::max<int64_t>((kv.max_seq_len + kv.page_size - 1) / kv.page_size, 64)};
+    const Impl* self = impl.get();
+    impl->graphs = std::make_unique<detail::DeltaGraphs>(
+        [self](const detail::ProgramInputs& inputs) { return self->run_program(inputs); }, buckets,
+        static_cast<int64_t>(kv.contextual_features.size()), /*capture=*/graphs == KVGraphs::kOn);
+  }
   return std::shared_ptr<CachedRanker>(new CachedRanker(std::move(impl)));
+}
+
+bool CachedRanker::bucketed() const { return impl_->graphs != nullptr; }
+
+KVGraphCounts CachedRanker::graph_counts() const {
+  if (!impl_->graphs) return {};
+  auto counts = impl_->graphs->counts();
+  return {counts.replays, counts.captures, counts.eager};
 }
 
 KVCacheStats CachedRanker::stats() const {
@@ -428,26 +462,26 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
     for (const auto& name : kv.contextual_features) columns.push_back(emb.at(name + "_emb").index_select(0, fresh_users));
     contextual = at::stack(columns, 1);
   }
-  std::vector<at::Tensor> inputs;
+  detail::ProgramInputs inputs;
   for (const auto& name : kv.inputs) {
     if (name == "kv_cached") {
-      inputs.push_back(cached_tensor);
+      inputs[name] = cached_tensor;
     } else if (name == "kv_k_pages") {
-      inputs.push_back(k);
+      inputs[name] = k;
     } else if (name == "kv_v_pages") {
-      inputs.push_back(v);
+      inputs[name] = v;
     } else if (name == "kv_page_table") {
-      inputs.push_back(table.to(device));
+      inputs[name] = table.to(device);
     } else if (name == "contextual_emb") {
-      inputs.push_back(contextual.contiguous());
+      inputs[name] = contextual.contiguous();
     } else if (auto it = emb.find(name); it != emb.end()) {
-      inputs.push_back(it->second.contiguous());
+      inputs[name] = it->second.contiguous();
     } else {
-      inputs.push_back(on_device.at(feature_of.at(name)));
+      inputs[name] = on_device.at(feature_of.at(name));
     }
   }
   // The run writes the stored users' new K/V into their pages.
-  std::vector<at::Tensor> outputs = program->run(inputs);
+  std::vector<at::Tensor> outputs = graphs ? (*graphs)(inputs) : run_program(inputs);
   if (outputs.size() != kv.outputs.size()) {
     throw Error(kv.program_file + " returned " + std::to_string(outputs.size()) + " outputs, the manifest names " +
                 std::to_string(kv.outputs.size()));

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <cstdio>
 #include <iostream>
@@ -39,6 +40,7 @@ constexpr const char* kUsage =
     "  --warmup N             before those, N runs that are not timed (TorchScript optimises its graph on\n"
     "                         the first runs; compare warm latencies)\n"
     "  --threads N            run from N threads at once (with --repeat: N each); outputs must all be equal\n"
+    "  --latency-log FILE     with --repeat: write every timed run's latency there (thread, pass, request, ms)\n"
     "  --quiet                print nothing but errors\n"
     "\n"
     "KV-cached serving (a package exported with --kv-cache; docs/KV_CACHE.md):\n"
@@ -48,10 +50,13 @@ constexpr const char* kUsage =
     "                         sequence again and print how far the outputs are from the first pass's\n"
     "  --user-ids IDS         the users of one REQUEST_DIR, comma-separated integers in batch order; give\n"
     "                         it once per REQUEST_DIR, in the same order\n"
-    "  --max-time-drift S     seconds a cached token keeps its timestamp bucket (default 0: exact)\n";
+    "  --max-time-drift S     seconds a cached token keeps its timestamp bucket (default 0: exact)\n"
+    "  --kv-graphs MODE       auto (default: CUDA graphs for a CUDA package, when the runtime was built\n"
+    "                         with CUDA headers), on, off, or buckets (shape buckets without graphs, any\n"
+    "                         device: checks the buckets' bookkeeping)\n";
 
 struct Args {
-  std::string package, out;
+  std::string package, out, latency_log;
   std::vector<std::string> requests;
   hstu_export::Options options;
   int repeat = 0;
@@ -61,6 +66,7 @@ struct Args {
   bool kv = false;
   hstu_export::KVCacheOptions kv_options;
   std::vector<std::vector<int64_t>> user_ids;
+  bool kv_graphs_given = false;
 };
 
 [[noreturn]] void usage_error(const std::string& what) {
@@ -136,6 +142,8 @@ Args parse(int argc, char** argv) {
       args.warmup = positive(arg, value());
     } else if (arg == "--threads") {
       args.threads = positive(arg, value());
+    } else if (arg == "--latency-log") {
+      args.latency_log = value();
     } else if (arg == "--quiet" || arg == "-q") {
       args.quiet = true;
     } else if (arg == "--kv-cache") {
@@ -143,6 +151,20 @@ Args parse(int argc, char** argv) {
       args.kv_options.budget_bytes = budget(value());
     } else if (arg == "--user-ids") {
       args.user_ids.push_back(user_ids(value()));
+    } else if (arg == "--kv-graphs") {
+      std::string mode = value();
+      if (mode == "auto") {
+        args.kv_options.graphs = hstu_export::KVGraphs::kAuto;
+      } else if (mode == "on") {
+        args.kv_options.graphs = hstu_export::KVGraphs::kOn;
+      } else if (mode == "off") {
+        args.kv_options.graphs = hstu_export::KVGraphs::kOff;
+      } else if (mode == "buckets") {
+        args.kv_options.graphs = hstu_export::KVGraphs::kBuckets;
+      } else {
+        usage_error("--kv-graphs is auto, on, off or buckets, got '" + mode + "'");
+      }
+      args.kv_graphs_given = true;
     } else if (arg == "--max-time-drift") {
       args.kv_options.max_time_drift = integer(arg, value(), 0);
     } else if (!arg.empty() && arg[0] == '-') {
@@ -155,8 +177,8 @@ Args parse(int argc, char** argv) {
     usage_error(positional.size() < 2 ? "expected PACKAGE and REQUEST_DIR"
                                       : "expected PACKAGE and one REQUEST_DIR (several only with --kv-cache)");
   }
-  if (!args.kv && (!args.user_ids.empty() || args.kv_options.max_time_drift != 0)) {
-    usage_error("--user-ids and --max-time-drift go with --kv-cache");
+  if (!args.kv && (!args.user_ids.empty() || args.kv_options.max_time_drift != 0 || args.kv_graphs_given)) {
+    usage_error("--user-ids, --max-time-drift and --kv-graphs go with --kv-cache");
   }
   args.package = positional[0];
   args.requests.assign(positional.begin() + 1, positional.end());
@@ -253,6 +275,16 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
       each[k].insert(each[k].end(), thread[k].begin(), thread[k].end());
     }
   }
+  if (!args.latency_log.empty()) {
+    std::ofstream log(args.latency_log);
+    log << "thread pass request ms\n";
+    for (int t = 0; t < args.threads; ++t) {
+      for (size_t k = 0; k < count; ++k) {
+        for (size_t r = 0; r < latencies[t][k].size(); ++r) log << t << ' ' << r << ' ' << k + 1 << ' ' << latencies[t][k][r] << '\n';
+      }
+    }
+    if (!log) throw hstu_export::Error("cannot write the latency log " + args.latency_log);
+  }
   auto [p50, p99] = percentiles(all);
   double gap = *std::max_element(gaps.begin(), gaps.end());
   if (args.quiet) return;
@@ -281,7 +313,14 @@ std::string stats_line(const hstu_export::CachedRanker& ranker) {
                 static_cast<long long>(s.evictions), static_cast<long long>(s.bypassed), static_cast<long long>(s.users),
                 static_cast<long long>(s.pages_used), static_cast<long long>(s.pages),
                 static_cast<double>(ranker.bytes()) / (1 << 20));
-  return line;
+  std::string out = line;
+  if (ranker.bucketed()) {
+    hstu_export::KVGraphCounts g = ranker.graph_counts();
+    std::snprintf(line, sizeof line, "; shape buckets: %lld replays, %lld graphs captured, %lld run as they are",
+                  static_cast<long long>(g.replays), static_cast<long long>(g.captures), static_cast<long long>(g.eager));
+    out += line;
+  }
+  return out;
 }
 
 int serve(const Args& args) {

@@ -53,6 +53,8 @@ struct KVSection {
   int64_t num_time_buckets = 0;
   at::ScalarType dtype = at::kFloat;  // the package's dtype: the pages'
   int64_t min_history = 0;            // the exported minimum history length (the sparse half's)
+  int64_t max_history = 0;            // and the exported maxima of a user's history and candidates
+  int64_t max_candidates = 0;
 };
 
 }  // namespace detail

@@ -396,6 +396,9 @@ detail::KVSection read_kv_section(const Fields& fields, const Value& manifest, c
   if (const Value* low = fields.member(lengths, "min_lengths", "ranges.lengths").find("uih_lengths")) {
     out.min_history = fields.integer(*low, "ranges.lengths.min_lengths.uih_lengths");
   }
+  const Value& highs = fields.member(lengths, "max_lengths", "ranges.lengths");
+  out.max_history = positive(highs, "uih_lengths", "ranges.lengths.max_lengths");
+  out.max_candidates = positive(highs, "candidate_lengths", "ranges.lengths.max_lengths");
 
   // What the cache reads of every request: the zoo ranking model's history, candidates and times.
   std::vector<std::string> needed = {"uih_lengths", "candidate_lengths", "uih_item_ids", "uih_action_ids",

@@ -23,12 +23,24 @@
 
 namespace hstu_export {
 
+// How the delta program runs (docs/KV_CACHE.md): replayed from CUDA graphs, one per shape bucket
+// (kOn; kAuto: on for a CUDA package when the runtime was built with CUDA headers), as it is (kOff), or in
+// shape buckets without graphs (kBuckets: the buckets' bookkeeping on any device, what CPU tests check).
+enum class KVGraphs { kAuto, kOn, kOff, kBuckets };
+
+struct KVGraphCounts {
+  int64_t replays = 0;   // requests run in a bucket
+  int64_t captures = 0;  // graphs captured
+  int64_t eager = 0;     // requests of a shape seen once, run as they are
+};
+
 struct KVCacheOptions {
   // Bytes of K/V pages, allocated at open. 0: room for max_batch_size users at the longest sequence.
   int64_t budget_bytes = 0;
   // Seconds a cached token may keep the timestamp bucket it was computed with (an approximation);
   // 0: exact, an entry whose buckets moved is recomputed.
   int64_t max_time_drift = 0;
+  KVGraphs graphs = KVGraphs::kAuto;
 };
 
 struct KVCacheStats {
@@ -55,6 +67,9 @@ class CachedRanker {
   NamedTensors run(const Tensors& request, const std::vector<int64_t>& user_ids);
 
   KVCacheStats stats() const;
+  // Whether requests run in shape buckets (CUDA graphs or kBuckets), and how they ran; zeros without.
+  bool bucketed() const;
+  KVGraphCounts graph_counts() const;
   int64_t bytes() const;      // of the K/V pages
   int64_t page_size() const;  // tokens per page
   const Package& package() const;

@@ -1,0 +1,282 @@
+// DeltaGraphs: shape buckets and a CUDA graph per bucket for the delta program (kv_graphs.h).
+#include "kv_graphs.h"
+
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <list>
+#include <mutex>
+#include <optional>
+
+#ifdef HSTU_EXPORT_CUDA_GRAPHS
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include "hstu_export/runtime.h"
+
+namespace hstu_export::detail {
+
+namespace {
+
+// The inputs with a row per token (or per user with nothing cached), and those with an entry per user.
+constexpr const char* kRowInputs[] = {"uih_item_emb", "uih_action_emb", "uih_timestamps", "candidate_item_emb",
+                                      "contextual_emb"};
+constexpr const char* kUserInputs[] = {"uih_lengths", "candidate_lengths", "query_time", "kv_cached"};
+// The pages are the cache itself: the same tensors on every call, never copied.
+constexpr const char* kStaticInputs[] = {"kv_k_pages", "kv_v_pages"};
+constexpr size_t kMaxSeen = 4096;
+
+bool is_static(const std::string& name) {
+  return std::any_of(std::begin(kStaticInputs), std::end(kStaticInputs), [&](const char* s) { return name == s; });
+}
+
+int64_t rounded(int64_t n, int64_t step) { return n ? (n + step - 1) / step * step : step; }
+
+struct Padding {
+  int64_t history;     // the padding user's history tokens
+  int64_t candidates;  // and candidates
+  int64_t width;       // the bucket's page-table width
+};
+
+Padding padding_of(const ProgramInputs& inputs, const Buckets& buckets) {
+  int64_t hist = inputs.at("uih_item_emb").size(0);
+  int64_t cand = inputs.at("candidate_item_emb").size(0);
+  int64_t width = inputs.at("kv_page_table").size(1);
+  int64_t power = 1;
+  while (power < width) power <<= 1;
+  // A request without history tokens still gets a block of them: the program's history input is never empty.
+  return {rounded(hist, buckets.history) - hist, rounded(cand, buckets.candidates) - cand,
+          std::min(std::max(power, width), std::max(buckets.max_width, width))};
+}
+
+int64_t scratch_page(const ProgramInputs& inputs) { return inputs.at("kv_k_pages").size(1) - 1; }
+
+// `inputs` with the padding user appended.
+ProgramInputs pad_to_bucket(const ProgramInputs& inputs, const Buckets& buckets, int64_t contextual) {
+  Padding pad = padding_of(inputs, buckets);
+  auto rows = [](const at::Tensor& t, int64_t n) {
+    std::vector<int64_t> shape = t.sizes().vec();
+    shape[0] = n;
+    return at::cat({t, at::zeros(shape, t.options())});
+  };
+  ProgramInputs out = inputs;
+  for (const char* name : {"uih_item_emb", "uih_action_emb", "uih_timestamps"}) out[name] = rows(inputs.at(name), pad.history);
+  out["candidate_item_emb"] = rows(inputs.at("candidate_item_emb"), pad.candidates);
+  if (contextual > 0) out["contextual_emb"] = rows(inputs.at("contextual_emb"), 1);
+  const at::Tensor& lengths = inputs.at("uih_lengths");
+  out["uih_lengths"] = at::cat({lengths, at::full({1}, pad.history, lengths.options())});
+  const at::Tensor& counts = inputs.at("candidate_lengths");
+  out["candidate_lengths"] = at::cat({counts, at::full({1}, pad.candidates, counts.options())});
+  out["query_time"] = rows(inputs.at("query_time"), 1);
+  out["kv_cached"] = rows(inputs.at("kv_cached"), 1);  // nothing cached: it reads no page
+  const at::Tensor& table = inputs.at("kv_page_table");
+  int64_t scratch = scratch_page(inputs);
+  at::Tensor taller = at::cat({table, at::full({1, table.size(1)}, scratch, table.options())});
+  out["kv_page_table"] = at::constant_pad_nd(taller, {0, pad.width - table.size(1)}, scratch);
+  return out;
+}
+
+std::vector<int64_t> bucket_key(const ProgramInputs& inputs, const Buckets& buckets, int64_t contextual) {
+  Padding pad = padding_of(inputs, buckets);
+  std::vector<int64_t> key = {inputs.at("kv_cached").size(0), inputs.at("uih_item_emb").size(0) + pad.history,
+                              inputs.at("candidate_item_emb").size(0) + pad.candidates,
+                              inputs.at("contextual_emb").size(0) + (contextual > 0 ? 1 : 0), pad.width};
+  for (const char* name : kStaticInputs) key.push_back(reinterpret_cast<int64_t>(inputs.at(name).data_ptr()));
+  return key;
+}
+
+// What the copies into a bucket's buffers depend on: each row input's rows and the page table's sizes.
+std::vector<int64_t> request_sizes(const ProgramInputs& inputs) {
+  std::vector<int64_t> sizes;
+  for (const char* name : kRowInputs) sizes.push_back(inputs.at(name).size(0));
+  for (int64_t size : inputs.at("kv_page_table").sizes()) sizes.push_back(size);
+  return sizes;
+}
+
+// Where a request's tensors go in its bucket's buffers: targets grouped by dtype, with their input names;
+// the page table's real columns, and its later ones (a narrower table) when there are any.
+struct Copies {
+  std::vector<int64_t> sizes;
+  std::vector<std::pair<std::vector<at::Tensor>, std::vector<std::string>>> groups;
+  at::Tensor table;
+  std::optional<at::Tensor> rest;
+};
+
+Copies copies_into(const ProgramInputs& buffers, const ProgramInputs& inputs) {
+  Copies out;
+  out.sizes = request_sizes(inputs);
+  std::map<at::ScalarType, size_t> group_of;
+  auto add = [&](const char* name) {
+    int64_t rows = inputs.at(name).size(0);
+    if (rows == 0) return;
+    auto [it, fresh] = group_of.emplace(inputs.at(name).scalar_type(), out.groups.size());
+    if (fresh) out.groups.emplace_back();
+    out.groups[it->second].first.push_back(buffers.at(name).narrow(0, 0, rows));
+    out.groups[it->second].second.emplace_back(name);
+  };
+  for (const char* name : kRowInputs) add(name);
+  for (const char* name : kUserInputs) add(name);
+  const at::Tensor& table = buffers.at("kv_page_table");
+  int64_t batch = inputs.at("kv_page_table").size(0), width = inputs.at("kv_page_table").size(1);
+  out.table = table.narrow(0, 0, batch).narrow(1, 0, width);
+  if (width < table.size(1)) out.rest = table.narrow(0, 0, batch).narrow(1, width, table.size(1) - width);
+  return out;
+}
+
+// The padding user's two counts (after the `batch` real users') so that the counts add up to the
+// bucket's rows: device work only, run at the start of every replay (so captured with the program).
+void padding_counts(ProgramInputs& buffers, int64_t batch) {
+  for (auto [name, rows] : {std::pair<const char*, const char*>{"uih_lengths", "uih_item_emb"},
+                            {"candidate_lengths", "candidate_item_emb"}}) {
+    at::Tensor& counts = buffers.at(name);
+    // The bucket's rows as a host scalar: a graph keeps it as a kernel argument.
+    at::Tensor total = at::scalar_tensor(buffers.at(rows).size(0), counts.options().device(at::kCPU));
+    at::Tensor padding = counts.narrow(0, batch, 1);
+    at::sub_out(padding, total, counts.narrow(0, 0, batch).sum(0, /*keepdim=*/true));
+  }
+}
+
+}  // namespace
+
+bool cuda_graphs_built() {
+#ifdef HSTU_EXPORT_CUDA_GRAPHS
+  return true;
+#else
+  return false;
+#endif
+}
+
+struct DeltaGraphs::Impl {
+  struct Graph {
+#ifdef HSTU_EXPORT_CUDA_GRAPHS
+    std::unique_ptr<at::cuda::CUDAGraph> graph;
+#endif
+    ProgramInputs buffers;
+    std::vector<at::Tensor> outputs;
+    std::optional<Copies> copies;  // the last request's, kept for the next one of the same sizes
+    std::list<std::vector<int64_t>>::iterator order;
+  };
+
+  RunProgram run;
+  Buckets buckets;
+  int64_t contextual = 0;
+  bool capture = true;
+  size_t max_graphs = 16;
+  std::mutex mutex;
+  std::map<std::vector<int64_t>, Graph> graphs;
+  std::list<std::vector<int64_t>> recency;  // least recently used first
+  std::map<std::vector<int64_t>, int> seen;
+  Counts counts;
+#ifdef HSTU_EXPORT_CUDA_GRAPHS
+  std::optional<at::cuda::MempoolId_t> pool;
+#endif
+
+  std::vector<at::Tensor> run_bucket(ProgramInputs& buffers) {
+    padding_counts(buffers, buffers.at("kv_cached").size(0) - 1);
+    return run(buffers);
+  }
+
+  Graph make(const ProgramInputs& padded) {
+    Graph entry;
+    for (const auto& [name, value] : padded) entry.buffers[name] = is_static(name) ? value : value.clone();
+    if (!capture) return entry;
+#ifdef HSTU_EXPORT_CUDA_GRAPHS
+    c10::Device device = padded.at("kv_k_pages").device();
+    if (!pool) pool = at::cuda::graph_pool_handle();
+    torch::cuda::synchronize(device.index());
+    {
+      // Warm up outside the capture (allocations, lazy initialisation), then capture on a side stream.
+      c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool(false, device.index()));
+      for (int i = 0; i < 2; ++i) run_bucket(entry.buffers);
+      torch::cuda::synchronize(device.index());
+      entry.graph = std::make_unique<at::cuda::CUDAGraph>();
+      entry.graph->capture_begin(*pool);
+      try {
+        entry.outputs = run_bucket(entry.buffers);
+      } catch (...) {
+        entry.graph->capture_end();
+        throw;
+      }
+      entry.graph->capture_end();
+    }
+    torch::cuda::synchronize(device.index());
+    counts.captures += 1;
+#else
+    throw Error("this C++ runtime was built without CUDA graph support (no CUDA headers at build time)");
+#endif
+    return entry;
+  }
+
+  int64_t fill(Graph& entry, const ProgramInputs& inputs) {
+    if (!entry.copies || entry.copies->sizes != request_sizes(inputs)) entry.copies = copies_into(entry.buffers, inputs);
+    for (const auto& [targets, names] : entry.copies->groups) {
+      std::vector<at::Tensor> sources;
+      for (const auto& name : names) sources.push_back(inputs.at(name));
+      at::_foreach_copy_(targets, sources);
+    }
+    entry.copies->table.copy_(inputs.at("kv_page_table"));
+    // Later columns may hold an earlier request's pages: the scratch page, so that no write lands there.
+    if (entry.copies->rest) entry.copies->rest->fill_(scratch_page(inputs));
+    return inputs.at("candidate_item_emb").size(0);
+  }
+};
+
+DeltaGraphs::DeltaGraphs(RunProgram run, Buckets buckets, int64_t contextual, bool capture, size_t max_graphs)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->run = std::move(run);
+  impl_->buckets = buckets;
+  impl_->contextual = contextual;
+  impl_->capture = capture;
+  impl_->max_graphs = std::max<size_t>(max_graphs, 1);
+}
+
+DeltaGraphs::~DeltaGraphs() = default;
+
+DeltaGraphs::Counts DeltaGraphs::counts() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->counts;
+}
+
+std::vector<at::Tensor> DeltaGraphs::operator()(const ProgramInputs& inputs) {
+  Impl& s = *impl_;
+  std::vector<int64_t> key = bucket_key(inputs, s.buckets, s.contextual);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  auto it = s.graphs.find(key);
+  int64_t candidates = inputs.at("candidate_item_emb").size(0);
+  if (it == s.graphs.end()) {
+    if (s.seen.size() > kMaxSeen) s.seen.clear();  // shapes seen once, long ago, are forgotten
+    if (++s.seen[key] < 2) {
+      s.counts.eager += 1;
+      return s.run(inputs);
+    }
+    Impl::Graph entry = s.make(pad_to_bucket(inputs, s.buckets, s.contextual));
+    it = s.graphs.emplace(key, std::move(entry)).first;
+    it->second.order = s.recency.insert(s.recency.end(), key);
+    if (s.graphs.size() > s.max_graphs) {
+      s.graphs.erase(s.recency.front());
+      s.recency.pop_front();
+    }
+  } else {
+    s.fill(it->second, inputs);
+    s.recency.splice(s.recency.end(), s.recency, it->second.order);
+  }
+  Impl::Graph& entry = it->second;
+#ifdef HSTU_EXPORT_CUDA_GRAPHS
+  if (entry.graph) {
+    entry.graph->replay();
+  } else {
+    entry.outputs = s.run_bucket(entry.buffers);
+  }
+#else
+  entry.outputs = s.run_bucket(entry.buffers);
+#endif
+  s.counts.replays += 1;
+  std::vector<at::Tensor> out;
+  for (const auto& value : entry.outputs) out.push_back(value.narrow(0, 0, candidates).clone());
+  return out;
+}
+
+}  // namespace hstu_export::detail

@@ -1,0 +1,62 @@
+// Shape buckets and CUDA graphs for the delta program: runtimes/kv_graphs.py, in C++. Internal.
+//
+// A graph replays fixed shapes, so a request runs in a bucket: a padding user is appended whose history
+// and candidates round the token counts up to fixed steps (it may have none), and the page table's width
+// is rounded up to a power of two. The padding user has nothing cached and attends only to itself, so
+// the real users' answers are those of the unpadded request; its rows of the outputs come last and are
+// dropped, its K/V go to the pool's scratch page. A bucket is captured the second time it is seen
+// (one-off shapes run as they are), at most `max_graphs` are kept, least recently used out. A replay
+// copies the request into the bucket's buffers (one _foreach_copy_ per dtype), and the graph computes the
+// padding user's counts itself. Replays are serialised; the real output rows are copied out.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace hstu_export::detail {
+
+// The delta program's inputs by name, and a call of the program on them (outputs in its order).
+using ProgramInputs = std::map<std::string, at::Tensor>;
+using RunProgram = std::function<std::vector<at::Tensor>(const ProgramInputs&)>;
+
+struct Buckets {
+  int64_t history = 64;     // new history tokens are rounded up to a multiple of this
+  int64_t candidates = 32;  // candidates too
+  int64_t max_width = 64;   // the page table's width, rounded up to a power of two, stays within this
+};
+
+// Whether this runtime was built with CUDA graph support (CUDA headers and libtorch_cuda at build time).
+bool cuda_graphs_built();
+
+class DeltaGraphs {
+ public:
+  // capture=false keeps the buckets and their buffers but runs the program on them instead of replaying a
+  // graph: the same bookkeeping on any device (what CPU tests check).
+  DeltaGraphs(RunProgram run, Buckets buckets, int64_t contextual, bool capture, size_t max_graphs = 16);
+  ~DeltaGraphs();
+  DeltaGraphs(const DeltaGraphs&) = delete;
+  DeltaGraphs& operator=(const DeltaGraphs&) = delete;
+
+  // The program's outputs for the request (its own rows, in tensors that outlive the call).
+  std::vector<at::Tensor> operator()(const ProgramInputs& inputs);
+
+  struct Counts {
+    int64_t replays = 0;
+    int64_t captures = 0;
+    int64_t eager = 0;  // requests of a shape seen once, run as they are
+  };
+  Counts counts() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hstu_export::detail
