@@ -92,7 +92,7 @@ struct CachedRanker::Impl {
   std::shared_ptr<const Package> package;
   const Package::Impl* pkg = nullptr;
   detail::KVSection kv;
-  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> program;
+  std::unique_ptr<detail::AotiProgram> program;
   std::unique_ptr<detail::DeltaGraphs> graphs;  // shape buckets (CUDA graphs), or null: the program as it is
   int64_t max_time_drift = 0;
   std::vector<int64_t> edges;
@@ -205,9 +205,7 @@ std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> 
   impl->counts.pages = impl->num_pages;
   impl->edges = bucket_edges(kv.time_bucket_base, kv.num_time_buckets);
   try {
-    c10::DeviceIndex index = pkg.device.is_cuda() ? pkg.device.index() : -1;
-    impl->program = std::make_unique<torch::inductor::AOTIModelPackageLoader>(kv.program.string(), "model", false,
-                                                                              pkg.concurrency, index);
+    impl->program = std::make_unique<detail::AotiProgram>(kv.program.string(), pkg.device, pkg.concurrency);
   } catch (const std::exception& exc) {
     throw PackageError(pkg.root + ": AOTInductor could not load " + kv.program_file + ": " + detail::error_text(exc));
   }

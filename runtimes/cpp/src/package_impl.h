@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -22,6 +23,21 @@ std::string in_quotes(const std::string& text);
 std::optional<at::ScalarType> scalar_type(const std::string& name);  // manifest dtype names
 // Outputs of a TorchScript call (a dict by name, or a tuple/list/tensor in the declared order).
 NamedTensors named_outputs(const c10::IValue& value, const std::vector<std::string>& names, const std::string& what);
+
+// An AOTInductor program (.pt2). On CUDA it is called through AOTInductor's single-threaded runner: the
+// default runner makes each call wait on the host until the previous call has finished on the GPU (an
+// event sync, which also cannot be captured into a CUDA graph); calls are serialised by a lock held while
+// the kernels are launched. On CPU, up to `concurrency` model instances run at once.
+class AotiProgram {
+ public:
+  AotiProgram(const std::string& path, c10::Device device, size_t concurrency);
+  std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) const;
+
+ private:
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+  bool serialised_ = false;
+  mutable std::mutex launch_;
+};
 
 struct TensorSpec {
   std::string name;
@@ -71,7 +87,7 @@ struct Package::Impl {
   // TorchScript modules: forward is safe to call from several threads; Module's API is not const.
   mutable torch::jit::Module model;
   mutable torch::jit::Module sparse;
-  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> dense;
+  std::unique_ptr<detail::AotiProgram> dense;
   // The KV-cache section when the package has one and it reads well; else kv_problem says why not (a
   // package whose cache section this runtime cannot use still serves requests without a cache).
   std::optional<detail::KVSection> kv;

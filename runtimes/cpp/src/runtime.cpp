@@ -96,6 +96,19 @@ NamedTensors named_outputs(const c10::IValue& value, const std::vector<std::stri
   return out;
 }
 
+AotiProgram::AotiProgram(const std::string& path, c10::Device device, size_t concurrency)
+    : serialised_(device.is_cuda()) {
+  c10::DeviceIndex index = device.is_cuda() ? device.index() : -1;
+  loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, "model", /*run_single_threaded=*/serialised_,
+                                                                     serialised_ ? 1 : concurrency, index);
+}
+
+std::vector<at::Tensor> AotiProgram::run(const std::vector<at::Tensor>& inputs) const {
+  if (!serialised_) return loader_->run(inputs);
+  std::lock_guard<std::mutex> lock(launch_);
+  return loader_->run(inputs);
+}
+
 }  // namespace detail
 
 using detail::Artifact;
@@ -669,9 +682,8 @@ std::shared_ptr<const Package> Package::open(const std::string& path, const Opti
   } else {
     impl->sparse = load_script("sparse");
     try {
-      c10::DeviceIndex index = impl->device.is_cuda() ? impl->device.index() : -1;
-      impl->dense = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
-          listed.at(impl->artifacts["dense"].file).string(), "model", false, impl->concurrency, index);
+      impl->dense = std::make_unique<detail::AotiProgram>(listed.at(impl->artifacts["dense"].file).string(),
+                                                          impl->device, impl->concurrency);
     } catch (const std::exception& exc) {
       throw PackageError(path + ": AOTInductor could not load " + impl->artifacts["dense"].file + ": " + error_text(exc));
     }

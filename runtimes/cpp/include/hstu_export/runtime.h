@@ -48,7 +48,8 @@ struct Options {
   std::vector<std::string> op_library_dirs;
   // Check every file's sha256 against the manifest (manifest.sha256 is always checked).
   bool verify_checksums = true;
-  // AOTInductor model instances that may run at once; calls beyond wait for a free one.
+  // AOTInductor model instances that may run at once on CPU; calls beyond wait for a free one. On CUDA
+  // calls launch their kernels one at a time and never wait on the host for an earlier call's GPU work.
   size_t concurrency = 1;
 };
 
