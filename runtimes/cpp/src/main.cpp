@@ -13,6 +13,7 @@
 #include <functional>
 #include <cstdio>
 #include <iostream>
+#include <latch>
 #include <string>
 #include <thread>
 #include <vector>
@@ -37,8 +38,8 @@ constexpr const char* kUsage =
     "                         $HSTU_EXPORT_OP_LIBRARY_PATH, ':'-separated, and the build's defaults)\n"
     "  --no-verify-checksums  skip the per-file sha256 check (manifest.sha256 is still checked)\n"
     "  --repeat N             run N more times and print the latency (median and p99, ms)\n"
-    "  --warmup N             before those, N runs that are not timed (TorchScript optimises its graph on\n"
-    "                         the first runs; compare warm latencies)\n"
+    "  --warmup N             before those, N runs that are not timed, in each thread (TorchScript optimises\n"
+    "                         its graph on the first runs, and a thread's first requests are slow)\n"
     "  --threads N            run from N threads at once (with --repeat: N each); outputs must all be equal\n"
     "  --latency-log FILE     with --repeat: write every timed run's latency there (thread, pass, request, ms)\n"
     "  --quiet                print nothing but errors\n"
@@ -231,17 +232,22 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
   std::vector<std::vector<std::vector<double>>> latencies(args.threads, std::vector<std::vector<double>>(count));
   std::vector<double> gaps(args.threads, 0.0);
   std::vector<std::string> failures(args.threads);
-  for (int w = 0; w < args.warmup; ++w) {
-    for (size_t k = 0; k < count; ++k) {
-      if (exact && difference(run_one(k), first[k]) != 0) throw hstu_export::Error("a warm-up run gave different outputs");
-    }
-  }
-  synchronize(package);
+  // Each thread warms up on its own: the first requests a new thread serves can be much slower (per-thread
+  // state of the libraries underneath), and a server's worker threads pay that once.
+  std::latch ready(args.threads + 1);
   std::vector<std::thread> workers;
-  auto started = std::chrono::steady_clock::now();
   for (int t = 0; t < args.threads; ++t) {
     workers.emplace_back([&, t] {
+      bool arrived = false;
       try {
+        for (int w = 0; w < args.warmup; ++w) {
+          for (size_t k = 0; k < count; ++k) {
+            if (exact && difference(run_one(k), first[k]) != 0) throw hstu_export::Error("a warm-up run gave different outputs");
+          }
+        }
+        synchronize(package);
+        arrived = true;
+        ready.arrive_and_wait();
         for (int r = 0; r < runs; ++r) {
           for (size_t k = 0; k < count; ++k) {
             auto begin = std::chrono::steady_clock::now();
@@ -253,10 +259,13 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
           }
         }
       } catch (const std::exception& exc) {
+        if (!arrived) ready.count_down();
         failures[t] = exc.what();
       }
     });
   }
+  ready.arrive_and_wait();
+  auto started = std::chrono::steady_clock::now();
   for (auto& worker : workers) worker.join();
   double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   for (int t = 0; t < args.threads; ++t) {
