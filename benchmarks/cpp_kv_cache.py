@@ -110,9 +110,35 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
                               "--latency-log", log, *(("--out", out) if graphs == "off" else ()))
         row[f"{name}_stdout_tail"] = done.stdout[-700:]
 
+    # Answers replayed from CUDA graphs: the sequence three times (a bucket's graph is captured the second
+    # time it is seen), through the C++ and the Python cache; every whole request's answer is compared with
+    # the package without cache, and the two caches' answers with each other.
+    replayed = work_dir / f"b{batch}_replayed"
+    shutil.rmtree(replayed, ignore_errors=True)
+    again: list[object] = [package_root, *(dirs * 3), "--kv-cache", "auto", "--kv-graphs", "auto", "--out", replayed]
+    for _ in range(3 * len(dirs)):
+        again += ["--user-ids", ids]
+    done = subprocess.run([str(runner), *map(str, again)], capture_output=True, text=True, timeout=600)
+    row["cpp_kv_replayed_stdout_tail"] = (done.stdout + done.stderr)[-700:]
+
     with torch.no_grad():
         row["python_no_cache"] = python_latency(lambda: predictor(whole), iters)
         full = predictor(whole)
+        if done.returncode == 0:
+            ranker = predictor.kv_cache(cuda_graphs=True)
+            python_answers = [ranker(step, users) for step in steps * 3]
+            wholes = [k for k in range(3 * len(steps)) if k % len(steps) == len(steps) - 1]
+            cpp_answers = {k: load_tensors(replayed / str(k + 1)) for k in wholes}
+            row["graphs_replayed"] = {
+                "python_graph_counts": dict(ranker.runner.graphs.counts),
+                "rel_l2_cpp_vs_no_cache": [rel_l2({n: v.cuda() for n, v in cpp_answers[k].items()}, full) for k in wholes],
+                "max_abs_cpp_vs_no_cache": [max(float((cpp_answers[k][n].cuda().float() - full[n].float()).abs().max())
+                                                for n in full) for k in wholes],
+                "rel_l2_python_vs_no_cache": [rel_l2(python_answers[k], full) for k in wholes],
+                "cpp_equal_python": [all(torch.equal(cpp_answers[k][n], python_answers[k][n].cpu()) for n in full)
+                                     for k in wholes],
+            }
+            del ranker
         for name, graphs in (("python_kv", True), ("python_kv_no_graphs", False)):
             ranker = predictor.kv_cache(cuda_graphs=graphs)
             first = [ranker(step, users) for step in steps][-1]
