@@ -130,17 +130,27 @@ def example_inputs(model: HstuRankingModel, ranges: Any, page_size: int, device:
     return {name: values[name].clone(memory_format=torch.contiguous_format) for name in PROGRAM_INPUTS}
 
 
+def program_bounds(ranges: Any) -> dict[str, int]:
+    """The most users, new history tokens and candidates one call of the delta program takes (its exported
+    dims; the manifest's ``kv_cache.bounds``). A call beyond them is outside what the program was compiled
+    for: its answers are not defined, so shape buckets (whose padding user adds a user and tokens) must stay
+    within them."""
+    b_max = max(ranges.max_batch_size, EXAMPLE_USERS)  # requests are held to the package's maximum by the ranker
+    return {"batch": b_max, "new_history": max(b_max * ranges.max_lengths[HISTORY_LENGTHS], 5),
+            "candidates": max(b_max * ranges.max_lengths[CANDIDATE_LENGTHS], 5)}
+
+
 def dynamic_shapes(model: HstuRankingModel, ranges: Any, page_size: int,
                    names: list[str]) -> dict[str, dict[int, Any]]:
     """torch.export dims of the delta program's inputs, by name."""
     from torch.export import Dim
 
-    b_max = max(ranges.max_batch_size, EXAMPLE_USERS)  # requests are held to the package's maximum by the ranker
+    bounds = program_bounds(ranges)
     max_seq_len, _ = kv_bounds(model, ranges)
-    batch = Dim("batch", min=1, max=b_max)
-    fresh = Dim("fresh_users", min=0, max=b_max)
-    hist = Dim("new_history", min=0, max=max(b_max * ranges.max_lengths[HISTORY_LENGTHS], 5))
-    cand = Dim("candidates", min=1, max=max(b_max * ranges.max_lengths[CANDIDATE_LENGTHS], 5))
+    batch = Dim("batch", min=1, max=bounds["batch"])
+    fresh = Dim("fresh_users", min=0, max=bounds["batch"])
+    hist = Dim("new_history", min=0, max=bounds["new_history"])
+    cand = Dim("candidates", min=1, max=bounds["candidates"])
     pages = Dim("pages", min=1, max=MAX_PAGES)
     width = Dim("page_table_width", min=1, max=page_table_width_bound(max_seq_len, page_size))
     dims: dict[str, dict[int, Any]] = {
@@ -192,6 +202,7 @@ def compile_kv_delta(model: HstuRankingModel, ranges: Any, settings: Any, op_tar
         "splits": settings.kv_splits,
         "max_seq_len": max_seq_len,
         "max_query_len": max_query_len,
+        "bounds": program_bounds(ranges),
         "layout": {"num_layers": layout.num_layers, "num_heads": layout.num_heads,
                    "attention_dim": layout.attention_dim, "linear_dim": layout.linear_dim,
                    "contextual_features": list(layout.contextual_features),

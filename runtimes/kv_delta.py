@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, PackageError
-from hstu_export.kv_export import page_table_width_bound
+from hstu_export.kv_export import page_table_width_bound, program_bounds
 from hstu_export.models.cached import KVLayout, stacked_contextual
 from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES
 from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
@@ -63,9 +63,12 @@ class PackageDelta:
         # (runtimes/kv_graphs.py; docs/PERF.md has the timings). The bucket steps stay within the program's
         # bounds.
         ranges = predictor.package_manifest.ranges.lengths
+        bounds = section.get("bounds") or program_bounds(ranges)  # packages of before the bounds were recorded
         self._buckets = Buckets(history=min(64, ranges.max_lengths[HISTORY_LENGTHS]),
                                 candidates=min(32, ranges.max_lengths[CANDIDATE_LENGTHS]),
-                                max_width=page_table_width_bound(section["max_seq_len"], self.page_size))
+                                max_width=page_table_width_bound(section["max_seq_len"], self.page_size),
+                                max_batch=bounds["batch"], max_history=bounds["new_history"],
+                                max_candidates=bounds["candidates"])
         self._graph_max_batch = graph_max_batch
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if use_graphs and self.device.type != "cuda":

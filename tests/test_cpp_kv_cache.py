@@ -121,6 +121,29 @@ def test_cpp_shape_buckets_as_python_bit_for_bit(cpp_runtime, kv_package, tmp_pa
     assert _stats(done.stdout) == ranker.cache.stats()
 
 
+def test_buckets_stay_within_the_programs_bounds(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A bucket has one user more than its request (the padding user), and beyond the delta program's
+    exported bounds the program's answers are not defined: with the package's bounds lowered to 2 users, no
+    request of 2 or 3 users runs in a bucket, in C++ as in Python, and the answers stay those of the package
+    without cache. A package without recorded bounds (older) gets the ones the export would have given."""
+    name, root, _ = kv_package
+    steps = _sequence(name) * 2
+    low = _edit_manifest(root, tmp_path / "low", lambda m: m["kv_cache"]["bounds"].update(batch=2))
+    done, cpp = _run_cpp(cpp_runtime, low, steps, tmp_path / "low-run", "--kv-cache", "auto", "--kv-graphs", "buckets")
+    assert "shape buckets: 0 replays, 0 graphs captured, 10 run as they are" in done.stdout, done.stdout
+    predictor = hstu_export.load(low)
+    ranker = predictor.kv_cache()
+    assert ranker.runner._buckets.max_batch == 2
+    for (_, request), got in zip(steps, cpp):
+        full = predictor(request)
+        for key in full:
+            torch.testing.assert_close(got[key], full[key], **CLOSE)
+    old = _edit_manifest(root, tmp_path / "old", lambda m: m["kv_cache"].pop("bounds"))
+    done, _ = _run_cpp(cpp_runtime, old, steps, tmp_path / "old-run", "--kv-cache", "auto", "--kv-graphs", "buckets")
+    assert re.search(r"shape buckets: [1-9]\d* replays", done.stdout), done.stdout
+    assert hstu_export.load(old).kv_cache().runner._buckets.max_batch == 16
+
+
 def test_cpp_cache_from_several_threads(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Four threads serve the same sequence at once (the same users in every thread: serialised per
     user); on CPU in fp32 every answer equals the first pass's bit for bit."""

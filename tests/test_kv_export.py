@@ -38,6 +38,10 @@ def test_the_package_records_a_verified_delta_program(kv_package) -> None:  # ty
     kv = manifest["kv_cache"]
     assert kv["program"] in manifest["files"] and (root / kv["program"]).is_file()
     assert kv["page_size"] == PAGE and kv["layout"]["num_layers"] == 2
+    # The program's exported bounds: 16 users (the export example's, above the package's 4) and their tokens.
+    ranges = manifest["ranges"]["lengths"]["max_lengths"]
+    assert kv["bounds"] == {"batch": 16, "new_history": 16 * ranges["uih_lengths"],
+                            "candidates": 16 * ranges["candidate_lengths"]}
     assert kv["layout"]["contextual_features"] == list(CONFIGS[name].contextual_features)
     checked = manifest["parity"]["kv_cache"]
     assert checked["passed"] and len(checked["batches"]) == 4
@@ -286,6 +290,23 @@ def test_padding_to_a_bucket_appends_one_user_and_is_dropped_again() -> None:
                   "uih_timestamps": torch.arange(0), "uih_lengths": torch.tensor([0, 0])}
     padded_empty, _ = pad_to_bucket(no_history, buckets, c)
     assert padded_empty["uih_lengths"].tolist() == [0, 0, 8] and padded_empty["uih_item_emb"].shape[0] == 8
+    # Within the program's bounds only: the padding user is one user more (and a contextual row), and
+    # rounding adds tokens; a bucket beyond a bound is not used.
+    from hstu_export.runtimes.kv_graphs import fits_bucket
+
+    def bounded(**bounds: int) -> Buckets:
+        return Buckets(history=8, candidates=4, max_width=64, **bounds)
+
+    assert fits_bucket(inputs, buckets, c) and fits_bucket(inputs, bounded(max_batch=3), c)
+    assert not fits_bucket(inputs, bounded(max_batch=2), c)  # 2 users + the padding user
+    assert fits_bucket(inputs, bounded(max_history=8, max_candidates=4), c)  # 5 -> 8 tokens, 3 -> 4 candidates
+    assert not fits_bucket(inputs, bounded(max_history=7), c) and not fits_bucket(inputs, bounded(max_candidates=3), c)
+    calls: list[int] = []
+    graphs = kv_graphs.GraphCache(lambda **kw: calls.append(kw["kv_cached"].shape[0]) or {"ctr": kw["uih_item_emb"]},
+                                  bounded(max_batch=2), c, capture=False)
+    for _ in range(3):
+        graphs(inputs)
+    assert calls == [2, 2, 2] and graphs.counts == {"replays": 0, "captures": 0, "eager": 3}  # never padded
 
 
 @pytest.mark.slow

@@ -79,6 +79,16 @@ ProgramInputs pad_to_bucket(const ProgramInputs& inputs, const Buckets& buckets,
   return out;
 }
 
+// Whether the request's bucket stays within the program's bounds.
+bool fits_bucket(const ProgramInputs& inputs, const Buckets& buckets, int64_t contextual) {
+  Padding pad = padding_of(inputs, buckets);
+  auto within = [](int64_t n, int64_t bound) { return bound == 0 || n <= bound; };
+  return within(inputs.at("kv_cached").size(0) + 1, buckets.max_batch) &&
+         within(inputs.at("contextual_emb").size(0) + (contextual > 0 ? 1 : 0), buckets.max_batch) &&
+         within(inputs.at("uih_item_emb").size(0) + pad.history, buckets.max_history) &&
+         within(inputs.at("candidate_item_emb").size(0) + pad.candidates, buckets.max_candidates);
+}
+
 std::vector<int64_t> bucket_key(const ProgramInputs& inputs, const Buckets& buckets, int64_t contextual) {
   Padding pad = padding_of(inputs, buckets);
   std::vector<int64_t> key = {inputs.at("kv_cached").size(0), inputs.at("uih_item_emb").size(0) + pad.history,
@@ -242,6 +252,13 @@ DeltaGraphs::Counts DeltaGraphs::counts() const {
 
 std::vector<at::Tensor> DeltaGraphs::operator()(const ProgramInputs& inputs) {
   Impl& s = *impl_;
+  if (!fits_bucket(inputs, s.buckets, s.contextual)) {  // padded, beyond the program's bounds
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.counts.eager += 1;
+    }
+    return s.run(inputs);
+  }
   std::vector<int64_t> key = bucket_key(inputs, s.buckets, s.contextual);
   std::lock_guard<std::mutex> lock(s.mutex);
   auto it = s.graphs.find(key);

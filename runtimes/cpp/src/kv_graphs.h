@@ -5,7 +5,8 @@
 // is rounded up to a power of two. The padding user has nothing cached and attends only to itself, so
 // the real users' answers are those of the unpadded request; its rows of the outputs come last and are
 // dropped, its K/V go to the pool's scratch page. A bucket is captured the second time it is seen
-// (one-off shapes run as they are), at most `max_graphs` are kept, least recently used out. A replay
+// (one-off shapes run as they are, and so do requests whose bucket would be beyond the program's
+// exported bounds), at most `max_graphs` are kept, least recently used out. A replay
 // copies the request into the bucket's buffers (one _foreach_copy_ per dtype), and the graph computes the
 // padding user's counts itself. Replays are serialised; the real output rows are copied out.
 #pragma once
@@ -29,6 +30,11 @@ struct Buckets {
   int64_t history = 64;     // new history tokens are rounded up to a multiple of this
   int64_t candidates = 32;  // candidates too
   int64_t max_width = 64;   // the page table's width, rounded up to a power of two, stays within this
+  // The program's bounds: a request whose bucket would take more users, history tokens or candidates runs
+  // as it is (beyond them the program's answers are not defined). 0: unbounded.
+  int64_t max_batch = 0;
+  int64_t max_history = 0;
+  int64_t max_candidates = 0;
 };
 
 // Whether this runtime was built with CUDA graph support (CUDA headers and libtorch_cuda at build time).

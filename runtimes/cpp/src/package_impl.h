@@ -71,6 +71,11 @@ struct KVSection {
   int64_t min_history = 0;            // the exported minimum history length (the sparse half's)
   int64_t max_history = 0;            // and the exported maxima of a user's history and candidates
   int64_t max_candidates = 0;
+  // The most users, new history tokens and candidates one call of the delta program takes (its exported
+  // dims): the section's bounds, or for older packages what hstu_export/kv_export.py's program_bounds gives.
+  int64_t bound_batch = 0;
+  int64_t bound_history = 0;
+  int64_t bound_candidates = 0;
 };
 
 }  // namespace detail

@@ -412,6 +412,17 @@ detail::KVSection read_kv_section(const Fields& fields, const Value& manifest, c
   const Value& highs = fields.member(lengths, "max_lengths", "ranges.lengths");
   out.max_history = positive(highs, "uih_lengths", "ranges.lengths.max_lengths");
   out.max_candidates = positive(highs, "candidate_lengths", "ranges.lengths.max_lengths");
+  if (const Value* bounds = kv.find("bounds"); bounds != nullptr && !bounds->is_null()) {
+    out.bound_batch = positive(*bounds, "batch", where + ".bounds");
+    out.bound_history = positive(*bounds, "new_history", where + ".bounds");
+    out.bound_candidates = positive(*bounds, "candidates", where + ".bounds");
+  } else {  // written before the bounds were recorded: kv_export.py's program_bounds (16: its EXAMPLE_USERS)
+    int64_t max_batch = fields.integer(fields.member(lengths, "max_batch_size", "ranges.lengths"),
+                                       "ranges.lengths.max_batch_size");
+    out.bound_batch = std::max<int64_t>(max_batch, 16);
+    out.bound_history = std::max<int64_t>(out.bound_batch * out.max_history, 5);
+    out.bound_candidates = std::max<int64_t>(out.bound_batch * out.max_candidates, 5);
+  }
 
   // What the cache reads of every request: the zoo ranking model's history, candidates and times.
   std::vector<std::string> needed = {"uih_lengths", "candidate_lengths", "uih_item_ids", "uih_action_ids",
