@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_cache import PAGE, WORKLOADS, request
+from kv_cache import PAGE, WORKLOADS, failure, request
 
 import hstu_export
 from hstu_export.models.config import preset_config
@@ -216,8 +216,7 @@ def main() -> None:
                     entry["batches"][batch] = batch_row(runner, Path(result.path), predictor, model, work, batch,
                                                         args.iters, work_dir, args.out)
                 except Exception as exc:  # recorded; the rest still runs
-                    entry["batches"][batch] = {"error": f"{type(exc).__name__}: {exc}"[:1500],
-                                               "traceback": traceback.format_exc()[-2000:]}
+                    entry["batches"][batch] = failure(exc)
                 save()
                 torch.cuda.empty_cache()
         except Exception as exc:

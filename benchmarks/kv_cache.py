@@ -273,6 +273,11 @@ def served_trace(runner, inputs: dict, path: Path, calls: int = 10) -> dict:  # 
             "kernels_per_call": sum(e.count for e in gpu) / calls}
 
 
+def failure(exc: Exception) -> dict:
+    """A step's error, recorded in the results so that the other steps still run."""
+    return {"error": f"{type(exc).__name__}: {exc}"[:1500], "traceback": traceback.format_exc()[-2000:]}
+
+
 def request(model: HstuRankingModel, work: dict, batch: int, seed: int) -> dict[str, torch.Tensor]:
     lengths = {"uih_lengths": [work["history"]] * batch, "candidate_lengths": [work["candidates"]] * batch}
     return hstu_export.generate_batch(model.input_schema(), batch, seed=seed, lengths=lengths)
@@ -578,8 +583,7 @@ def main() -> None:
             try:
                 entry["kernels"][batch] = kernels(work, batch, device)
             except Exception as exc:  # recorded; the rest still runs
-                entry["kernels"][batch] = {"error": f"{type(exc).__name__}: {exc}"[:1500],
-                                           "traceback": traceback.format_exc()[-2000:]}
+                entry["kernels"][batch] = failure(exc)
             save()
         if args.kernels_only:
             continue
