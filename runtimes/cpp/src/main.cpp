@@ -39,7 +39,7 @@ constexpr const char* kUsage =
     "  --no-verify-checksums  skip the per-file sha256 check (manifest.sha256 is still checked)\n"
     "  --repeat N             run N more times and print the latency (median and p99, ms)\n"
     "  --warmup N             before those, N runs that are not timed, in each thread (TorchScript optimises\n"
-    "                         its graph on the first runs, and a thread's first requests are slow)\n"
+    "                         its graph on the first runs, CUDA kernels load on first use)\n"
     "  --threads N            run from N threads at once (with --repeat: N each); outputs must all be equal\n"
     "  --latency-log FILE     with --repeat: write every timed run's latency there (thread, pass, request, ms)\n"
     "  --quiet                print nothing but errors\n"
@@ -232,8 +232,8 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
   std::vector<std::vector<std::vector<double>>> latencies(args.threads, std::vector<std::vector<double>>(count));
   std::vector<double> gaps(args.threads, 0.0);
   std::vector<std::string> failures(args.threads);
-  // Each thread warms up on its own: the first requests a new thread serves can be much slower (per-thread
-  // state of the libraries underneath), and a server's worker threads pay that once.
+  // Each thread warms up on its own, comparing answers as its timed runs do: whatever runs for the first time
+  // (CUDA kernels load on first use) does so before any run is timed.
   std::latch ready(args.threads + 1);
   std::vector<std::thread> workers;
   for (int t = 0; t < args.threads; ++t) {
