@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -220,8 +219,7 @@ def main() -> None:
                 save()
                 torch.cuda.empty_cache()
         except Exception as exc:
-            entry["error"] = f"{type(exc).__name__}: {exc}"[:1500]
-            entry["traceback"] = traceback.format_exc()[-3000:]
+            entry.update(failure(exc, tail=3000))
         save()
 
 

@@ -234,6 +234,8 @@ def served_steps(graphs, inputs: dict, iters: int = 50) -> dict:  # type: ignore
     from hstu_export.runtimes.kv_graphs import bucket_key, unpad
 
     key = bucket_key(inputs, graphs._buckets, graphs._contextual)
+    if key is None:
+        return {"error": "the request has no bucket within the delta program's bounds (it runs without a graph)"}
     entry = graphs._graphs[key]
     steps: dict[str, list[float]] = {"key": [], "fill": [], "replay": [], "outputs": []}
     for _ in range(iters):
@@ -273,9 +275,10 @@ def served_trace(runner, inputs: dict, path: Path, calls: int = 10) -> dict:  # 
             "kernels_per_call": sum(e.count for e in gpu) / calls}
 
 
-def failure(exc: Exception) -> dict:
-    """A step's error, recorded in the results so that the other steps still run."""
-    return {"error": f"{type(exc).__name__}: {exc}"[:1500], "traceback": traceback.format_exc()[-2000:]}
+def failure(exc: Exception, tail: int = 2000) -> dict:
+    """A step's error, recorded in the results so that the other steps still run (``tail``: characters of
+    the traceback kept)."""
+    return {"error": f"{type(exc).__name__}: {exc}"[:1500], "traceback": traceback.format_exc()[-tail:]}
 
 
 def request(model: HstuRankingModel, work: dict, batch: int, seed: int) -> dict[str, torch.Tensor]:

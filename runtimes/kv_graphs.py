@@ -101,23 +101,21 @@ def pad_to_bucket(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) 
     return out, cand
 
 
+def bucket_key(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) -> tuple[Any, ...] | None:
+    """What identifies a request's bucket: the shapes :func:`pad_to_bucket` gives it, and the pages' addresses;
+    None when those shapes are beyond the program's bounds (the request has no bucket)."""
+    pad_h, pad_c, wide = _bucket_sizes(inputs, buckets)
+    users, hist = inputs["kv_cached"].shape[0] + 1, inputs["uih_item_emb"].shape[0] + pad_h
+    cand, fresh = inputs["candidate_item_emb"].shape[0] + pad_c, inputs["contextual_emb"].shape[0] + (1 if contextual else 0)
+    if not all(bound is None or n <= bound for n, bound in ((users, buckets.max_batch), (fresh, buckets.max_batch),
+                                                            (hist, buckets.max_history), (cand, buckets.max_candidates))):
+        return None
+    return (users - 1, hist, cand, fresh, wide, *(inputs[name].data_ptr() for name in STATIC_INPUTS if name in inputs))
+
+
 def fits_bucket(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) -> bool:
     """Whether the request's bucket (:func:`pad_to_bucket`) stays within the program's bounds."""
-    pad_h, pad_c, _ = _bucket_sizes(inputs, buckets)
-    users = inputs["kv_cached"].shape[0] + 1
-    fresh = inputs["contextual_emb"].shape[0] + (1 if contextual else 0)
-    return all(bound is None or n <= bound for n, bound in (
-        (users, buckets.max_batch), (fresh, buckets.max_batch),
-        (inputs["uih_item_emb"].shape[0] + pad_h, buckets.max_history),
-        (inputs["candidate_item_emb"].shape[0] + pad_c, buckets.max_candidates)))
-
-
-def bucket_key(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) -> tuple[Any, ...]:
-    """What identifies a request's bucket: the shapes :func:`pad_to_bucket` gives it, and the pages' addresses."""
-    pad_h, pad_c, wide = _bucket_sizes(inputs, buckets)
-    return (inputs["kv_cached"].shape[0], inputs["uih_item_emb"].shape[0] + pad_h,
-            inputs["candidate_item_emb"].shape[0] + pad_c, inputs["contextual_emb"].shape[0] + (1 if contextual else 0),
-            wide, *(inputs[name].data_ptr() for name in STATIC_INPUTS if name in inputs))
+    return bucket_key(inputs, buckets, contextual) is not None
 
 
 # The inputs with a row per token (or per user with nothing cached), and with an entry per user.
@@ -215,11 +213,11 @@ class GraphCache:
         self.counts = {"replays": 0, "captures": 0, "eager": 0}
 
     def __call__(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
-        if not fits_bucket(inputs, self._buckets, self._contextual):  # beyond the program's bounds padded
+        key = bucket_key(inputs, self._buckets, self._contextual)
+        if key is None:  # padded, it would be beyond the program's bounds
             with self._lock:
                 self.counts["eager"] += 1
             return self._fn(**inputs)
-        key = bucket_key(inputs, self._buckets, self._contextual)
         with self._lock:
             entry = self._graphs.get(key)
             if entry is None:

@@ -7,7 +7,6 @@ input is refused in one line."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -15,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from kv_requests import CONFIGS, PAGE, Users
+from manifests import rewrite_manifest
 
 import hstu_export
-from hstu_export.package import manifest_sha256_line
 from hstu_export.serving.kv_cache import page_bytes
 from hstu_export.tensor_dir import load_tensors, save_tensors
 
@@ -160,11 +159,7 @@ def test_cpp_cache_from_several_threads(cpp_runtime, kv_package, tmp_path) -> No
 
 def _edit_manifest(root: Path, copy: Path, edit) -> Path:  # type: ignore[no-untyped-def]
     shutil.copytree(root, copy)
-    manifest = json.loads((copy / "manifest.json").read_text())
-    edit(manifest)
-    data = json.dumps(manifest).encode()
-    (copy / "manifest.json").write_bytes(data)
-    (copy / "manifest.sha256").write_text(manifest_sha256_line(data))
+    rewrite_manifest(copy, edit)
     return copy
 
 

@@ -7,7 +7,6 @@ fails, it is not skipped."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -16,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from manifests import rewrite_manifest, write_manifest_bytes
 
 import hstu_export
 from hstu_export import ExportSettings, VerifySettings, generate_batch, save_bundle
 from hstu_export.cli import main as cli_main
 from hstu_export.errors import RequestError
 from hstu_export.models import build_preset
-from hstu_export.package import manifest_sha256_line
 from hstu_export.tensor_dir import file_name, load_tensors, save_tensors, tensor_name
 
 pytestmark = pytest.mark.slow
@@ -143,19 +142,6 @@ def test_bad_requests_are_refused_in_one_line(runner, packages, tmp_path, edit, 
         hstu_export.load(package)(load_tensors(request))
 
 
-def _rewrite_manifest(package: Path, edit) -> None:  # type: ignore[no-untyped-def]
-    manifest = json.loads((package / "manifest.json").read_text())
-    edit(manifest)
-    data = json.dumps(manifest).encode()
-    (package / "manifest.json").write_bytes(data)
-    (package / "manifest.sha256").write_text(manifest_sha256_line(data))
-
-
-def _write_raw_manifest(package: Path, data: bytes) -> None:
-    (package / "manifest.json").write_bytes(data)
-    (package / "manifest.sha256").write_text(manifest_sha256_line(data))
-
-
 def _set_path(manifest: dict, value: str) -> None:
     digest = manifest["files"].pop("sparse/sparse.ts")
     manifest["files"][value] = digest
@@ -168,16 +154,16 @@ def _set_path(manifest: dict, value: str) -> None:
     (lambda p: (p / "manifest.json").write_text((p / "manifest.json").read_text().replace('"ctr"', '"CTR"', 1)),
      "manifest.json does not match manifest.sha256"),
     (lambda p: (p / "manifest.sha256").unlink(), "manifest.sha256 is missing"),
-    (lambda p: _rewrite_manifest(p, lambda m: m.update(format_version=3)),
+    (lambda p: rewrite_manifest(p, lambda m: m.update(format_version=3)),
      "is package format 3; this runtime reads format 4"),
-    (lambda p: _rewrite_manifest(p, lambda m: _set_path(m, "../sparse.ts")), "is not a plain relative path"),
-    (lambda p: _rewrite_manifest(p, lambda m: m.update(op_libraries=["os"])), "names the op library 'os'"),
-    (lambda p: _rewrite_manifest(p, lambda m: m.update(op_libraries=["hstu_export.ops"])),
+    (lambda p: rewrite_manifest(p, lambda m: _set_path(m, "../sparse.ts")), "is not a plain relative path"),
+    (lambda p: rewrite_manifest(p, lambda m: m.update(op_libraries=["os"])), "names the op library 'os'"),
+    (lambda p: rewrite_manifest(p, lambda m: m.update(op_libraries=["hstu_export.ops"])),
      "defined in Python only; re-export with --op-target aten"),
-    (lambda p: _rewrite_manifest(p, lambda m: m["versions"].update(torch="1.13.1")), "was built with torch 1.13.1"),
-    (lambda p: _rewrite_manifest(p, lambda m: m["backend"].update(name="onnx")), "the C++ runtime serves aoti"),
-    (lambda p: _write_raw_manifest(p, b'{"format": "hstu-export-package", "format_version": 4,'), "is not valid JSON"),
-    (lambda p: _write_raw_manifest(p, b'[' * 100000), "nested deeper than 64 levels"),
+    (lambda p: rewrite_manifest(p, lambda m: m["versions"].update(torch="1.13.1")), "was built with torch 1.13.1"),
+    (lambda p: rewrite_manifest(p, lambda m: m["backend"].update(name="onnx")), "the C++ runtime serves aoti"),
+    (lambda p: write_manifest_bytes(p, b'{"format": "hstu-export-package", "format_version": 4,'), "is not valid JSON"),
+    (lambda p: write_manifest_bytes(p, b'[' * 100000), "nested deeper than 64 levels"),
 ])
 def test_bad_packages_are_refused_in_one_line(runner, packages, tmp_path, tamper, message) -> None:
     package = tmp_path / "pkg"

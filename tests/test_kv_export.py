@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 from kv_requests import CONFIGS, PAGE, Users, bundle_of
+from manifests import write_manifest_bytes
 
 import hstu_export
 from hstu_export import ExportSettings
@@ -21,7 +22,6 @@ from hstu_export.cli import main as cli_main
 from hstu_export.errors import ConfigError, PackageError
 from hstu_export.exporter import export
 from hstu_export.models.ranking import HstuRankingModel
-from hstu_export.package import manifest_sha256_line
 
 CLOSE = dict(rtol=1e-5, atol=1e-5)
 
@@ -156,18 +156,14 @@ def test_a_tampered_kv_section_is_refused(kv_package, tmp_path) -> None:  # type
     manifest = json.loads((copy / "manifest.json").read_text())
     for edit, problem in (({"page_size": 24}, "power of two"), ({"program": "../outside.pt2"}, "kv_cache.program")):
         changed = {**manifest, "kv_cache": {**manifest["kv_cache"], **edit}}
-        data = json.dumps(changed).encode()
-        (copy / "manifest.json").write_bytes(data)
-        (copy / "manifest.sha256").write_text(manifest_sha256_line(data))
+        write_manifest_bytes(copy, json.dumps(changed).encode())
         with pytest.raises(PackageError, match=problem):
             hstu_export.load(copy)
     # A package whose delta program returns the new K/V (exported before the program wrote them into the
     # pages) loads, but is refused for cached serving: its cache would never be filled.
     old = {**manifest, "kv_cache": {**manifest["kv_cache"],
                                     "outputs": [*manifest["kv_cache"]["outputs"], "kv_new_k", "kv_new_v"]}}
-    data = json.dumps(old).encode()
-    (copy / "manifest.json").write_bytes(data)
-    (copy / "manifest.sha256").write_text(manifest_sha256_line(data))
+    write_manifest_bytes(copy, json.dumps(old).encode())
     with pytest.raises(PackageError, match="older hstu-export.*export it again with --kv-cache"):
         hstu_export.load(copy).kv_cache(budget_bytes=1 << 20)
 

@@ -20,11 +20,10 @@ namespace hstu_export {
 
 namespace {
 
-// The zoo ranking model's request features that the cache reads (hstu_export/models/ranking.py).
-constexpr const char* kHistoryLengths = "uih_lengths";
-constexpr const char* kQueryTime = "query_time";
-constexpr std::array<const char*, 3> kTokenRows = {"uih_item_ids", "uih_action_ids", "uih_timestamps"};
-constexpr size_t kTimestampRow = 2;
+using detail::kHistoryLengths;
+using detail::kQueryTime;
+using detail::kTokenRows;
+constexpr size_t kTimestampRow = 2;  // kTokenRows[2]
 // The sparse half's outputs per history token.
 constexpr std::array<const char*, 2> kHistoryEmbeddings = {"uih_item_emb", "uih_action_emb"};
 // Beyond any time difference a request holds: the outer bounds of the first and last time buckets.
@@ -417,7 +416,10 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
   }
   at::Tensor fresh_rows = at::tensor(fresh, at::kLong);
   Tensors delta = request;
-  for (const char* name : kTokenRows) delta[name] = request.at(name).to(at::kCPU).index_select(0, fresh_rows);
+  for (size_t row = 0; row < kTokenRows.size(); ++row) {  // from the host copies, in the request's dtype
+    const char* name = kTokenRows[row];
+    delta[name] = rows[row].tensor.index_select(0, fresh_rows).to(request.at(name).scalar_type());
+  }
   delta[kHistoryLengths] = at::tensor(new_len, at::kLong).to(request.at(kHistoryLengths).scalar_type());
 
   // The sparse half takes at least the exported minimum of history tokens per user: placeholder tokens

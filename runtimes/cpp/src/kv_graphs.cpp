@@ -79,21 +79,20 @@ ProgramInputs pad_to_bucket(const ProgramInputs& inputs, const Buckets& buckets,
   return out;
 }
 
-// Whether the request's bucket stays within the program's bounds.
-bool fits_bucket(const ProgramInputs& inputs, const Buckets& buckets, int64_t contextual) {
+// What identifies a request's bucket: the shapes pad_to_bucket gives it, and the pages' addresses; none
+// when those shapes are beyond the program's bounds (the request has no bucket).
+std::optional<std::vector<int64_t>> bucket_key(const ProgramInputs& inputs, const Buckets& buckets, int64_t contextual) {
   Padding pad = padding_of(inputs, buckets);
+  int64_t users = inputs.at("kv_cached").size(0) + 1;
+  int64_t history = inputs.at("uih_item_emb").size(0) + pad.history;
+  int64_t candidates = inputs.at("candidate_item_emb").size(0) + pad.candidates;
+  int64_t fresh = inputs.at("contextual_emb").size(0) + (contextual > 0 ? 1 : 0);
   auto within = [](int64_t n, int64_t bound) { return bound == 0 || n <= bound; };
-  return within(inputs.at("kv_cached").size(0) + 1, buckets.max_batch) &&
-         within(inputs.at("contextual_emb").size(0) + (contextual > 0 ? 1 : 0), buckets.max_batch) &&
-         within(inputs.at("uih_item_emb").size(0) + pad.history, buckets.max_history) &&
-         within(inputs.at("candidate_item_emb").size(0) + pad.candidates, buckets.max_candidates);
-}
-
-std::vector<int64_t> bucket_key(const ProgramInputs& inputs, const Buckets& buckets, int64_t contextual) {
-  Padding pad = padding_of(inputs, buckets);
-  std::vector<int64_t> key = {inputs.at("kv_cached").size(0), inputs.at("uih_item_emb").size(0) + pad.history,
-                              inputs.at("candidate_item_emb").size(0) + pad.candidates,
-                              inputs.at("contextual_emb").size(0) + (contextual > 0 ? 1 : 0), pad.width};
+  if (!within(users, buckets.max_batch) || !within(fresh, buckets.max_batch) ||
+      !within(history, buckets.max_history) || !within(candidates, buckets.max_candidates)) {
+    return std::nullopt;
+  }
+  std::vector<int64_t> key = {users - 1, history, candidates, fresh, pad.width};
   for (const char* name : kStaticInputs) key.push_back(reinterpret_cast<int64_t>(inputs.at(name).data_ptr()));
   return key;
 }
@@ -252,14 +251,15 @@ DeltaGraphs::Counts DeltaGraphs::counts() const {
 
 std::vector<at::Tensor> DeltaGraphs::operator()(const ProgramInputs& inputs) {
   Impl& s = *impl_;
-  if (!fits_bucket(inputs, s.buckets, s.contextual)) {  // padded, beyond the program's bounds
+  std::optional<std::vector<int64_t>> found = bucket_key(inputs, s.buckets, s.contextual);
+  if (!found) {  // padded, it would be beyond the program's bounds
     {
       std::lock_guard<std::mutex> lock(s.mutex);
       s.counts.eager += 1;
     }
     return s.run(inputs);
   }
-  std::vector<int64_t> key = bucket_key(inputs, s.buckets, s.contextual);
+  const std::vector<int64_t>& key = *found;
   std::lock_guard<std::mutex> lock(s.mutex);
   auto it = s.graphs.find(key);
   int64_t candidates = inputs.at("candidate_item_emb").size(0);

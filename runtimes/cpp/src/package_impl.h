@@ -4,6 +4,7 @@
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/script.h>
 
+#include <array>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -50,6 +51,13 @@ struct Artifact {
   std::vector<TensorSpec> inputs;
   std::vector<std::string> outputs;
 };
+
+// The zoo ranking model's request features that the KV cache reads (hstu_export/models/ranking.py): a
+// package's kv_cache section is usable only when its request has them.
+inline constexpr const char* kHistoryLengths = "uih_lengths";
+inline constexpr const char* kCandidateLengths = "candidate_lengths";
+inline constexpr const char* kQueryTime = "query_time";
+inline constexpr std::array<const char*, 3> kTokenRows = {"uih_item_ids", "uih_action_ids", "uih_timestamps"};
 
 // The manifest's kv_cache section (docs/KV_CACHE.md): the delta program and what the cache's pages and
 // its reuse checks need to know of the model.

@@ -406,12 +406,12 @@ detail::KVSection read_kv_section(const Fields& fields, const Value& manifest, c
   if (!type || !at::isFloatingType(*type)) fields.fail("dtype", "is " + in_quotes(dtype) + ", not a floating dtype");
   out.dtype = *type;
   const Value& lengths = fields.member(fields.member(manifest, "ranges", ""), "lengths", "ranges");
-  if (const Value* low = fields.member(lengths, "min_lengths", "ranges.lengths").find("uih_lengths")) {
-    out.min_history = fields.integer(*low, "ranges.lengths.min_lengths.uih_lengths");
+  if (const Value* low = fields.member(lengths, "min_lengths", "ranges.lengths").find(detail::kHistoryLengths)) {
+    out.min_history = fields.integer(*low, std::string("ranges.lengths.min_lengths.") + detail::kHistoryLengths);
   }
   const Value& highs = fields.member(lengths, "max_lengths", "ranges.lengths");
-  out.max_history = positive(highs, "uih_lengths", "ranges.lengths.max_lengths");
-  out.max_candidates = positive(highs, "candidate_lengths", "ranges.lengths.max_lengths");
+  out.max_history = positive(highs, detail::kHistoryLengths, "ranges.lengths.max_lengths");
+  out.max_candidates = positive(highs, detail::kCandidateLengths, "ranges.lengths.max_lengths");
   if (const Value* bounds = kv.find("bounds"); bounds != nullptr && !bounds->is_null()) {
     out.bound_batch = positive(*bounds, "batch", where + ".bounds");
     out.bound_history = positive(*bounds, "new_history", where + ".bounds");
@@ -425,8 +425,8 @@ detail::KVSection read_kv_section(const Fields& fields, const Value& manifest, c
   }
 
   // What the cache reads of every request: the zoo ranking model's history, candidates and times.
-  std::vector<std::string> needed = {"uih_lengths", "candidate_lengths", "uih_item_ids", "uih_action_ids",
-                                     "uih_timestamps", "query_time"};
+  std::vector<std::string> needed = {detail::kHistoryLengths, detail::kCandidateLengths, detail::kQueryTime};
+  needed.insert(needed.end(), detail::kTokenRows.begin(), detail::kTokenRows.end());
   needed.insert(needed.end(), out.contextual_features.begin(), out.contextual_features.end());
   for (const auto& name : needed) {
     bool found = std::any_of(impl.features.begin(), impl.features.end(), [&](const Feature& f) { return f.name == name; });
