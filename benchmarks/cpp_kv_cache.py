@@ -11,7 +11,9 @@ sequence of requests again and again, with the users' ids fixed:
         hit with 384 new tokens per user; its latency is the one reported;
   dlrm  [whole (1024 history + 2048 candidates)]: after the first pass every request is a hit with 2048
         new tokens per user.
-Baselines, same run: the same whole request through the package without cache (C++ and Python). Both
+Baselines, same run: the same whole request through the package without cache (C++ and Python). The dense
+half alone is timed too (``--phase-times``): the C++ no-cache dense program against the C++ delta program as
+served (its shape bucket's copies and CUDA-graph replay), the device synchronised around each. Both
 caches are timed with CUDA graphs (their default; the C++ runtime's when built with CUDA headers) and
 without; each C++ run writes every timed request's latency to latencies_*.txt.
 Outputs: the C++ cache's first whole answer without graphs against Python's cache without graphs (the
@@ -44,6 +46,8 @@ from hstu_export.tensor_dir import load_tensors, save_tensors
 
 REPO = Path(__file__).resolve().parent.parent
 LATENCY = re.compile(r"p50 ([0-9.]+) ms, p99 ([0-9.]+) ms")
+PHASES = re.compile(r"request (\d+) phases \(device synchronised between them\), p50: before the dense half "
+                    r"([\d.]+) ms, dense half ([\d.]+) ms, after it ([\d.]+) ms")
 
 
 def prefix_of(whole: dict[str, torch.Tensor], work: dict, batch: int) -> dict[str, torch.Tensor]:
@@ -81,7 +85,10 @@ def cpp(runner: Path, *args: object) -> tuple[subprocess.CompletedProcess[str], 
         return done, {"error": done.stdout[-2000:]}
     p50, p99 = found[-1]  # with several requests, the last request's own line comes last
     stats = re.findall(r"kv cache: .*", done.stdout)
-    return done, {"p50_ms": float(p50), "p99_ms": float(p99), **({"cache": stats[-1]} if stats else {})}
+    phases = PHASES.findall(done.stdout)  # --phase-times: the last request's
+    return done, {"p50_ms": float(p50), "p99_ms": float(p99), **({"cache": stats[-1]} if stats else {}),
+                  **({"phases_p50_ms": dict(zip(("before_dense", "dense", "after_dense"), map(float, phases[-1][1:])))}
+                     if phases else {})}
 
 
 def rel_l2(a: dict, b: dict) -> float:
@@ -108,6 +115,15 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
         done, row[name] = cpp(runner, *kv_args, "--kv-graphs", graphs, "--repeat", iters, "--warmup", 5,
                               "--latency-log", log, *(("--out", out) if graphs == "off" else ()))
         row[f"{name}_stdout_tail"] = done.stdout[-700:]
+    # The dense half alone, as each path serves it (--phase-times: the device synchronised before and after
+    # it): the no-cache dense program against the delta program with its bucket's copies and graph replay.
+    _, row["cpp_no_cache_phases"] = cpp(runner, package_root, dirs[-1], "--repeat", iters, "--warmup", 5,
+                                        "--phase-times")
+    _, row["cpp_kv_phases"] = cpp(runner, *kv_args, "--kv-graphs", "auto", "--repeat", iters, "--warmup", 5,
+                                  "--phase-times")
+    dense = [row[name].get("phases_p50_ms", {}).get("dense") for name in ("cpp_no_cache_phases", "cpp_kv_phases")]
+    if all(dense):
+        row["cpp_dense_no_cache_over_cpp_dense_kv"] = dense[0] / dense[1]
 
     # Answers replayed from CUDA graphs: the sequence three times (a bucket's graph is captured the second
     # time it is seen), through the C++ and the Python cache; every whole request's answer is compared with

@@ -130,12 +130,29 @@ def example_inputs(model: HstuRankingModel, ranges: Any, page_size: int, device:
     return {name: values[name].clone(memory_format=torch.contiguous_format) for name in PROGRAM_INPUTS}
 
 
+def bucket_steps(ranges: Any) -> tuple[int, int]:
+    """(new history tokens, candidates): the multiples a CUDA-graph shape bucket rounds a request's token
+    counts up to (``runtimes/kv_graphs.py``; the C++ runtime takes the same)."""
+    return min(64, ranges.max_lengths[HISTORY_LENGTHS]), min(32, ranges.max_lengths[CANDIDATE_LENGTHS])
+
+
 def program_bounds(ranges: Any) -> dict[str, int]:
     """The most users, new history tokens and candidates one call of the delta program takes (its exported
     dims; the manifest's ``kv_cache.bounds``). A call beyond them is outside what the program was compiled
     for: its answers are not defined, so shape buckets (whose padding user adds a user and tokens) must stay
-    within them."""
+    within them. They leave room for that padding user: one user, and the tokens that round the counts up
+    to a bucket (:func:`bucket_steps`), past the package's largest request, so that a request at the
+    package's maximum batch still runs in a bucket."""
     b_max = max(ranges.max_batch_size, EXAMPLE_USERS)  # requests are held to the package's maximum by the ranker
+    step_h, step_c = bucket_steps(ranges)
+    return {"batch": b_max + 1, "new_history": b_max * ranges.max_lengths[HISTORY_LENGTHS] + step_h,
+            "candidates": b_max * ranges.max_lengths[CANDIDATE_LENGTHS] + step_c}
+
+
+def legacy_program_bounds(ranges: Any) -> dict[str, int]:
+    """The bounds a package's delta program was exported with before they were recorded in its manifest
+    (no room for a padding user)."""
+    b_max = max(ranges.max_batch_size, EXAMPLE_USERS)
     return {"batch": b_max, "new_history": max(b_max * ranges.max_lengths[HISTORY_LENGTHS], 5),
             "candidates": max(b_max * ranges.max_lengths[CANDIDATE_LENGTHS], 5)}
 

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, PackageError
-from hstu_export.kv_export import page_table_width_bound, program_bounds
+from hstu_export.kv_export import bucket_steps, legacy_program_bounds, page_table_width_bound
 from hstu_export.models.cached import KVLayout, stacked_contextual
-from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES
+from hstu_export.models.ranking import HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES
 from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
 from hstu_export.runtimes.kv_graphs import Buckets, GraphCache, pad_to_bucket, unpad
 from hstu_export.settings import TORCH_DTYPES
@@ -63,9 +63,9 @@ class PackageDelta:
         # (runtimes/kv_graphs.py; docs/PERF.md has the timings). The bucket steps stay within the program's
         # bounds.
         ranges = predictor.package_manifest.ranges.lengths
-        bounds = section.get("bounds") or program_bounds(ranges)  # packages of before the bounds were recorded
-        self._buckets = Buckets(history=min(64, ranges.max_lengths[HISTORY_LENGTHS]),
-                                candidates=min(32, ranges.max_lengths[CANDIDATE_LENGTHS]),
+        bounds = section.get("bounds") or legacy_program_bounds(ranges)  # packages of before they were recorded
+        step_h, step_c = bucket_steps(ranges)
+        self._buckets = Buckets(history=step_h, candidates=step_c,
                                 max_width=page_table_width_bound(section["max_seq_len"], self.page_size),
                                 max_batch=bounds["batch"], max_history=bounds["new_history"],
                                 max_candidates=bounds["candidates"])

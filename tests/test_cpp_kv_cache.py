@@ -143,6 +143,20 @@ def test_buckets_stay_within_the_programs_bounds(cpp_runtime, kv_package, tmp_pa
     assert hstu_export.load(old).kv_cache().runner._buckets.max_batch == 16
 
 
+def test_cpp_phase_times_of_cached_requests(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--phase-times with --kv-cache: a line per request of the sequence, the dense half (the delta program
+    as served) timed apart from the bookkeeping and the sparse half; the answers stay the first pass's."""
+    from test_cpp_runtime import PHASES
+
+    name, root, _ = kv_package
+    steps = _sequence(name)[:3]
+    done, _ = _run_cpp(cpp_runtime, root, steps, tmp_path, "--kv-cache", "auto", "--repeat", 3, "--phase-times")
+    found = PHASES.findall(done.stdout)
+    assert [int(k) for k, *_ in found] == [1, 2, 3], done.stdout
+    assert all(float(dense) > 0 and float(before) > 0 for _, before, dense, _ in found), done.stdout
+    assert "outputs equal to the first pass's bit for bit" in done.stdout
+
+
 def test_cpp_cache_from_several_threads(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Four threads serve the same sequence at once (the same users in every thread: serialised per
     user); on CPU in fp32 every answer equals the first pass's bit for bit."""

@@ -8,6 +8,7 @@ fails, it is not skipped."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,6 +83,29 @@ def test_many_threads_get_the_same_outputs(runner, packages, tmp_path) -> None:
         done = runner.run(package, request, "--threads", 4, "--repeat", 5, "--warmup", 2)
         assert done.returncode == 0, done.stderr
         assert "latency over 20 runs on 4 thread(s)" in done.stdout and "all outputs equal" in done.stdout
+
+
+PHASES = re.compile(r"request (\d+) phases \(device synchronised between them\), p50: before the dense half "
+                    r"([\d.]+) ms, dense half ([\d.]+) ms, after it ([\d.]+) ms")
+LATENCY = re.compile(r"latency over \d+ runs on 1 thread\(s\): p50 ([\d.]+) ms")
+
+
+def test_phase_times(runner, packages, tmp_path) -> None:
+    """--phase-times splits each timed request into three phases; together they take about the request's
+    time (each phase is timed on its own, so the medians need not add up exactly). Only on one thread."""
+    for backend, package in packages.items():
+        request = write_request(package, tmp_path / backend, 4, 30)
+        done = runner.run(package, request, "--repeat", 7, "--phase-times")
+        assert done.returncode == 0, done.stderr
+        (found,) = PHASES.findall(done.stdout)
+        before, dense, after = map(float, found[1:])
+        whole = float(LATENCY.search(done.stdout)[1])
+        assert found[0] == "1" and dense > 0 and before > 0 and after >= 0, done.stdout
+        assert 0.3 * whole <= before + dense + after <= 3 * whole + 1, done.stdout
+    done = runner.run(packages["aoti"], request, "--repeat", 2, "--threads", 2, "--phase-times")
+    assert done.returncode == 2 and "--phase-times goes with --repeat, on one thread" in done.stderr
+    done = runner.run(packages["aoti"], request, "--phase-times")
+    assert done.returncode == 2 and "--phase-times goes with --repeat" in done.stderr
 
 
 def test_build_with_the_compiler_alone(runner, packages, tmp_path) -> None:

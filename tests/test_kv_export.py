@@ -38,10 +38,11 @@ def test_the_package_records_a_verified_delta_program(kv_package) -> None:  # ty
     kv = manifest["kv_cache"]
     assert kv["program"] in manifest["files"] and (root / kv["program"]).is_file()
     assert kv["page_size"] == PAGE and kv["layout"]["num_layers"] == 2
-    # The program's exported bounds: 16 users (the export example's, above the package's 4) and their tokens.
+    # The program's exported bounds: 16 users (the export example's, above the package's 4) and their tokens,
+    # and room for a shape bucket's padding user (a user, and the tokens that round the counts up).
     ranges = manifest["ranges"]["lengths"]["max_lengths"]
-    assert kv["bounds"] == {"batch": 16, "new_history": 16 * ranges["uih_lengths"],
-                            "candidates": 16 * ranges["candidate_lengths"]}
+    assert kv["bounds"] == {"batch": 17, "new_history": 16 * ranges["uih_lengths"] + min(64, ranges["uih_lengths"]),
+                            "candidates": 16 * ranges["candidate_lengths"] + min(32, ranges["candidate_lengths"])}
     assert kv["layout"]["contextual_features"] == list(CONFIGS[name].contextual_features)
     checked = manifest["parity"]["kv_cache"]
     assert checked["passed"] and len(checked["batches"]) == 4
@@ -303,6 +304,38 @@ def test_padding_to_a_bucket_appends_one_user_and_is_dropped_again() -> None:
     for _ in range(3):
         graphs(inputs)
     assert calls == [2, 2, 2] and graphs.counts == {"replays": 0, "captures": 0, "eager": 3}  # never padded
+
+
+@pytest.mark.parametrize("max_batch", [4, 32])
+def test_a_request_at_the_packages_maximum_has_a_bucket(max_batch: int) -> None:
+    """The delta program is exported with room for a bucket's padding user: a request of the package's
+    largest batch, every user at its longest, fits its bucket; under the bounds of before (no room) it did
+    not, and ran without a graph."""
+    from types import SimpleNamespace
+
+    from hstu_export.kv_export import bucket_steps, legacy_program_bounds, program_bounds
+    from hstu_export.runtimes.kv_graphs import Buckets, bucket_key
+
+    ranges = SimpleNamespace(max_batch_size=max_batch, max_lengths={"uih_lengths": 101, "candidate_lengths": 45})
+    users = max(max_batch, 16)  # the program takes at least the export example's 16 users
+    step_h, step_c = bucket_steps(ranges)
+    assert (step_h, step_c) == (64, 32)
+    inputs = {"uih_item_emb": torch.zeros(users * 101, 2), "candidate_item_emb": torch.zeros(users * 45, 2),
+              "contextual_emb": torch.zeros(users, 1, 2), "kv_cached": torch.zeros(users, dtype=torch.int64),
+              "kv_page_table": torch.zeros(users, 3, dtype=torch.int32)}
+
+    def buckets(bounds: dict[str, int]) -> Buckets:
+        return Buckets(history=step_h, candidates=step_c, max_width=64, max_batch=bounds["batch"],
+                       max_history=bounds["new_history"], max_candidates=bounds["candidates"])
+
+    bounds = program_bounds(ranges)
+    assert bounds == {"batch": users + 1, "new_history": users * 101 + 64, "candidates": users * 45 + 32}
+    key = bucket_key(inputs, buckets(bounds), contextual=1)
+    assert key is not None and key[:4] == (users, -(-users * 101 // 64) * 64, -(-users * 45 // 32) * 32, users + 1)
+    assert bucket_key(inputs, buckets(legacy_program_bounds(ranges)), contextual=1) is None
+    # One user more than the package's maximum is beyond even the new bounds.
+    more = {**inputs, "kv_cached": torch.zeros(users + 1, dtype=torch.int64)}
+    assert bucket_key(more, buckets(bounds), contextual=1) is None
 
 
 @pytest.mark.slow

@@ -107,7 +107,7 @@ struct CachedRanker::Impl {
   KVCacheStats counts;
   std::array<std::mutex, kStripes> stripes;
 
-  NamedTensors run(const Tensors& request, const std::vector<int64_t>& users, int64_t batch);
+  NamedTensors run(const Tensors& request, const std::vector<int64_t>& users, int64_t batch, detail::PhaseClock& clock);
   std::vector<at::Tensor> run_program(const detail::ProgramInputs& inputs) const {
     std::vector<at::Tensor> ordered;
     for (const auto& name : kv.inputs) ordered.push_back(inputs.at(name));
@@ -255,14 +255,17 @@ int64_t CachedRanker::page_size() const { return impl_->kv.page_size; }
 
 const Package& CachedRanker::package() const { return *impl_->package; }
 
-NamedTensors CachedRanker::run(const Tensors& request, const std::vector<int64_t>& user_ids) {
+NamedTensors CachedRanker::run(const Tensors& request, const std::vector<int64_t>& user_ids, PhaseTimes* times) {
+  detail::PhaseClock clock(times, impl_->pkg->device);
   int64_t batch = impl_->package->validate(request);
   if (static_cast<int64_t>(user_ids.size()) != batch) {
     throw RequestError(std::to_string(user_ids.size()) + " user ids for a batch of " + std::to_string(batch) + " users");
   }
   c10::InferenceMode guard;
   try {
-    return impl_->run(request, user_ids, batch);
+    NamedTensors out = impl_->run(request, user_ids, batch, clock);
+    clock.lap(&PhaseTimes::after_dense_ms);
+    return out;
   } catch (const Error&) {
     throw;
   } catch (const std::exception& exc) {
@@ -358,7 +361,8 @@ void CachedRanker::Impl::commit(int64_t user, int64_t length, std::shared_ptr<co
   entry.record = std::move(record);
 }
 
-NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<int64_t>& users, int64_t batch) {
+NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<int64_t>& users, int64_t batch,
+                                     detail::PhaseClock& clock) {
   const int64_t c = static_cast<int64_t>(kv.contextual_features.size());
   const c10::Device device = pkg->device;
   // On the host: what the bookkeeping reads.
@@ -482,7 +486,9 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
     }
   }
   // The run writes the stored users' new K/V into their pages.
+  clock.lap(&PhaseTimes::before_dense_ms);
   std::vector<at::Tensor> outputs = graphs ? (*graphs)(inputs) : run_program(inputs);
+  clock.lap(&PhaseTimes::dense_ms);
   if (outputs.size() != kv.outputs.size()) {
     throw Error(kv.program_file + " returned " + std::to_string(outputs.size()) + " outputs, the manifest names " +
                 std::to_string(kv.outputs.size()));

@@ -25,7 +25,7 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: hstu-export-run PACKAGE REQUEST_DIR [--out DIR] [--op-library-dir DIR]... [--no-verify-checksums]\n"
-    "                       [--repeat N] [--warmup N] [--threads N] [--quiet]\n"
+    "                       [--repeat N] [--warmup N] [--threads N] [--phase-times] [--quiet]\n"
     "       hstu-export-run PACKAGE REQUEST_DIR... --kv-cache BUDGET --user-ids IDS... [--max-time-drift S] [...]\n"
     "\n"
     "Open an hstu-export package (aoti or torchscript) with the C++ runtime, validate the request in\n"
@@ -42,6 +42,11 @@ constexpr const char* kUsage =
     "                         its graph on the first runs, CUDA kernels load on first use)\n"
     "  --threads N            run from N threads at once (with --repeat: N each); outputs must all be equal\n"
     "  --latency-log FILE     with --repeat: write every timed run's latency there (thread, pass, request, ms)\n"
+    "  --phase-times          with --repeat (one thread): also time each request's phases, the device\n"
+    "                         synchronised between them: before the dense half (validation, sparse half,\n"
+    "                         inputs, cache bookkeeping), the dense half as served (with --kv-cache: the\n"
+    "                         delta program, its shape bucket's copies and graph replay), and after it;\n"
+    "                         prints their medians per request\n"
     "  --quiet                print nothing but errors\n"
     "\n"
     "KV-cached serving (a package exported with --kv-cache; docs/KV_CACHE.md):\n"
@@ -64,6 +69,7 @@ struct Args {
   int warmup = 0;
   int threads = 1;
   bool quiet = false;
+  bool phase_times = false;
   bool kv = false;
   hstu_export::KVCacheOptions kv_options;
   std::vector<std::vector<int64_t>> user_ids;
@@ -145,6 +151,8 @@ Args parse(int argc, char** argv) {
       args.threads = positive(arg, value());
     } else if (arg == "--latency-log") {
       args.latency_log = value();
+    } else if (arg == "--phase-times") {
+      args.phase_times = true;
     } else if (arg == "--quiet" || arg == "-q") {
       args.quiet = true;
     } else if (arg == "--kv-cache") {
@@ -180,6 +188,9 @@ Args parse(int argc, char** argv) {
   }
   if (!args.kv && (!args.user_ids.empty() || args.kv_options.max_time_drift != 0 || args.kv_graphs_given)) {
     usage_error("--user-ids, --max-time-drift and --kv-graphs go with --kv-cache");
+  }
+  if (args.phase_times && (args.repeat == 0 || args.threads != 1)) {
+    usage_error("--phase-times goes with --repeat, on one thread (the device is synchronised between phases)");
   }
   args.package = positional[0];
   args.requests.assign(positional.begin() + 1, positional.end());
@@ -226,10 +237,11 @@ void print_outputs(const hstu_export::NamedTensors& outputs) {
 // --warmup and --repeat over the requests, from --threads threads: latency per request, and the largest
 // difference of any output from the first pass's (`exact`: throw unless it is 0).
 void repeat(const Args& args, const hstu_export::Package& package, size_t count,
-            const std::function<hstu_export::NamedTensors(size_t)>& run_one,
+            const std::function<hstu_export::NamedTensors(size_t, hstu_export::PhaseTimes*)>& run_one,
             const std::vector<hstu_export::NamedTensors>& first, bool exact) {
   int runs = std::max(args.repeat, 1);
   std::vector<std::vector<std::vector<double>>> latencies(args.threads, std::vector<std::vector<double>>(count));
+  std::vector<std::vector<hstu_export::PhaseTimes>> phases(count);  // --phase-times (one thread), by request
   std::vector<double> gaps(args.threads, 0.0);
   std::vector<std::string> failures(args.threads);
   // Each thread warms up on its own, comparing answers as its timed runs do: whatever runs for the first time
@@ -243,7 +255,7 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
         for (int w = 0; w < args.warmup; ++w) {
           for (size_t k = 0; k < count; ++k) {
             // Compared as the timed runs are (so that what the comparison loads first is loaded here).
-            double gap = difference(run_one(k), first[k]);
+            double gap = difference(run_one(k, nullptr), first[k]);
             if (exact && gap != 0) throw hstu_export::Error("a warm-up run gave different outputs");
           }
         }
@@ -252,10 +264,12 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
         ready.arrive_and_wait();
         for (int r = 0; r < runs; ++r) {
           for (size_t k = 0; k < count; ++k) {
+            hstu_export::PhaseTimes times;
             auto begin = std::chrono::steady_clock::now();
-            auto again = run_one(k);
+            auto again = run_one(k, args.phase_times ? &times : nullptr);
             synchronize(package);
             latencies[t][k].push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count());
+            if (args.phase_times) phases[k].push_back(times);
             gaps[t] = std::max(gaps[t], difference(again, first[k]));
             if (exact && gaps[t] != 0) throw hstu_export::Error("a repeated run gave different outputs");
           }
@@ -312,6 +326,17 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
     auto [one_p50, one_p99] = percentiles(each[k]);
     std::printf("  request %zu: p50 %.3f ms, p99 %.3f ms\n", k + 1, one_p50, one_p99);
   }
+  for (size_t k = 0; args.phase_times && k < count; ++k) {
+    auto median = [&](double hstu_export::PhaseTimes::*field) {
+      std::vector<double> values;
+      for (const auto& times : phases[k]) values.push_back(times.*field);
+      return percentiles(values).first;
+    };
+    std::printf("  request %zu phases (device synchronised between them), p50: before the dense half %.3f ms, dense "
+                "half %.3f ms, after it %.3f ms\n",
+                k + 1, median(&hstu_export::PhaseTimes::before_dense_ms), median(&hstu_export::PhaseTimes::dense_ms),
+                median(&hstu_export::PhaseTimes::after_dense_ms));
+  }
 }
 
 std::string stats_line(const hstu_export::CachedRanker& ranker) {
@@ -340,13 +365,13 @@ int serve(const Args& args) {
   if (args.kv) ranker = hstu_export::CachedRanker::open(package, args.kv_options);
   std::vector<hstu_export::Tensors> requests;
   for (const auto& directory : args.requests) requests.push_back(hstu_export::load_tensor_dir(directory));
-  auto run_one = [&](size_t k) {
-    return ranker ? ranker->run(requests[k], args.user_ids[k]) : package->run(requests[k]);
+  auto run_one = [&](size_t k, hstu_export::PhaseTimes* times) {
+    return ranker ? ranker->run(requests[k], args.user_ids[k], times) : package->run(requests[k], times);
   };
   std::vector<hstu_export::NamedTensors> outputs;
   for (size_t k = 0; k < requests.size(); ++k) {
     int64_t batch_size = package->validate(requests[k]);
-    outputs.push_back(run_one(k));
+    outputs.push_back(run_one(k, nullptr));
     synchronize(*package);
     if (args.quiet) continue;
     if (requests.size() > 1) std::printf("request %zu (%s): ", k + 1, args.requests[k].c_str());

@@ -5,6 +5,7 @@
 #include <torch/script.h>
 
 #include <array>
+#include <chrono>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -80,10 +81,28 @@ struct KVSection {
   int64_t max_history = 0;            // and the exported maxima of a user's history and candidates
   int64_t max_candidates = 0;
   // The most users, new history tokens and candidates one call of the delta program takes (its exported
-  // dims): the section's bounds, or for older packages what hstu_export/kv_export.py's program_bounds gives.
+  // dims): the section's bounds, or for older packages what hstu_export/kv_export.py's legacy_program_bounds
+  // gives.
   int64_t bound_batch = 0;
   int64_t bound_history = 0;
   int64_t bound_candidates = 0;
+};
+
+}  // namespace detail
+
+namespace detail {
+
+// Times a run's phases into a PhaseTimes (nothing without one): synchronises the device on construction
+// and at every lap, and adds the time since the last mark to a field.
+class PhaseClock {
+ public:
+  PhaseClock(PhaseTimes* times, c10::Device device);
+  void lap(double PhaseTimes::*field);
+
+ private:
+  PhaseTimes* times_;
+  c10::Device device_;
+  std::chrono::steady_clock::time_point mark_;
 };
 
 }  // namespace detail
@@ -109,7 +128,7 @@ struct Package::Impl {
   Tensors plain(const Tensors& request) const;
   // The sparse artifact on a plain request: its outputs by name (aoti packages).
   NamedTensors sparse_outputs(const Tensors& request) const;
-  NamedTensors run(const Tensors& inputs) const;
+  NamedTensors run(const Tensors& inputs, detail::PhaseClock& clock) const;
 };
 
 }  // namespace hstu_export

@@ -416,7 +416,7 @@ detail::KVSection read_kv_section(const Fields& fields, const Value& manifest, c
     out.bound_batch = positive(*bounds, "batch", where + ".bounds");
     out.bound_history = positive(*bounds, "new_history", where + ".bounds");
     out.bound_candidates = positive(*bounds, "candidates", where + ".bounds");
-  } else {  // written before the bounds were recorded: kv_export.py's program_bounds (16: its EXAMPLE_USERS)
+  } else {  // written before the bounds were recorded: kv_export.py's legacy_program_bounds (16: its EXAMPLE_USERS)
     int64_t max_batch = fields.integer(fields.member(lengths, "max_batch_size", "ranges.lengths"),
                                        "ranges.lengths.max_batch_size");
     out.bound_batch = std::max<int64_t>(max_batch, 16);
@@ -811,12 +811,33 @@ NamedTensors Package::Impl::sparse_outputs(const Tensors& request) const {
   return named_outputs(sparse.forward({}, kwargs), artifact.outputs, artifact.file);
 }
 
-NamedTensors Package::Impl::run(const Tensors& request) const {
+namespace detail {
+
+PhaseClock::PhaseClock(PhaseTimes* times, c10::Device device) : times_(times), device_(device) {
+  if (times_ == nullptr) return;
+  if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+  mark_ = std::chrono::steady_clock::now();
+}
+
+void PhaseClock::lap(double PhaseTimes::*field) {
+  if (times_ == nullptr) return;
+  if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+  auto now = std::chrono::steady_clock::now();
+  times_->*field += std::chrono::duration<double, std::milli>(now - mark_).count();
+  mark_ = now;
+}
+
+}  // namespace detail
+
+NamedTensors Package::Impl::run(const Tensors& request, detail::PhaseClock& clock) const {
   if (backend == "torchscript") {
     const Artifact& artifact = artifacts.at("model");
     torch::jit::Kwargs kwargs;
     for (const auto& spec : artifact.inputs) kwargs.emplace(spec.name, request.at(spec.feature));
-    return named_outputs(model.forward({}, kwargs), output_names, artifact.file);
+    clock.lap(&PhaseTimes::before_dense_ms);
+    NamedTensors out = named_outputs(model.forward({}, kwargs), output_names, artifact.file);
+    clock.lap(&PhaseTimes::dense_ms);  // one TorchScript module: the whole model counts as the dense half
+    return out;
   }
   const Artifact& dense_artifact = artifacts.at("dense");
   NamedTensors boundary = sparse_outputs(request);
@@ -831,7 +852,9 @@ NamedTensors Package::Impl::run(const Tensors& request) const {
     // The sparse half may return views (a KeyedTensor's per-key slices); AOTInductor reads contiguous memory.
     inputs.push_back(it->second.contiguous());
   }
+  clock.lap(&PhaseTimes::before_dense_ms);
   std::vector<at::Tensor> outputs = dense->run(inputs);
+  clock.lap(&PhaseTimes::dense_ms);
   if (outputs.size() != output_names.size()) {
     throw Error(dense_artifact.file + " returned " + std::to_string(outputs.size()) + " outputs, the manifest names " +
                 std::to_string(output_names.size()));
@@ -841,11 +864,14 @@ NamedTensors Package::Impl::run(const Tensors& request) const {
   return out;
 }
 
-NamedTensors Package::run(const Tensors& request) const {
+NamedTensors Package::run(const Tensors& request, PhaseTimes* times) const {
+  detail::PhaseClock clock(times, impl_->device);
   validate(request);
   c10::InferenceMode guard;
   try {
-    return impl_->run(impl_->plain(request));
+    NamedTensors out = impl_->run(impl_->plain(request), clock);
+    clock.lap(&PhaseTimes::after_dense_ms);
+    return out;
   } catch (const Error&) {
     throw;
   } catch (const std::exception& exc) {

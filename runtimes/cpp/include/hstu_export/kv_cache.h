@@ -64,7 +64,8 @@ class CachedRanker {
 
   // Validates the request as Package::run does (and one user id per user: RequestError), serves it
   // through the cache, and returns the outputs in the package's output_names() order. Thread-safe.
-  NamedTensors run(const Tensors& request, const std::vector<int64_t>& user_ids);
+  // `times`: see PhaseTimes.
+  NamedTensors run(const Tensors& request, const std::vector<int64_t>& user_ids, PhaseTimes* times = nullptr);
 
   KVCacheStats stats() const;
   // Whether requests run in shape buckets (CUDA graphs or kBuckets), and how they ran; zeros without.

@@ -68,6 +68,17 @@ struct Feature {
 using Tensors = std::unordered_map<std::string, at::Tensor>;
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
+// Where one request's time went, when a run is asked for it (run(..., &times)): the device is synchronised
+// when the run starts and after each phase, so each phase is timed from an idle device to its last kernel.
+// The dense half is timed as it is served: for a KV-cached request, the delta program with its shape
+// bucket's copies and its CUDA-graph replay. The synchronisations are not free: time whole requests
+// without it.
+struct PhaseTimes {
+  double before_dense_ms = 0;  // validation, the sparse half, the dense half's inputs (and the cache's bookkeeping)
+  double dense_ms = 0;
+  double after_dense_ms = 0;  // the outputs (and recording what the cache's pages hold)
+};
+
 class Package {
  public:
   static std::shared_ptr<const Package> open(const std::string& path, const Options& options = {});
@@ -76,8 +87,8 @@ class Package {
   Package& operator=(const Package&) = delete;
 
   // Validates the request (RequestError naming the first problem), runs it, and returns the outputs in
-  // output_names() order, on the package's device. Thread-safe.
-  NamedTensors run(const Tensors& request) const;
+  // output_names() order, on the package's device. Thread-safe. `times`: see PhaseTimes.
+  NamedTensors run(const Tensors& request, PhaseTimes* times = nullptr) const;
   // The request's batch size, or RequestError: names, dtypes, shapes, value ranges, batch size, jagged totals.
   int64_t validate(const Tensors& request) const;
 
