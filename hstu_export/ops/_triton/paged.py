@@ -2,7 +2,8 @@
 
 A request's new tokens are few (hundreds per user) while the keys are many (thousands), so one
 program per query block leaves most SMs idle at small batches. Each program here takes a query block
-of one (user, head) and one slice of the keys: HSTU attention has no softmax, so the slices' partial
+of one (user, head) and one slice of the keys that block sees (its own range cut into equal runs of whole
+key blocks, so that the slices are balanced whatever the user's length): HSTU attention has no softmax, so the slices' partial
 sums add up (no running max or rescaling as in flash-decoding). With one slice the program writes the
 result; with several, fp32 partials go to a workspace that a second kernel sums in a fixed order
 (deterministic). The slice count is chosen per call from the request's size (:func:`split_count`), in
@@ -39,6 +40,7 @@ __all__ = ["paged_hstu_mha_triton", "paged_hstu_mha_triton_fwd", "query_blocks",
 _SMS = 132
 _TARGET_PROGRAMS = 2 * _SMS
 _MIN_KEYS_PER_SPLIT = 256
+_MIN_KEYS_FOR_TWO = 1024  # keys a slice keeps at least when the query blocks already give every SM a program
 _USER_CHUNK = 64  # users scanned at once when a program looks for its user
 _SUM_BLOCK = 1024
 
@@ -113,7 +115,7 @@ def _paged_attn_fwd(
     stride_qm, stride_qh, stride_knm, stride_knh, stride_vnm, stride_vnh,
     stride_kpp, stride_kpn, stride_kph, stride_vpp, stride_vpn, stride_vph,
     stride_pt, stride_om, stride_oh, stride_ws,
-    alpha, inv_scale, contextual_seq_len, max_attn_len, keys_per_split, num_users,
+    alpha, inv_scale, contextual_seq_len, max_attn_len, num_users,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
     FAST_SILU: tl.constexpr, UPCAST_DOTS: tl.constexpr, PREFETCH: tl.constexpr,
@@ -152,8 +154,11 @@ def _paged_attn_fwd(
         hi = tl.where(has_ctx_rows, hist_end, tl.minimum(m1, hist_end))
         lo_pos = _position(m0, ctx_shift, m_pos) - max_attn_len
         lo = tl.where((max_attn_len > 0) & (lo_pos > 0) & (~has_ctx_rows), lo_pos + ctx_shift, 0)
-        s_lo = tl.maximum(pid_s * keys_per_split, (lo // BLOCK_N) * BLOCK_N)
-        s_hi = tl.minimum((pid_s + 1) * keys_per_split, hi)
+        # This program's slice: an equal share of the range's key blocks (none when the range is empty).
+        lo_block = lo // BLOCK_N
+        per_slice = (((hi + BLOCK_N - 1) // BLOCK_N) - lo_block + tl.num_programs(2) - 1) // tl.num_programs(2)
+        s_lo = (lo_block + pid_s * per_slice) * BLOCK_N
+        s_hi = tl.minimum(s_lo + per_slice * BLOCK_N, hi)
 
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         # Cached keys (before first_query), from the pages: a block of BLOCK_N keys lies in one page (the
@@ -238,16 +243,23 @@ def query_blocks(num_users: Any, total_rows: Any, max_query_len: Any, block_m: i
     return torch.sym_max(torch.sym_min(by_total, num_users * triton.cdiv(max_query_len, block_m)), 1)
 
 
-def split_count(programs: Any, max_seq_len: int, block_n: int) -> tuple[Any, Any]:
-    """(slices, keys per slice) for ``programs`` query-block programs (blocks x heads). Keys are split only
-    when the query blocks alone fill less than half the GPU (below that the workspace and its sum cost
-    more than they save: timed on the H100), into enough slices to fill about two waves, never shorter
-    than 256 keys. Arithmetic only (no branch), so that it holds for the symbolic sizes of an exported
-    program: the count follows each call's size."""
-    fills_half = torch.sym_min(_SMS // (2 * programs), 1)  # 0 when the query blocks fill half the GPU
+def split_count(programs: Any, max_seq_len: int, keys: Any = None) -> Any:
+    """Key slices for ``programs`` query-block programs (blocks x heads) whose rows see about ``keys`` keys
+    each (default: ``max_seq_len``). Arithmetic only (no branch), so that it holds for the symbolic sizes of an
+    exported program: the count follows each call's size. The rule, from timings on the H100 (docs/PERF.md):
+
+    - the query blocks fill at most half the SMs: as many slices as make one wave of the programs the GPU
+      keeps resident (two an SM: 264), never shorter than 256 keys of the longest sequence;
+    - they fill at most all the SMs, one program each: two slices when each keeps at least 1024 keys (two
+      programs an SM do about 1.5 times the work of one; shorter slices lose that to the partials' sum);
+    - else one slice."""
+    keys = max_seq_len if keys is None else keys
     most = max(1, max_seq_len // _MIN_KEYS_PER_SPLIT)
-    wanted = torch.sym_max(1, fills_half * torch.sym_min(most, triton.cdiv(_TARGET_PROGRAMS, programs)))
-    return _slices(max_seq_len, wanted, block_n)
+    few = torch.sym_min(_SMS // (2 * programs), 1)  # 1 when the query blocks fill at most half the SMs
+    one_each = torch.sym_min(_SMS // programs, 1)  # 1 when they fill at most all of them
+    long_slices = torch.sym_min(torch.sym_max(keys, 0) // (2 * _MIN_KEYS_FOR_TWO), 1)
+    wanted = few * torch.sym_min(most, _TARGET_PROGRAMS // programs) + (1 - few) * one_each * long_slices * 2
+    return torch.sym_max(1, wanted)
 
 
 def workspace_numel(slices: Any, numel: Any) -> Any:
@@ -255,12 +267,6 @@ def workspace_numel(slices: Any, numel: Any) -> Any:
     it then; one element, not none, so that it has a device address). Arithmetic only, like
     :func:`split_count`."""
     return torch.sym_max(slices * torch.sym_min(slices - 1, 1) * numel, 1)
-
-
-def _slices(max_seq_len: int, splits: Any, block_n: int) -> tuple[Any, Any]:
-    """About ``splits`` slices of the keys, each a whole number of blocks: (slices, keys per slice)."""
-    per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
-    return triton.cdiv(max(max_seq_len, 1), per_split), per_split
 
 
 def paged_hstu_mha_triton_fwd(
@@ -305,10 +311,8 @@ def paged_hstu_mha_triton_fwd(
     # No user has more new rows than the request has in all (a symbolic size in an exported program).
     rows = torch.sym_min(lq, max_query_len) if traceable else max_query_len
     blocks = query_blocks(num_users, lq, torch.sym_max(rows, 1), cfg.block_m)
-    if splits:
-        slices, per_split = _slices(max_seq_len, splits, block_n)
-    else:
-        slices, per_split = split_count(blocks * num_heads, max_seq_len, block_n)
+    # The keys a user's new rows see, about: its sequence less its new rows (the request's average).
+    slices = splits or split_count(blocks * num_heads, max_seq_len, max_seq_len - lq // torch.sym_max(num_users, 1))
     out = torch.empty((lq, num_heads, dv), dtype=v_new.dtype, device=q.device)
     # With one slice the kernel writes `out` and the workspace is not touched: it is then one element (not
     # empty, so that it has a device address to pass), instead of slices x rows x heads x dv floats. Flat:
@@ -322,7 +326,7 @@ def paged_hstu_mha_triton_fwd(
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), v_pages.stride(0), v_pages.stride(1),
         v_pages.stride(2), page_table.stride(0), num_heads * dv, dv, lq * num_heads * dv,
-        float(alpha), 1.0 / float(scaling_seqlen), contextual_seq_len, max_attn_len, per_split, num_users,
+        float(alpha), 1.0 / float(scaling_seqlen), contextual_seq_len, max_attn_len, num_users,
         DQK=dqk, DV=dv, BLOCK_DQK=max(next_power_of_2(dqk), 16), BLOCK_DV=max(next_power_of_2(dv), 16),
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, PAGE=page_size, CHUNK=_USER_CHUNK, FAST_SILU=fast_silu,
         UPCAST_DOTS=interpreting and q.dtype != torch.float32, PREFETCH=prefetch_pages, num_warps=cfg.num_warps,
