@@ -1,9 +1,10 @@
-"""Compile the HSTU attention kernel for a GPU target without a GPU and report its resources.
+"""Compile the HSTU attention kernels for a GPU target without a GPU and report their resources.
 
 Triton ships ptxas, so registers, spills, shared memory and the matrix instructions used (wgmma
 shows as HGMMA in SASS) can be read on a machine with no GPU:
 
     python benchmarks/kernel_report.py --arch 90 --dqk 128 --dv 128 --dtype bf16
+    python benchmarks/kernel_report.py --kernel paged --configs 64x64x4x3   # the KV cache's delta kernel
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hstu_export.ops._triton.attention import _hstu_attn_fwd
+from hstu_export.ops._triton.paged import _paged_attn_fwd
 
 _TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 
@@ -32,7 +34,7 @@ def compile_attention(
     signature = {
         "Q": ptr, "K": ptr, "V": ptr, "Out": ptr, "seq_offsets": "*i64", "num_targets": "*i64",
         "stride_qm": "i32", "stride_qh": "i32", "stride_kn": "i32", "stride_kh": "i32",
-        "stride_vn": "i32", "stride_vh": "i32", "stride_om": "i32", "stride_oh": "i32",
+        "stride_vn": "i32", "stride_vh": "i32", "stride_om": "i32", "stride_oh": "i32", "o_col0": "i32",
         "alpha": "fp32", "inv_scale": "fp32", "contextual_seq_len": "i32", "max_attn_len": "i32",
         "delta_size": "i32", "H": "i32",
     }  # fmt: skip
@@ -51,6 +53,39 @@ def compile_attention(
     ]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     src = ASTSource(_hstu_attn_fwd, signature, constexprs, attrs)
+    return triton.compile(
+        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    )
+
+
+def compile_paged(
+    arch: int, dqk: int, dv: int, dtype: str, block_m: int, block_n: int, num_warps: int, num_stages: int,
+    page: int = 64,
+) -> triton.compiler.CompiledKernel:  # fmt: skip
+    """The paged delta kernel (hstu_export/ops/_triton/paged.py) as an exported program launches it."""
+    ptr = _TYPES[dtype]
+    signature: dict[str, str] = {}
+    for name in _paged_attn_fwd.arg_names:
+        if name in ("Q", "KN", "VN", "KP", "VP", "Out"):
+            signature[name] = ptr
+        elif name in ("Work", "page_table", "q_offsets", "seq_lens", "num_targets"):
+            signature[name] = {"Work": "*fp32", "page_table": "*i32"}.get(name, "*i64")
+        elif name in ("alpha", "inv_scale"):
+            signature[name] = "fp32"
+        elif name.isupper() or name in ("BLOCK_DQK", "BLOCK_DV"):
+            continue
+        else:
+            signature[name] = "i32"
+    constexprs = dict(
+        DQK=dqk, DV=dv, BLOCK_DQK=max(triton.next_power_of_2(dqk), 16), BLOCK_DV=max(triton.next_power_of_2(dv), 16),
+        BLOCK_M=block_m, BLOCK_N=min(block_n, page), PAGE=page, CHUNK=64, FAST_SILU=dtype != "fp32", UPCAST_DOTS=False,
+        PREFETCH=True,
+    )  # fmt: skip
+    for name in constexprs:
+        signature[name] = "constexpr"
+    aligned = [i for i, n in enumerate(_paged_attn_fwd.arg_names) if signature.get(n, "").startswith("*")
+               or n.startswith("stride")]
+    src = ASTSource(_paged_attn_fwd, signature, constexprs, {(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(
         src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )
@@ -83,13 +118,17 @@ def main() -> None:
     parser.add_argument("--configs", default="128x64x8x3,128x64x4x3,128x128x8x2,64x64x4x3",
                         help="BLOCK_MxBLOCK_NxWARPSxSTAGES, comma separated")  # fmt: skip
     parser.add_argument("--no-skip", action="store_true")
+    parser.add_argument("--kernel", choices=("attention", "paged"), default="attention")
     args = parser.parse_args()
     rows = []
     for cfg in args.configs.split(","):
         bm, bn, warps, stages = (int(x) for x in cfg.split("x"))
-        kernel = compile_attention(
-            args.arch, args.dqk, args.dv, args.dtype, bm, bn, warps, stages, skip=not args.no_skip
-        )
+        if args.kernel == "paged":
+            kernel = compile_paged(args.arch, args.dqk, args.dv, args.dtype, bm, bn, warps, stages)
+        else:
+            kernel = compile_attention(
+                args.arch, args.dqk, args.dv, args.dtype, bm, bn, warps, stages, skip=not args.no_skip
+            )
         rows.append({"config": cfg, "shared": kernel.metadata.shared, **sass_summary(kernel)})
         print(json.dumps(rows[-1]), flush=True)
 
