@@ -2,13 +2,13 @@
 
 A request's new tokens are few (hundreds per user) while the keys are many (thousands), so one
 program per query block leaves most SMs idle at small batches. Each program here takes a query block
-of one (user, head) and one slice of the keys that block sees (its own range cut into equal runs of whole
-key blocks, so that the slices are balanced whatever the user's length): HSTU attention has no softmax, so the slices' partial
-sums add up (no running max or rescaling as in flash-decoding). With one slice the program writes the
-result; with several, fp32 partials go to a workspace that a second kernel sums in a fixed order
-(deterministic). The slice count is chosen per call from the request's size (:func:`split_count`), in
-an exported program too: it is arithmetic on the symbolic sizes, and the summing kernel's grid is empty
-when there is one slice.
+of one (user, head) and one slice of the keys that block sees (its own range cut into equal runs of
+whole key blocks, so that the slices are balanced whatever the user's length): HSTU attention has no
+softmax, so the slices' partial sums add up (no running max or rescaling as in flash-decoding). With
+one slice the program writes the result; with several, fp32 partials go to a workspace that a second
+kernel sums in a fixed order (deterministic). The slice count is chosen per call from the request's size
+(:func:`split_count`), in an exported program too: it is arithmetic on the symbolic sizes, and the
+summing kernel's grid is empty when there is one slice.
 
 The grid's first axis runs over every user's query blocks back to back (a program finds its user from
 the query offsets), so a request of users with few new tokens launches no idle programs whatever the

@@ -88,10 +88,6 @@ struct KVSection {
   int64_t bound_candidates = 0;
 };
 
-}  // namespace detail
-
-namespace detail {
-
 // Times a run's phases into a PhaseTimes (nothing without one): synchronises the device on construction
 // and at every lap, and adds the time since the last mark to a field.
 class PhaseClock {
