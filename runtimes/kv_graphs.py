@@ -10,8 +10,9 @@ its K/V go to the pool's scratch page (the last page: its table row, and every p
 there).
 
 A bucket is captured the second time it is seen (one-off shapes run eagerly, unpadded, and so do
-requests whose bucket would be beyond the program's exported bounds), into a pool shared by every graph, and at most ``max_graphs`` are kept (least recently used first out). A replay
-writes the request straight into the graph's input buffers, one copy per dtype (:func:`fill_bucket`):
+requests whose bucket would be beyond the program's exported bounds), into a pool shared by every
+graph, and at most ``max_graphs`` are kept (least recently used first out). A replay writes the
+request straight into the graph's input buffers, one copy per dtype (:func:`fill_bucket`):
 the padding user's rows keep whatever an earlier request left there (finite values that only the
 padding user reads), and its two token counts are computed on the device by the graph itself
 (:func:`padding_counts`). Replays are serialised under one lock; the real rows of the outputs are

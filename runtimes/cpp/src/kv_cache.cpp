@@ -234,9 +234,7 @@ std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> 
 bool CachedRanker::bucketed() const { return impl_->graphs != nullptr; }
 
 KVGraphCounts CachedRanker::graph_counts() const {
-  if (!impl_->graphs) return {};
-  auto counts = impl_->graphs->counts();
-  return {counts.replays, counts.captures, counts.eager};
+  return impl_->graphs ? impl_->graphs->counts() : KVGraphCounts{};
 }
 
 KVCacheStats CachedRanker::stats() const {

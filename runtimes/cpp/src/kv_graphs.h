@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "hstu_export/kv_cache.h"
+
 namespace hstu_export::detail {
 
 // The delta program's inputs by name, and a call of the program on them (outputs in its order).
@@ -52,11 +54,7 @@ class DeltaGraphs {
   // The program's outputs for the request (its own rows, in tensors that outlive the call).
   std::vector<at::Tensor> operator()(const ProgramInputs& inputs);
 
-  struct Counts {
-    int64_t replays = 0;
-    int64_t captures = 0;
-    int64_t eager = 0;  // requests of a shape seen once, run as they are
-  };
+  using Counts = KVGraphCounts;
   Counts counts() const;
 
   struct Impl;
