@@ -272,7 +272,38 @@ def served_trace(runner, inputs: dict, path: Path, calls: int = 10) -> dict:  # 
     path.write_text(events.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=90))
     gpu = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
     return {"gpu_ms_per_call": sum(e.device_time_total for e in gpu) / calls / 1e3,
-            "kernels_per_call": sum(e.count for e in gpu) / calls}
+            "kernels_per_call": sum(e.count for e in gpu) / calls, "timeline": gpu_timeline(prof.events())}
+
+
+def gpu_timeline(events, split_us: float = 100.0) -> dict:  # type: ignore[no-untyped-def]
+    """Where a call's GPU time goes, from the profiler's device events: calls are told apart by an idle gap of
+    more than ``split_us`` (the host synchronises between them). Per call (medians): the span from the first
+    kernel's start to the last one's end, the time some kernel runs, the idle time between them, and the five
+    longest idle gaps with the kernel that follows each."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    calls: list[list[tuple[float, float, str]]] = []
+    for start, end, name in spans:
+        if not calls or start - max(e for _, e, _ in calls[-1]) > split_us:
+            calls.append([])
+        calls[-1].append((start, end, name))
+    rows = []
+    for call in calls:
+        busy, reach, gaps = 0.0, call[0][0], []
+        for start, end, name in call:
+            if start > reach:
+                gaps.append((start - reach, name))
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        rows.append({"span": reach - call[0][0], "busy": busy, "kernels": len(call),
+                     "gaps": sorted(gaps, reverse=True)[:5]})
+    if not rows:
+        return {}
+    mid = sorted(rows, key=lambda r: r["span"])[len(rows) // 2]
+    return {"calls": len(rows), "span_us": statistics.median(r["span"] for r in rows),
+            "busy_us": statistics.median(r["busy"] for r in rows),
+            "idle_us": statistics.median(r["span"] - r["busy"] for r in rows),
+            "kernels": mid["kernels"], "longest_gaps_of_median_call": [(round(g, 1), n[:80]) for g, n in mid["gaps"]]}
 
 
 def failure(exc: Exception, tail: int = 2000) -> dict:

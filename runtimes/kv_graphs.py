@@ -12,7 +12,8 @@ there).
 A bucket is captured the second time it is seen (one-off shapes run eagerly, unpadded, and so do
 requests whose bucket would be beyond the program's exported bounds), into a pool shared by every
 graph, and at most ``max_graphs`` are kept (least recently used first out). A replay writes the
-request straight into the graph's input buffers, one copy per dtype (:func:`fill_bucket`):
+request straight into the graph's input buffers (:func:`fill_bucket`: a copy of each embedding, one for
+the other inputs of each dtype):
 the padding user's rows keep whatever an earlier request left there (finite values that only the
 padding user reads), and its two token counts are computed on the device by the graph itself
 (:func:`padding_counts`). Replays are serialised under one lock; the real rows of the outputs are
@@ -124,11 +125,22 @@ ROW_INPUTS = ("uih_item_emb", "uih_action_emb", "uih_timestamps", "candidate_ite
 USER_INPUTS = (HISTORY_LENGTHS, CANDIDATE_LENGTHS, "query_time", "kv_cached")
 
 
+# The embeddings (the float inputs with a row per token) are copied each on its own (a device memcpy, at
+# the memory's speed), the other inputs of a dtype together (one kernel): CUDA's multi-tensor copy gives each
+# block a fixed chunk of elements, so on the embeddings it runs few blocks and is slow (H100 timings:
+# docs/PERF.md), while the small integer inputs are many and cost a launch each.
+def copied_alone(name: str, value: Tensor) -> bool:
+    """Whether :func:`fill_bucket` copies input ``name`` on its own."""
+    return name in ROW_INPUTS and value.is_floating_point()
+
+
 @dataclass(frozen=True)
 class Copies:
-    """Where a request's tensors go in its bucket's buffers (:func:`copies_into`): the targets of each dtype,
-    with the inputs they take; the page table's real columns; its later columns (a narrower table), or None."""
+    """Where a request's tensors go in its bucket's buffers (:func:`copies_into`): the inputs copied alone
+    (:func:`copied_alone`), each with its target; the targets of the others of each dtype, with the inputs they
+    take; the page table's real columns; its later columns (a narrower table), or None."""
 
+    singles: tuple[tuple[Tensor, str], ...]
     groups: tuple[tuple[list[Tensor], tuple[str, ...]], ...]
     table: Tensor
     rest: Tensor | None
@@ -137,17 +149,24 @@ class Copies:
 def copies_into(static: dict[str, Tensor], inputs: dict[str, Tensor]) -> Copies:
     """The :class:`Copies` of ``inputs`` into the buffers ``static`` of their bucket. They depend on the
     request's sizes only (:func:`request_sizes`), so a bucket keeps them for its next request of those sizes."""
+    singles: list[tuple[Tensor, str]] = []
     groups: dict[torch.dtype, tuple[list[Tensor], list[str]]] = {}
     for name in (*ROW_INPUTS, *USER_INPUTS):
-        rows = inputs[name].shape[0]
-        if rows:
-            targets, names = groups.setdefault(inputs[name].dtype, ([], []))
+        value = inputs[name]
+        rows = value.shape[0]
+        if not rows:
+            continue
+        if copied_alone(name, value):
+            singles.append((static[name][:rows], name))
+        else:
+            targets, names = groups.setdefault(value.dtype, ([], []))
             targets.append(static[name][:rows])
             names.append(name)
     batch, width = inputs["kv_page_table"].shape
     table = static["kv_page_table"]
     rest = table[:batch, width:] if width < table.shape[1] else None
-    return Copies(tuple((targets, tuple(names)) for targets, names in groups.values()), table[:batch, :width], rest)
+    return Copies(tuple(singles), tuple((targets, tuple(names)) for targets, names in groups.values()),
+                  table[:batch, :width], rest)
 
 
 def request_sizes(inputs: dict[str, Tensor]) -> tuple[int, ...]:
@@ -161,8 +180,10 @@ def fill_bucket(static: dict[str, Tensor], inputs: dict[str, Tensor], copies: Co
     two token counts are the replay's to write (:func:`padding_counts`, captured with the program). Returns
     what :func:`pad_to_bucket` returns besides the inputs."""
     copies = copies or copies_into(static, inputs)
-    # One call per dtype: a served call's host time is mostly such small operations, and tensors of one dtype
-    # and layout are copied by one kernel on CUDA (mixed dtypes fall back to a copy each).
+    for target, name in copies.singles:
+        target.copy_(inputs[name])
+    # One call per dtype for the others: a served call's host time is mostly such small operations, and
+    # tensors of one dtype and layout are copied by one kernel on CUDA (mixed dtypes fall back to a copy each).
     for targets, names in copies.groups:
         torch._foreach_copy_(targets, [inputs[name] for name in names])
     copies.table.copy_(inputs["kv_page_table"])

@@ -306,6 +306,32 @@ def test_padding_to_a_bucket_appends_one_user_and_is_dropped_again() -> None:
     assert calls == [2, 2, 2] and graphs.counts == {"replays": 0, "captures": 0, "eager": 3}  # never padded
 
 
+def test_embeddings_are_copied_into_a_bucket_each_on_its_own() -> None:
+    from hstu_export.runtimes.kv_graphs import Buckets, copies_into, fill_bucket, pad_to_bucket
+
+    d, c = 4, 1
+    inputs = {
+        "uih_item_emb": torch.randn(4, d), "uih_action_emb": torch.randn(4, d)[:3], "uih_timestamps": torch.arange(3),
+        "candidate_item_emb": torch.randn(3, d), "contextual_emb": torch.randn(0, c, d),
+        "uih_lengths": torch.tensor([3]), "candidate_lengths": torch.tensor([3]),
+        "query_time": torch.tensor([9]), "kv_cached": torch.tensor([5]),
+        "kv_page_table": torch.tensor([[1, 2]], dtype=torch.int32), "kv_k_pages": torch.zeros(1, 4, 16, 1, 1),
+    }
+    inputs["uih_item_emb"] = inputs["uih_item_emb"][:3]
+    padded, _ = pad_to_bucket(inputs, Buckets(history=8, candidates=4, max_width=64), c)
+    copies = copies_into(padded, inputs)
+    # The embeddings alone (an empty one not at all), the integers together.
+    assert [name for _, name in copies.singles] == ["uih_item_emb", "uih_action_emb", "candidate_item_emb"]
+    assert [names for _, names in copies.groups] == [("uih_timestamps", "uih_lengths", "candidate_lengths",
+                                                      "query_time", "kv_cached")]
+    later = {**inputs, "uih_item_emb": torch.randn(3, d), "uih_action_emb": torch.randn(3, d),
+             "candidate_item_emb": torch.randn(3, d), "query_time": torch.tensor([11])}
+    assert fill_bucket(padded, later, copies) == 3
+    for name in ("uih_item_emb", "uih_action_emb", "candidate_item_emb"):
+        torch.testing.assert_close(padded[name][:3], later[name])
+    assert padded["query_time"].tolist() == [11, 0]  # the padding user's entry is left as it was
+
+
 @pytest.mark.parametrize("max_batch", [4, 32])
 def test_a_request_at_the_packages_maximum_has_a_bucket(max_batch: int) -> None:
     """The delta program is exported with room for a bucket's padding user: a request of the package's

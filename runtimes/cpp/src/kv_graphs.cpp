@@ -105,10 +105,12 @@ std::vector<int64_t> request_sizes(const ProgramInputs& inputs) {
   return sizes;
 }
 
-// Where a request's tensors go in its bucket's buffers: targets grouped by dtype, with their input names;
-// the page table's real columns, and its later ones (a narrower table) when there are any.
+// Where a request's tensors go in its bucket's buffers: each embedding's target, with its name (copied on its
+// own, as kv_graphs.py's copied_alone says why); the other inputs' targets grouped by dtype, with their names; the page table's real columns, and its later ones
+// (a narrower table) when there are any.
 struct Copies {
   std::vector<int64_t> sizes;
+  std::vector<std::pair<at::Tensor, std::string>> singles;
   std::vector<std::pair<std::vector<at::Tensor>, std::vector<std::string>>> groups;
   at::Tensor table;
   std::optional<at::Tensor> rest;
@@ -118,16 +120,21 @@ Copies copies_into(const ProgramInputs& buffers, const ProgramInputs& inputs) {
   Copies out;
   out.sizes = request_sizes(inputs);
   std::map<at::ScalarType, size_t> group_of;
-  auto add = [&](const char* name) {
-    int64_t rows = inputs.at(name).size(0);
+  auto add = [&](const char* name, bool row_input) {
+    const at::Tensor& value = inputs.at(name);
+    int64_t rows = value.size(0);
     if (rows == 0) return;
+    if (row_input && value.is_floating_point()) {
+      out.singles.emplace_back(buffers.at(name).narrow(0, 0, rows), name);
+      return;
+    }
     auto [it, fresh] = group_of.emplace(inputs.at(name).scalar_type(), out.groups.size());
     if (fresh) out.groups.emplace_back();
     out.groups[it->second].first.push_back(buffers.at(name).narrow(0, 0, rows));
     out.groups[it->second].second.emplace_back(name);
   };
-  for (const char* name : kRowInputs) add(name);
-  for (const char* name : kUserInputs) add(name);
+  for (const char* name : kRowInputs) add(name, true);
+  for (const char* name : kUserInputs) add(name, false);
   const at::Tensor& table = buffers.at("kv_page_table");
   int64_t batch = inputs.at("kv_page_table").size(0), width = inputs.at("kv_page_table").size(1);
   out.table = table.narrow(0, 0, batch).narrow(1, 0, width);
@@ -221,6 +228,7 @@ struct DeltaGraphs::Impl {
 
   int64_t fill(Graph& entry, const ProgramInputs& inputs) {
     if (!entry.copies || entry.copies->sizes != request_sizes(inputs)) entry.copies = copies_into(entry.buffers, inputs);
+    for (auto& [target, name] : entry.copies->singles) target.copy_(inputs.at(name));
     for (const auto& [targets, names] : entry.copies->groups) {
       std::vector<at::Tensor> sources;
       for (const auto& name : names) sources.push_back(inputs.at(name));
