@@ -143,6 +143,37 @@ def test_buckets_stay_within_the_programs_bounds(cpp_runtime, kv_package, tmp_pa
     assert hstu_export.load(old).kv_cache().runner._buckets.max_batch == 16
 
 
+def test_a_history_grown_over_many_requests(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A user whose history grows by a token or two at each of 20 requests: every request after the first is a
+    hit that adds its new tokens to the entry (the C++ record keeps them as runs, merged after 16), and
+    another user's history changes at the 18th, in its middle: stale, not reused. The answers equal Python's
+    bit for bit, and so do the counts."""
+    name, root, _ = kv_package
+    users = Users(CONFIGS[name], seed=11)
+    users.grow("a", 10)  # 38 tokens at the end, within the package's 46
+    users.grow("d", 12)
+    steps = []
+    for k in range(20):
+        if k:
+            users.grow("a", 1 + k % 2)
+        if k == 17:
+            item, action, stamp = users.history["d"][5]
+            users.history["d"][5] = ((item + 1) % CONFIGS[name].item_vocab_size, action, stamp)
+        steps.append((["a", "d"], users.request(["a", "d"], [2, 1])))
+    done, cpp = _run_cpp(cpp_runtime, root, steps, tmp_path, "--kv-cache", "auto")
+    ranker = hstu_export.load(root).kv_cache()
+    for k, ((who, request), got) in enumerate(zip(steps, cpp)):
+        python = ranker(request, [IDS[u] for u in who])
+        for key in python:
+            assert torch.equal(got[key], python[key]), (k, key)
+    stats = _stats(done.stdout)
+    assert stats == ranker.cache.stats()
+    # "a" grows at every request: a hit each time without contextual features; with them only an unchanged
+    # history is reused, so "a" is recomputed each time (stale) and "d" alone is reused.
+    grown = (19, 0) if name == "no-context" else (0, 19)
+    assert (stats["misses"], stats["hits"], stats["stale"]) == (2, grown[0] + 18, grown[1] + 1)
+
+
 def test_cpp_phase_times_of_cached_requests(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """--phase-times with --kv-cache: a line per request of the sequence, the dense half (the delta program
     as served) timed apart from the bookkeeping and the sparse half; the answers stay the first pass's."""

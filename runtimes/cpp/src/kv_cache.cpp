@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <functional>
 #include <list>
 #include <mutex>
@@ -57,14 +58,51 @@ std::vector<int64_t> bucket_edges(double base, int64_t num_buckets) {
   return edges;
 }
 
+// Consecutive history tokens of a user (kTokenRows side by side), never changed once made: the records of
+// a user's successive requests share their earlier runs, so that a request that adds tokens copies only
+// those (the whole history, copied at each request, was most of a served call's host time at many users).
+struct TokenRun {
+  std::array<std::vector<int64_t>, 3> rows;
+};
+
+// Runs a record keeps before they are merged into one (from the request, which holds the whole history):
+// a merge copies the history once every this many requests.
+constexpr size_t kMaxRuns = 16;
+
 // What a user's pages hold, left by the request that wrote them.
 struct Record {
-  std::vector<int64_t> context;                // contextual ids
-  std::array<std::vector<int64_t>, 3> tokens;  // kTokenRows of the cached history
-  int64_t query_time = 0;                      // the earliest query time whose buckets the entry holds
-  int64_t valid_lo = 0;                        // query times [lo, hi) at which every cached token keeps its bucket
+  std::vector<int64_t> context;                        // contextual ids
+  std::vector<std::shared_ptr<const TokenRun>> runs;   // the cached history, in order
+  int64_t history = 0;                                 // its tokens (the runs' lengths together)
+  int64_t query_time = 0;  // the earliest query time whose buckets the entry holds
+  int64_t valid_lo = 0;    // query times [lo, hi) at which every cached token keeps its bucket
   int64_t valid_hi = 0;
+
+  // Whether the cached history is the first `history` tokens of `rows` (kTokenRows).
+  bool prefix_of(const std::array<const int64_t*, 3>& rows) const {
+    int64_t at = 0;
+    for (const auto& run : runs) {
+      size_t n = run->rows[0].size();
+      for (size_t row = 0; row < rows.size(); ++row) {
+        if (n > 0 && std::memcmp(run->rows[row].data(), rows[row] + at, n * sizeof(int64_t)) != 0) return false;
+      }
+      at += static_cast<int64_t>(n);
+    }
+    return true;
+  }
 };
+
+// `before`'s history (none without one) followed by `rows`' tokens [from, to), as a new record's runs.
+std::vector<std::shared_ptr<const TokenRun>> extended(const Record* before, const std::array<const int64_t*, 3>& rows,
+                                                     int64_t from, int64_t to) {
+  std::vector<std::shared_ptr<const TokenRun>> runs;
+  if (before && before->runs.size() + 1 < kMaxRuns) runs = before->runs;
+  else from = 0;  // merged: the request holds the whole history
+  auto run = std::make_shared<TokenRun>();
+  for (size_t row = 0; row < rows.size(); ++row) run->rows[row].assign(rows[row] + from, rows[row] + to);
+  runs.push_back(std::move(run));
+  return runs;
+}
 
 struct Entry {
   std::vector<int64_t> pages;
@@ -294,9 +332,7 @@ int64_t CachedRanker::Impl::reusable(int64_t user, const int64_t* context, const
   // Contextual tokens see the whole history: with them, only an unchanged history is reused.
   bool ok = hist <= length && !(c > 0 && hist != length);
   ok = ok && std::equal(record->context.begin(), record->context.end(), context);
-  for (size_t row = 0; ok && row < tokens.size(); ++row) {
-    ok = std::equal(record->tokens[row].begin(), record->tokens[row].end(), tokens[row]);
-  }
+  ok = ok && record->history == hist && record->prefix_of(tokens);
   // In the same time buckets, or within the allowed drift (none by default: exact).
   bool in_buckets = record->valid_lo <= query_time && query_time < record->valid_hi;
   ok = ok && (in_buckets || (max_time_drift > 0 && query_time - record->query_time <= max_time_drift));
@@ -510,18 +546,17 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
     for (int64_t b = 0; b < batch; ++b) {
       if (!stored[b]) continue;
       const std::shared_ptr<const Record>& before = reused[b];
-      int64_t kept = before ? static_cast<int64_t>(before->tokens[0].size()) : 0;
+      int64_t kept = before ? before->history : 0;
       if (before && kept == hist_len.data[b]) {  // nothing new: the entry stays as it is
         commit(users[b], c + hist_len.data[b], before);
         continue;
       }
       auto record = std::make_shared<Record>();
       record->context = before ? before->context : contexts[b];
-      for (size_t row = 0; row < kTokenRows.size(); ++row) {
-        if (before) record->tokens[row] = before->tokens[row];
-        const int64_t* values = rows[row].data + hist_off[b];
-        record->tokens[row].insert(record->tokens[row].end(), values + kept, values + hist_len.data[b]);
-      }
+      std::array<const int64_t*, 3> values;
+      for (size_t row = 0; row < values.size(); ++row) values[row] = rows[row].data + hist_off[b];
+      record->runs = extended(before.get(), values, kept, hist_len.data[b]);
+      record->history = hist_len.data[b];
       // Cached tokens keep the buckets (and time) they were computed with.
       record->query_time = before ? before->query_time : query_time.data[b];
       record->valid_lo = before ? std::max(before->valid_lo, lo[b]) : lo[b];
