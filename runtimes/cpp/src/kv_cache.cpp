@@ -71,11 +71,11 @@ constexpr size_t kMaxRuns = 16;
 
 // What a user's pages hold, left by the request that wrote them.
 struct Record {
-  std::vector<int64_t> context;                        // contextual ids
-  std::vector<std::shared_ptr<const TokenRun>> runs;   // the cached history, in order
-  int64_t history = 0;                                 // its tokens (the runs' lengths together)
-  int64_t query_time = 0;  // the earliest query time whose buckets the entry holds
-  int64_t valid_lo = 0;    // query times [lo, hi) at which every cached token keeps its bucket
+  std::vector<int64_t> context;                       // contextual ids
+  std::vector<std::shared_ptr<const TokenRun>> runs;  // the cached history, in order
+  int64_t history = 0;                                // its tokens (the runs' lengths together)
+  int64_t query_time = 0;                             // the earliest query time whose buckets the entry holds
+  int64_t valid_lo = 0;  // query times [lo, hi) at which every cached token keeps its bucket
   int64_t valid_hi = 0;
 
   // Whether the cached history is the first `history` tokens of `rows` (kTokenRows).
@@ -96,8 +96,11 @@ struct Record {
 std::vector<std::shared_ptr<const TokenRun>> extended(const Record* before, const std::array<const int64_t*, 3>& rows,
                                                      int64_t from, int64_t to) {
   std::vector<std::shared_ptr<const TokenRun>> runs;
-  if (before && before->runs.size() + 1 < kMaxRuns) runs = before->runs;
-  else from = 0;  // merged: the request holds the whole history
+  if (before && before->runs.size() + 1 < kMaxRuns) {
+    runs = before->runs;
+  } else {
+    from = 0;  // merged: the request holds the whole history
+  }
   auto run = std::make_shared<TokenRun>();
   for (size_t row = 0; row < rows.size(); ++row) run->rows[row].assign(rows[row] + from, rows[row] + to);
   runs.push_back(std::move(run));

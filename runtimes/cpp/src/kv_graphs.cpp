@@ -106,8 +106,8 @@ std::vector<int64_t> request_sizes(const ProgramInputs& inputs) {
 }
 
 // Where a request's tensors go in its bucket's buffers: each embedding's target, with its name (copied on its
-// own, as kv_graphs.py's copied_alone says why); the other inputs' targets grouped by dtype, with their names; the page table's real columns, and its later ones
-// (a narrower table) when there are any.
+// own: kv_graphs.py's copied_alone says why); the other inputs' targets grouped by dtype, with their names;
+// the page table's real columns, and its later ones (a narrower table) when there are any.
 struct Copies {
   std::vector<int64_t> sizes;
   std::vector<std::pair<at::Tensor, std::string>> singles;
