@@ -283,10 +283,12 @@ def gpu_timeline(events, split_us: float = 100.0) -> dict:  # type: ignore[no-un
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
                    if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
     calls: list[list[tuple[float, float, str]]] = []
+    reached = float("-inf")  # the latest end so far
     for start, end, name in spans:
-        if not calls or start - max(e for _, e, _ in calls[-1]) > split_us:
+        if start - reached > split_us:
             calls.append([])
         calls[-1].append((start, end, name))
+        reached = max(reached, end)
     rows = []
     for call in calls:
         busy, reach, gaps = 0.0, call[0][0], []

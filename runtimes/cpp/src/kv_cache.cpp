@@ -73,12 +73,18 @@ constexpr size_t kMaxRuns = 16;
 struct Record {
   std::vector<int64_t> context;                       // contextual ids
   std::vector<std::shared_ptr<const TokenRun>> runs;  // the cached history, in order
-  int64_t history = 0;                                // its tokens (the runs' lengths together)
   int64_t query_time = 0;                             // the earliest query time whose buckets the entry holds
   int64_t valid_lo = 0;  // query times [lo, hi) at which every cached token keeps its bucket
   int64_t valid_hi = 0;
 
-  // Whether the cached history is the first `history` tokens of `rows` (kTokenRows).
+  // The cached history's tokens.
+  int64_t history() const {
+    int64_t n = 0;
+    for (const auto& run : runs) n += static_cast<int64_t>(run->rows[0].size());
+    return n;
+  }
+
+  // Whether the cached history is the first `history()` tokens of `rows` (kTokenRows).
   bool prefix_of(const std::array<const int64_t*, 3>& rows) const {
     int64_t at = 0;
     for (const auto& run : runs) {
@@ -335,7 +341,7 @@ int64_t CachedRanker::Impl::reusable(int64_t user, const int64_t* context, const
   // Contextual tokens see the whole history: with them, only an unchanged history is reused.
   bool ok = hist <= length && !(c > 0 && hist != length);
   ok = ok && std::equal(record->context.begin(), record->context.end(), context);
-  ok = ok && record->history == hist && record->prefix_of(tokens);
+  ok = ok && record->history() == hist && record->prefix_of(tokens);
   // In the same time buckets, or within the allowed drift (none by default: exact).
   bool in_buckets = record->valid_lo <= query_time && query_time < record->valid_hi;
   ok = ok && (in_buckets || (max_time_drift > 0 && query_time - record->query_time <= max_time_drift));
@@ -549,7 +555,7 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
     for (int64_t b = 0; b < batch; ++b) {
       if (!stored[b]) continue;
       const std::shared_ptr<const Record>& before = reused[b];
-      int64_t kept = before ? before->history : 0;
+      int64_t kept = before ? before->history() : 0;
       if (before && kept == hist_len.data[b]) {  // nothing new: the entry stays as it is
         commit(users[b], c + hist_len.data[b], before);
         continue;
@@ -559,7 +565,6 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
       std::array<const int64_t*, 3> values;
       for (size_t row = 0; row < values.size(); ++row) values[row] = rows[row].data + hist_off[b];
       record->runs = extended(before.get(), values, kept, hist_len.data[b]);
-      record->history = hist_len.data[b];
       // Cached tokens keep the buckets (and time) they were computed with.
       record->query_time = before ? before->query_time : query_time.data[b];
       record->valid_lo = before ? std::max(before->valid_lo, lo[b]) : lo[b];

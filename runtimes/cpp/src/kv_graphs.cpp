@@ -128,7 +128,7 @@ Copies copies_into(const ProgramInputs& buffers, const ProgramInputs& inputs) {
       out.singles.emplace_back(buffers.at(name).narrow(0, 0, rows), name);
       return;
     }
-    auto [it, fresh] = group_of.emplace(inputs.at(name).scalar_type(), out.groups.size());
+    auto [it, fresh] = group_of.emplace(value.scalar_type(), out.groups.size());
     if (fresh) out.groups.emplace_back();
     out.groups[it->second].first.push_back(buffers.at(name).narrow(0, 0, rows));
     out.groups[it->second].second.emplace_back(name);
