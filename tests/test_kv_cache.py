@@ -16,7 +16,7 @@ from hstu_export.models.cached import KVLayout
 from hstu_export.models.config import HSTUConfig
 from hstu_export.models.ranking import HstuRankingModel
 from hstu_export.models.transducer import bucket_edges, time_buckets
-from hstu_export.serving.kv_cache import MAX_RUNS, CachedRanker, EntryRecord, valid_query_times
+from hstu_export.serving.kv_cache import CachedRanker, valid_query_times
 
 # Same shapes as the tiny preset, with and without contextual tokens.
 CONTEXT = HSTUConfig()
@@ -66,63 +66,6 @@ def check_every_kind_of_delta(config: HSTUConfig) -> None:
     before = ranker.cache.stats()["stale"]
     _check(ranker, users.request(["b"], [2]), ["b"])
     assert ranker.cache.stats()["stale"] == before + 1
-
-
-def _tokens(users: Users, user: str) -> torch.Tensor:
-    """The user's history as an entry holds it: [3, history] (TOKEN_ROWS)."""
-    return torch.tensor(users.history[user], dtype=torch.int64).T
-
-
-@pytest.mark.parametrize("config", [NO_CONTEXT, CONTEXT], ids=["no-context", "context"])
-def test_a_history_grown_over_many_requests(config: HSTUConfig) -> None:
-    """As tests/test_cpp_kv_cache.py's test of the same name, without the C++ build: "a" grows by a token or
-    two at each of 20 requests, "e" at the first ten; at the 18th, "d" (never grown) changes in its middle, and
-    so does "e", in one of its later runs: both stale, not reused. A record that is reused and grows keeps its
-    predecessor's runs (the same tensors) and adds one run of the new tokens only; once that would make
-    MAX_RUNS runs, it holds the whole history as one. Answers equal the full model's."""
-    model = _model(config)
-    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=16)
-    users = Users(config, seed=11)
-    for user, length in (("a", 10), ("d", 12), ("e", 8)):
-        users.grow(user, length)
-    who = ["a", "d", "e"]
-    records: dict[str, list[EntryRecord]] = {user: [] for user in who}
-    for k in range(20):
-        if k:
-            users.grow("a", 1 + k % 2)
-        if 0 < k < 10:
-            users.grow("e", 1)
-        if k == 17:
-            for user, at in (("d", 5), ("e", 13)):  # e's 14th token: in the run its 7th request added
-                item, action, stamp = users.history[user][at]
-                users.history[user][at] = ((item + 1) % config.item_vocab_size, action, stamp)
-        _check(ranker, users.request(who, [2, 1, 3]), who)
-        for user in who:
-            record = ranker.cache._entries[user].record
-            assert record is not None
-            assert record.history == len(users.history[user])
-            assert torch.equal(torch.cat(record.runs, 1), _tokens(users, user)), (k, user)
-            records[user].append(record)
-    runs = {user: [len(record.runs) for record in records[user]] for user in who}
-    assert all(n < MAX_RUNS for user in who for n in runs[user])
-    stats = ranker.cache.stats()
-    if config.contextual_seq_len:
-        # Contextual tokens see the whole history: a history that grew is recomputed (one run afresh), and
-        # "d" and "e" alone are reused while unchanged.
-        assert runs == {user: [1] * 20 for user in who}
-        assert (stats["misses"], stats["hits"], stats["stale"]) == (3, 18 + 9, 19 + 1 + 10)
-    else:
-        assert runs["a"] == [*range(1, MAX_RUNS), *range(1, 21 - MAX_RUNS + 1)]  # merged at the 16th request
-        assert runs["e"] == [*range(1, 11), *[10] * 7, 1, 1, 1]
-        assert (stats["misses"], stats["hits"], stats["stale"]) == (3, 19 + 18 + 18, 2)
-        for k in range(1, 20):
-            before, after = records["a"][k - 1], records["a"][k]
-            if runs["a"][k] > 1:  # the earlier runs shared, the new tokens alone copied
-                assert all(x is y for x, y in zip(before.runs, after.runs))
-                assert after.runs[-1].shape[1] == 1 + k % 2
-    # Nothing new: the entry keeps its record; changed (at the 18th request): a new record of one run.
-    assert all(records["d"][k] is records["d"][0] for k in range(17))
-    assert records["d"][17] is not records["d"][16] and records["d"][18] is records["d"][17]
 
 
 def test_cached_path_is_bit_exact_in_fp32_on_cpu() -> None:

@@ -77,48 +77,16 @@ class CacheFull(Exception):
 # The rows of a cache entry's history tokens: HISTORY_TOKEN_FEATURES.
 TOKEN_ROWS = HISTORY_TOKEN_FEATURES
 
-# A record holds fewer runs than this (runtimes/cpp's kMaxRuns): the request that would make this many takes
-# the whole history again from the request, which holds it, as one run.
-MAX_RUNS = 16
-
 
 @dataclass
 class EntryRecord:
-    """What a user's pages hold, left by the request that wrote them (:meth:`PagedKVCache.commit`); CPU.
-
-    The history tokens are kept as runs of consecutive tokens, never changed once made: the records of a
-    user's successive requests share their earlier runs, so that a request that adds tokens copies only
-    those (as runtimes/cpp's records do)."""
+    """What a user's pages hold, left by the request that wrote them (:meth:`PagedKVCache.commit`); CPU."""
 
     context: Tensor  # contextual ids [c]
-    runs: tuple[Tensor, ...]  # the cached history in order, each run [3, n]: TOKEN_ROWS (int64)
+    tokens: Tensor  # [3, history]: TOKEN_ROWS (int64; a request compares each row in one call)
     query_time: int  # the earliest query time whose buckets the entry holds
     # The query times [lo, hi) at which every cached token falls in the time bucket it was computed with.
     valid: tuple[int, int]
-
-    @property
-    def history(self) -> int:
-        """The cached history's tokens."""
-        return sum(run.shape[1] for run in self.runs)
-
-    def prefix_of(self, tokens: Sequence[Tensor]) -> bool:
-        """Whether the cached history is the first :attr:`history` tokens of ``tokens`` (TOKEN_ROWS, each
-        [history]), compared run by run with slices of them."""
-        at = 0
-        for run in self.runs:
-            n = run.shape[1]
-            if not all(torch.equal(run[i], row[at:at + n]) for i, row in enumerate(tokens)):
-                return False
-            at += n
-        return True
-
-    def extended(self, tokens: Sequence[Tensor]) -> tuple[Tensor, ...]:
-        """The runs of a record of ``tokens`` (TOKEN_ROWS, each [history], this record's history first):
-        this record's runs and one more of the tokens past them (copied); once that would make
-        :data:`MAX_RUNS` runs, the whole history copied again as one run."""
-        if len(self.runs) + 1 < MAX_RUNS:
-            return (*self.runs, torch.stack([row[self.history:] for row in tokens]))
-        return (torch.stack(list(tokens)),)
 
 
 @dataclass
@@ -302,7 +270,7 @@ class CachedRanker:
         c = layout.contextual_seq_len
         features = self.runner.validate(features)
         # On the host: what the bookkeeping reads (lengths, history, query time, contextual ids). Per user
-        # it compares each token row with the entry's in one call per run, and its time buckets in O(1) (the
+        # it compares each token row with the entry's in one call, and its time buckets in O(1) (the
         # entry's valid query times); buckets are computed for the request's new tokens only.
         host = {name: features[name].cpu() for name in (HISTORY_LENGTHS, *HISTORY_TOKEN_FEATURES, "query_time",
                                                          *layout.contextual_features)}
@@ -387,7 +355,7 @@ class CachedRanker:
         # Contextual tokens see the whole history: with them, only an unchanged history is reused.
         ok = hist <= tokens[0].shape[0] and not (c > 0 and hist != tokens[0].shape[0])
         ok = ok and (context is None or torch.equal(record.context, context))
-        ok = ok and record.history == hist and record.prefix_of(tokens)  # the same tokens
+        ok = ok and all(torch.equal(record.tokens[i], row[:hist]) for i, row in enumerate(tokens))  # the same tokens
         # In the same time buckets, or within the allowed drift (none by default: exact).
         low, high = record.valid
         drift = query_time - record.query_time
@@ -399,12 +367,14 @@ class CachedRanker:
     def _record(reused: EntryRecord | None, context: Tensor, tokens: list[Tensor], query_time: int,
                 valid: tuple[int, int]) -> EntryRecord:
         """What a stored user's entry holds after this request: its own copies (never views of the request),
-        and, where an entry was reused, its runs (shared), tokens' buckets and query time. ``valid``: the
-        query times at which the request's new tokens keep their buckets."""
+        and, where an entry was reused, its tokens' buckets and query time. ``valid``: the query times at
+        which the request's new tokens keep their buckets."""
         if reused is None:
-            return EntryRecord(context.clone(), (torch.stack(tokens),), query_time, valid)
-        if tokens[0].shape[0] == reused.history:  # nothing new: the entry stays as it is
+            return EntryRecord(context.clone(), torch.stack(tokens), query_time, valid)
+        hist = reused.tokens.shape[1]
+        if tokens[0].shape[0] == hist:  # nothing new: the entry stays as it is
             return reused
         # Cached tokens keep the buckets (and time) they were computed with.
         both = (max(reused.valid[0], valid[0]), min(reused.valid[1], valid[1]))
-        return EntryRecord(reused.context, reused.extended(tokens), reused.query_time, both)
+        return EntryRecord(reused.context, torch.cat([reused.tokens, torch.stack([t[hist:] for t in tokens])], 1),
+                           reused.query_time, both)
