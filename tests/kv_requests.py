@@ -26,6 +26,17 @@ def bundle_of(config: HSTUConfig, path: Path) -> Path:
     return save_bundle(model, path, generate_batch(model.input_schema(), 4, seed=2))
 
 
+def products_rows_independent() -> bool:
+    """Whether this machine's fp32 matrix products give a row the same bits whatever rows come with it: the
+    premise of a cached answer equal bit for bit to the full model's (a delta run multiplies fewer rows than
+    the full one). MKL on the Intel CPUs of earlier sessions does; MKL on an AMD EPYC (AVX-512) does not,
+    even on one thread."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(37, 32, generator=gen), torch.randn(96, 32, generator=gen)
+    full = x @ w.t()
+    return all(torch.equal(x[-m:] @ w.t(), full[-m:]) for m in (1, 3, 6, 10))
+
+
 class Users:
     """Per-user histories that requests are built from (so histories can grow between requests)."""
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_requests import CONFIGS, PAGE, Users
+from kv_requests import CONFIGS, PAGE, Users, products_rows_independent
 from manifests import rewrite_manifest
 
 import hstu_export
@@ -190,12 +190,19 @@ def test_cpp_phase_times_of_cached_requests(cpp_runtime, kv_package, tmp_path) -
 
 def test_cpp_cache_from_several_threads(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Four threads serve the same sequence at once (the same users in every thread: serialised per
-    user); on CPU in fp32 every answer equals the first pass's bit for bit."""
+    user); on CPU in fp32 every answer equals the first pass's: bit for bit where the matrix products allow
+    it (a later pass may serve a request from the cache that the first computed in full), else within
+    fp32's last bits."""
     name, root, _ = kv_package
     steps = _sequence(name)[:3]
     done, _ = _run_cpp(cpp_runtime, root, steps, tmp_path, "--kv-cache", "1MiB", "--threads", 4, "--repeat", 3)
     assert "latency over 36 runs on 4 thread(s)" in done.stdout, done.stdout
-    assert "outputs equal to the first pass's bit for bit" in done.stdout
+    if products_rows_independent():
+        assert "outputs equal to the first pass's bit for bit" in done.stdout
+    else:
+        gap = re.search(r"outputs equal to the first pass's bit for bit|largest difference from the first pass: "
+                        r"([0-9.e+-]+)", done.stdout)
+        assert gap is not None and float(gap[1] or 0) < 1e-6, done.stdout
     stats = _stats(done.stdout)
     # Misses in the first pass only (a repeated pass starts with shorter histories than the cached ones:
     # stale), and nothing evicted from a roomy cache.

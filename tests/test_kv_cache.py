@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from kv_requests import Users
+from kv_requests import Users, products_rows_independent
 
 from hstu_export.errors import ConfigError, RequestError
 from hstu_export.models.cached import KVLayout
@@ -68,7 +68,9 @@ def check_every_kind_of_delta(config: HSTUConfig) -> None:
     assert ranker.cache.stats()["stale"] == before + 1
 
 
-def test_cached_path_is_bit_exact_in_fp32_on_cpu() -> None:
+def test_cached_path_equals_the_full_model_in_fp32_on_cpu() -> None:
+    """Within fp32's last bits everywhere, and bit for bit where the matrix products allow it (the delta
+    run is the same arithmetic on fewer rows)."""
     model = _model(NO_CONTEXT)
     ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=16)
     users = Users(NO_CONTEXT, seed=3)
@@ -77,7 +79,10 @@ def test_cached_path_is_bit_exact_in_fp32_on_cpu() -> None:
     request = users.request(["u"], [6])
     got, want = ranker(request, ["u"]), model(request)
     assert ranker.cache.stats()["hits"] == 1
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7)
+    if products_rows_independent():
+        assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_a_later_query_time_is_exact_by_default_and_bounded_when_allowed() -> None:
