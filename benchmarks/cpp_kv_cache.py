@@ -18,6 +18,9 @@ caches are timed with CUDA graphs (their default; the C++ runtime's when built w
 without; each C++ run writes every timed request's latency to latencies_*.txt.
 Outputs: the C++ cache's first whole answer without graphs against Python's cache without graphs (the
 same program on the same inputs: bit for bit) and against the package without cache (relative L2).
+With ``--baseline-src DIR`` (a copy of runtimes/cpp from another commit) it also builds that runtime and,
+per batch, runs both runtimes' --phase-times requests in turn, three times each, without cache and cached: a
+change to the runtime against its baseline in the same run (``same_run_ab``).
 Writes cpp_kv_cache.json (after every step).
 """
 
@@ -95,8 +98,19 @@ def rel_l2(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).norm() / b[k].float().norm()) for k in b)
 
 
+def same_run_ab(runners: dict[str, Path], plain_args: list[object], kv_args: list[object], iters: int) -> dict:
+    """Each runtime's --phase-times requests, without cache and cached, in turn, three times: p50s by runtime."""
+    out: dict = {}
+    for _ in range(3):
+        for label, runner in runners.items():
+            for name, args in (("no_cache", plain_args), ("kv", [*kv_args, "--kv-graphs", "auto"])):
+                _, got = cpp(runner, *args, "--repeat", iters, "--warmup", 5, "--phase-times")
+                out.setdefault(f"{label}_{name}", []).append(got)
+    return out
+
+
 def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingModel, work: dict, batch: int,  # type: ignore[no-untyped-def]
-              iters: int, work_dir: Path, log_dir: Path) -> dict:
+              iters: int, work_dir: Path, log_dir: Path, baseline: Path | None = None) -> dict:
     row: dict = {}
     whole = request(model, work, batch, 100 + batch)  # on the host, as from a client
     steps = [prefix_of(whole, work, batch), whole] if work["cached"] < work["history"] else [whole]
@@ -124,6 +138,9 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
     dense = [row[name].get("phases_p50_ms", {}).get("dense") for name in ("cpp_no_cache_phases", "cpp_kv_phases")]
     if all(dense):
         row["cpp_dense_no_cache_over_cpp_dense_kv"] = dense[0] / dense[1]
+    if baseline is not None:
+        row["same_run_ab"] = same_run_ab({"new": runner, "baseline": baseline}, [package_root, dirs[-1]], kv_args,
+                                         iters)
 
     # Answers replayed from CUDA graphs: the sequence three times (a bucket's graph is captured the second
     # time it is seen), through the C++ and the Python cache; every whole request's answer is compared with
@@ -189,6 +206,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["long", "dlrm"], choices=sorted(WORKLOADS))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--baseline-src", type=Path, help="a copy of runtimes/cpp to time against (same run)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work_dir = Path("/tmp/cpp_kv_cache")
@@ -209,6 +227,16 @@ def main() -> None:
     if build.returncode != 0:
         return
     runner = work_dir / "build" / "hstu-export-run"
+    baseline = None
+    if args.baseline_src is not None:
+        built = subprocess.run(["bash", str(args.baseline_src / "build.sh"), str(work_dir / "baseline_build")],
+                               capture_output=True, text=True)
+        report["baseline_build"] = {"src": str(args.baseline_src), "returncode": built.returncode,
+                                    "tail": (built.stdout + built.stderr)[-1500:]}
+        save()
+        if built.returncode != 0:
+            return
+        baseline = work_dir / "baseline_build" / "hstu-export-run"
     for name in args.workloads:
         work = WORKLOADS[name]
         entry: dict = {"shape": work, "batches": {}}
@@ -229,7 +257,7 @@ def main() -> None:
             for batch in args.batches:
                 try:
                     entry["batches"][batch] = batch_row(runner, Path(result.path), predictor, model, work, batch,
-                                                        args.iters, work_dir, args.out)
+                                                        args.iters, work_dir, args.out, baseline)
                 except Exception as exc:  # recorded; the rest still runs
                     entry["batches"][batch] = failure(exc)
                 save()

@@ -505,7 +505,11 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
     const at::Tensor& like = emb.at(kHistoryEmbeddings[0]);
     contextual = at::zeros({0, 0, like.size(-1)}, like.options());
   } else {  // [F, contextual features, D] for the F users with nothing cached, in batch order
-    at::Tensor fresh_users = (cached_tensor == 0).nonzero().select(1, 0);
+    std::vector<int64_t> uncached;  // from the host's counts: nonzero() on the device would wait for it
+    for (int64_t b = 0; b < batch; ++b) {
+      if (cached[b] == 0) uncached.push_back(b);
+    }
+    at::Tensor fresh_users = at::tensor(uncached, at::kLong).to(device);
     std::vector<at::Tensor> columns;
     for (const auto& name : kv.contextual_features) columns.push_back(emb.at(name + "_emb").index_select(0, fresh_users));
     contextual = at::stack(columns, 1);
