@@ -18,9 +18,12 @@ caches are timed with CUDA graphs (their default; the C++ runtime's when built w
 without; each C++ run writes every timed request's latency to latencies_*.txt.
 Outputs: the C++ cache's first whole answer without graphs against Python's cache without graphs (the
 same program on the same inputs: bit for bit) and against the package without cache (relative L2).
-With ``--baseline-src DIR`` (a copy of runtimes/cpp from another commit) it also builds that runtime and,
-per batch, runs both runtimes' --phase-times requests in turn, three times each, without cache and cached: a
-change to the runtime against its baseline in the same run (``same_run_ab``).
+With ``--baseline-src DIR`` it also builds a baseline runtime and, per batch, runs both runtimes' --phase-times
+requests in turn, three times each, without cache and cached (``same_run_ab``): a change against its baseline in
+the same run. DIR is either a copy of runtimes/cpp from another commit (a runtime change: both runtimes serve
+this code's package) or a whole checkout of another commit (``git archive REV | tar -x -C DIR``; a change to
+the exported program too): its runtimes/cpp is built and its own code exports the baseline package, in a
+subprocess alongside this code's export. ``--ab-only`` times nothing else per batch.
 Writes cpp_kv_cache.json (after every step).
 """
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import shutil
 import statistics
@@ -98,25 +102,70 @@ def rel_l2(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).norm() / b[k].float().norm()) for k in b)
 
 
-def same_run_ab(runners: dict[str, Path], plain_args: list[object], kv_args: list[object], iters: int) -> dict:
-    """Each runtime's --phase-times requests, without cache and cached, in turn, three times: p50s by runtime."""
+def same_run_ab(setups: dict[str, tuple[Path, Path]], request_args: list[object], kv_args: list[object],
+                iters: int) -> dict:
+    """Each (runtime, package)'s --phase-times requests, without cache and cached, in turn, three times: p50s by
+    label. ``request_args``: the request's folders (the last one is the one sent without cache);
+    ``kv_args``: what follows them for the cache."""
     out: dict = {}
     for _ in range(3):
-        for label, runner in runners.items():
-            for name, args in (("no_cache", plain_args), ("kv", [*kv_args, "--kv-graphs", "auto"])):
+        for label, (runner, package) in setups.items():
+            for name, args in (("no_cache", [package, request_args[-1]]),
+                               ("kv", [package, *request_args, *kv_args, "--kv-graphs", "auto"])):
                 _, got = cpp(runner, *args, "--repeat", iters, "--warmup", 5, "--phase-times")
                 out.setdefault(f"{label}_{name}", []).append(got)
     return out
 
 
+def ab_summary(ab: dict) -> dict:
+    """The median over rounds of each label's phases (ms), and the dense half's ratios: no cache over cached per
+    label, and baseline over new, cached."""
+    out: dict = {}
+    for label, runs in ab.items():
+        phases = [r["phases_p50_ms"] for r in runs if "phases_p50_ms" in r]
+        if phases:
+            out[label] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+    for label in ("new", "baseline"):
+        if f"{label}_no_cache" in out and f"{label}_kv" in out:
+            out[f"{label}_dense_no_cache_over_kv"] = out[f"{label}_no_cache"]["dense"] / out[f"{label}_kv"]["dense"]
+    if "new_kv" in out and "baseline_kv" in out:
+        out["dense_kv_baseline_over_new"] = out["baseline_kv"]["dense"] / out["new_kv"]["dense"]
+    return out
+
+
+def export_package(name: str, max_batch: int, work_dir: Path) -> tuple[HstuRankingModel, Path, float]:
+    """The workload's dlrmv3-shaped model (seeded: every export of it is the same model) and its package
+    (bf16, Triton kernels, --kv-cache), exported under ``work_dir``: (model, package, seconds)."""
+    work = WORKLOADS[name]
+    cfg = dataclasses.replace(preset_config("dlrmv3"), max_history_len=work["history"],
+                              max_num_candidates=work["candidates"])
+    torch.manual_seed(0)
+    model = HstuRankingModel(cfg).eval()
+    bundle = hstu_export.save_bundle(model, work_dir / f"{name}.pt", request(model, work, 2, 1))
+    settings = hstu_export.ExportSettings(backend="aoti", device="cuda", dtype="bf16", op_target="triton",
+                                          max_batch_size=max_batch, kv_cache=True, kv_page_size=PAGE,
+                                          verify=hstu_export.VerifySettings(num_random_batches=1))
+    t = time.perf_counter()
+    result = hstu_export.export(bundle, work_dir / f"{name}.aoti", settings)
+    return model, Path(result.path), round(time.perf_counter() - t, 1)
+
+
 def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingModel, work: dict, batch: int,  # type: ignore[no-untyped-def]
-              iters: int, work_dir: Path, log_dir: Path, baseline: Path | None = None) -> dict:
+              iters: int, work_dir: Path, log_dir: Path, baseline: tuple[Path, Path] | None = None,
+              ab_only: bool = False) -> dict:
     row: dict = {}
     whole = request(model, work, batch, 100 + batch)  # on the host, as from a client
     steps = [prefix_of(whole, work, batch), whole] if work["cached"] < work["history"] else [whole]
     dirs = [save_tensors(step, work_dir / f"b{batch}_request{k}") for k, step in enumerate(steps)]
     ids = ",".join(str(u) for u in range(batch))
     users = list(range(batch))
+    ab_kv_args: list[object] = ["--kv-cache", "auto", *(a for _ in dirs for a in ("--user-ids", ids))]
+    if baseline is not None:
+        row["same_run_ab"] = same_run_ab({"new": (runner, package_root), "baseline": baseline}, dirs, ab_kv_args,
+                                         iters)
+        row["same_run_ab_p50_of_rounds"] = ab_summary(row["same_run_ab"])
+    if ab_only:
+        return row
 
     _, row["cpp_no_cache"] = cpp(runner, package_root, dirs[-1], "--repeat", iters, "--warmup", 5)
     out = work_dir / f"b{batch}_out"
@@ -138,9 +187,6 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
     dense = [row[name].get("phases_p50_ms", {}).get("dense") for name in ("cpp_no_cache_phases", "cpp_kv_phases")]
     if all(dense):
         row["cpp_dense_no_cache_over_cpp_dense_kv"] = dense[0] / dense[1]
-    if baseline is not None:
-        row["same_run_ab"] = same_run_ab({"new": runner, "baseline": baseline}, [package_root, dirs[-1]], kv_args,
-                                         iters)
 
     # Answers replayed from CUDA graphs: the sequence three times (a bucket's graph is captured the second
     # time it is seen), through the C++ and the Python cache; every whole request's answer is compared with
@@ -206,8 +252,15 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["long", "dlrm"], choices=sorted(WORKLOADS))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--baseline-src", type=Path, help="a copy of runtimes/cpp to time against (same run)")
+    parser.add_argument("--baseline-src", type=Path,
+                        help="a copy of runtimes/cpp, or a whole checkout, of the commit to time against (same run)")
+    parser.add_argument("--ab-only", action="store_true", help="with --baseline-src: time only the same-run A/B")
+    parser.add_argument("--export-only", metavar="WORKLOAD", help=argparse.SUPPRESS)  # the baseline's export
     args = parser.parse_args()
+    if args.export_only:  # in a subprocess whose hstu_export is the baseline's: the package's path, last line
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(export_package(args.export_only, max(args.batches), args.out)[1])
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     work_dir = Path("/tmp/cpp_kv_cache")
     shutil.rmtree(work_dir, ignore_errors=True)
@@ -227,37 +280,46 @@ def main() -> None:
     if build.returncode != 0:
         return
     runner = work_dir / "build" / "hstu-export-run"
-    baseline = None
+    baseline_runner, checkout = None, None
     if args.baseline_src is not None:
-        built = subprocess.run(["bash", str(args.baseline_src / "build.sh"), str(work_dir / "baseline_build")],
-                               capture_output=True, text=True)
-        report["baseline_build"] = {"src": str(args.baseline_src), "returncode": built.returncode,
+        src = args.baseline_src.resolve()
+        checkout = src if (src / "hstu_export").is_dir() else None
+        built = subprocess.run(["bash", str((src / "runtimes/cpp" if checkout else src) / "build.sh"),
+                                str(work_dir / "baseline_build")], capture_output=True, text=True)
+        report["baseline_build"] = {"src": str(src), "checkout": checkout is not None, "returncode": built.returncode,
                                     "tail": (built.stdout + built.stderr)[-1500:]}
         save()
         if built.returncode != 0:
             return
-        baseline = work_dir / "baseline_build" / "hstu-export-run"
+        baseline_runner = work_dir / "baseline_build" / "hstu-export-run"
     for name in args.workloads:
         work = WORKLOADS[name]
         entry: dict = {"shape": work, "batches": {}}
         report["workloads"][name] = entry
         try:
-            cfg = dataclasses.replace(preset_config("dlrmv3"), max_history_len=work["history"],
-                                      max_num_candidates=work["candidates"])
-            torch.manual_seed(0)
-            model = HstuRankingModel(cfg).eval()
-            bundle = hstu_export.save_bundle(model, work_dir / f"{name}.pt", request(model, work, 2, 1))
-            settings = hstu_export.ExportSettings(backend="aoti", device="cuda", dtype="bf16", op_target="triton",
-                                                  max_batch_size=max(args.batches), kv_cache=True, kv_page_size=PAGE,
-                                                  verify=hstu_export.VerifySettings(num_random_batches=1))
-            t = time.perf_counter()
-            result = hstu_export.export(bundle, work_dir / f"{name}.aoti", settings)
-            entry["export_seconds"] = round(time.perf_counter() - t, 1)
-            predictor = hstu_export.load(result.path)
+            exporting = None
+            if checkout is not None:  # the baseline's own code exports its package, meanwhile
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")])}
+                exporting = subprocess.Popen(
+                    [sys.executable, __file__, "--out", str(work_dir / "baseline"), "--export-only", name,
+                     "--batches", *map(str, args.batches)],
+                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+            model, package, entry["export_seconds"] = export_package(name, max(args.batches), work_dir)
+            baseline = None
+            if exporting is not None:
+                stdout, stderr = exporting.communicate(timeout=1800)
+                entry["baseline_export"] = {"returncode": exporting.returncode, "tail": (stdout + stderr)[-1500:]}
+                save()
+                if exporting.returncode != 0:
+                    continue
+                baseline = (baseline_runner, Path(stdout.strip().splitlines()[-1]))
+            elif baseline_runner is not None:
+                baseline = (baseline_runner, package)
+            predictor = None if args.ab_only else hstu_export.load(package)
             for batch in args.batches:
                 try:
-                    entry["batches"][batch] = batch_row(runner, Path(result.path), predictor, model, work, batch,
-                                                        args.iters, work_dir, args.out, baseline)
+                    entry["batches"][batch] = batch_row(runner, package, predictor, model, work, batch, args.iters,
+                                                        work_dir, args.out, baseline, args.ab_only)
                 except Exception as exc:  # recorded; the rest still runs
                     entry["batches"][batch] = failure(exc)
                 save()

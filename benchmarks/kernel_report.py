@@ -60,9 +60,10 @@ def compile_attention(
 
 def compile_paged(
     arch: int, dqk: int, dv: int, dtype: str, block_m: int, block_n: int, num_warps: int, num_stages: int,
-    page: int = 64,
+    page: int = 64, store: bool = True,
 ) -> triton.compiler.CompiledKernel:  # fmt: skip
-    """The paged delta kernel (hstu_export/ops/_triton/paged.py) as an exported program launches it."""
+    """The paged delta kernel (hstu_export/ops/_triton/paged.py) as an exported program launches it (which
+    stores the new K/V; ``store=False``: as the benchmarks launch it alone)."""
     ptr = _TYPES[dtype]
     signature: dict[str, str] = {}
     for name in _paged_attn_fwd.arg_names:
@@ -79,7 +80,7 @@ def compile_paged(
     constexprs = dict(
         DQK=dqk, DV=dv, BLOCK_DQK=max(triton.next_power_of_2(dqk), 16), BLOCK_DV=max(triton.next_power_of_2(dv), 16),
         BLOCK_M=block_m, BLOCK_N=min(block_n, page), PAGE=page, CHUNK=64, FAST_SILU=dtype != "fp32", UPCAST_DOTS=False,
-        PREFETCH=True,
+        PREFETCH=True, STORE=store,
     )  # fmt: skip
     for name in constexprs:
         signature[name] = "constexpr"
@@ -119,12 +120,14 @@ def main() -> None:
                         help="BLOCK_MxBLOCK_NxWARPSxSTAGES, comma separated")  # fmt: skip
     parser.add_argument("--no-skip", action="store_true")
     parser.add_argument("--kernel", choices=("attention", "paged"), default="attention")
+    parser.add_argument("--no-store", action="store_true", help="paged: the kernel without its store of the new K/V")
     args = parser.parse_args()
     rows = []
     for cfg in args.configs.split(","):
         bm, bn, warps, stages = (int(x) for x in cfg.split("x"))
         if args.kernel == "paged":
-            kernel = compile_paged(args.arch, args.dqk, args.dv, args.dtype, bm, bn, warps, stages)
+            kernel = compile_paged(args.arch, args.dqk, args.dv, args.dtype, bm, bn, warps, stages,
+                                   store=not args.no_store)
         else:
             kernel = compile_attention(
                 args.arch, args.dqk, args.dv, args.dtype, bm, bn, warps, stages, skip=not args.no_skip

@@ -72,17 +72,18 @@ def page_table_width_bound(max_seq_len: int, page_size: int) -> int:
 
 
 def attention_for(op_target: str, splits: int = 0) -> Callable[..., Tensor]:
-    """The paged attention the program calls: our Triton kernel (``triton``) or plain aten (else)."""
+    """The paged attention the program calls, which also stores each layer's new K/V: our Triton kernel
+    (``triton``) or plain aten (else)."""
     if op_target == "triton":
-        import hstu_export.ops._triton  # noqa: F401  (registers hstu_export::paged_hstu_mha_triton)
+        import hstu_export.ops._triton  # noqa: F401  (registers hstu_export::paged_hstu_mha_store_triton)
 
         def triton_attention(*args: Any, max_seq_len: int, max_query_len: int) -> Tensor:
-            return torch.ops.hstu_export.paged_hstu_mha_triton(*args, max_seq_len, max_query_len, splits)
+            return torch.ops.hstu_export.paged_hstu_mha_store_triton(*args, max_seq_len, max_query_len, splits)
 
         return triton_attention
-    from hstu_export.ops.paged import paged_hstu_mha_reference
+    from hstu_export.ops.paged import paged_hstu_mha_store_reference
 
-    return functools.partial(paged_hstu_mha_reference)
+    return functools.partial(paged_hstu_mha_store_reference)
 
 
 def example_inputs(model: HstuRankingModel, ranges: Any, page_size: int, device: torch.device,

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from test_kv_cache import CONTEXT, NO_CONTEXT, check_every_kind_of_delta
-from test_paged_attention import CASES, _call, _case, _expected
+from test_paged_attention import CASES, _call, _case, _expected, check_store, check_store_past_the_table
 
 from hstu_export.models.config import HSTUConfig
 
@@ -51,6 +51,25 @@ def test_triton_kernel_bf16() -> None:
     want = _expected({**case, **{x: case[x].double() for x in ("q", "k", "v")}}, 2, 0, 128, 0.25)
     err = (got.double() - want).norm() / want.norm()
     assert err < 1e-2, err
+
+
+def _kernel_store(q, k, v, q_offsets, k_pool, v_pool, layer, *rest, **extra):  # type: ignore[no-untyped-def]
+    """The kernel's launcher in paged_hstu_mha_store's signature (the layer positional)."""
+    from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd
+
+    return paged_hstu_mha_triton_fwd(q, k, v, q_offsets, k_pool, v_pool, *rest, layer=layer, **extra)
+
+
+@pytest.mark.parametrize("splits", [1, None])
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_kernel_stores_the_new_non_target_rows(name: str, splits: int) -> None:
+    """The kernel's store (slice 0 of each query block) writes what the reference does, bit for bit."""
+    q_lens, seq_lens = CASES[name][:2]
+    check_store(_kernel_store, name, max_seq_len=max(seq_lens), max_query_len=max(q_lens), splits=splits)
+
+
+def test_triton_kernel_store_skips_tokens_past_the_table() -> None:
+    check_store_past_the_table(_kernel_store, max_seq_len=40, max_query_len=10, splits=2)
 
 
 @pytest.mark.parametrize("config", [NO_CONTEXT, CONTEXT], ids=["no-context", "context"])

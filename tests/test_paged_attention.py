@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hstu_export.ops.paged import paged_hstu_mha_reference
+from hstu_export.ops.paged import paged_hstu_mha_reference, paged_hstu_mha_store_reference
 from hstu_export.ops.reference import hstu_mha_reference
 
 
@@ -81,6 +81,69 @@ def _call(fn, case: dict, contextual: int, window: int, scaling: int, alpha: flo
               case["table"], case["seq_lens"], case["targets"], scaling, alpha, contextual, window, **extra)
 
 
+def _pools(case: dict, layer: int, layers: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """The case's pages as layer ``layer`` of a pool of ``layers``, with one more page (the scratch, last);
+    every other entry NaN."""
+    def pool(pages: torch.Tensor) -> torch.Tensor:
+        out = torch.full((layers, pages.shape[0] + 1, *pages.shape[1:]), float("nan"), dtype=pages.dtype)
+        out[layer, :-1] = pages
+        return out
+
+    return pool(case["k_pages"]), pool(case["v_pages"])
+
+
+def _stored(case: dict, k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int, width: int | None = None):  # type: ignore[no-untyped-def]
+    """The pools as a store at ``layer`` should leave them: each user's new non-target tokens in their pages
+    (those the table has a column for, within ``width`` columns)."""
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    page_size = k_pool.shape[2]
+    width = case["table"].shape[1] if width is None else width
+    q_lens = (case["q_offsets"][1:] - case["q_offsets"][:-1]).tolist()
+    for b, (n, m, t) in enumerate(zip(case["seq_lens"].tolist(), q_lens, case["targets"].tolist())):
+        for j in range(n - m, n - t):
+            if j // page_size < width:
+                page, slot, token = int(case["table"][b, j // page_size]), j % page_size, int(case["offsets"][b]) + j
+                want_k[layer, page, slot], want_v[layer, page, slot] = case["k"][token], case["v"][token]
+    return want_k, want_v
+
+
+def check_store(fn, name: str, **extra) -> None:  # type: ignore[no-untyped-def]
+    """``fn`` (paged_hstu_mha_store's signature) on a case: the attention rows as without the store, and the
+    pools as :func:`_stored` says, bit for bit but for the scratch page."""
+    q_lens, seq_lens, targets, contextual, window = CASES[name]
+    case = _case(q_lens, seq_lens, targets, seed=len(name))
+    k_pool, v_pool = _pools(case, layer=1)
+    want_k, want_v = _stored(case, k_pool, v_pool, 1)
+    rows = case["rows"]
+    got = fn(case["q"][rows], case["k"][rows], case["v"][rows], case["q_offsets"], k_pool, v_pool, 1, case["table"],
+             case["seq_lens"], case["targets"], 128, 0.25, contextual, window, **extra)
+    torch.testing.assert_close(got, _expected(case, contextual, window, 128, 0.25), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_pool[:, :-1], want_k[:, :-1], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_pool[:, :-1], want_v[:, :-1], rtol=0, atol=0, equal_nan=True)
+
+
+def check_store_past_the_table(fn, **extra) -> None:  # type: ignore[no-untyped-def]
+    """New tokens the page table has no column for are not stored (nothing written outside the table)."""
+    case = _case([10, 3], [40, 20], [2, 1], seed=3)
+    case["table"] = case["table"][:, :2].contiguous()  # 32 tokens a user; user 0's tokens 32..37 have no column
+    k_pool, v_pool = _pools(case, layer=0)
+    want_k, want_v = _stored(case, k_pool, v_pool, 0, width=2)
+    rows = case["rows"]
+    fn(case["q"][rows], case["k"][rows], case["v"][rows], case["q_offsets"], k_pool, v_pool, 0, case["table"],
+       case["seq_lens"], case["targets"], 128, 0.25, 0, 0, **extra)
+    torch.testing.assert_close(k_pool[:, :-1], want_k[:, :-1], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_pool[:, :-1], want_v[:, :-1], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_store_writes_the_new_non_target_rows(name: str) -> None:
+    check_store(paged_hstu_mha_store_reference, name)
+
+
+def test_reference_store_skips_tokens_past_the_table() -> None:
+    check_store_past_the_table(paged_hstu_mha_store_reference)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_reference_equals_full_attention_rows(name: str) -> None:
     q_lens, seq_lens, targets, contextual, window = CASES[name]
@@ -101,7 +164,7 @@ def test_triton_cases_in_the_interpreter() -> None:
                           timeout=1800)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
-    assert re.search(r"\b37 passed\b", summary) and "skipped" not in summary, summary
+    assert re.search(r"\b54 passed\b", summary) and "skipped" not in summary, summary
 
 
 def test_split_count_fills_one_wave_and_keeps_slices_long() -> None:

@@ -15,8 +15,9 @@ cache (:mod:`hstu_export.serving.kv_cache`) checks before it reuses an entry:
    when it was computed (the bucket is log(query_time - t)).
 
 Calling :meth:`DeltaRanker.run` with nothing cached (``cached == 0``) is the prefill: the same code.
-A run writes the K/V of its new non-target tokens into the pages itself, where the page table says
-(:func:`store_new_kv`); tokens that are not to be kept get the pool's scratch page in their table row.
+A run writes the K/V of its new non-target tokens into the pages itself, where the page table says: each
+layer's attention stores them (:func:`hstu_export.ops.paged.paged_hstu_mha_store`); tokens that are not to
+be kept get the pool's scratch page in their table row.
 A delta request carries only the history after the cached prefix; the cache's owner slices it. The
 contextual tokens of a user with a cached prefix are cached too, so :meth:`DeltaRanker.dense` takes the
 contextual embeddings of the users with nothing cached only: every size of a delta run then follows
@@ -38,11 +39,11 @@ from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HstuR
 from hstu_export.models.stu import LAYER_NORM_EPS, layer_norm_fp32
 from hstu_export.models.transducer import time_buckets, token_positions
 from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offsets
-from hstu_export.ops.paged import paged_hstu_mha
+from hstu_export.ops.paged import paged_hstu_mha_store, scratch_page
 from hstu_export.ops.reference import stu_gate
 
 __all__ = ["PROGRAM_INPUTS", "DeltaPlan", "DeltaProgram", "DeltaRanker", "KVLayout", "fresh_contextual",
-           "plan_on_device", "scratch_page", "stacked_contextual", "store_new_kv"]
+           "plan_on_device", "scratch_page", "stacked_contextual"]
 
 
 @dataclass
@@ -53,7 +54,6 @@ class DeltaPlan:
 
     batch: Any  # int or SymInt
     total_new: Any
-    total_kept: Any
     total_cand: Any
     max_seq_len: int
     max_query_len: int
@@ -63,9 +63,8 @@ class DeltaPlan:
 def _counts(cached: Tensor, new_hist: Tensor, cand_len: Tensor, c: int) -> dict[str, Tensor]:
     ctx_new = torch.where(cached == 0, c, 0)
     new_len = ctx_new + new_hist + cand_len
-    # kept_len: the new non-target tokens, whose K/V go to the cache.
     return {"cached": cached, "ctx_new": ctx_new, "new_len": new_len, "seq_len": cached + new_len,
-            "cand_len": cand_len, "new_hist": new_hist, "kept_len": ctx_new + new_hist}
+            "cand_len": cand_len, "new_hist": new_hist}
 
 
 def plan_on_device(cached: Tensor, new_hist: Tensor, cand_len: Tensor, n_hist: Any, n_cand: Any, n_ctx_rows: Any,
@@ -73,7 +72,7 @@ def plan_on_device(cached: Tensor, new_hist: Tensor, cand_len: Tensor, n_hist: A
     """A plan from device tensors and the sizes of the request's token tables (history, candidates, the
     contextual rows of the users with nothing cached): no host read, so it traces with symbolic sizes."""
     on = _counts(*(t.to(torch.int64).clamp(min=0) for t in (cached, new_hist, cand_len)), c)
-    return DeltaPlan(batch=cached.shape[0], total_new=n_hist + n_cand + n_ctx_rows, total_kept=n_hist + n_ctx_rows,
+    return DeltaPlan(batch=cached.shape[0], total_new=n_hist + n_cand + n_ctx_rows,
                      total_cand=n_cand, max_seq_len=max_seq_len, max_query_len=max_query_len, on=on)
 
 
@@ -106,13 +105,13 @@ class KVLayout:
 class DeltaRanker:
     """Runs :class:`~hstu_export.models.ranking.HstuRankingModel` on the new tokens of each user."""
 
-    def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor] = paged_hstu_mha) -> None:
+    def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor] = paged_hstu_mha_store) -> None:
         self.model = model
         self.config = model.config
         self.transducer = model.transducer
         self.dtype = self.transducer.post_norm_weight.dtype
         self.layout = KVLayout.of(model)
-        self.attention = attention  # paged_hstu_mha's signature; an exported program fixes the kernel
+        self.attention = attention  # paged_hstu_mha_store's signature and contract; an exported program fixes the kernel
 
     @torch.no_grad()
     def run(
@@ -141,7 +140,7 @@ class DeltaRanker:
                          features[CANDIDATE_LENGTHS].cpu().to(torch.int64), c)
         return DeltaPlan(
             batch=counts["cached"].numel(), total_new=int(counts["new_len"].sum()),
-            total_kept=int(counts["kept_len"].sum()), total_cand=int(counts["cand_len"].sum()),
+            total_cand=int(counts["cand_len"].sum()),
             max_seq_len=int(counts["seq_len"].max()), max_query_len=int(counts["new_len"].max()),
             on={name: t.to(device) for name, t in counts.items()},
         )  # fmt: skip
@@ -150,12 +149,12 @@ class DeltaRanker:
     def dense(self, emb: dict[str, Tensor], features: dict[str, Tensor], plan: DeltaPlan, k_pages: Tensor,
               v_pages: Tensor, page_table: Tensor) -> dict[str, Tensor]:
         """The dense half of :meth:`run` on the sparse half's embeddings, the contextual ones of the users
-        with nothing cached only (:func:`fresh_contextual`); writes the new K/V into the pages (in place,
-        after each layer's attention has read them). Device work only (no sync, no host copy, no
+        with nothing cached only (:func:`fresh_contextual`); each layer's attention writes the new K/V into
+        the pages (in place). Device work only (no sync, no host copy, no
         size read from a tensor), so a CUDA graph can capture it and torch.export can trace it."""
         cfg, tr = self.config, self.transducer
         c = cfg.contextual_seq_len
-        on, total_new, total_kept = plan.on, plan.total_new, plan.total_kept
+        on, total_new = plan.on, plan.total_new
         max_seq_len, max_query_len = plan.max_seq_len, plan.max_query_len
 
         # The new tokens of each user, in sequence order: contextual (nothing cached), the history past
@@ -204,9 +203,7 @@ class DeltaRanker:
         bucket = bucket.clamp(0, enc.time_emb.shape[0] - 1)
         x = tokens * enc.scale + F.embedding(pos, enc.position_emb) + F.embedding(bucket, enc.time_emb)
 
-        # Rows of the new non-target tokens and of the candidates, gathered without a device sync.
-        kept_user, kept_r = jagged_positions_by_search(lengths_to_offsets(on["kept_len"]), total_kept)
-        kept = (q_offsets[:-1][kept_user] + kept_r).clamp(0, total_new - 1)
+        # Rows of the candidates, gathered without a device sync.
         cand_user, cand_r = jagged_positions_by_search(cand_off, plan.total_cand)
         cand_rows = ((q_offsets[1:] - on["cand_len"])[cand_user] + cand_r).clamp(0, total_new - 1)
 
@@ -215,13 +212,8 @@ class DeltaRanker:
         att_offsets = q_offsets.clamp(0, total_new)
         att_seq_len = on["cached"].clamp(max=page_table.shape[1] * k_pages.shape[2]) + att_offsets[1:] - att_offsets[:-1]
         att_pages = page_table.clamp(0, k_pages.shape[1] - 1)
-        # Where each new non-target token's K/V go: its page (by its position), and the slot in it.
-        kept_pos = index[kept]
-        kept_page = att_pages[kept_user.clamp(0, att_pages.shape[0] - 1),
-                              (kept_pos // k_pages.shape[2]).clamp(0, att_pages.shape[1] - 1)]
-        kept_slot = kept_pos % k_pages.shape[2]
 
-        # The STU layers on the new rows; new non-target tokens' K/V stored in the pages.
+        # The STU layers on the new rows; each layer's attention stores the new non-target tokens' K/V.
         for number, layer in enumerate(tr.stu.layers):
             h, dqk, dv = layer.num_heads, layer.attention_dim, layer.linear_dim
             n = layer_norm_fp32(x, layer.input_norm_weight, layer.input_norm_bias)
@@ -230,13 +222,12 @@ class DeltaRanker:
             # Views into uvqk (head dim contiguous): the kernel takes their strides, so no copy.
             q, k, v = q.unflatten(-1, (h, dqk)), k.unflatten(-1, (h, dqk)), v.unflatten(-1, (h, dv))
             a = self.attention(
-                q, k, v, att_offsets, k_pages[number], v_pages[number],
-                att_pages, att_seq_len, on["cand_len"], cfg.attn_scaling_seqlen, cfg.attn_alpha, c,
-                cfg.max_attn_len, max_seq_len=max_seq_len, max_query_len=max_query_len,
+                q, k, v, att_offsets, k_pages, v_pages, number, att_pages, att_seq_len, on["cand_len"],
+                cfg.attn_scaling_seqlen, cfg.attn_alpha, c, cfg.max_attn_len, max_seq_len=max_seq_len,
+                max_query_len=max_query_len,
             ).reshape(-1, h * dv)  # fmt: skip
             gated = stu_gate(u, a, layer.output_norm_weight, layer.output_norm_bias, LAYER_NORM_EPS)
             x = x + gated @ layer.output_weight
-            store_new_kv(k_pages, v_pages, number, kept_page, kept_slot, k[kept], v[kept])
 
         candidates = x[cand_rows]
         if cfg.postprocessor == "l2norm":
@@ -244,21 +235,6 @@ class DeltaRanker:
         else:
             candidates = layer_norm_fp32(candidates, tr.post_norm_weight, tr.post_norm_bias)
         return self.model.task_heads(candidates)
-
-
-def scratch_page(k_pages: Tensor) -> int:
-    """The page of a pool ``[layers, pages, ...]`` where the K/V of tokens that are not stored are written:
-    its last, which no user owns and nothing reads (:class:`hstu_export.serving.kv_cache.PagedKVCache`)."""
-    return k_pages.shape[1] - 1
-
-
-def store_new_kv(k_pages: Tensor, v_pages: Tensor, layer: int, page: Tensor, slot: Tensor, k: Tensor,
-                 v: Tensor) -> None:
-    """``k_pages[layer, page, slot] = k`` and the same for V (in place): one scatter each, indexed on the
-    whole pool (not on a view of it), so that an exported program writes straight into its input."""
-    at = (torch.full_like(page, layer), page, slot)
-    k_pages.index_put_(at, k.to(k_pages.dtype))
-    v_pages.index_put_(at, v.to(v_pages.dtype))
 
 
 def fresh_contextual(emb: dict[str, Tensor], names: Sequence[str], cached: Tensor) -> dict[str, Tensor]:

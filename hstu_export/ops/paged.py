@@ -5,9 +5,11 @@ token ``j`` lives in page ``page_table[b, j // page_size]`` at row ``j % page_si
 
 Per user ``b``: ``seq_lens[b]`` tokens in all, ``num_targets[b]`` of them targets (candidates, last), the
 last ``q_offsets[b+1] - q_offsets[b]`` of them new (the rows of ``q``, ``k_new``, ``v_new``); the tokens
-before those are cached and read from the pages. Nothing is written: the delta run stores the new
-non-target tokens' K/V afterwards (:func:`hstu_export.models.cached.store_new_kv`). Targets are never
-cached (no later token attends to them).
+before those are cached and read from the pages. :func:`paged_hstu_mha` only reads the pages;
+:func:`paged_hstu_mha_store` (what a delta run calls, one layer of the whole pool at a time) also writes
+the new non-target tokens' K/V into them, where the page table says; a token the table has no column for,
+and every target, goes to the pool's scratch page (:func:`scratch_page`), which nothing reads. Targets are
+never cached (no later token attends to them).
 The result equals those rows of :func:`hstu_export.ops.reference.hstu_mha_reference` over the whole
 sequence (same mask, same scale), which is what makes cached serving exact.
 """
@@ -19,9 +21,17 @@ import os
 import torch
 from torch import Tensor
 
+from hstu_export.ops.jagged import jagged_positions_by_search
 from hstu_export.ops.reference import _hstu_attend, hstu_attention_mask
 
-__all__ = ["paged_hstu_mha", "paged_hstu_mha_reference"]
+__all__ = ["paged_hstu_mha", "paged_hstu_mha_reference", "paged_hstu_mha_store", "paged_hstu_mha_store_reference",
+           "scratch_page", "store_new_kv_reference"]
+
+
+def scratch_page(k_pool: Tensor) -> int:
+    """The page of a pool ``[layers, pages, ...]`` where the K/V of tokens that are not stored are written:
+    its last, which no user owns and nothing reads (:class:`hstu_export.serving.kv_cache.PagedKVCache`)."""
+    return k_pool.shape[1] - 1
 
 
 def _padded_rows(values: Tensor, offsets: Tensor, max_len: int) -> tuple[Tensor, Tensor]:
@@ -123,5 +133,62 @@ def paged_hstu_mha(
         )  # fmt: skip
     return paged_hstu_mha_reference(
         q, k_new, v_new, q_offsets, k_pages, v_pages, page_table, seq_lens, num_targets, scaling_seqlen, alpha,
+        contextual_seq_len, max_attn_len,
+    )  # fmt: skip
+
+
+def store_new_kv_reference(k_new: Tensor, v_new: Tensor, q_offsets: Tensor, k_pool: Tensor, v_pool: Tensor,
+                           layer: int, page_table: Tensor, seq_lens: Tensor, num_targets: Tensor) -> None:
+    """PyTorch version of the store :func:`paged_hstu_mha_store` makes: the new non-target tokens' K/V into
+    the pool's ``layer`` (in place), others to the scratch page. One scatter each for K and V over every new
+    row (no size read from the device, so that it traces), indexed on the whole pool, not on a view of it,
+    so that an exported program writes straight into its input."""
+    page_size, width = k_pool.shape[2], page_table.shape[1]
+    seq_lens, num_targets, q_offsets = seq_lens.to(torch.int64), num_targets.to(torch.int64), q_offsets.to(torch.int64)
+    user, r = jagged_positions_by_search(q_offsets, k_new.shape[0])
+    pos = (seq_lens - (q_offsets[1:] - q_offsets[:-1]))[user] + r  # the row's place in its user's sequence
+    col = pos // page_size
+    keep = (pos >= 0) & (pos < (seq_lens - num_targets)[user]) & (col < width)
+    page = page_table.to(torch.int64)[user, col.clamp(0, max(width - 1, 0))]
+    page = torch.where(keep, page, scratch_page(k_pool)).clamp(0, k_pool.shape[1] - 1)
+    at = (torch.full_like(page, layer), page, pos % page_size)
+    k_pool.index_put_(at, k_new.to(k_pool.dtype))
+    v_pool.index_put_(at, v_new.to(v_pool.dtype))
+
+
+def paged_hstu_mha_store_reference(
+    q: Tensor, k_new: Tensor, v_new: Tensor, q_offsets: Tensor, k_pool: Tensor, v_pool: Tensor, layer: int,
+    page_table: Tensor, seq_lens: Tensor, num_targets: Tensor, scaling_seqlen: int, alpha: float,
+    contextual_seq_len: int = 0, max_attn_len: int = 0, *, max_seq_len: int | None = None,
+    max_query_len: int | None = None,
+) -> Tensor:  # fmt: skip
+    """PyTorch version of :func:`paged_hstu_mha_store`: :func:`paged_hstu_mha_reference` on the pool's
+    ``layer``, then :func:`store_new_kv_reference`."""
+    out = paged_hstu_mha_reference(
+        q, k_new, v_new, q_offsets, k_pool[layer], v_pool[layer], page_table, seq_lens, num_targets, scaling_seqlen,
+        alpha, contextual_seq_len, max_attn_len, max_seq_len=max_seq_len, max_query_len=max_query_len,
+    )  # fmt: skip
+    store_new_kv_reference(k_new, v_new, q_offsets, k_pool, v_pool, layer, page_table, seq_lens, num_targets)
+    return out
+
+
+def paged_hstu_mha_store(
+    q: Tensor, k_new: Tensor, v_new: Tensor, q_offsets: Tensor, k_pool: Tensor, v_pool: Tensor, layer: int,
+    page_table: Tensor, seq_lens: Tensor, num_targets: Tensor, scaling_seqlen: int, alpha: float,
+    contextual_seq_len: int = 0, max_attn_len: int = 0, *, max_seq_len: int, max_query_len: int,
+) -> Tensor:  # fmt: skip
+    """One layer of a delta run: :func:`paged_hstu_mha` against the pool's ``layer`` (``k_pool``/``v_pool``
+    [layers, P, page, H, D]), which also stores the new non-target tokens' K/V in that layer's pages. The
+    Triton kernel does both in one launch on CUDA (or under TRITON_INTERPRET=1); the PyTorch reference
+    elsewhere."""
+    if q.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd
+
+        return paged_hstu_mha_triton_fwd(
+            q, k_new, v_new, q_offsets, k_pool, v_pool, page_table, seq_lens, num_targets, scaling_seqlen, alpha,
+            contextual_seq_len, max_attn_len, max_seq_len=max_seq_len, max_query_len=max_query_len, layer=layer,
+        )  # fmt: skip
+    return paged_hstu_mha_store_reference(
+        q, k_new, v_new, q_offsets, k_pool, v_pool, layer, page_table, seq_lens, num_targets, scaling_seqlen, alpha,
         contextual_seq_len, max_attn_len,
     )  # fmt: skip

@@ -5,7 +5,8 @@ kernels visible and AOTInductor compiles them into the package (no Python or Tri
 
 - ``hstu_export::hstu_mha_triton``, ``hstu_export::cached_hstu_mha_triton`` (attention.py)
 - ``hstu_export::hstu_mha_gated_triton``: attention plus the STU output gate (gated.py)
-- ``hstu_export::paged_hstu_mha_triton``: delta attention against the paged KV cache (paged.py)
+- ``hstu_export::paged_hstu_mha_store_triton``: delta attention against the paged KV cache, storing the
+  new K/V in it (paged.py)
 - ``hstu_export::jagged_to_padded_dense_triton``, ``hstu_export::dense_to_jagged_triton``,
   ``hstu_export::concat_2D_jagged_triton``, ``hstu_export::split_2D_jagged_triton`` (jagged.py)
 
@@ -31,7 +32,7 @@ OP_NAMES: tuple[str, ...] = (
     "hstu_export::hstu_mha_triton",
     "hstu_export::cached_hstu_mha_triton",
     "hstu_export::hstu_mha_gated_triton",
-    "hstu_export::paged_hstu_mha_triton",
+    "hstu_export::paged_hstu_mha_store_triton",
     "hstu_export::jagged_to_padded_dense_triton",
     "hstu_export::dense_to_jagged_triton",
     "hstu_export::concat_2D_jagged_triton",

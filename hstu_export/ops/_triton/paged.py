@@ -15,9 +15,11 @@ the query offsets), so a request of users with few new tokens launches no idle p
 longest user's count.
 
 Cached keys are read straight from the cache pages through the page table (no gather copy; a key
-block never straddles a page), the request's own keys from ``k_new``/``v_new``. The kernel writes nothing
-but its output (the op stays a pure function, as an export needs): the delta run stores the new history
-K/V after the call (:func:`hstu_export.models.cached.store_new_kv`).
+block never straddles a page), the request's own keys from ``k_new``/``v_new``. Given a layer of the
+whole pool (``layer``), the kernel also stores the new non-target tokens' K/V in their pages: the program
+of slice 0 of each query block writes its own rows for its head, so a delta run needs no scatter kernels
+of its own. No program reads what another writes: reads stop at the cached tokens, writes start after
+them (the pool's scratch page, where tokens that are not kept go, is never read).
 Target rows add their self term, in slice 0 only.
 """
 
@@ -34,7 +36,7 @@ from torch.library import triton_op, wrap_triton
 from .attention import _position, _silu_scaled
 from .configs import AttentionConfig, attention_config, next_power_of_2
 
-__all__ = ["paged_hstu_mha_triton", "paged_hstu_mha_triton_fwd", "query_blocks", "split_count"]
+__all__ = ["paged_hstu_mha_store_triton", "paged_hstu_mha_triton_fwd", "query_blocks", "split_count"]
 
 # Programs wanted in flight: about two waves of an H100's 132 SMs.
 _SMS = 132
@@ -113,13 +115,16 @@ def _paged_attn_fwd(
     Q, KN, VN, KP, VP, Out, Work,
     q_offsets, seq_lens, num_targets, page_table,
     stride_qm, stride_qh, stride_knm, stride_knh, stride_vnm, stride_vnh,
-    stride_kpp, stride_kpn, stride_kph, stride_vpp, stride_vpn, stride_vph,
+    stride_kpl, stride_kpp, stride_kpn, stride_kph, stride_vpl, stride_vpp, stride_vpn, stride_vph,
     stride_pt, stride_om, stride_oh, stride_ws,
-    alpha, inv_scale, contextual_seq_len, max_attn_len, num_users,
+    alpha, inv_scale, contextual_seq_len, max_attn_len, num_users, layer, table_width,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
-    FAST_SILU: tl.constexpr, UPCAST_DOTS: tl.constexpr, PREFETCH: tl.constexpr,
+    FAST_SILU: tl.constexpr, UPCAST_DOTS: tl.constexpr, PREFETCH: tl.constexpr, STORE: tl.constexpr,
 ):  # fmt: skip
+    # The layer's pages (0 when the caller passed one layer's).
+    KP += tl.cast(layer, tl.int64) * stride_kpl
+    VP += tl.cast(layer, tl.int64) * stride_vpl
     alpha = tl.cast(alpha, tl.float32)
     inv_scale = tl.cast(inv_scale, tl.float32)
     h = tl.program_id(1)
@@ -226,6 +231,21 @@ def _paged_attn_fwd(
                              mask=is_self[:, None] & (offs_dv[None, :] < DV), other=0.0)  # fmt: skip
             s_self = _silu_scaled(tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1), alpha, FAST_SILU)
             acc += s_self[:, None] * v_self.to(tl.float32)
+            if STORE:
+                # This block's non-target rows (this head) go to their pages: row j of the user's sequence
+                # to page table column j // PAGE, row j % PAGE; a column past the table is not stored.
+                col = rows // PAGE
+                keep = row_ok & (rows < hist_end) & (col < table_width)
+                dest_page = tl.load(pt_row + col, mask=keep, other=0).to(tl.int64)
+                in_page = tl.cast(rows % PAGE, tl.int64)
+                keep_k = keep[:, None] & (offs_dqk[None, :] < DQK)
+                k_rows = tl.load(KN + q_rows[:, None] * stride_knm + h * stride_knh + offs_dqk[None, :], mask=keep_k)
+                tl.store(KP + (dest_page * stride_kpp + in_page * stride_kpn + h * stride_kph)[:, None]
+                         + offs_dqk[None, :], k_rows.to(KP.dtype.element_ty), mask=keep_k)  # fmt: skip
+                keep_v = keep[:, None] & (offs_dv[None, :] < DV)
+                v_rows = tl.load(VN + q_rows[:, None] * stride_vnm + h * stride_vnh + offs_dv[None, :], mask=keep_v)
+                tl.store(VP + (dest_page * stride_vpp + in_page * stride_vpn + h * stride_vph)[:, None]
+                         + offs_dv[None, :], v_rows.to(VP.dtype.element_ty), mask=keep_v)  # fmt: skip
 
         out_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
         if tl.num_programs(2) > 1:
@@ -286,19 +306,28 @@ def paged_hstu_mha_triton_fwd(
     *,
     max_seq_len: int,
     max_query_len: int,
+    layer: int | None = None,
     splits: int | None = None,
     config: AttentionConfig | None = None,
     prefetch_pages: bool = True,
     traceable: bool = False,
 ) -> torch.Tensor:
-    """Launches the paged delta kernel. ``splits`` (0 or None: chosen per call) forces the key-slice count,
-    ``config`` the tile shape, ``prefetch_pages`` whether page numbers are read a block ahead (benchmarks).
-    ``traceable``: launched inside the op, so that torch.export and Inductor see the kernels; the sizes may
-    then be symbolic."""
+    """Launches the paged delta kernel. With ``layer``, ``k_pages``/``v_pages`` are the whole pool
+    [layers, P, page, H, D] and the kernel also stores the new non-target tokens' K/V in that layer's pages
+    (in place); without, they are one layer's [P, page, H, D] and only read. ``splits`` (0 or None: chosen
+    per call) forces the key-slice count, ``config`` the tile shape, ``prefetch_pages`` whether page
+    numbers are read a block ahead (benchmarks). ``traceable``: launched inside the op, so that
+    torch.export and Inductor see the kernels; the sizes may then be symbolic."""
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     lq, num_heads, dqk = q.shape
     dv = v_new.shape[2]
-    page_size = k_pages.shape[1]
+    store = layer is not None
+    if store and (k_pages.dim() != 5 or v_pages.dim() != 5):
+        raise ValueError("storing K/V needs the whole pool [layers, pages, page size, heads, dim] and a layer")
+    # A layer's stride: the pool's first, or none for one layer's pages; a page's dims come after it.
+    k_layer, v_layer = (k_pages.stride(0), v_pages.stride(0)) if store else (0, 0)
+    first = 1 if store else 0
+    page_size = k_pages.shape[first + 1]
     if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("paged attention needs the head dim contiguous in q and the pages")
     capability = None if interpreting or q.device.type != "cuda" else torch.cuda.get_device_capability(q.device)
@@ -324,13 +353,13 @@ def paged_hstu_mha_triton_fwd(
     kernel[(blocks, num_heads, slices)](
         q, k_new, v_new, k_pages, v_pages, out, work, q_offsets, seq_lens, num_targets, page_table,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), v_pages.stride(0), v_pages.stride(1),
-        v_pages.stride(2), page_table.stride(0), num_heads * dv, dv, lq * num_heads * dv,
-        float(alpha), 1.0 / float(scaling_seqlen), contextual_seq_len, max_attn_len, num_users,
-        DQK=dqk, DV=dv, BLOCK_DQK=max(next_power_of_2(dqk), 16), BLOCK_DV=max(next_power_of_2(dv), 16),
-        BLOCK_M=cfg.block_m, BLOCK_N=block_n, PAGE=page_size, CHUNK=_USER_CHUNK, FAST_SILU=fast_silu,
-        UPCAST_DOTS=interpreting and q.dtype != torch.float32, PREFETCH=prefetch_pages, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        k_layer, *(k_pages.stride(first + i) for i in range(3)), v_layer, *(v_pages.stride(first + i) for i in range(3)),
+        page_table.stride(0), num_heads * dv, dv, lq * num_heads * dv,
+        float(alpha), 1.0 / float(scaling_seqlen), contextual_seq_len, max_attn_len, num_users, layer or 0,
+        page_table.shape[1], DQK=dqk, DV=dv, BLOCK_DQK=max(next_power_of_2(dqk), 16),
+        BLOCK_DV=max(next_power_of_2(dv), 16), BLOCK_M=cfg.block_m, BLOCK_N=block_n, PAGE=page_size,
+        CHUNK=_USER_CHUNK, FAST_SILU=fast_silu, UPCAST_DOTS=interpreting and q.dtype != torch.float32,
+        PREFETCH=prefetch_pages, STORE=store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     # The sum's grid is empty with one slice (no program runs; AOTInductor skips the launch).
     sum_programs = triton.cdiv(numel, _SUM_BLOCK) * torch.sym_min(slices - 1, 1)
@@ -340,14 +369,15 @@ def paged_hstu_mha_triton_fwd(
     return out
 
 
-@triton_op("hstu_export::paged_hstu_mha_triton", mutates_args=())
-def paged_hstu_mha_triton(
+@triton_op("hstu_export::paged_hstu_mha_store_triton", mutates_args={"k_pool", "v_pool"})
+def paged_hstu_mha_store_triton(
     q: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
     q_offsets: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    layer: int,
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     num_targets: torch.Tensor,
@@ -359,9 +389,12 @@ def paged_hstu_mha_triton(
     max_query_len: int,
     splits: int,
 ) -> torch.Tensor:
-    """The paged delta attention as an op an exported program calls (AOTInductor compiles the kernel in)."""
+    """The paged delta attention of one layer as an op an exported program calls (AOTInductor compiles the
+    kernel in): returns the attention, and stores the new non-target tokens' K/V in the pool's ``layer``.
+    The op takes the whole pool, not a view of one layer, so that an exported program writes straight into
+    its input."""
     return paged_hstu_mha_triton_fwd(
-        q, k_new, v_new, q_offsets, k_pages, v_pages, page_table, seq_lens, num_targets, scaling_seqlen, alpha,
-        contextual_seq_len, max_attn_len, max_seq_len=max_seq_len, max_query_len=max_query_len, splits=splits,
-        traceable=True,
+        q, k_new, v_new, q_offsets, k_pool, v_pool, page_table, seq_lens, num_targets, scaling_seqlen, alpha,
+        contextual_seq_len, max_attn_len, max_seq_len=max_seq_len, max_query_len=max_query_len, layer=layer,
+        splits=splits, traceable=True,
     )  # fmt: skip
