@@ -448,6 +448,8 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
   if (bypassed > 0) count(&KVCacheStats::bypassed, bypassed);
   int64_t width = 1;
   for (const auto& row : tables) width = std::max<int64_t>(width, static_cast<int64_t>(row.size()));
+  // As wide as the request's shape bucket, if it gets one: then the graph copies the table in as it is.
+  if (graphs) width = graphs->table_width(width);
   // The rest of a row, and the whole row of a user not stored, point at the scratch page.
   at::Tensor table = at::full({batch, width}, scratch, at::kInt);
   for (int64_t b = 0; b < batch; ++b) {

@@ -13,6 +13,8 @@
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #endif
 
 #include "hstu_export/runtime.h"
@@ -41,15 +43,20 @@ struct Padding {
   int64_t width;       // the bucket's page-table width
 };
 
+// The page table's width in a bucket: rounded up to a power of two, within the buckets' widest (a wider
+// table keeps its width).
+int64_t bucket_width(int64_t width, const Buckets& buckets) {
+  int64_t power = 1;
+  while (power < width) power <<= 1;
+  return std::min(std::max(power, width), std::max(buckets.max_width, width));
+}
+
 Padding padding_of(const ProgramInputs& inputs, const Buckets& buckets) {
   int64_t hist = inputs.at("uih_item_emb").size(0);
   int64_t cand = inputs.at("candidate_item_emb").size(0);
-  int64_t width = inputs.at("kv_page_table").size(1);
-  int64_t power = 1;
-  while (power < width) power <<= 1;
   // A request without history tokens still gets a block of them: the program's history input is never empty.
   return {rounded(hist, buckets.history) - hist, rounded(cand, buckets.candidates) - cand,
-          std::min(std::max(power, width), std::max(buckets.max_width, width))};
+          bucket_width(inputs.at("kv_page_table").size(1), buckets)};
 }
 
 int64_t scratch_page(const ProgramInputs& inputs) { return inputs.at("kv_k_pages").size(1) - 1; }
@@ -155,6 +162,53 @@ void padding_counts(ProgramInputs& buffers, int64_t batch) {
   }
 }
 
+// Writes input `name` of a request into its bucket's buffers (a kernel or memcpy launched on the stream): the
+// page table's real columns, and its later columns (a narrower table) set to the scratch page, so that no
+// write lands in an earlier request's pages.
+void copy_alone(ProgramInputs& buffers, const ProgramInputs& inputs, const std::string& name) {
+  const at::Tensor& value = inputs.at(name);
+  at::Tensor& buffer = buffers.at(name);
+  if (name != "kv_page_table") {
+    buffer.narrow(0, 0, value.size(0)).copy_(value);
+    return;
+  }
+  int64_t batch = value.size(0), width = value.size(1);
+  at::Tensor rows = buffer.narrow(0, 0, batch);
+  rows.narrow(1, 0, width).copy_(value);
+  if (width < buffer.size(1)) rows.narrow(1, width, buffer.size(1) - width).fill_(scratch_page(inputs));
+}
+
+#ifdef HSTU_EXPORT_CUDA_GRAPHS
+// The CUDA runtime's graph functions that repoint a graph's copies, found in the process (libtorch_cuda has
+// loaded the CUDA runtime), so that the runtime needs no link to it and builds with the compiler alone. Where
+// one is missing, requests are copied before the replay instead.
+struct GraphApi {
+  decltype(&cudaGraphGetNodes) get_nodes = nullptr;
+  decltype(&cudaGraphNodeGetType) node_type = nullptr;
+  decltype(&cudaGraphMemcpyNodeGetParams) memcpy_params = nullptr;
+  decltype(&cudaGraphExecMemcpyNodeSetParams1D) set_memcpy = nullptr;
+
+  bool found() const { return get_nodes && node_type && memcpy_params && set_memcpy; }
+};
+
+const GraphApi& graph_api() {
+  static const GraphApi api = [] {
+    GraphApi found;
+    auto lookup = [](auto& fn, const char* name) { fn = reinterpret_cast<std::decay_t<decltype(fn)>>(dlsym(RTLD_DEFAULT, name)); };
+    lookup(found.get_nodes, "cudaGraphGetNodes");
+    lookup(found.node_type, "cudaGraphNodeGetType");
+    lookup(found.memcpy_params, "cudaGraphMemcpyNodeGetParams");
+    lookup(found.set_memcpy, "cudaGraphExecMemcpyNodeSetParams1D");
+    return found;
+  }();
+  return api;
+}
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) throw Error(std::string("CUDA graph: ") + what + " failed (CUDA error " + std::to_string(status) + ")");
+}
+#endif
+
 }  // namespace
 
 bool cuda_graphs_built() {
@@ -174,6 +228,12 @@ struct DeltaGraphs::Impl {
     std::vector<at::Tensor> outputs;
     std::optional<Copies> copies;  // the last request's, kept for the next one of the same sizes
     std::list<std::vector<int64_t>>::iterator order;
+#ifdef HSTU_EXPORT_CUDA_GRAPHS
+    // The graph's copies of a request into the buffers, by input (none: requests are copied before a replay).
+    std::vector<std::pair<std::string, cudaGraphNode_t>> copy_nodes;
+    ProgramInputs sources;  // what the captured copies read: kept alive, though each replay repoints them
+    at::Tensor dummy;       // two bytes: a copy node with nothing to copy copies one of them onto the other
+#endif
   };
 
   RunProgram run;
@@ -208,15 +268,19 @@ struct DeltaGraphs::Impl {
       c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool(false, device.index()));
       for (int i = 0; i < 2; ++i) run_bucket(entry.buffers);
       torch::cuda::synchronize(device.index());
-      entry.graph = std::make_unique<at::cuda::CUDAGraph>();
-      entry.graph->capture_begin(*pool);
-      try {
-        entry.outputs = run_bucket(entry.buffers);
-      } catch (...) {
-        entry.graph->capture_end();
-        throw;
+      bool copies = graph_api().found();
+      if (copies) {
+        for (const auto& [name, value] : padded) {
+          if (!is_static(name) && value.numel() > 0) entry.sources[name] = value;
+        }
+        entry.dummy = at::zeros({2}, padded.at("kv_page_table").options().dtype(at::kByte));
       }
-      entry.graph->capture_end();
+      capture_into(entry, copies);
+      if (copies && !find_copy_nodes(entry)) {  // a copy that did not become a memcpy node: without them
+        entry.copy_nodes.clear();
+        entry.sources.clear();
+        capture_into(entry, false);
+      }
     }
     torch::cuda::synchronize(device.index());
     counts.captures += 1;
@@ -226,7 +290,84 @@ struct DeltaGraphs::Impl {
     return entry;
   }
 
+#ifdef HSTU_EXPORT_CUDA_GRAPHS
+  // Captures the program on the buffers, after copies of `entry.sources` into them when `copies`.
+  void capture_into(Graph& entry, bool copies) {
+    entry.graph = std::make_unique<at::cuda::CUDAGraph>(/*keep_graph=*/copies);  // kept: its copy nodes
+    entry.graph->capture_begin(*pool);
+    try {
+      if (copies) {
+        for (const auto& [name, value] : entry.sources) entry.buffers.at(name).copy_(value);
+      }
+      entry.outputs = run_bucket(entry.buffers);
+    } catch (...) {
+      entry.graph->capture_end();
+      throw;
+    }
+    entry.graph->capture_end();
+  }
+
+  // The captured copies' memcpy nodes (from each source into its buffer), and the graph instantiated: false
+  // when a copy is not among them.
+  bool find_copy_nodes(Graph& entry) {
+    const GraphApi& api = graph_api();
+    cudaGraph_t graph = entry.graph->raw_cuda_graph();
+    size_t count = 0;
+    check(api.get_nodes(graph, nullptr, &count), "listing the nodes");
+    std::vector<cudaGraphNode_t> nodes(count);
+    check(api.get_nodes(graph, nodes.data(), &count), "listing the nodes");
+    for (cudaGraphNode_t node : nodes) {
+      cudaGraphNodeType type;
+      check(api.node_type(node, &type), "reading a node's type");
+      if (type != cudaGraphNodeTypeMemcpy) continue;
+      cudaMemcpy3DParms params{};
+      check(api.memcpy_params(node, &params), "reading a copy's parameters");
+      for (const auto& [name, source] : entry.sources) {
+        if (params.dstPtr.ptr == entry.buffers.at(name).data_ptr() && params.srcPtr.ptr == source.data_ptr()) {
+          entry.copy_nodes.emplace_back(name, node);
+        }
+      }
+    }
+    if (entry.copy_nodes.size() != entry.sources.size()) return false;
+    entry.graph->instantiate();
+    return true;
+  }
+
+  // Points each copy node at the request's tensor; an input it cannot take as it is (not contiguous, another
+  // shape per row: a narrower page table) is copied before the replay, its node then copying nothing of use.
+  void point_copies(Graph& entry, const ProgramInputs& inputs) {
+    const GraphApi& api = graph_api();
+    cudaGraphExec_t exec = entry.graph->raw_cuda_graph_exec();
+    auto* dummy = static_cast<uint8_t*>(entry.dummy.data_ptr());
+    for (const auto& [name, node] : entry.copy_nodes) {
+      const at::Tensor& value = inputs.at(name);
+      const at::Tensor& buffer = entry.buffers.at(name);
+      size_t bytes = value.numel() * value.element_size();
+      bool direct = bytes > 0 && value.is_contiguous() && value.scalar_type() == buffer.scalar_type() &&
+                    value.device() == buffer.device() && value.dim() == buffer.dim() &&
+                    value.sizes().slice(1) == buffer.sizes().slice(1) && value.size(0) <= buffer.size(0);
+      if (direct) {
+        check(api.set_memcpy(exec, node, buffer.data_ptr(), value.data_ptr(), bytes, cudaMemcpyDeviceToDevice),
+              "pointing a copy at a request");
+      } else {
+        check(api.set_memcpy(exec, node, dummy + 1, dummy, 1, cudaMemcpyDeviceToDevice), "pointing a copy at a request");
+        if (bytes > 0) copy_alone(entry.buffers, inputs, name);
+      }
+    }
+    // An input the capture had no rows of (so no copy node) is copied before the replay.
+    for (const auto& [name, value] : inputs) {
+      if (!is_static(name) && value.numel() > 0 && !entry.sources.count(name)) copy_alone(entry.buffers, inputs, name);
+    }
+  }
+#endif
+
   int64_t fill(Graph& entry, const ProgramInputs& inputs) {
+#ifdef HSTU_EXPORT_CUDA_GRAPHS
+    if (!entry.copy_nodes.empty()) {
+      point_copies(entry, inputs);
+      return inputs.at("candidate_item_emb").size(0);
+    }
+#endif
     if (!entry.copies || entry.copies->sizes != request_sizes(inputs)) entry.copies = copies_into(entry.buffers, inputs);
     for (auto& [target, name] : entry.copies->singles) target.copy_(inputs.at(name));
     for (const auto& [targets, names] : entry.copies->groups) {
@@ -251,6 +392,8 @@ DeltaGraphs::DeltaGraphs(RunProgram run, Buckets buckets, int64_t contextual, bo
 }
 
 DeltaGraphs::~DeltaGraphs() = default;
+
+int64_t DeltaGraphs::table_width(int64_t width) const { return bucket_width(width, impl_->buckets); }
 
 DeltaGraphs::Counts DeltaGraphs::counts() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);

@@ -6,9 +6,12 @@
 // the real users' answers are those of the unpadded request; its rows of the outputs come last and are
 // dropped, its K/V go to the pool's scratch page. A bucket is captured the second time it is seen
 // (one-off shapes run as they are, and so do requests whose bucket would be beyond the program's
-// exported bounds), at most `max_graphs` are kept, least recently used out. A replay
-// copies the request into the bucket's buffers (one _foreach_copy_ per dtype), and the graph computes the
-// padding user's counts itself. Replays are serialised; the real output rows are copied out.
+// exported bounds), at most `max_graphs` are kept, least recently used out. The graph's first nodes copy
+// the request into the bucket's buffers: before a replay, each copy node is pointed at the request's tensor
+// (cudaGraphExecMemcpyNodeSetParams1D), so that a call launches once. An input that cannot be copied that
+// way (not contiguous, or a page table narrower than the bucket's: see table_width) is copied before the
+// replay instead, as every input is where the CUDA runtime's graph functions are not found. The graph
+// computes the padding user's counts itself. Replays are serialised; the real output rows are copied out.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -53,6 +56,10 @@ class DeltaGraphs {
 
   // The program's outputs for the request (its own rows, in tensors that outlive the call).
   std::vector<at::Tensor> operator()(const ProgramInputs& inputs);
+
+  // The page table's width in the bucket of a request whose table is `width` wide: a table built this wide
+  // (its later columns the scratch page) is copied into the bucket as it is, inside the graph.
+  int64_t table_width(int64_t width) const;
 
   using Counts = KVGraphCounts;
   Counts counts() const;
