@@ -284,6 +284,7 @@ struct DeltaGraphs::Impl {
     }
     torch::cuda::synchronize(device.index());
     counts.captures += 1;
+    if (!entry.copy_nodes.empty()) counts.copying += 1;
 #else
     throw Error("this C++ runtime was built without CUDA graph support (no CUDA headers at build time)");
 #endif

@@ -355,6 +355,10 @@ std::string stats_line(const hstu_export::CachedRanker& ranker) {
     std::snprintf(line, sizeof line, "; shape buckets: %lld replays, %lld graphs captured, %lld run as they are",
                   static_cast<long long>(g.replays), static_cast<long long>(g.captures), static_cast<long long>(g.eager));
     out += line;
+    if (g.copying > 0) {
+      std::snprintf(line, sizeof line, " (%lld graphs copy the requests in themselves)", static_cast<long long>(g.copying));
+      out += line;
+    }
   }
   return out;
 }

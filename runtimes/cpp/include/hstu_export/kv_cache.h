@@ -32,6 +32,7 @@ struct KVGraphCounts {
   int64_t replays = 0;   // requests run in a bucket
   int64_t captures = 0;  // graphs captured
   int64_t eager = 0;     // requests of a shape seen once, run as they are
+  int64_t copying = 0;   // graphs captured with the request's copies inside them (of `captures`)
 };
 
 struct KVCacheOptions {
