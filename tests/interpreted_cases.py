@@ -63,7 +63,7 @@ def _kernel_store(q, k, v, q_offsets, k_pool, v_pool, layer, *rest, **extra):  #
 @pytest.mark.parametrize("splits", [1, None])
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_kernel_stores_the_new_non_target_rows(name: str, splits: int) -> None:
-    """The kernel's store (slice 0 of each query block) writes what the reference does, bit for bit."""
+    """The kernel's store (the last slice of each query block) writes what the reference does, bit for bit."""
     q_lens, seq_lens = CASES[name][:2]
     check_store(_kernel_store, name, max_seq_len=max(seq_lens), max_query_len=max(q_lens), splits=splits)
 

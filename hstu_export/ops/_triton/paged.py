@@ -17,9 +17,10 @@ longest user's count.
 Cached keys are read straight from the cache pages through the page table (no gather copy; a key
 block never straddles a page), the request's own keys from ``k_new``/``v_new``. Given a layer of the
 whole pool (``layer``), the kernel also stores the new non-target tokens' K/V in their pages: the program
-of slice 0 of each query block writes its own rows for its head, so a delta run needs no scatter kernels
-of its own. No program reads what another writes: reads stop at the cached tokens, writes start after
-them (the pool's scratch page, where tokens that are not kept go, is never read).
+of the last slice of each query block writes the block's own rows for its head as it finishes (the last
+slice is often the shortest, and slice 0 adds the targets' self terms), so a delta run needs no scatter
+kernels of its own. No program reads what another writes: pages are read for the cached tokens only,
+writes go after them (the pool's scratch page, where tokens that are not kept go, is never read).
 Target rows add their self term, in slice 0 only.
 """
 
@@ -231,21 +232,21 @@ def _paged_attn_fwd(
                              mask=is_self[:, None] & (offs_dv[None, :] < DV), other=0.0)  # fmt: skip
             s_self = _silu_scaled(tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1), alpha, FAST_SILU)
             acc += s_self[:, None] * v_self.to(tl.float32)
-            if STORE:
-                # This block's non-target rows (this head) go to their pages: row j of the user's sequence
-                # to page table column j // PAGE, row j % PAGE; a column past the table is not stored.
-                col = rows // PAGE
-                keep = row_ok & (rows < hist_end) & (col < table_width)
-                dest_page = tl.load(pt_row + col, mask=keep, other=0).to(tl.int64)
-                in_page = tl.cast(rows % PAGE, tl.int64)
-                keep_k = keep[:, None] & (offs_dqk[None, :] < DQK)
-                k_rows = tl.load(KN + q_rows[:, None] * stride_knm + h * stride_knh + offs_dqk[None, :], mask=keep_k)
-                tl.store(KP + (dest_page * stride_kpp + in_page * stride_kpn + h * stride_kph)[:, None]
-                         + offs_dqk[None, :], k_rows.to(KP.dtype.element_ty), mask=keep_k)  # fmt: skip
-                keep_v = keep[:, None] & (offs_dv[None, :] < DV)
-                v_rows = tl.load(VN + q_rows[:, None] * stride_vnm + h * stride_vnh + offs_dv[None, :], mask=keep_v)
-                tl.store(VP + (dest_page * stride_vpp + in_page * stride_vpn + h * stride_vph)[:, None]
-                         + offs_dv[None, :], v_rows.to(VP.dtype.element_ty), mask=keep_v)  # fmt: skip
+        if STORE & (pid_s == tl.num_programs(2) - 1):
+            # This block's non-target rows (this head) go to their pages: row j of the user's sequence
+            # to page table column j // PAGE, row j % PAGE; a column past the table is not stored.
+            col = rows // PAGE
+            keep = row_ok & (rows < hist_end) & (col < table_width)
+            dest_page = tl.load(pt_row + col, mask=keep, other=0).to(tl.int64)
+            in_page = tl.cast(rows % PAGE, tl.int64)
+            keep_k = keep[:, None] & (offs_dqk[None, :] < DQK)
+            k_rows = tl.load(KN + q_rows[:, None] * stride_knm + h * stride_knh + offs_dqk[None, :], mask=keep_k)
+            tl.store(KP + (dest_page * stride_kpp + in_page * stride_kpn + h * stride_kph)[:, None]
+                     + offs_dqk[None, :], k_rows.to(KP.dtype.element_ty), mask=keep_k)  # fmt: skip
+            keep_v = keep[:, None] & (offs_dv[None, :] < DV)
+            v_rows = tl.load(VN + q_rows[:, None] * stride_vnm + h * stride_vnh + offs_dv[None, :], mask=keep_v)
+            tl.store(VP + (dest_page * stride_vpp + in_page * stride_vpn + h * stride_vph)[:, None]
+                     + offs_dv[None, :], v_rows.to(VP.dtype.element_ty), mask=keep_v)  # fmt: skip
 
         out_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
         if tl.num_programs(2) > 1:
