@@ -150,6 +150,13 @@ def export_package(name: str, max_batch: int, work_dir: Path) -> tuple[HstuRanki
     return model, Path(result.path), round(time.perf_counter() - t, 1)
 
 
+def kv_parity(package: Path) -> dict:
+    """What the export's own check of the package's cached path found (manifest ``parity.kv_cache``): passed,
+    the worst difference from the model, the tolerances."""
+    found = json.loads((package / "manifest.json").read_text()).get("parity", {}).get("kv_cache", {})
+    return {key: found.get(key) for key in ("passed", "worst", "tolerances")}
+
+
 def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingModel, work: dict, batch: int,  # type: ignore[no-untyped-def]
               iters: int, work_dir: Path, log_dir: Path, baseline: tuple[Path, Path] | None = None,
               ab_only: bool = False) -> dict:
@@ -305,6 +312,7 @@ def main() -> None:
                      "--batches", *map(str, args.batches)],
                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
             model, package, entry["export_seconds"] = export_package(name, max(args.batches), work_dir)
+            entry["kv_parity"] = kv_parity(package)
             baseline = None
             if exporting is not None:
                 stdout, stderr = exporting.communicate(timeout=1800)
@@ -313,6 +321,7 @@ def main() -> None:
                 if exporting.returncode != 0:
                     continue
                 baseline = (baseline_runner, Path(stdout.strip().splitlines()[-1]))
+                entry["baseline_kv_parity"] = kv_parity(baseline[1])
             elif baseline_runner is not None:
                 baseline = (baseline_runner, package)
             predictor = None if args.ab_only else hstu_export.load(package)
