@@ -42,21 +42,8 @@ from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offset
 from hstu_export.ops.paged import paged_hstu_mha_store, scratch_page
 from hstu_export.ops.reference import stu_gate
 
-__all__ = ["PROGRAM_INPUTS", "DeltaPlan", "DeltaProgram", "DeltaRanker", "KVLayout", "ResidualNorm", "fresh_contextual",
-           "plan_on_device", "residual_then_norm", "scratch_page", "stacked_contextual"]
-
-
-# (x, gated, output weight, next layer's norm weight, its bias) -> (x + gated @ weight, the next layer's input
-# norm of that sum): what lies between two STU layers of the delta run.
-ResidualNorm = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
-
-
-def residual_then_norm(x: Tensor, gated: Tensor, weight: Tensor, norm_weight: Tensor,
-                       norm_bias: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """:data:`ResidualNorm` as the full model computes it (the sum an addmm, then :func:`layer_norm_fp32`): the
-    default, and the aten program's."""
-    x = x + gated @ weight
-    return x, layer_norm_fp32(x, norm_weight, norm_bias)
+__all__ = ["PROGRAM_INPUTS", "DeltaPlan", "DeltaProgram", "DeltaRanker", "KVLayout", "fresh_contextual",
+           "plan_on_device", "scratch_page", "stacked_contextual"]
 
 
 @dataclass
@@ -118,15 +105,13 @@ class KVLayout:
 class DeltaRanker:
     """Runs :class:`~hstu_export.models.ranking.HstuRankingModel` on the new tokens of each user."""
 
-    def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor] = paged_hstu_mha_store,
-                 residual: ResidualNorm | None = None) -> None:
+    def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor] = paged_hstu_mha_store) -> None:
         self.model = model
         self.config = model.config
         self.transducer = model.transducer
         self.dtype = self.transducer.post_norm_weight.dtype
         self.layout = KVLayout.of(model)
         self.attention = attention  # paged_hstu_mha_store's signature and contract; an exported program fixes the kernel
-        self.residual = residual or residual_then_norm  # between two layers (see ResidualNorm)
 
     @torch.no_grad()
     def run(
@@ -228,12 +213,10 @@ class DeltaRanker:
         att_seq_len = on["cached"].clamp(max=page_table.shape[1] * k_pages.shape[2]) + att_offsets[1:] - att_offsets[:-1]
         att_pages = page_table.clamp(0, k_pages.shape[1] - 1)
 
-        # The STU layers on the new rows; each layer's attention stores the new non-target tokens' K/V. Each
-        # layer's input norm comes with the residual sum of the layer before (self.residual), the first's alone.
-        layers = list(tr.stu.layers)
-        n = layer_norm_fp32(x, layers[0].input_norm_weight, layers[0].input_norm_bias) if layers else x
-        for number, layer in enumerate(layers):
+        # The STU layers on the new rows; each layer's attention stores the new non-target tokens' K/V.
+        for number, layer in enumerate(tr.stu.layers):
             h, dqk, dv = layer.num_heads, layer.attention_dim, layer.linear_dim
+            n = layer_norm_fp32(x, layer.input_norm_weight, layer.input_norm_bias)
             uvqk = torch.addmm(layer.uvqk_bias, n, layer.uvqk_weight)
             u, v, q, k = torch.split(uvqk, [dv * h, dv * h, dqk * h, dqk * h], dim=-1)
             # Views into uvqk (head dim contiguous): the kernel takes their strides, so no copy.
@@ -244,12 +227,7 @@ class DeltaRanker:
                 max_query_len=max_query_len,
             ).reshape(-1, h * dv)  # fmt: skip
             gated = stu_gate(u, a, layer.output_norm_weight, layer.output_norm_bias, LAYER_NORM_EPS)
-            if number + 1 < len(layers):
-                following = layers[number + 1]
-                x, n = self.residual(x, gated, layer.output_weight, following.input_norm_weight,
-                                     following.input_norm_bias)
-            else:
-                x = x + gated @ layer.output_weight
+            x = x + gated @ layer.output_weight
 
         candidates = x[cand_rows]
         if cfg.postprocessor == "l2norm":
@@ -282,10 +260,10 @@ class DeltaProgram(nn.Module):
     ``max_query_len`` are the exported bounds: a user's whole sequence, and its new tokens."""
 
     def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor], max_seq_len: int,
-                 max_query_len: int, residual: ResidualNorm | None = None) -> None:
+                 max_query_len: int) -> None:
         super().__init__()
         self.model = model
-        self.delta = DeltaRanker(model, attention, residual)
+        self.delta = DeltaRanker(model, attention)
         self.max_seq_len, self.max_query_len = max_seq_len, max_query_len
 
     def forward(self, uih_item_emb: Tensor, uih_action_emb: Tensor, candidate_item_emb: Tensor, contextual_emb: Tensor,
