@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import linecache
 import statistics
 import sys
 import time
@@ -37,16 +38,15 @@ def load_variant(name: str, path: Path) -> types.ModuleType:
     module.__package__ = "hstu_export.ops._triton"
     module.__file__ = str(path)
     sys.modules[module.__name__] = module  # triton reads the source of the module its kernels come from
-    import linecache
-
     linecache.cache[str(path)] = (len(text), None, text.splitlines(True), str(path))
     exec(compile(text, str(path), "exec"), module.__dict__)
     return module
 
 
 def case(work: dict, batch: int, device: torch.device) -> dict:
-    """One layer's delta request: q/k/v of the new rows, a pool of 2 layers (layer 1 holds the cached keys in
-    shuffled pages, then room for each user's new history, then the scratch page), its table."""
+    """One layer's delta request: q/k/v of the new rows; a pool of 2 layers of random K/V (the call reads and
+    writes layer 1), with pages enough for each user's cached and new history tokens, shuffled in its table,
+    and the scratch page last."""
     h, d, dtype = 4, 128, torch.bfloat16
     cached, n, cand = work["cached"], work["history"] + work["candidates"], work["candidates"]
     new = n - cached

@@ -111,7 +111,8 @@ class DeltaRanker:
         self.transducer = model.transducer
         self.dtype = self.transducer.post_norm_weight.dtype
         self.layout = KVLayout.of(model)
-        self.attention = attention  # paged_hstu_mha_store's signature and contract; an exported program fixes the kernel
+        # paged_hstu_mha_store's signature and contract (it stores the new K/V); an exported program fixes it
+        self.attention = attention
 
     @torch.no_grad()
     def run(
@@ -150,8 +151,8 @@ class DeltaRanker:
               v_pages: Tensor, page_table: Tensor) -> dict[str, Tensor]:
         """The dense half of :meth:`run` on the sparse half's embeddings, the contextual ones of the users
         with nothing cached only (:func:`fresh_contextual`); each layer's attention writes the new K/V into
-        the pages (in place). Device work only (no sync, no host copy, no
-        size read from a tensor), so a CUDA graph can capture it and torch.export can trace it."""
+        the pages (in place). Device work only (no sync, no host copy, no size read from a tensor), so a CUDA
+        graph can capture it and torch.export can trace it."""
         cfg, tr = self.config, self.transducer
         c = cfg.contextual_seq_len
         on, total_new = plan.on, plan.total_new
