@@ -7,9 +7,10 @@ Per user ``b``: ``seq_lens[b]`` tokens in all, ``num_targets[b]`` of them target
 last ``q_offsets[b+1] - q_offsets[b]`` of them new (the rows of ``q``, ``k_new``, ``v_new``); the tokens
 before those are cached and read from the pages. :func:`paged_hstu_mha` only reads the pages;
 :func:`paged_hstu_mha_store` (what a delta run calls, one layer of the whole pool at a time) also writes
-the new non-target tokens' K/V into them, where the page table says; a token the table has no column for,
-and every target, goes to the pool's scratch page (:func:`scratch_page`), which nothing reads. Targets are
-never cached (no later token attends to them).
+the new non-target tokens' K/V into them, where the page table says. Targets, and tokens the table has no
+column for, go to no user's page: the Triton kernel skips them, the PyTorch version writes them to the
+pool's scratch page (:func:`scratch_page`), which nothing reads. Targets are never cached (no later token
+attends to them).
 The result equals those rows of :func:`hstu_export.ops.reference.hstu_mha_reference` over the whole
 sequence (same mask, same scale), which is what makes cached serving exact.
 """
