@@ -60,13 +60,14 @@ def compile_attention(
 
 def compile_paged(
     arch: int, dqk: int, dv: int, dtype: str, block_m: int, block_n: int, num_warps: int, num_stages: int,
-    page: int = 64, store: bool = True,
+    page: int = 64, store: bool = True, kernel: triton.runtime.jit.JITFunction = _paged_attn_fwd,
 ) -> triton.compiler.CompiledKernel:  # fmt: skip
-    """The paged delta kernel (hstu_export/ops/_triton/paged.py) as an exported program launches it (which
-    stores the new K/V; ``store=False``: as the benchmarks launch it alone)."""
+    """The paged delta kernel (hstu_export/ops/_triton/paged.py, or ``kernel``: a variant of it) as an
+    exported program launches it (which stores the new K/V; ``store=False``: as the benchmarks launch it
+    alone)."""
     ptr = _TYPES[dtype]
     signature: dict[str, str] = {}
-    for name in _paged_attn_fwd.arg_names:
+    for name in kernel.arg_names:
         if name in ("Q", "KN", "VN", "KP", "VP", "Out"):
             signature[name] = ptr
         elif name in ("Work", "page_table", "q_offsets", "seq_lens", "num_targets"):
@@ -84,9 +85,9 @@ def compile_paged(
     )  # fmt: skip
     for name in constexprs:
         signature[name] = "constexpr"
-    aligned = [i for i, n in enumerate(_paged_attn_fwd.arg_names) if signature.get(n, "").startswith("*")
+    aligned = [i for i, n in enumerate(kernel.arg_names) if signature.get(n, "").startswith("*")
                or n.startswith("stride")]
-    src = ASTSource(_paged_attn_fwd, signature, constexprs, {(i,): [["tt.divisibility", 16]] for i in aligned})
+    src = ASTSource(kernel, signature, constexprs, {(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(
         src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )

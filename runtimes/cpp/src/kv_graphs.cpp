@@ -194,7 +194,9 @@ struct GraphApi {
 const GraphApi& graph_api() {
   static const GraphApi api = [] {
     GraphApi found;
-    auto lookup = [](auto& fn, const char* name) { fn = reinterpret_cast<std::decay_t<decltype(fn)>>(dlsym(RTLD_DEFAULT, name)); };
+    auto lookup = [](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::decay_t<decltype(fn)>>(dlsym(RTLD_DEFAULT, name));
+    };
     lookup(found.get_nodes, "cudaGraphGetNodes");
     lookup(found.node_type, "cudaGraphNodeGetType");
     lookup(found.memcpy_params, "cudaGraphMemcpyNodeGetParams");
@@ -205,7 +207,9 @@ const GraphApi& graph_api() {
 }
 
 void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) throw Error(std::string("CUDA graph: ") + what + " failed (CUDA error " + std::to_string(status) + ")");
+  if (status != cudaSuccess) {
+    throw Error(std::string("CUDA graph: ") + what + " failed (CUDA error " + std::to_string(status) + ")");
+  }
 }
 #endif
 
@@ -351,7 +355,8 @@ struct DeltaGraphs::Impl {
         check(api.set_memcpy(exec, node, buffer.data_ptr(), value.data_ptr(), bytes, cudaMemcpyDeviceToDevice),
               "pointing a copy at a request");
       } else {
-        check(api.set_memcpy(exec, node, dummy + 1, dummy, 1, cudaMemcpyDeviceToDevice), "pointing a copy at a request");
+        check(api.set_memcpy(exec, node, dummy + 1, dummy, 1, cudaMemcpyDeviceToDevice),
+              "pointing a copy at nothing");
         if (bytes > 0) copy_alone(entry.buffers, inputs, name);
       }
     }
