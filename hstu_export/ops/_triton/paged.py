@@ -81,26 +81,6 @@ def _masked_block(acc, q, k_ptrs, v_ptrs, cols, end, rows, row_pos, row_ctx, ctx
 
 
 @triton.jit
-def _query_block(q_offsets, num_users, blk, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """(user, first row among the user's new tokens) of query block ``blk`` when every user's blocks are
-    numbered back to back; the user is ``num_users`` past the last block."""
-    user = 0
-    before = 0  # blocks of the users before `user`
-    seen = 0  # blocks of the users scanned so far
-    for c0 in range(0, num_users, CHUNK):
-        idx = c0 + tl.arange(0, CHUNK)
-        ok = idx < num_users
-        lo = tl.load(q_offsets + idx, mask=ok, other=0)
-        hi = tl.load(q_offsets + idx + 1, mask=ok, other=0)
-        blocks = tl.where(ok, (hi - lo + BLOCK_M - 1) // BLOCK_M, 0).to(tl.int32)
-        done = ok & (seen + tl.cumsum(blocks, 0) <= blk)  # users whose blocks all come before blk
-        user += tl.sum(done.to(tl.int32))
-        before += tl.sum(tl.where(done, blocks, 0))
-        seen += tl.sum(blocks)
-    return user, (blk - before) * BLOCK_M
-
-
-@triton.jit
 def _sum_slices(Work, Out, numel, slices, stride_ws, inv_scale, BLOCK: tl.constexpr):
     """Out = (sum of the slices' fp32 partials, in slice order) / scale."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -130,7 +110,25 @@ def _paged_attn_fwd(
     inv_scale = tl.cast(inv_scale, tl.float32)
     h = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b, start = _query_block(q_offsets, num_users, tl.program_id(0), BLOCK_M, CHUNK)
+    # (user, first row among the user's new tokens) of this query block, every user's blocks numbered back to
+    # back; the user is num_users past the last block. Written here, not in a helper: torch's analysis of a
+    # user kernel (Inductor's guide to what the kernel writes) takes every argument of a called function whose
+    # result reaches a store for written, and Inductor then copies q_offsets before each layer's launch.
+    blk = tl.program_id(0)
+    b = 0
+    before = 0  # blocks of the users before b
+    seen = 0  # blocks of the users scanned so far
+    for c0 in range(0, num_users, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        ok = idx < num_users
+        first_row = tl.load(q_offsets + idx, mask=ok, other=0)
+        end_row = tl.load(q_offsets + idx + 1, mask=ok, other=0)
+        blocks = tl.where(ok, (end_row - first_row + BLOCK_M - 1) // BLOCK_M, 0).to(tl.int32)
+        done = ok & (seen + tl.cumsum(blocks, 0) <= blk)  # users whose blocks all come before blk
+        b += tl.sum(done.to(tl.int32))
+        before += tl.sum(tl.where(done, blocks, 0))
+        seen += tl.sum(blocks)
+    start = (blk - before) * BLOCK_M
     if b < num_users:
         q_start = tl.load(q_offsets + b)
         q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
