@@ -1,5 +1,5 @@
-"""Where the paged attention kernel stores the new K/V: variants of hstu_export/ops/_triton/paged.py timed
-against each other and against the kernel without its store, one layer, same run.
+"""Variants of the paged attention kernel (hstu_export/ops/_triton/paged.py) timed against each other and
+against the kernel without its store of the new K/V, one layer, same run.
 
     PYTHONPATH=$PWD python benchmarks/paged_store.py --out $OUT --variant end=FILE [--variant last=FILE ...]
     PYTHONPATH=$PWD python benchmarks/paged_store.py --report --variant end=FILE ...   # sm_90 resources, no GPU
@@ -8,8 +8,9 @@ A variant is a copy of paged.py (its kernels only: the file is read up to its ``
 registered twice). Per workload (benchmarks/kv_cache.py's: long, 384 new rows a user against 3968 cached keys;
 dlrm, 2048 candidates against 1024) and batch, each variant's launch with ``layer`` (the store on) is captured
 in a CUDA graph and its replays timed (p50 of 50, three rounds, the variants in turn), and so is the first
-variant's launch without the store. Checks: every variant's output equals the first's bit for bit, and the
-pools it leaves equal the first's (the rows it stores).
+variant's launch without the store. Checks: whether every variant's output equals the first's bit for bit, its
+relative L2 error against the layer computed in fp32 (PyTorch, inputs upcast), and whether the pools it leaves
+equal the first's (the rows it stores).
 Writes paged_store.json.
 """
 
@@ -72,6 +73,15 @@ def call(module: types.ModuleType, c: dict, store: bool):  # type: ignore[no-unt
                                             max_query_len=c["max_query_len"])  # fmt: skip
 
 
+def reference(c: dict) -> torch.Tensor:
+    """The layer's attention in fp32 (PyTorch, inputs upcast): what each variant's bf16 output is measured against."""
+    from hstu_export.ops.paged import paged_hstu_mha_reference
+
+    q, k, v, offsets, k_pool, v_pool, table, seq_lens, targets, scale, alpha, ctx, window = c["args"]
+    return paged_hstu_mha_reference(q.float(), k.float(), v.float(), offsets, k_pool[1].float(), v_pool[1].float(),
+                                    table, seq_lens, targets, scale, alpha, ctx, window)  # fmt: skip
+
+
 def timing(variants: dict[str, types.ModuleType], work: dict, batch: int, device: torch.device) -> dict:
     c = case(work, batch, device)
     first = next(iter(variants))
@@ -82,8 +92,10 @@ def timing(variants: dict[str, types.ModuleType], work: dict, batch: int, device
         out = call(module, fresh, True)
         pools[name] = (out, fresh["args"][4], fresh["args"][5])
     want = pools[first]
+    ref = reference(c)
     for name, (out, k_pool, v_pool) in pools.items():
         row["checks"][name] = {"output_equal": bool(torch.equal(out, want[0])),
+                               "rel_l2_vs_fp32": float((out.float() - ref).norm() / ref.norm()),
                                "pools_equal": bool(torch.equal(k_pool[:, :-1], want[1][:, :-1])
                                                    and torch.equal(v_pool[:, :-1], want[2][:, :-1]))}  # fmt: skip
     runs: dict[str, list[float]] = {}
