@@ -86,6 +86,19 @@ def attention_for(op_target: str, splits: int = 0) -> Callable[..., Tensor]:
     return functools.partial(paged_hstu_mha_store_reference)
 
 
+def attention_inputs_for(op_target: str) -> Callable[..., tuple[Tensor, ...]]:
+    """What computes the attention's inputs once for every layer, with the same choice as
+    :func:`attention_for`: one Triton kernel (``triton``; its outputs are buffers the layers' kernels read as
+    they are) or plain aten."""
+    if op_target == "triton":
+        import hstu_export.ops._triton  # noqa: F401  (registers hstu_export::paged_attention_inputs_triton)
+
+        return torch.ops.hstu_export.paged_attention_inputs_triton
+    from hstu_export.ops.paged import paged_attention_inputs_reference
+
+    return paged_attention_inputs_reference
+
+
 def example_inputs(model: HstuRankingModel, ranges: Any, page_size: int, device: torch.device,
                    seed: int) -> dict[str, Tensor]:
     """A delta request for torch.export: two users with nothing cached, the others with a few tokens;
@@ -188,7 +201,8 @@ def compile_kv_delta(model: HstuRankingModel, ranges: Any, settings: Any, op_tar
     manifest's ``kv_cache`` section."""
     device, page_size = settings.torch_device, settings.kv_page_size
     max_seq_len, max_query_len = kv_bounds(model, ranges)
-    program = DeltaProgram(model, attention_for(op_target, settings.kv_splits), max_seq_len, max_query_len).eval()
+    program = DeltaProgram(model, attention_for(op_target, settings.kv_splits), max_seq_len, max_query_len,
+                           attention_inputs_for(op_target)).eval()
     example = example_inputs(model, ranges, page_size, device, settings.verify.seed)
     names = list(example)
     start = time.perf_counter()

@@ -8,7 +8,15 @@ import os
 import pytest
 import torch
 from test_kv_cache import CONTEXT, NO_CONTEXT, check_every_kind_of_delta
-from test_paged_attention import CASES, _call, _case, _expected, check_store, check_store_past_the_table
+from test_paged_attention import (
+    CASES,
+    _call,
+    _case,
+    _expected,
+    check_attention_inputs,
+    check_store,
+    check_store_past_the_table,
+)
 
 from hstu_export.models.config import HSTUConfig
 
@@ -75,3 +83,10 @@ def test_triton_kernel_store_skips_tokens_past_the_table() -> None:
 @pytest.mark.parametrize("config", [NO_CONTEXT, CONTEXT], ids=["no-context", "context"])
 def test_cached_ranker_on_the_triton_kernel(config: HSTUConfig) -> None:
     check_every_kind_of_delta(config)
+
+
+def test_triton_attention_inputs() -> None:
+    """The kernel that computes the attention's inputs once for every layer equals the PyTorch version."""
+    from hstu_export.ops._triton.paged import paged_attention_inputs_triton
+
+    check_attention_inputs(paged_attention_inputs_triton)

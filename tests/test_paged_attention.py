@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hstu_export.ops.paged import paged_hstu_mha_reference, paged_hstu_mha_store_reference
+from hstu_export.ops.paged import (
+    paged_attention_inputs_reference,
+    paged_hstu_mha_reference,
+    paged_hstu_mha_store_reference,
+)
 from hstu_export.ops.reference import hstu_mha_reference
 
 
@@ -154,6 +158,38 @@ def test_reference_equals_full_attention_rows(name: str) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def check_attention_inputs(fn) -> None:  # type: ignore[no-untyped-def]
+    """``fn`` (paged_attention_inputs's signature) on counts with every kind of user, bit for bit against the
+    reference, which a hand-worked case pins down first."""
+    # Users: nothing cached (2 contextual tokens, 3 history, 1 candidate), 40 cached (past the table's 2
+    # pages of 16: keys clamped to 32) with 2 new history and 4 candidates, negative counts (all taken as 0),
+    # then one whose tokens run past the request's 9 new tokens.
+    cached, hist, cand = torch.tensor([0, 40, -5, 3]), torch.tensor([3, 2, -1, 1]), torch.tensor([1, 4, -2, 9])
+    table = torch.tensor([[7, -1], [99, 2], [0, 0], [1, 3]], dtype=torch.int32)
+    offsets, seq_lens, targets, pages = paged_attention_inputs_reference(cached, hist, cand, table, 2, 9, 16, 8)
+    assert offsets.tolist() == [0, 6, 9, 9, 9] and seq_lens.tolist() == [6, 35, 0, 3]
+    assert targets.tolist() == [1, 4, 0, 9] and pages.tolist() == [[7, 0], [7, 2], [0, 0], [1, 3]]
+    assert pages.dtype == torch.int32 and offsets.dtype == seq_lens.dtype == targets.dtype == torch.int64
+    for got, want in zip(fn(cached, hist, cand, table, 2, 9, 16, 8), (offsets, seq_lens, targets, pages)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    gen = torch.Generator().manual_seed(0)
+    for users, width, contextual, dtype in [(70, 9, 2, torch.int32), (130, 40, 0, torch.int64), (1, 1, 1, torch.int64),
+                                            (0, 3, 0, torch.int64)]:  # fmt: skip
+        cached = torch.randint(-3, 200, (users,), generator=gen).to(dtype)
+        cached[::3] = 0
+        hist, cand = (torch.randint(-2, 9, (users,), generator=gen).to(dtype) for _ in range(2))
+        wide = torch.randint(-5, 50, (users, width + 3), generator=gen, dtype=torch.int32)
+        table = wide[:, 1 : width + 1]  # a view: rows 3 entries apart
+        for total_new in (0, 7, 10_000):
+            args = (cached, hist, cand, table, contextual, total_new, 16, 40)
+            for got, want in zip(fn(*args), paged_attention_inputs_reference(*args)):
+                assert got.dtype == want.dtype and torch.equal(got, want), (users, width, total_new)
+
+
+def test_attention_inputs_reference() -> None:
+    check_attention_inputs(paged_attention_inputs_reference)
+
+
 def test_triton_cases_in_the_interpreter() -> None:
     """tests/interpreted_cases.py (the Triton kernel here and the cached ranker on it) in a subprocess
     with TRITON_INTERPRET=1: Triton reads it when a kernel is defined, so it must not leak into, or
@@ -164,7 +200,7 @@ def test_triton_cases_in_the_interpreter() -> None:
                           timeout=1800)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
-    assert re.search(r"\b54 passed\b", summary) and "skipped" not in summary, summary
+    assert re.search(r"\b55 passed\b", summary) and "skipped" not in summary, summary
 
 
 def test_split_count_fills_one_wave_and_keeps_slices_long() -> None:

@@ -39,7 +39,7 @@ from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HstuR
 from hstu_export.models.stu import LAYER_NORM_EPS, layer_norm_fp32
 from hstu_export.models.transducer import time_buckets, token_positions
 from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offsets
-from hstu_export.ops.paged import paged_hstu_mha_store, scratch_page
+from hstu_export.ops.paged import paged_attention_inputs, paged_hstu_mha_store, scratch_page
 from hstu_export.ops.reference import stu_gate
 
 __all__ = ["PROGRAM_INPUTS", "DeltaPlan", "DeltaProgram", "DeltaRanker", "KVLayout", "fresh_contextual",
@@ -58,6 +58,9 @@ class DeltaPlan:
     max_seq_len: int
     max_query_len: int
     on: dict[str, Tensor]
+    # The counts per user as the request gave them (cached, new history, candidates; any integer dtype, even
+    # negative): what the attention's inputs are computed from, in one kernel (paged_attention_inputs).
+    requested: tuple[Tensor, Tensor, Tensor]
 
 
 def _counts(cached: Tensor, new_hist: Tensor, cand_len: Tensor, c: int) -> dict[str, Tensor]:
@@ -73,7 +76,8 @@ def plan_on_device(cached: Tensor, new_hist: Tensor, cand_len: Tensor, n_hist: A
     contextual rows of the users with nothing cached): no host read, so it traces with symbolic sizes."""
     on = _counts(*(t.to(torch.int64).clamp(min=0) for t in (cached, new_hist, cand_len)), c)
     return DeltaPlan(batch=cached.shape[0], total_new=n_hist + n_cand + n_ctx_rows,
-                     total_cand=n_cand, max_seq_len=max_seq_len, max_query_len=max_query_len, on=on)
+                     total_cand=n_cand, max_seq_len=max_seq_len, max_query_len=max_query_len, on=on,
+                     requested=(cached, new_hist, cand_len))
 
 
 @dataclass(frozen=True)
@@ -105,14 +109,17 @@ class KVLayout:
 class DeltaRanker:
     """Runs :class:`~hstu_export.models.ranking.HstuRankingModel` on the new tokens of each user."""
 
-    def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor] = paged_hstu_mha_store) -> None:
+    def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor] = paged_hstu_mha_store,
+                 attention_inputs: Callable[..., tuple[Tensor, ...]] = paged_attention_inputs) -> None:
         self.model = model
         self.config = model.config
         self.transducer = model.transducer
         self.dtype = self.transducer.post_norm_weight.dtype
         self.layout = KVLayout.of(model)
-        # paged_hstu_mha_store's signature and contract (it stores the new K/V); an exported program fixes it
+        # paged_hstu_mha_store's signature and contract (it stores the new K/V); an exported program fixes it,
+        # and the function that computes its inputs (paged_attention_inputs's signature)
         self.attention = attention
+        self.attention_inputs = attention_inputs
 
     @torch.no_grad()
     def run(
@@ -139,11 +146,12 @@ class DeltaRanker:
         c = self.config.contextual_seq_len
         counts = _counts(cached.cpu().to(torch.int64), features[HISTORY_LENGTHS].cpu().to(torch.int64),
                          features[CANDIDATE_LENGTHS].cpu().to(torch.int64), c)
+        on = {name: t.to(device) for name, t in counts.items()}
         return DeltaPlan(
             batch=counts["cached"].numel(), total_new=int(counts["new_len"].sum()),
             total_cand=int(counts["cand_len"].sum()),
             max_seq_len=int(counts["seq_len"].max()), max_query_len=int(counts["new_len"].max()),
-            on={name: t.to(device) for name, t in counts.items()},
+            on=on, requested=(on["cached"], on["new_hist"], on["cand_len"]),
         )  # fmt: skip
 
     @torch.no_grad()
@@ -209,10 +217,10 @@ class DeltaRanker:
         cand_rows = ((q_offsets[1:] - on["cand_len"])[cand_user] + cand_r).clamp(0, total_new - 1)
 
         # What the attention kernel walks, kept inside its tensors: query rows within the new tokens, keys
-        # within the page table's width, pages within the cache.
-        att_offsets = q_offsets.clamp(0, total_new)
-        att_seq_len = on["cached"].clamp(max=page_table.shape[1] * k_pages.shape[2]) + att_offsets[1:] - att_offsets[:-1]
-        att_pages = page_table.clamp(0, k_pages.shape[1] - 1)
+        # within the page table's width, pages within the cache. Computed once for every layer, from the
+        # request's counts as given (an exported program's inputs: nothing to copy for each layer).
+        att_offsets, att_seq_len, att_targets, att_pages = self.attention_inputs(
+            *plan.requested, page_table, c, total_new, k_pages.shape[2], k_pages.shape[1])
 
         # The STU layers on the new rows; each layer's attention stores the new non-target tokens' K/V.
         for number, layer in enumerate(tr.stu.layers):
@@ -223,7 +231,7 @@ class DeltaRanker:
             # Views into uvqk (head dim contiguous): the kernel takes their strides, so no copy.
             q, k, v = q.unflatten(-1, (h, dqk)), k.unflatten(-1, (h, dqk)), v.unflatten(-1, (h, dv))
             a = self.attention(
-                q, k, v, att_offsets, k_pages, v_pages, number, att_pages, att_seq_len, on["cand_len"],
+                q, k, v, att_offsets, k_pages, v_pages, number, att_pages, att_seq_len, att_targets,
                 cfg.attn_scaling_seqlen, cfg.attn_alpha, c, cfg.max_attn_len, max_seq_len=max_seq_len,
                 max_query_len=max_query_len,
             ).reshape(-1, h * dv)  # fmt: skip
@@ -261,10 +269,11 @@ class DeltaProgram(nn.Module):
     ``max_query_len`` are the exported bounds: a user's whole sequence, and its new tokens."""
 
     def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor], max_seq_len: int,
-                 max_query_len: int) -> None:
+                 max_query_len: int, attention_inputs: Callable[..., tuple[Tensor, ...]] = paged_attention_inputs,
+                 ) -> None:  # fmt: skip
         super().__init__()
         self.model = model
-        self.delta = DeltaRanker(model, attention)
+        self.delta = DeltaRanker(model, attention, attention_inputs)
         self.max_seq_len, self.max_query_len = max_seq_len, max_query_len
 
     def forward(self, uih_item_emb: Tensor, uih_action_emb: Tensor, candidate_item_emb: Tensor, contextual_emb: Tensor,

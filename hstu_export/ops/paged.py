@@ -22,17 +22,49 @@ import os
 import torch
 from torch import Tensor
 
-from hstu_export.ops.jagged import jagged_positions_by_search
+from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offsets
 from hstu_export.ops.reference import _hstu_attend, hstu_attention_mask
 
-__all__ = ["paged_hstu_mha", "paged_hstu_mha_reference", "paged_hstu_mha_store", "paged_hstu_mha_store_reference",
-           "scratch_page", "store_new_kv_reference"]
+__all__ = ["paged_attention_inputs", "paged_attention_inputs_reference", "paged_hstu_mha", "paged_hstu_mha_reference",
+           "paged_hstu_mha_store", "paged_hstu_mha_store_reference", "scratch_page", "store_new_kv_reference"]
 
 
 def scratch_page(k_pool: Tensor) -> int:
     """The page of a pool ``[layers, pages, ...]`` where the K/V of tokens that are not stored are written:
     its last, which no user owns and nothing reads (:class:`hstu_export.serving.kv_cache.PagedKVCache`)."""
     return k_pool.shape[1] - 1
+
+
+def paged_attention_inputs_reference(cached: Tensor, new_hist: Tensor, cand_len: Tensor, page_table: Tensor,
+                                     contextual_seq_len: int, total_new: int, page_size: int, num_pages: int,
+                                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """What a delta run's attention takes, from the request's counts per user (``cached`` tokens,
+    ``new_hist`` new history tokens, ``cand_len`` candidates; a user with nothing cached also brings its
+    ``contextual_seq_len`` contextual tokens): ``(q_offsets, seq_lens, num_targets, page_table)`` of
+    :func:`paged_hstu_mha_store`, int64 (the table in its own dtype). Each is kept inside what it indexes whatever the
+    counts (a negative count is 0): query rows within the ``total_new`` new tokens, keys within the page
+    table's width, pages within the pool's ``num_pages``."""
+    cached, new_hist, cand_len = (t.to(torch.int64).clamp(min=0) for t in (cached, new_hist, cand_len))
+    new_len = torch.where(cached == 0, contextual_seq_len, 0) + new_hist + cand_len
+    q_offsets = lengths_to_offsets(new_len).clamp(0, total_new)
+    seq_lens = cached.clamp(max=page_table.shape[1] * page_size) + q_offsets[1:] - q_offsets[:-1]
+    return q_offsets, seq_lens, cand_len, page_table.clamp(0, num_pages - 1)
+
+
+def paged_attention_inputs(cached: Tensor, new_hist: Tensor, cand_len: Tensor, page_table: Tensor,
+                           contextual_seq_len: int, total_new: int, page_size: int, num_pages: int,
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """:func:`paged_attention_inputs_reference` in one Triton kernel on CUDA (or under TRITON_INTERPRET=1),
+    the PyTorch version elsewhere. In an exported program the kernel's outputs are buffers of their own,
+    which each layer's attention reads as they are (AOTInductor copies a computed input of a user kernel for
+    each kernel that takes it: five layers, five copies of each)."""
+    if cached.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        import hstu_export.ops._triton  # noqa: F401  (registers hstu_export::paged_attention_inputs_triton)
+
+        return torch.ops.hstu_export.paged_attention_inputs_triton(
+            cached, new_hist, cand_len, page_table, contextual_seq_len, total_new, page_size, num_pages)
+    return paged_attention_inputs_reference(cached, new_hist, cand_len, page_table, contextual_seq_len, total_new,
+                                            page_size, num_pages)  # fmt: skip
 
 
 def _padded_rows(values: Tensor, offsets: Tensor, max_len: int) -> tuple[Tensor, Tensor]:

@@ -37,7 +37,9 @@ from torch.library import triton_op, wrap_triton
 from .attention import _position, _silu_scaled
 from .configs import AttentionConfig, attention_config, next_power_of_2
 
-__all__ = ["paged_hstu_mha_store_triton", "paged_hstu_mha_triton_fwd", "query_blocks", "split_count"]
+__all__ = [
+    "paged_attention_inputs_triton", "paged_hstu_mha_store_triton", "paged_hstu_mha_triton_fwd", "query_blocks", "split_count",
+]  # fmt: skip
 
 # Programs wanted in flight: about two waves of an H100's 132 SMs.
 _SMS = 132
@@ -46,6 +48,7 @@ _MIN_KEYS_PER_SPLIT = 256
 _MIN_KEYS_FOR_TWO = 1024  # keys a slice keeps at least when the query blocks already give every SM a program
 _USER_CHUNK = 64  # users scanned at once when a program looks for its user
 _SUM_BLOCK = 1024
+_TABLE_BLOCK = 1024  # page table entries a program clamps
 
 
 @triton.jit
@@ -78,6 +81,37 @@ def _masked_block(acc, q, k_ptrs, v_ptrs, cols, end, rows, row_pos, row_ctx, ctx
     s = tl.where(_valid(rows, cols, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len) & col_ok[None, :], s, 0.0)
     v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
     return _dot_acc(acc, s, v, UPCAST_DOTS)
+
+
+@triton.jit
+def _attention_inputs(cached, new_hist, cand_len, table, q_offsets, seq_lens, num_targets, pages,
+                      num_users, table_numel, width, stride_table, contextual_seq_len, total_new, key_limit,
+                      last_page, CHUNK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """ops/paged.py's paged_attention_inputs_reference: program 0 the per-user counts and offsets (a running
+    sum over chunks of users), the others a block of the page table each."""
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(q_offsets, tl.zeros([], dtype=tl.int64))
+        carry = tl.zeros([], dtype=tl.int64)  # new tokens of the users before the chunk
+        for c0 in range(0, num_users, CHUNK):
+            idx = c0 + tl.arange(0, CHUNK)
+            ok = idx < num_users
+            c = tl.maximum(tl.load(cached + idx, mask=ok, other=0).to(tl.int64), 0)
+            hist = tl.maximum(tl.load(new_hist + idx, mask=ok, other=0).to(tl.int64), 0)
+            cand = tl.maximum(tl.load(cand_len + idx, mask=ok, other=0).to(tl.int64), 0)
+            new_len = tl.where(ok, tl.where(c == 0, contextual_seq_len, 0) + hist + cand, 0)
+            end = carry + tl.cumsum(new_len, 0)
+            end_in = tl.minimum(tl.maximum(end, 0), total_new)
+            start_in = tl.minimum(tl.maximum(end - new_len, 0), total_new)
+            tl.store(q_offsets + idx + 1, end_in, mask=ok)
+            tl.store(seq_lens + idx, tl.minimum(c, key_limit) + end_in - start_in, mask=ok)
+            tl.store(num_targets + idx, cand, mask=ok)
+            carry += tl.sum(new_len, 0)
+    else:
+        offs = (pid - 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < table_numel
+        page = tl.load(table + (offs // width) * stride_table + offs % width, mask=ok, other=0)
+        tl.store(pages + offs, tl.minimum(tl.maximum(page, 0), last_page).to(pages.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -397,3 +431,30 @@ def paged_hstu_mha_store_triton(
         contextual_seq_len, max_attn_len, max_seq_len=max_seq_len, max_query_len=max_query_len, layer=layer,
         splits=splits, traceable=True,
     )  # fmt: skip
+
+
+@triton_op("hstu_export::paged_attention_inputs_triton", mutates_args={})
+def paged_attention_inputs_triton(
+    cached: torch.Tensor,
+    new_hist: torch.Tensor,
+    cand_len: torch.Tensor,
+    page_table: torch.Tensor,
+    contextual_seq_len: int,
+    total_new: int,
+    page_size: int,
+    num_pages: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ops/paged.py's paged_attention_inputs_reference in one launch: ``(q_offsets, seq_lens, num_targets,
+    page_table)`` for :func:`paged_hstu_mha_store_triton`, as buffers of their own."""
+    num_users = cached.shape[0]
+    q_offsets = torch.empty(num_users + 1, dtype=torch.int64, device=cached.device)
+    seq_lens = torch.empty(num_users, dtype=torch.int64, device=cached.device)
+    num_targets = torch.empty(num_users, dtype=torch.int64, device=cached.device)
+    pages = torch.empty((num_users, page_table.shape[1]), dtype=page_table.dtype, device=cached.device)
+    numel = num_users * page_table.shape[1]
+    wrap_triton(_attention_inputs)[(1 + triton.cdiv(numel, _TABLE_BLOCK),)](
+        cached, new_hist, cand_len, page_table, q_offsets, seq_lens, num_targets, pages, num_users, numel,
+        torch.sym_max(page_table.shape[1], 1), page_table.stride(0), contextual_seq_len, total_new,
+        page_table.shape[1] * page_size, num_pages - 1, CHUNK=_USER_CHUNK, BLOCK=_TABLE_BLOCK,
+    )  # fmt: skip
+    return q_offsets, seq_lens, num_targets, pages
