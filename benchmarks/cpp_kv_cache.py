@@ -54,7 +54,8 @@ from hstu_export.tensor_dir import load_tensors, save_tensors
 REPO = Path(__file__).resolve().parent.parent
 LATENCY = re.compile(r"p50 ([0-9.]+) ms, p99 ([0-9.]+) ms")
 PHASES = re.compile(r"request (\d+) phases \(device synchronised between them\), p50: before the dense half "
-                    r"([\d.]+) ms, dense half ([\d.]+) ms, after it ([\d.]+) ms")
+                    r"([\d.]+) ms, dense half ([\d.]+) ms, after it ([\d.]+) ms"
+                    r"(?:; the dense half's launch returned after ([\d.]+) ms)?")
 
 
 def prefix_of(whole: dict[str, torch.Tensor], work: dict, batch: int) -> dict[str, torch.Tensor]:
@@ -94,8 +95,9 @@ def cpp(runner: Path, *args: object) -> tuple[subprocess.CompletedProcess[str], 
     stats = re.findall(r"kv cache: .*", done.stdout)
     phases = PHASES.findall(done.stdout)  # --phase-times: the last request's
     return done, {"p50_ms": float(p50), "p99_ms": float(p99), **({"cache": stats[-1]} if stats else {}),
-                  **({"phases_p50_ms": dict(zip(("before_dense", "dense", "after_dense"), map(float, phases[-1][1:])))}
-                     if phases else {})}
+                  **({"phases_p50_ms": {name: float(value) for name, value in
+                                        zip(("before_dense", "dense", "after_dense", "dense_launch"), phases[-1][1:])
+                                        if value}} if phases else {})}  # fmt: skip
 
 
 def rel_l2(a: dict, b: dict) -> float:

@@ -184,7 +184,8 @@ def test_cpp_phase_times_of_cached_requests(cpp_runtime, kv_package, tmp_path) -
     done, _ = _run_cpp(cpp_runtime, root, steps, tmp_path, "--kv-cache", "auto", "--repeat", 3, "--phase-times")
     found = PHASES.findall(done.stdout)
     assert [int(k) for k, *_ in found] == [1, 2, 3], done.stdout
-    assert all(float(dense) > 0 and float(before) > 0 for _, before, dense, _ in found), done.stdout
+    assert all(float(dense) > 0 and float(before) > 0 and 0 < float(launch) <= float(dense)
+               for _, before, dense, _, launch in found), done.stdout
     assert "outputs equal to the first pass's bit for bit" in done.stdout
 
 

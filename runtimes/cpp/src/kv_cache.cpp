@@ -537,6 +537,7 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
   // The run writes the stored users' new K/V into their pages.
   clock.lap(&PhaseTimes::before_dense_ms);
   std::vector<at::Tensor> outputs = graphs ? (*graphs)(inputs) : run_program(inputs);
+  clock.split(&PhaseTimes::dense_launch_ms);
   clock.lap(&PhaseTimes::dense_ms);
   if (outputs.size() != kv.outputs.size()) {
     throw Error(kv.program_file + " returned " + std::to_string(outputs.size()) + " outputs, the manifest names " +

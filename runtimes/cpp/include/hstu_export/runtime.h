@@ -76,6 +76,7 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 struct PhaseTimes {
   double before_dense_ms = 0;  // validation, the sparse half, the dense half's inputs (and the cache's bookkeeping)
   double dense_ms = 0;
+  double dense_launch_ms = 0;  // of dense_ms: until the call that launches the dense half returned (host work)
   double after_dense_ms = 0;  // the outputs (and recording what the cache's pages hold)
 };
 
