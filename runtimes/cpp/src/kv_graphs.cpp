@@ -235,6 +235,10 @@ struct DeltaGraphs::Impl {
 #ifdef HSTU_EXPORT_CUDA_GRAPHS
     // The graph's copies of a request into the buffers, by input (none: requests are copied before a replay).
     std::vector<std::pair<std::string, cudaGraphNode_t>> copy_nodes;
+    // What each copy node copies now (source, bytes): a node already pointed at the request's tensor is left
+    // as it is (repointing a node is a driver call of a few microseconds; requests of one shape often get
+    // their tensors at the addresses the previous one had).
+    std::vector<std::pair<const void*, size_t>> pointed;
     ProgramInputs sources;  // what the captured copies read: kept alive, though each replay repoints them
     at::Tensor dummy;       // two bytes: a copy node with nothing to copy copies one of them onto the other
 #endif
@@ -344,21 +348,27 @@ struct DeltaGraphs::Impl {
     const GraphApi& api = graph_api();
     cudaGraphExec_t exec = entry.graph->raw_cuda_graph_exec();
     auto* dummy = static_cast<uint8_t*>(entry.dummy.data_ptr());
-    for (const auto& [name, node] : entry.copy_nodes) {
+    entry.pointed.resize(entry.copy_nodes.size(), {nullptr, 0});
+    for (size_t i = 0; i < entry.copy_nodes.size(); ++i) {
+      const auto& [name, node] = entry.copy_nodes[i];
       const at::Tensor& value = inputs.at(name);
       const at::Tensor& buffer = entry.buffers.at(name);
       size_t bytes = value.numel() * value.element_size();
       bool direct = bytes > 0 && value.is_contiguous() && value.scalar_type() == buffer.scalar_type() &&
                     value.device() == buffer.device() && value.dim() == buffer.dim() &&
                     value.sizes().slice(1) == buffer.sizes().slice(1) && value.size(0) <= buffer.size(0);
-      if (direct) {
-        check(api.set_memcpy(exec, node, buffer.data_ptr(), value.data_ptr(), bytes, cudaMemcpyDeviceToDevice),
-              "pointing a copy at a request");
-      } else {
-        check(api.set_memcpy(exec, node, dummy + 1, dummy, 1, cudaMemcpyDeviceToDevice),
-              "pointing a copy at nothing");
-        if (bytes > 0) copy_alone(entry.buffers, inputs, name);
+      std::pair<const void*, size_t> wanted(direct ? value.data_ptr() : static_cast<void*>(dummy), direct ? bytes : 1);
+      if (wanted != entry.pointed[i]) {
+        if (direct) {
+          check(api.set_memcpy(exec, node, buffer.data_ptr(), value.data_ptr(), bytes, cudaMemcpyDeviceToDevice),
+                "pointing a copy at a request");
+        } else {
+          check(api.set_memcpy(exec, node, dummy + 1, dummy, 1, cudaMemcpyDeviceToDevice),
+                "pointing a copy at nothing");
+        }
+        entry.pointed[i] = wanted;
       }
+      if (!direct && bytes > 0) copy_alone(entry.buffers, inputs, name);
     }
     // An input the capture had no rows of (so no copy node) is copied before the replay.
     for (const auto& [name, value] : inputs) {
