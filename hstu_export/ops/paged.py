@@ -41,9 +41,9 @@ def paged_attention_inputs_reference(cached: Tensor, new_hist: Tensor, cand_len:
     """What a delta run's attention takes, from the request's counts per user (``cached`` tokens,
     ``new_hist`` new history tokens, ``cand_len`` candidates; a user with nothing cached also brings its
     ``contextual_seq_len`` contextual tokens): ``(q_offsets, seq_lens, num_targets, page_table)`` of
-    :func:`paged_hstu_mha_store`, int64 (the table in its own dtype). Each is kept inside what it indexes whatever the
-    counts (a negative count is 0): query rows within the ``total_new`` new tokens, keys within the page
-    table's width, pages within the pool's ``num_pages``."""
+    :func:`paged_hstu_mha_store`, int64 (the table in its own dtype). Each is kept inside what it indexes,
+    whatever the counts (a negative count is 0): query rows within the ``total_new`` new tokens, keys within
+    the page table's width (``page_size`` tokens a page), pages within the pool's ``num_pages``."""
     cached, new_hist, cand_len = (t.to(torch.int64).clamp(min=0) for t in (cached, new_hist, cand_len))
     new_len = torch.where(cached == 0, contextual_seq_len, 0) + new_hist + cand_len
     q_offsets = lengths_to_offsets(new_len).clamp(0, total_new)

@@ -38,8 +38,12 @@ from .attention import _position, _silu_scaled
 from .configs import AttentionConfig, attention_config, next_power_of_2
 
 __all__ = [
-    "paged_attention_inputs_triton", "paged_hstu_mha_store_triton", "paged_hstu_mha_triton_fwd", "query_blocks", "split_count",
-]  # fmt: skip
+    "paged_attention_inputs_triton",
+    "paged_hstu_mha_store_triton",
+    "paged_hstu_mha_triton_fwd",
+    "query_blocks",
+    "split_count",
+]
 
 # Programs wanted in flight: about two waves of an H100's 132 SMs.
 _SMS = 132
