@@ -358,7 +358,9 @@ struct DeltaGraphs::Impl {
                     value.device() == buffer.device() && value.dim() == buffer.dim() &&
                     value.sizes().slice(1) == buffer.sizes().slice(1) && value.size(0) <= buffer.size(0);
       std::pair<const void*, size_t> wanted(direct ? value.data_ptr() : static_cast<void*>(dummy), direct ? bytes : 1);
+      counts.copies += 1;
       if (wanted != entry.pointed[i]) {
+        counts.repointed += 1;
         if (direct) {
           check(api.set_memcpy(exec, node, buffer.data_ptr(), value.data_ptr(), bytes, cudaMemcpyDeviceToDevice),
                 "pointing a copy at a request");

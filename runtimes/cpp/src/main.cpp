@@ -357,7 +357,9 @@ std::string stats_line(const hstu_export::CachedRanker& ranker) {
                   static_cast<long long>(g.replays), static_cast<long long>(g.captures), static_cast<long long>(g.eager));
     out += line;
     if (g.copying > 0) {
-      std::snprintf(line, sizeof line, " (%lld graphs copy the requests in themselves)", static_cast<long long>(g.copying));
+      std::snprintf(line, sizeof line, " (%lld graphs copy the requests in themselves; %lld of %lld copies repointed)",
+                    static_cast<long long>(g.copying), static_cast<long long>(g.repointed),
+                    static_cast<long long>(g.copies));
       out += line;
     }
   }

@@ -33,6 +33,8 @@ struct KVGraphCounts {
   int64_t captures = 0;  // graphs captured
   int64_t eager = 0;     // requests of a shape seen once, run as they are
   int64_t copying = 0;   // graphs captured with the request's copies inside them (of `captures`)
+  int64_t copies = 0;    // copies of a request's tensors those graphs made: one per input and replay
+  int64_t repointed = 0;  // of `copies`: those whose node was pointed anew (the tensor was not where the last was)
 };
 
 struct KVCacheOptions {
