@@ -178,7 +178,7 @@ def check_attention_inputs(fn) -> None:  # type: ignore[no-untyped-def]
         cached = torch.randint(-3, 200, (users,), generator=gen).to(dtype)
         cached[::3] = 0
         hist, cand = (torch.randint(-2, 9, (users,), generator=gen).to(dtype) for _ in range(2))
-        wide = torch.randint(-5, 50, (users, width + 3), generator=gen, dtype=torch.int32)
+        wide = torch.randint(-5, 50, (users, width + 3), generator=gen).to(dtype)  # int64 tables too
         table = wide[:, 1 : width + 1]  # a view: rows 3 entries apart
         for total_new in (0, 7, 10_000):
             args = (cached, hist, cand, table, contextual, total_new, 16, 40)
