@@ -39,7 +39,7 @@ from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS, HstuR
 from hstu_export.models.stu import LAYER_NORM_EPS, layer_norm_fp32
 from hstu_export.models.transducer import time_buckets, token_positions
 from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offsets
-from hstu_export.ops.paged import paged_attention_inputs, paged_hstu_mha_store, scratch_page
+from hstu_export.ops.paged import delta_counts, paged_attention_inputs, paged_hstu_mha_store, scratch_page
 from hstu_export.ops.reference import stu_gate
 
 __all__ = ["PROGRAM_INPUTS", "DeltaPlan", "DeltaProgram", "DeltaRanker", "KVLayout", "fresh_contextual",
@@ -63,18 +63,11 @@ class DeltaPlan:
     requested: tuple[Tensor, Tensor, Tensor]
 
 
-def _counts(cached: Tensor, new_hist: Tensor, cand_len: Tensor, c: int) -> dict[str, Tensor]:
-    ctx_new = torch.where(cached == 0, c, 0)
-    new_len = ctx_new + new_hist + cand_len
-    return {"cached": cached, "ctx_new": ctx_new, "new_len": new_len, "seq_len": cached + new_len,
-            "cand_len": cand_len, "new_hist": new_hist}
-
-
 def plan_on_device(cached: Tensor, new_hist: Tensor, cand_len: Tensor, n_hist: Any, n_cand: Any, n_ctx_rows: Any,
                    c: int, max_seq_len: int, max_query_len: int) -> DeltaPlan:
     """A plan from device tensors and the sizes of the request's token tables (history, candidates, the
     contextual rows of the users with nothing cached): no host read, so it traces with symbolic sizes."""
-    on = _counts(*(t.to(torch.int64).clamp(min=0) for t in (cached, new_hist, cand_len)), c)
+    on = delta_counts(*(t.to(torch.int64).clamp(min=0) for t in (cached, new_hist, cand_len)), c)
     return DeltaPlan(batch=cached.shape[0], total_new=n_hist + n_cand + n_ctx_rows,
                      total_cand=n_cand, max_seq_len=max_seq_len, max_query_len=max_query_len, on=on,
                      requested=(cached, new_hist, cand_len))
@@ -144,8 +137,8 @@ class DeltaRanker:
     def plan(self, features: dict[str, Tensor], cached: Tensor, device: torch.device) -> DeltaPlan:
         """Sizes and per-user counts of a delta request, from its (host) lengths."""
         c = self.config.contextual_seq_len
-        counts = _counts(cached.cpu().to(torch.int64), features[HISTORY_LENGTHS].cpu().to(torch.int64),
-                         features[CANDIDATE_LENGTHS].cpu().to(torch.int64), c)
+        counts = delta_counts(cached.cpu().to(torch.int64), features[HISTORY_LENGTHS].cpu().to(torch.int64),
+                              features[CANDIDATE_LENGTHS].cpu().to(torch.int64), c)
         on = {name: t.to(device) for name, t in counts.items()}
         return DeltaPlan(
             batch=counts["cached"].numel(), total_new=int(counts["new_len"].sum()),

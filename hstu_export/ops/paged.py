@@ -25,14 +25,26 @@ from torch import Tensor
 from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offsets
 from hstu_export.ops.reference import _hstu_attend, hstu_attention_mask
 
-__all__ = ["paged_attention_inputs", "paged_attention_inputs_reference", "paged_hstu_mha", "paged_hstu_mha_reference",
-           "paged_hstu_mha_store", "paged_hstu_mha_store_reference", "scratch_page", "store_new_kv_reference"]
+__all__ = ["delta_counts", "paged_attention_inputs", "paged_attention_inputs_reference", "paged_hstu_mha",
+           "paged_hstu_mha_reference", "paged_hstu_mha_store", "paged_hstu_mha_store_reference", "scratch_page",
+           "store_new_kv_reference"]
 
 
 def scratch_page(k_pool: Tensor) -> int:
     """The page of a pool ``[layers, pages, ...]`` where the K/V of tokens that are not stored are written:
     its last, which no user owns and nothing reads (:class:`hstu_export.serving.kv_cache.PagedKVCache`)."""
     return k_pool.shape[1] - 1
+
+
+def delta_counts(cached: Tensor, new_hist: Tensor, cand_len: Tensor, contextual_seq_len: int) -> dict[str, Tensor]:
+    """A delta request's counts per user, from the tokens cached, the new history tokens and the candidates
+    (a user with nothing cached also brings its ``contextual_seq_len`` contextual tokens): those three, and
+    ``ctx_new`` (the contextual tokens it brings), ``new_len`` (its new tokens), ``seq_len`` (its whole
+    sequence)."""
+    ctx_new = torch.where(cached == 0, contextual_seq_len, 0)
+    new_len = ctx_new + new_hist + cand_len
+    return {"cached": cached, "ctx_new": ctx_new, "new_len": new_len, "seq_len": cached + new_len,
+            "cand_len": cand_len, "new_hist": new_hist}
 
 
 def paged_attention_inputs_reference(cached: Tensor, new_hist: Tensor, cand_len: Tensor, page_table: Tensor,
@@ -44,11 +56,10 @@ def paged_attention_inputs_reference(cached: Tensor, new_hist: Tensor, cand_len:
     :func:`paged_hstu_mha_store`, int64 (the table in its own dtype). Each is kept inside what it indexes,
     whatever the counts (a negative count is 0): query rows within the ``total_new`` new tokens, keys within
     the page table's width (``page_size`` tokens a page), pages within the pool's ``num_pages``."""
-    cached, new_hist, cand_len = (t.to(torch.int64).clamp(min=0) for t in (cached, new_hist, cand_len))
-    new_len = torch.where(cached == 0, contextual_seq_len, 0) + new_hist + cand_len
-    q_offsets = lengths_to_offsets(new_len).clamp(0, total_new)
-    seq_lens = cached.clamp(max=page_table.shape[1] * page_size) + q_offsets[1:] - q_offsets[:-1]
-    return q_offsets, seq_lens, cand_len, page_table.clamp(0, num_pages - 1)
+    on = delta_counts(*(t.to(torch.int64).clamp(min=0) for t in (cached, new_hist, cand_len)), contextual_seq_len)
+    q_offsets = lengths_to_offsets(on["new_len"]).clamp(0, total_new)
+    seq_lens = on["cached"].clamp(max=page_table.shape[1] * page_size) + q_offsets[1:] - q_offsets[:-1]
+    return q_offsets, seq_lens, on["cand_len"], page_table.clamp(0, num_pages - 1)
 
 
 def paged_attention_inputs(cached: Tensor, new_hist: Tensor, cand_len: Tensor, page_table: Tensor,
