@@ -306,6 +306,21 @@ def test_padding_to_a_bucket_appends_one_user_and_is_dropped_again() -> None:
     assert calls == [2, 2, 2] and graphs.counts == {"replays": 0, "captures": 0, "eager": 3}  # never padded
 
 
+def test_a_replays_rows_are_copied_out_of_the_buffers() -> None:
+    from hstu_export.runtimes.kv_graphs import first_rows, unpad
+
+    buffers = {"ctr": torch.rand(6, dtype=torch.bfloat16), "cvr": torch.rand(6, 2), "ids": torch.arange(6)}
+    rows = first_rows(unpad(buffers, 4))
+    expected = {name: value[:4].clone() for name, value in buffers.items()}
+    for value in buffers.values():  # the next replay writes the buffers
+        value.zero_()
+    assert list(rows) == ["ctr", "cvr", "ids"]
+    for name, value in rows.items():
+        assert value.dtype == expected[name].dtype and value.shape == expected[name].shape
+        assert torch.equal(value, expected[name]), name
+    assert first_rows(unpad(buffers, 0))["cvr"].shape == (0, 2)
+
+
 def test_embeddings_are_copied_into_a_bucket_each_on_its_own() -> None:
     from hstu_export.runtimes.kv_graphs import Buckets, copies_into, fill_bucket, pad_to_bucket
 
