@@ -49,6 +49,9 @@ class Returns:
     def __call__(self, *args: object) -> dict[str, torch.Tensor]:
         return {}
 
+    def table_width(self, width: int) -> int:
+        return width
+
 
 def measure(model: HstuRankingModel, batch: int, iters: int, runs: int = 1) -> dict[str, float]:
     lengths = {"uih_lengths": [HISTORY] * batch, "candidate_lengths": [CANDIDATES] * batch}

@@ -227,11 +227,46 @@ def kernel_trace(runner, inputs: dict, path: Path, calls: int = 10) -> dict:  # 
             "gpu_ms_per_call": sum(e.device_time_total for e in gpu) / calls / 1e3}
 
 
+def served_ab(runner, inputs: dict, scratch: int, rounds: int = 3) -> dict:  # type: ignore[no-untyped-def]
+    """Same run, as served: graphs that copy the request in themselves (their copy nodes pointed at each
+    request's tensors: runtimes/graph_copies.py) against graphs whose requests are copied before each replay.
+    Each variant captures its own graphs; rounds alternate. The page table is built at its bucket's width, as
+    the ranker builds it. Then each variant serves the request in new tensors (new addresses: the nodes are
+    pointed anew) and their outputs are compared bit for bit."""
+    from hstu_export.runtimes.kv_graphs import STATIC_INPUTS, GraphCache
+
+    table = inputs["kv_page_table"]
+    wide = runner.table_width(table.shape[1])
+    inputs = {**inputs, "kv_page_table": torch.nn.functional.pad(table, (0, wide - table.shape[1]), value=scratch)}
+    kept = runner.graphs
+    variants = {name: GraphCache(runner._run, runner._buckets, runner.layout.contextual_seq_len, copy_nodes=nodes)
+                for name, nodes in (("copies_before", False), ("copy_nodes", True))}
+    p50: dict[str, list[float]] = {name: [] for name in variants}
+    outputs = {}
+    try:
+        for _ in range(rounds):
+            for name, graphs in variants.items():
+                runner.graphs = graphs
+                p50[name].append(bench(lambda: runner.run_program(inputs), iters=30)["p50_ms"])
+        for name, graphs in variants.items():
+            runner.graphs = graphs
+            moved = {key: value if key in STATIC_INPUTS else value.clone() for key, value in inputs.items()}
+            outputs[name] = runner.run_program(moved)
+    finally:
+        runner.graphs = kept
+    median = {name: statistics.median(values) for name, values in p50.items()}
+    return {"p50_ms_rounds": p50, "p50_ms": median, "before_over_nodes": median["copies_before"] / median["copy_nodes"],
+            "outputs_equal": all(torch.equal(outputs["copy_nodes"][k], outputs["copies_before"][k])
+                                 for k in outputs["copies_before"]),
+            "counts": {name: dict(graphs.counts) for name, graphs in variants.items()}}
+
+
 def served_steps(graphs, inputs: dict, iters: int = 50) -> dict:  # type: ignore[no-untyped-def]
     """Host time of each step of a served call (ms, medians), the request's bucket already captured: its key,
-    the copies into its buffers, the graph's launch, the copies of the outputs. Synchronised between calls
-    (outside the timings), so that the GPU is idle when each starts, as in the timed served calls."""
-    from hstu_export.runtimes.kv_graphs import bucket_key, unpad
+    the copies into its buffers (or the pointing of the graph's copy nodes), the graph's launch, the copies of
+    the outputs. Synchronised between calls (outside the timings), so that the GPU is idle when each starts,
+    as in the timed served calls."""
+    from hstu_export.runtimes.kv_graphs import bucket_key, first_rows, unpad
 
     key = bucket_key(inputs, graphs._buckets, graphs._contextual)
     if key is None:
@@ -243,11 +278,12 @@ def served_steps(graphs, inputs: dict, iters: int = 50) -> dict:  # type: ignore
         t0 = time.perf_counter()
         bucket_key(inputs, graphs._buckets, graphs._contextual)
         t1 = time.perf_counter()
-        candidates = graphs._fill(entry, inputs)
+        # The graph's copy nodes pointed at the request's tensors, or the request copied before the replay.
+        candidates = graphs._point(entry, inputs) if entry.graph_copies is not None else graphs._fill(entry, inputs)
         t2 = time.perf_counter()
         entry.graph.replay()
         t3 = time.perf_counter()
-        {name: value.clone() for name, value in unpad(entry.outputs, candidates).items()}
+        first_rows(unpad(entry.outputs, candidates))
         t4 = time.perf_counter()
         for name, a, b in (("key", t0, t1), ("fill", t1, t2), ("replay", t2, t3), ("outputs", t3, t4)):
             steps[name].append((b - a) * 1e3)
@@ -472,6 +508,7 @@ def package_row(row: dict, package, budget: int, prefix: dict, features: dict, f
         row["kv_new_k_equal_served_vs_eager"] = bool(torch.equal(kv.cache.k[:, at[0], at[1]], eager_k))
         row["kv_new_k_written"] = bool(eager_k.ne(0).any())
         row["graph_counts"] = dict(runner.graphs.counts)
+        row["kv_program_served_ab"] = served_ab(runner, inputs, kv.cache.scratch_page)
     row["kv_program_inputs"] = bench(lambda: runner.program_inputs(delta_features, cached, kv.cache.k, kv.cache.v,
                                                                    table), iters=20)
     row["kv_package_ranker"] = bench(lambda: reset_and_run(kv), iters=20)
@@ -529,6 +566,7 @@ def ranker_phases(kv, request: dict, call, iters: int = 20) -> dict:  # type: ig
 
     class Recorder:  # validates as the runner does; keeps the delta request instead of running it
         validate = runner.validate
+        table_width = runner.table_width
 
         def __call__(self, features, cached, k, v, table):  # type: ignore[no-untyped-def]
             seen.update(features=features, cached=cached, table=table)

@@ -20,7 +20,7 @@ from hstu_export.kv_export import bucket_steps, legacy_program_bounds, page_tabl
 from hstu_export.models.cached import KVLayout, stacked_contextual
 from hstu_export.models.ranking import HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES
 from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
-from hstu_export.runtimes.kv_graphs import Buckets, GraphCache, pad_to_bucket, unpad
+from hstu_export.runtimes.kv_graphs import Buckets, GraphCache, bucket_width, pad_to_bucket, unpad
 from hstu_export.settings import TORCH_DTYPES
 
 # The sparse half's outputs per history token (zoo names).
@@ -105,6 +105,11 @@ class PackageDelta:
                       "kv_cached": cached.to(self.device, torch.int64), "kv_k_pages": k_pages, "kv_v_pages": v_pages,
                       "kv_page_table": page_table.to(self.device, torch.int32)}
         return {name: values[name].contiguous() for name in self._inputs}
+
+    def table_width(self, width: int) -> int:
+        """The width to build a page table ``width`` pages wide at (its later columns the scratch page): its
+        shape bucket's when requests run in buckets, so that the graph copies it in as it is."""
+        return bucket_width(width, self._buckets) if self.graphs is not None else width
 
     def run_program(self, inputs: dict[str, Tensor], *, bucketed: bool | None = None) -> dict[str, Tensor]:
         """The delta program alone on :meth:`program_inputs` (what benchmarks time): the model's outputs; the

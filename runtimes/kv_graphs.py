@@ -34,6 +34,7 @@ from torch import Tensor
 
 from hstu_export.models.cached import scratch_page
 from hstu_export.models.ranking import CANDIDATE_LENGTHS, HISTORY_LENGTHS
+from hstu_export.runtimes.graph_copies import GraphCopies, cuda_runtime, graph_copies
 
 # The pages are the cache itself: the same tensors on every call, never copied (their address is part
 # of a bucket's key).
@@ -71,7 +72,13 @@ def _bucket_sizes(inputs: dict[str, Tensor], buckets: Buckets) -> tuple[int, int
     # gets a block of them (``_rounded(0)``), so that the program's history input is never empty.
     pad_h = _rounded(hist, buckets.history) - hist
     pad_c = _rounded(cand, buckets.candidates) - cand
-    return pad_h, pad_c, min(max(1 << (width - 1).bit_length(), width), max(buckets.max_width, width))
+    return pad_h, pad_c, bucket_width(width, buckets)
+
+
+def bucket_width(width: int, buckets: Buckets) -> int:
+    """The page table's width in the bucket of a request whose table is ``width`` wide: rounded up to a power
+    of two, within the buckets' widest (a wider table keeps its width)."""
+    return min(max(1 << (width - 1).bit_length(), width), max(buckets.max_width, width))
 
 
 def pad_to_bucket(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) -> tuple[dict[str, Tensor], int]:
@@ -216,12 +223,31 @@ def first_rows(rows: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def copy_alone(static: dict[str, Tensor], inputs: dict[str, Tensor], name: str) -> None:
+    """Writes input ``name`` of a request into its bucket's buffers ``static``: the page table's real columns,
+    and its later columns (a narrower table) set to the scratch page, so that no write lands in an earlier
+    request's pages."""
+    value = inputs[name]
+    if name != "kv_page_table":
+        static[name][: value.shape[0]].copy_(value)
+        return
+    batch, width = value.shape
+    rows = static[name][:batch]
+    rows[:, :width].copy_(value)
+    if width < rows.shape[1]:
+        rows[:, width:].fill_(scratch_page(inputs["kv_k_pages"]))
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None: replays call the function on the buffers (no CUDA)
     inputs: dict[str, Tensor]
     outputs: dict[str, Tensor]
     copies: tuple[tuple[int, ...], Copies] | None = None  # the last request's sizes, and its copies
+    # The graph's own copies of a request into ``inputs`` (None: requests are copied before the replay), and
+    # what they were captured from (kept alive: a node reads it until it is first pointed elsewhere).
+    graph_copies: GraphCopies | None = None
+    sources: dict[str, Tensor] | None = None
 
 
 class GraphCache:
@@ -230,7 +256,7 @@ class GraphCache:
     buffers without capturing graphs (a replay calls ``fn`` on them): the same bookkeeping, on any device."""
 
     def __init__(self, fn: Callable[..., dict[str, Tensor]], buckets: Buckets, contextual: int,
-                 max_graphs: int = 16, capture: bool = True) -> None:
+                 max_graphs: int = 16, capture: bool = True, copy_nodes: bool = True) -> None:
         self._fn = fn
         self._cuda = capture
         self._buckets = buckets
@@ -239,8 +265,10 @@ class GraphCache:
         self._graphs: OrderedDict[Any, _Graph] = OrderedDict()
         self._seen: dict[Any, int] = {}
         self._pool: Any = None
+        self._copy_nodes = copy_nodes
         self._lock = threading.Lock()
-        self.counts = {"replays": 0, "captures": 0, "eager": 0}
+        # copying: graphs that copy the requests in themselves; repointed: their copy nodes pointed anew.
+        self.counts = {"replays": 0, "captures": 0, "eager": 0, "copying": 0, "repointed": 0}
 
     def __call__(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         key = bucket_key(inputs, self._buckets, self._contextual)
@@ -262,6 +290,8 @@ class GraphCache:
                 self._graphs[key] = entry
                 if len(self._graphs) > self._max:
                     self._graphs.popitem(last=False)
+            elif entry.graph_copies is not None:
+                candidates = self._point(entry, inputs)
             else:
                 candidates = self._fill(entry, inputs)
             self._graphs.move_to_end(key)
@@ -281,6 +311,20 @@ class GraphCache:
             entry.copies = (sizes, copies_into(entry.inputs, inputs))
         return fill_bucket(entry.inputs, inputs, entry.copies[1])
 
+    def _point(self, entry: _Graph, inputs: dict[str, Tensor]) -> int:
+        """Points the graph's copy nodes at the request's tensors; copies before the replay the inputs a node
+        cannot take as they are, and those the capture had no rows of (so no node). Returns what
+        :meth:`_fill` returns."""
+        assert entry.graph_copies is not None and entry.sources is not None
+        before = entry.graph_copies.repointed
+        for name in entry.graph_copies.point(entry.inputs, inputs):
+            copy_alone(entry.inputs, inputs, name)
+        self.counts["repointed"] += entry.graph_copies.repointed - before
+        for name, value in inputs.items():
+            if name not in STATIC_INPUTS and value.numel() > 0 and name not in entry.sources:
+                copy_alone(entry.inputs, inputs, name)
+        return inputs["candidate_item_emb"].shape[0]
+
     def _run_bucket(self, static: dict[str, Tensor]) -> dict[str, Tensor]:
         """What a replay runs: the padding user's counts (its row is the last), then the program."""
         padding_counts(static, static["kv_cached"].shape[0] - 1)
@@ -299,8 +343,22 @@ class GraphCache:
             for _ in range(2):
                 self._run_bucket(static)
         torch.cuda.current_stream().wait_stream(side)
+        self.counts["captures"] += 1
+        if self._copy_nodes and cuda_runtime() is not None:
+            # The graph's first nodes copy the request into the buffers (memcpys, pointed at each request's
+            # tensors before its replay: runtimes/graph_copies.py).
+            sources = {name: value for name, value in inputs.items() if name not in STATIC_INPUTS and value.numel()}
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(graph, pool=self._pool):
+                for name, value in sources.items():
+                    static[name].copy_(value)
+                outputs = self._run_bucket(static)
+            copies = graph_copies(graph, static, sources)
+            if copies is not None:
+                self.counts["copying"] += 1
+                return _Graph(graph, static, outputs, graph_copies=copies, sources=sources)
+            # A copy that is not a memcpy node: captured again without them.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = self._run_bucket(static)
-        self.counts["captures"] += 1
         return _Graph(graph, static, outputs)

@@ -50,6 +50,9 @@ class DeltaRunner(Protocol):
         """:meth:`hstu_export.models.cached.DeltaRanker.run`'s contract (the model's outputs; the new K/V
         written into the pages); ``features`` may be on the host (the runner moves them to its device)."""
 
+    def table_width(self, width: int) -> int:
+        """The width to build a page table of ``width`` pages at (later columns: the scratch page)."""
+
 
 class EagerDelta:
     """The zoo model's delta path, run eagerly."""
@@ -68,6 +71,9 @@ class EagerDelta:
                  page_table: Tensor) -> dict[str, Tensor]:
         on_device = {name: value.to(self.device, non_blocking=True) for name, value in features.items()}
         return self.delta.run(on_device, cached, k_pages, v_pages, page_table)
+
+    def table_width(self, width: int) -> int:
+        return width
 
 
 class CacheFull(Exception):
@@ -313,7 +319,8 @@ class CachedRanker:
             bypassed = sum(kept is None for kept in stored)
             if bypassed:
                 self.cache.count("bypassed", bypassed)
-            width = max(1, *(len(t) for t in tables))
+            # As wide as the request's shape bucket, if the runner has them: the graph then copies it as it is.
+            width = self.runner.table_width(max(1, *(len(t) for t in tables)))
             scratch = self.cache.scratch_page  # the rest of a row, and the whole row of a user not stored
             table = torch.tensor([t + [scratch] * (width - len(t)) for t in tables], dtype=torch.int32,
                                  device=self.device)  # fmt: skip
