@@ -31,13 +31,14 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, ExportError
-from hstu_export.models.cached import PROGRAM_INPUTS, DeltaProgram, KVLayout, stacked_contextual
+from hstu_export.models.cached import PROGRAM_INPUTS, DeltaProgram, KVLayout, ResidualNorm, stacked_contextual
 from hstu_export.models.ranking import (
     CANDIDATE_LENGTHS,
     HISTORY_LENGTHS,
     HISTORY_TOKEN_FEATURES,
     HstuRankingModel,
 )
+from hstu_export.models.stu import LAYER_NORM_EPS
 
 KV_DELTA_FILE = "kv/delta.pt2"
 KV_INPUTS = ("kv_cached", "kv_k_pages", "kv_v_pages", "kv_page_table")
@@ -97,6 +98,23 @@ def attention_inputs_for(op_target: str) -> Callable[..., tuple[Tensor, ...]]:
     from hstu_export.ops.paged import paged_attention_inputs_reference
 
     return paged_attention_inputs_reference
+
+
+def residual_for(op_target: str) -> ResidualNorm | None:
+    """What lies between two layers of the program (:data:`~hstu_export.models.cached.ResidualNorm`): for
+    ``triton``, a plain product and our kernel for the sum and the next norm (no copy of the residual into
+    the product's output); else None, the model's own (an addmm, then the norm)."""
+    if op_target != "triton":
+        return None
+    import hstu_export.ops._triton  # noqa: F401  (registers hstu_export::add_layer_norm_triton)
+
+    def add_then_norm(x: Tensor, gated: Tensor, weight: Tensor, norm_weight: Tensor,
+                      norm_bias: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+        total, normed = torch.ops.hstu_export.add_layer_norm_triton(x, gated @ weight, norm_weight, norm_bias,
+                                                                     LAYER_NORM_EPS)
+        return total, normed
+
+    return add_then_norm
 
 
 def example_inputs(model: HstuRankingModel, ranges: Any, page_size: int, device: torch.device,
@@ -202,7 +220,7 @@ def compile_kv_delta(model: HstuRankingModel, ranges: Any, settings: Any, op_tar
     device, page_size = settings.torch_device, settings.kv_page_size
     max_seq_len, max_query_len = kv_bounds(model, ranges)
     program = DeltaProgram(model, attention_for(op_target, settings.kv_splits), max_seq_len, max_query_len,
-                           attention_inputs_for(op_target)).eval()
+                           attention_inputs_for(op_target), residual_for(op_target)).eval()
     example = example_inputs(model, ranges, page_size, device, settings.verify.seed)
     names = list(example)
     start = time.perf_counter()

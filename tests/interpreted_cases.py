@@ -90,3 +90,36 @@ def test_triton_attention_inputs() -> None:
     from hstu_export.ops._triton.paged import paged_attention_inputs_triton
 
     check_attention_inputs(paged_attention_inputs_triton)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 37])
+def test_add_layer_norm_kernel_equals_the_sum_and_its_norm(rows: int) -> None:
+    """The residual kernel's sum equals x + y, and its norm the model's fp32 layer norm of that sum: bit for bit
+    in fp32; in bf16 within one unit in the last place, as the interpreter rounds fp32 to bf16 its own way (10
+    of 48 values differed by one unit in a probe; the GPU rounds to nearest even, as torch does)."""
+    from hstu_export.models.stu import LAYER_NORM_EPS, layer_norm_fp32
+    from hstu_export.ops._triton.residual import add_layer_norm_triton_fwd
+
+    gen = torch.Generator().manual_seed(rows)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = (torch.randn(rows, 48, generator=gen).to(dtype) for _ in range(2))
+        w, b = torch.randn(48, generator=gen), torch.randn(48, generator=gen)
+        total, normed = add_layer_norm_triton_fwd(x, y, w, b, LAYER_NORM_EPS)
+        assert total.dtype == normed.dtype == dtype
+        if dtype == torch.float32:
+            assert torch.equal(total, x + y)
+            torch.testing.assert_close(normed, layer_norm_fp32(x + y, w, b), rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(total, x + y, rtol=2**-7, atol=0)
+            torch.testing.assert_close(normed.float(), layer_norm_fp32(total, w, b).float(), rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("config", [NO_CONTEXT, CONTEXT], ids=["no-context", "context"])
+def test_cached_ranker_with_the_residual_kernel(config: HSTUConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The delta run with the Triton program's residual (a product, then the sum-and-norm op) between layers:
+    every kind of delta still equals the full model."""
+    from hstu_export.kv_export import residual_for
+    from hstu_export.models import cached
+
+    monkeypatch.setattr(cached, "residual_then_norm", residual_for("triton"))
+    check_every_kind_of_delta(config)

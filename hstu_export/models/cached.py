@@ -42,8 +42,21 @@ from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offset
 from hstu_export.ops.paged import delta_counts, paged_attention_inputs, paged_hstu_mha_store, scratch_page
 from hstu_export.ops.reference import stu_gate
 
-__all__ = ["PROGRAM_INPUTS", "DeltaPlan", "DeltaProgram", "DeltaRanker", "KVLayout", "fresh_contextual",
-           "plan_on_device", "scratch_page", "stacked_contextual"]
+__all__ = ["PROGRAM_INPUTS", "DeltaPlan", "DeltaProgram", "DeltaRanker", "KVLayout", "ResidualNorm", "fresh_contextual",
+           "plan_on_device", "residual_then_norm", "scratch_page", "stacked_contextual"]
+
+
+# (x, gated, output weight, next layer's norm weight, its bias) -> (x + gated @ weight, the next layer's input
+# norm of that sum): what lies between two STU layers of the delta run.
+ResidualNorm = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def residual_then_norm(x: Tensor, gated: Tensor, weight: Tensor, norm_weight: Tensor,
+                       norm_bias: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """:data:`ResidualNorm` as the full model computes it (the sum an addmm, then :func:`layer_norm_fp32`): the
+    default, and the aten program's."""
+    x = x + gated @ weight
+    return x, layer_norm_fp32(x, norm_weight, norm_bias)
 
 
 @dataclass
@@ -103,7 +116,8 @@ class DeltaRanker:
     """Runs :class:`~hstu_export.models.ranking.HstuRankingModel` on the new tokens of each user."""
 
     def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor] = paged_hstu_mha_store,
-                 attention_inputs: Callable[..., tuple[Tensor, ...]] = paged_attention_inputs) -> None:
+                 attention_inputs: Callable[..., tuple[Tensor, ...]] = paged_attention_inputs,
+                 residual: ResidualNorm | None = None) -> None:
         self.model = model
         self.config = model.config
         self.transducer = model.transducer
@@ -113,6 +127,7 @@ class DeltaRanker:
         # and the function that computes its inputs (paged_attention_inputs's signature)
         self.attention = attention
         self.attention_inputs = attention_inputs
+        self.residual = residual or residual_then_norm  # between two layers (see ResidualNorm)
 
     @torch.no_grad()
     def run(
@@ -215,10 +230,12 @@ class DeltaRanker:
         att_offsets, att_seq_len, att_targets, att_pages = self.attention_inputs(
             *plan.requested, page_table, c, total_new, k_pages.shape[2], k_pages.shape[1])
 
-        # The STU layers on the new rows; each layer's attention stores the new non-target tokens' K/V.
-        for number, layer in enumerate(tr.stu.layers):
+        # The STU layers on the new rows; each layer's attention stores the new non-target tokens' K/V. Each
+        # layer's input norm comes with the residual sum of the layer before (self.residual), the first's alone.
+        layers = list(tr.stu.layers)
+        n = layer_norm_fp32(x, layers[0].input_norm_weight, layers[0].input_norm_bias) if layers else x
+        for number, layer in enumerate(layers):
             h, dqk, dv = layer.num_heads, layer.attention_dim, layer.linear_dim
-            n = layer_norm_fp32(x, layer.input_norm_weight, layer.input_norm_bias)
             uvqk = torch.addmm(layer.uvqk_bias, n, layer.uvqk_weight)
             u, v, q, k = torch.split(uvqk, [dv * h, dv * h, dqk * h, dqk * h], dim=-1)
             # Views into uvqk (head dim contiguous): the kernel takes their strides, so no copy.
@@ -229,7 +246,12 @@ class DeltaRanker:
                 max_query_len=max_query_len,
             ).reshape(-1, h * dv)  # fmt: skip
             gated = stu_gate(u, a, layer.output_norm_weight, layer.output_norm_bias, LAYER_NORM_EPS)
-            x = x + gated @ layer.output_weight
+            if number + 1 < len(layers):
+                following = layers[number + 1]
+                x, n = self.residual(x, gated, layer.output_weight, following.input_norm_weight,
+                                     following.input_norm_bias)
+            else:
+                x = x + gated @ layer.output_weight
 
         candidates = x[cand_rows]
         if cfg.postprocessor == "l2norm":
@@ -263,10 +285,10 @@ class DeltaProgram(nn.Module):
 
     def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor], max_seq_len: int,
                  max_query_len: int, attention_inputs: Callable[..., tuple[Tensor, ...]] = paged_attention_inputs,
-                 ) -> None:  # fmt: skip
+                 residual: ResidualNorm | None = None) -> None:
         super().__init__()
         self.model = model
-        self.delta = DeltaRanker(model, attention, attention_inputs)
+        self.delta = DeltaRanker(model, attention, attention_inputs, residual)
         self.max_seq_len, self.max_query_len = max_seq_len, max_query_len
 
     def forward(self, uih_item_emb: Tensor, uih_action_emb: Tensor, candidate_item_emb: Tensor, contextual_emb: Tensor,

@@ -8,6 +8,7 @@ kernels visible and AOTInductor compiles them into the package (no Python or Tri
 - ``hstu_export::paged_hstu_mha_store_triton``: delta attention against the paged KV cache, storing the
   new K/V in it, and ``hstu_export::paged_attention_inputs_triton``: what it takes besides q/k/v, computed
   once for every layer from a request's counts (paged.py)
+- ``hstu_export::add_layer_norm_triton``: a residual sum and the next layer's input norm (residual.py)
 - ``hstu_export::jagged_to_padded_dense_triton``, ``hstu_export::dense_to_jagged_triton``,
   ``hstu_export::concat_2D_jagged_triton``, ``hstu_export::split_2D_jagged_triton`` (jagged.py)
 
@@ -28,12 +29,14 @@ from .configs import (
 )
 from .gated import hstu_mha_gated_triton_fwd
 from .paged import paged_hstu_mha_triton_fwd
+from .residual import add_layer_norm_triton_fwd
 
 OP_NAMES: tuple[str, ...] = (
     "hstu_export::hstu_mha_triton",
     "hstu_export::cached_hstu_mha_triton",
     "hstu_export::hstu_mha_gated_triton",
     "hstu_export::paged_hstu_mha_store_triton",
+    "hstu_export::add_layer_norm_triton",
     "hstu_export::jagged_to_padded_dense_triton",
     "hstu_export::dense_to_jagged_triton",
     "hstu_export::concat_2D_jagged_triton",
@@ -44,6 +47,7 @@ __all__ = [
     "OP_NAMES",
     "AttentionConfig",
     "JaggedConfig",
+    "add_layer_norm_triton_fwd",
     "attention_config",
     "cached_hstu_mha_triton_fwd",
     "chosen_configs",
