@@ -55,20 +55,22 @@ def loaded_library(stem: str, maps: str = "/proc/self/maps") -> str | None:
     except OSError:
         return None
     for line in lines:
-        path = line.split(maxsplit=5)[-1] if len(line.split(maxsplit=5)) == 6 else ""
-        name = os.path.basename(path)
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path (a path may hold spaces)
+        name = os.path.basename(fields[5]) if len(fields) == 6 else ""
         if name == stem or name.startswith(stem + "."):
-            return path
+            return fields[5]
     return None
 
 
-@functools.cache
 def cuda_runtime() -> ctypes.CDLL | None:
     """The CUDA runtime torch loaded, with the graph functions this module calls; None where it is not loaded
-    (a CPU build of torch, CUDA not initialised yet) or lacks one of them."""
+    (a CPU build of torch) or lacks one of them. Looked up again until found."""
     path = loaded_library("libcudart.so")
-    if path is None:
-        return None
+    return None if path is None else _runtime_at(path)
+
+
+@functools.cache
+def _runtime_at(path: str) -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(path)
     except OSError:
