@@ -11,10 +11,12 @@ there).
 
 A bucket is captured the second time it is seen (one-off shapes run eagerly, unpadded, and so do
 requests whose bucket would be beyond the program's exported bounds), into a pool shared by every
-graph, and at most ``max_graphs`` are kept (least recently used first out). A replay writes the
-request straight into the graph's input buffers (:func:`fill_bucket`: a copy of each embedding, one for
-the other inputs of each dtype):
-the padding user's rows keep whatever an earlier request left there (finite values that only the
+graph, and at most ``max_graphs`` are kept (least recently used first out). The graph's first nodes copy
+the request into its input buffers: before each replay they are pointed at the request's tensors
+(:mod:`~hstu_export.runtimes.graph_copies`), so that a call is one launch. Where that cannot be done (no
+CUDA runtime found in the process, an input not contiguous), the request is written into the buffers
+before the replay instead (:func:`fill_bucket`: a copy of each embedding, one for the other inputs of each
+dtype). The padding user's rows keep whatever an earlier request left there (finite values that only the
 padding user reads), and its two token counts are computed on the device by the graph itself
 (:func:`padding_counts`). Replays are serialised under one lock; the real rows of the outputs are
 copied out before it is released. The run itself writes the new K/V into the pages, so they are not

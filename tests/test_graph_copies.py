@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hstu_export.runtimes.graph_copies import Memcpy3DParms, direct_copy, graph_copies, loaded_library
+from hstu_export.runtimes.kv_graphs import copy_alone
 
 
 def test_memcpy_params_have_the_cuda_runtimes_layout() -> None:
@@ -50,3 +51,16 @@ def test_which_requests_a_copy_node_takes_as_they_are() -> None:
 def test_without_the_cuda_runtime_requests_are_copied_before_the_replay() -> None:
     # A CPU torch loads no CUDA runtime: no graph copies, whatever the graph.
     assert graph_copies(object(), {}, {}) is None  # type: ignore[arg-type]
+
+
+def test_an_input_a_node_cannot_take_is_written_into_the_bucket() -> None:
+    pages = torch.zeros(1, 10, 4, 1, 1)  # the scratch page is the last: 9
+    static = {"uih_item_emb": torch.full((6, 2), -1.0), "kv_page_table": torch.full((3, 8), 5, dtype=torch.int32),
+              "kv_k_pages": pages}
+    request = {"uih_item_emb": torch.arange(8.0).reshape(4, 2), "kv_page_table": torch.tensor([[1, 2, 3], [4, 5, 6]],
+               dtype=torch.int32), "kv_k_pages": pages}  # fmt: skip
+    copy_alone(static, request, "uih_item_emb")
+    assert static["uih_item_emb"][:4].equal(request["uih_item_emb"])
+    assert static["uih_item_emb"][4:].eq(-1).all()  # the padding user's rows are left as they were
+    copy_alone(static, request, "kv_page_table")  # narrower than the bucket: its later columns the scratch page
+    assert static["kv_page_table"].tolist() == [[1, 2, 3, 9, 9, 9, 9, 9], [4, 5, 6, 9, 9, 9, 9, 9], [5] * 8]
