@@ -167,5 +167,5 @@ def graph_copies(graph: torch.cuda.CUDAGraph, buffers: Mapping[str, Tensor],
         return None
     try:
         return GraphCopies(lib, graph, buffers, sources)
-    except (LookupError, GraphCopyError):
+    except (LookupError, GraphCopyError, AttributeError):  # AttributeError: a torch without raw_cuda_graph
         return None
