@@ -23,6 +23,7 @@ from torch.library import triton_op, wrap_triton
 
 from .attention import _device_capability, _launch_attention
 from .configs import AttentionConfig, gate_config
+from .rows import centred_rstd, row_block
 
 __all__ = ["hstu_mha_gated_triton_fwd"]
 
@@ -42,18 +43,12 @@ def _stu_gate_kernel(
     BLOCK_D: tl.constexpr,
 ):
     eps = tl.cast(eps, tl.float32)
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    col_ok = cols < WIDTH
-    ok = (rows < num_rows)[:, None] & col_ok[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
+    rows64, cols, col_ok, ok = row_block(num_rows, WIDTH, BLOCK_ROWS, BLOCK_D)
     u = tl.load(UVQK + rows64 * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     a = tl.load(Out + rows64 * stride_o + WIDTH + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     dtype = Out.dtype.element_ty
     silu_u = (u / (1.0 + tl.exp(-u))).to(dtype)
-    mean = tl.sum(a, axis=1) / WIDTH
-    centred = tl.where(ok, a - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / WIDTH + eps)
+    centred, rstd = centred_rstd(a, ok, eps, WIDTH)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     b = tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)
     normed = (centred * rstd[:, None] * w[None, :] + b[None, :]).to(dtype)

@@ -20,6 +20,7 @@ from torch.library import triton_op, wrap_triton
 
 from .attention import _device_capability
 from .configs import gate_config
+from .rows import centred_rstd, row_block
 
 __all__ = ["add_layer_norm_triton", "add_layer_norm_triton_fwd"]
 
@@ -28,19 +29,12 @@ __all__ = ["add_layer_norm_triton", "add_layer_norm_triton_fwd"]
 def _add_layer_norm_kernel(X, Y, W, Bias, Sum, Normed, num_rows, stride_x, stride_y, eps, WIDTH: tl.constexpr,
                            BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     eps = tl.cast(eps, tl.float32)
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    col_ok = cols < WIDTH
-    ok = (rows < num_rows)[:, None] & col_ok[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
+    rows64, cols, col_ok, ok = row_block(num_rows, WIDTH, BLOCK_ROWS, BLOCK_D)
     x = tl.load(X + rows64 * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     y = tl.load(Y + rows64 * stride_y + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     s = (x + y).to(Sum.dtype.element_ty)
     tl.store(Sum + rows64 * WIDTH + cols[None, :], s, mask=ok)
-    sf = s.to(tl.float32)
-    mean = tl.sum(sf, axis=1) / WIDTH
-    centred = tl.where(ok, sf - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / WIDTH + eps)
+    centred, rstd = centred_rstd(s.to(tl.float32), ok, eps, WIDTH)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     b = tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)
     normed = centred * rstd[:, None] * w[None, :] + b[None, :]

@@ -1,0 +1,31 @@
+"""Row-block helpers shared by the kernels that normalise rows of a [L, D] tensor (gated.py, residual.py).
+
+They take no pointers: torch's analysis of a user Triton kernel (which Inductor uses to decide what a
+kernel writes, and so what to copy before it) takes a pointer passed to a helper whose result reaches a
+store for written (docs/PERF.md, eleventh session).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def row_block(num_rows, WIDTH: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's rows (int64, [BLOCK_ROWS, 1]), the columns, which columns are within WIDTH, and which
+    elements are within both."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < WIDTH
+    ok = (rows < num_rows)[:, None] & col_ok[None, :]
+    return rows.to(tl.int64)[:, None], cols, col_ok, ok
+
+
+@triton.jit
+def centred_rstd(v, ok, eps, WIDTH: tl.constexpr):
+    """Each row of fp32 ``v`` less its mean over WIDTH (0 outside ``ok``), and 1 / its standard deviation."""
+    mean = tl.sum(v, axis=1) / WIDTH
+    centred = tl.where(ok, v - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / WIDTH + eps)
+    return centred, rstd
