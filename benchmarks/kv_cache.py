@@ -30,6 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -362,7 +363,7 @@ def prefix_record(host: dict, work: dict, b: int, layout) -> EntryRecord:  # typ
     now = int(host["query_time"][b])
     stamps = events[TOKEN_ROWS.index("uih_timestamps")]
     lo, hi = valid_query_times(stamps, torch.full_like(stamps, now), torch.zeros_like(stamps), 1, layout)
-    return EntryRecord(torch.empty(0, dtype=torch.int64), torch.stack(events), now, (lo[0], hi[0]))
+    return EntryRecord(np.empty(0, dtype=np.int64), torch.stack(events).numpy(), now, (lo[0], hi[0]))
 
 
 def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dict, batch: int,  # type: ignore[no-untyped-def]

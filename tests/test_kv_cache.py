@@ -154,6 +154,27 @@ def test_a_later_query_time_that_moves_no_bucket_is_still_a_hit() -> None:
     assert ranker.cache.stats()["stale"] == 1
 
 
+def test_an_entry_keeps_its_own_copy_of_the_history() -> None:
+    """The records compare and extend views of the request (NumPy): what they keep must be copies, so that
+    a caller reusing its request's buffers afterwards changes nothing in the cache."""
+    model = _model(NO_CONTEXT)
+    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=16)
+    users = Users(NO_CONTEXT, seed=8)
+    users.grow("u", 10)
+    users.grow("v", 7)
+    first = users.request(["u", "v"], [2, 1])
+    ranker(first, ["u", "v"])
+    for name in ("uih_item_ids", "uih_action_ids", "uih_timestamps"):
+        first[name].add_(1)  # the caller's buffers, reused
+    users.grow("u", 3)  # u's history grows: its entry is extended (a second copy path)
+    _check(ranker, users.request(["u", "v"], [2, 1]), ["u", "v"])
+    assert ranker.cache.stats()["hits"] == 2 and ranker.cache.stats()["stale"] == 0
+    second = users.request(["u", "v"], [1, 1])
+    second["uih_item_ids"][-1] += 1  # v's last token changed: its entry no longer matches
+    _check(ranker, second, ["u", "v"])
+    assert ranker.cache.stats()["hits"] == 3 and ranker.cache.stats()["stale"] == 1
+
+
 def test_eviction_keeps_answers_right_and_counts() -> None:
     model = _model(NO_CONTEXT)
     cfg = NO_CONTEXT

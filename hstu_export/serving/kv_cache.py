@@ -24,6 +24,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -86,10 +87,12 @@ TOKEN_ROWS = HISTORY_TOKEN_FEATURES
 
 @dataclass
 class EntryRecord:
-    """What a user's pages hold, left by the request that wrote them (:meth:`PagedKVCache.commit`); CPU."""
+    """What a user's pages hold, left by the request that wrote them (:meth:`PagedKVCache.commit`). NumPy
+    arrays on the host: each request compares and extends them user by user, and a NumPy call costs a
+    fraction of a PyTorch one (about a third on the GPU machine's CPU, docs/PERF.md)."""
 
-    context: Tensor  # contextual ids [c]
-    tokens: Tensor  # [3, history]: TOKEN_ROWS (int64; a request compares each row in one call)
+    context: np.ndarray  # contextual ids [c], int64
+    tokens: np.ndarray  # [3, history]: TOKEN_ROWS (int64; a request compares them in one call)
     query_time: int  # the earliest query time whose buckets the entry holds
     # The query times [lo, hi) at which every cached token falls in the time bucket it was computed with.
     valid: tuple[int, int]
@@ -277,11 +280,11 @@ class CachedRanker:
         features = self.runner.validate(features)
         # On the host: what the bookkeeping reads (lengths, history, query time, contextual ids). Per user
         # it compares each token row with the entry's in one call, and its time buckets in O(1) (the
-        # entry's valid query times); buckets are computed for the request's new tokens only.
+        # entry's valid query times); buckets are computed for the request's new tokens only. The per-user
+        # work is NumPy's (see EntryRecord); the request's tensors are read through it without a copy.
         host = {name: features[name].cpu() for name in (HISTORY_LENGTHS, *HISTORY_TOKEN_FEATURES, "query_time",
                                                          *layout.contextual_features)}
-        hist_len = host[HISTORY_LENGTHS].to(torch.int64)
-        lengths = hist_len.tolist()
+        lengths = host[HISTORY_LENGTHS].to(torch.int64).tolist()
         batch = len(lengths)
         ids = list(user_ids)
         if len(ids) != batch:
@@ -289,9 +292,9 @@ class CachedRanker:
         hist_off = [0, *itertools.accumulate(lengths)]
         query_time = host["query_time"].to(torch.int64)
         times = query_time.tolist()
-        rows = [host[name].to(torch.int64) for name in TOKEN_ROWS]
-        context = (torch.stack([host[name] for name in layout.contextual_features], 1).to(torch.int64) if c
-                   else torch.empty(batch, 0, dtype=torch.int64))
+        rows = [host[name].numpy().astype(np.int64, copy=False) for name in TOKEN_ROWS]  # views when int64
+        context = (np.stack([host[name].numpy() for name in layout.contextual_features], 1).astype(np.int64)
+                   if c else np.empty((batch, 0), dtype=np.int64))
         counts: dict[Hashable, int] = {}
         for user in ids:
             counts[user] = counts.get(user, 0) + 1
@@ -299,7 +302,7 @@ class CachedRanker:
             cached = [0] * batch
             tables: list[list[int]] = []
             stored: list[EntryRecord | bool | None] = []  # per user: the record reused, True (stored afresh), None
-            mine: list[list[Tensor]] = []  # per user: its history's rows (views)
+            mine: list[list[np.ndarray]] = []  # per user: its history's rows (views)
             for b, user in enumerate(ids):
                 mine.append([row[hist_off[b]:hist_off[b + 1]] for row in rows])
                 if counts[user] > 1:  # the same user twice in one batch: served, not stored
@@ -322,24 +325,23 @@ class CachedRanker:
             # As wide as the request's shape bucket, if the runner has them: the graph then copies it as it is.
             width = self.runner.table_width(max(1, *(len(t) for t in tables)))
             scratch = self.cache.scratch_page  # the rest of a row, and the whole row of a user not stored
-            table = torch.tensor([t + [scratch] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                 device=self.device)  # fmt: skip
+            rows_of_table = np.full((batch, width), scratch, dtype=np.int32)
+            for b, pages in enumerate(tables):
+                rows_of_table[b, :len(pages)] = pages
+            table = torch.from_numpy(rows_of_table).to(self.device)
             # The delta request: each user's history after its cached prefix (one gather of the new tokens).
-            new_len = [n - max(k - c, 0) for n, k in zip(lengths, cached)]
-            new_start = torch.tensor([hist_off[b + 1] - n for b, n in enumerate(new_len)], dtype=torch.int64)
-            new_counts = torch.tensor(new_len, dtype=torch.int64)
-            total_new = sum(new_len)
-            fresh = torch.repeat_interleave(new_start - (torch.cumsum(new_counts, 0) - new_counts), new_counts,
-                                            output_size=total_new) + torch.arange(total_new)
+            new_counts = np.asarray([n - max(k - c, 0) for n, k in zip(lengths, cached)], dtype=np.int64)
+            starts = np.asarray(hist_off[1:], dtype=np.int64) - new_counts
+            fresh = np.repeat(starts - (np.cumsum(new_counts) - new_counts), new_counts) + np.arange(new_counts.sum())
             # Where the request's tensors are (the runner moves them): lengths stay on the host, so that the
             # runner's host-side work reads them without waiting for the device.
             delta = {name: value for name, value in features.items() if name not in HISTORY_TOKEN_FEATURES}
-            delta.update({name: host[name][fresh] for name in HISTORY_TOKEN_FEATURES})
-            delta[HISTORY_LENGTHS] = new_counts.to(hist_len.dtype)
+            delta.update({name: torch.from_numpy(host[name].numpy()[fresh]) for name in HISTORY_TOKEN_FEATURES})
+            delta[HISTORY_LENGTHS] = torch.from_numpy(new_counts)
             # The run writes the stored users' new K/V into their pages; then record what those hold.
             outputs = self.runner(delta, torch.tensor(cached, dtype=torch.int64), self.cache.k, self.cache.v, table)
             if bypassed < batch:
-                owner = torch.repeat_interleave(torch.arange(batch), new_counts, output_size=total_new)
+                owner = torch.from_numpy(np.repeat(np.arange(batch), new_counts))
                 stamps = delta["uih_timestamps"].to(torch.int64)  # the new tokens' (gathered above)
                 lo, hi = valid_query_times(stamps, query_time[owner], owner, batch, layout)
                 for b, (user, kept) in enumerate(zip(ids, stored)):
@@ -349,10 +351,11 @@ class CachedRanker:
                         self.cache.commit(user, c + lengths[b], record)
             return outputs
 
-    def _reusable(self, entry: _Entry | None, context: Tensor | None, tokens: list[Tensor], query_time: int) -> int:
+    def _reusable(self, entry: _Entry | None, context: np.ndarray | None, tokens: list[np.ndarray],
+                  query_time: int) -> int:
         """Tokens of the entry that may be reused exactly (0: recompute), counting hit, miss or stale.
         ``context`` (None without contextual features) and ``tokens`` (TOKEN_ROWS, each [history]): the
-        user's in this request (views, CPU)."""
+        user's in this request (views)."""
         c = self.layout.contextual_seq_len
         if entry is None or entry.length == 0 or entry.record is None:
             self.cache.count("misses")
@@ -361,8 +364,8 @@ class CachedRanker:
         hist = entry.length - c
         # Contextual tokens see the whole history: with them, only an unchanged history is reused.
         ok = hist <= tokens[0].shape[0] and not (c > 0 and hist != tokens[0].shape[0])
-        ok = ok and (context is None or torch.equal(record.context, context))
-        ok = ok and all(torch.equal(record.tokens[i], row[:hist]) for i, row in enumerate(tokens))  # the same tokens
+        ok = ok and (context is None or np.array_equal(record.context, context))
+        ok = ok and all(np.array_equal(record.tokens[i], row[:hist]) for i, row in enumerate(tokens))  # the same tokens
         # In the same time buckets, or within the allowed drift (none by default: exact).
         low, high = record.valid
         drift = query_time - record.query_time
@@ -371,17 +374,17 @@ class CachedRanker:
         return entry.length if ok else 0
 
     @staticmethod
-    def _record(reused: EntryRecord | None, context: Tensor, tokens: list[Tensor], query_time: int,
+    def _record(reused: EntryRecord | None, context: np.ndarray, tokens: list[np.ndarray], query_time: int,
                 valid: tuple[int, int]) -> EntryRecord:
         """What a stored user's entry holds after this request: its own copies (never views of the request),
         and, where an entry was reused, its tokens' buckets and query time. ``valid``: the query times at
         which the request's new tokens keep their buckets."""
         if reused is None:
-            return EntryRecord(context.clone(), torch.stack(tokens), query_time, valid)
+            return EntryRecord(context.copy(), np.stack(tokens), query_time, valid)
         hist = reused.tokens.shape[1]
         if tokens[0].shape[0] == hist:  # nothing new: the entry stays as it is
             return reused
         # Cached tokens keep the buckets (and time) they were computed with.
         both = (max(reused.valid[0], valid[0]), min(reused.valid[1], valid[1]))
-        return EntryRecord(reused.context, torch.cat([reused.tokens, torch.stack([t[hist:] for t in tokens])], 1),
+        return EntryRecord(reused.context, np.concatenate([reused.tokens, np.stack([t[hist:] for t in tokens])], 1),
                            reused.query_time, both)
