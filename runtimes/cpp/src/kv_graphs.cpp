@@ -149,22 +149,17 @@ Copies copies_into(const ProgramInputs& buffers, const ProgramInputs& inputs) {
   return out;
 }
 
-// Each count input, and the row input whose rows it counts.
-constexpr std::pair<const char*, const char*> kCounts[] = {{"uih_lengths", "uih_item_emb"},
-                                                           {"candidate_lengths", "candidate_item_emb"}};
-
-// The padding user's count in `counts` (after the `batch` real users') so that the counts add up to the
-// bucket's rows of `rows`: device work only, run at the start of every replay (so captured with the program).
-void padding_count(ProgramInputs& buffers, const char* counts_name, const char* rows_name, int64_t batch) {
-  at::Tensor& counts = buffers.at(counts_name);
-  // The bucket's rows as a host scalar: a graph keeps it as a kernel argument.
-  at::Tensor total = at::scalar_tensor(buffers.at(rows_name).size(0), counts.options().device(at::kCPU));
-  at::Tensor padding = counts.narrow(0, batch, 1);
-  at::sub_out(padding, total, counts.narrow(0, 0, batch).sum(0, /*keepdim=*/true));
-}
-
+// The padding user's two counts (after the `batch` real users') so that the counts add up to the
+// bucket's rows: device work only, run at the start of every replay (so captured with the program).
 void padding_counts(ProgramInputs& buffers, int64_t batch) {
-  for (auto [counts, rows] : kCounts) padding_count(buffers, counts, rows, batch);
+  for (auto [name, rows] : {std::pair<const char*, const char*>{"uih_lengths", "uih_item_emb"},
+                            {"candidate_lengths", "candidate_item_emb"}}) {
+    at::Tensor& counts = buffers.at(name);
+    // The bucket's rows as a host scalar: a graph keeps it as a kernel argument.
+    at::Tensor total = at::scalar_tensor(buffers.at(rows).size(0), counts.options().device(at::kCPU));
+    at::Tensor padding = counts.narrow(0, batch, 1);
+    at::sub_out(padding, total, counts.narrow(0, 0, batch).sum(0, /*keepdim=*/true));
+  }
 }
 
 // The outputs' first `rows` rows in new tensors (the buffers are the next replay's), copied by one
@@ -204,14 +199,8 @@ struct GraphApi {
   decltype(&cudaGraphNodeGetType) node_type = nullptr;
   decltype(&cudaGraphMemcpyNodeGetParams) memcpy_params = nullptr;
   decltype(&cudaGraphExecMemcpyNodeSetParams1D) set_memcpy = nullptr;
-  // Events, to capture the copies as parallel branches (copy_branches); without them they form a chain.
-  decltype(&cudaEventCreateWithFlags) event_create = nullptr;
-  decltype(&cudaEventRecord) event_record = nullptr;
-  decltype(&cudaStreamWaitEvent) stream_wait = nullptr;
-  decltype(&cudaEventDestroy) event_destroy = nullptr;
 
   bool found() const { return get_nodes && node_type && memcpy_params && set_memcpy; }
-  bool events() const { return event_create && event_record && stream_wait && event_destroy; }
 };
 
 const GraphApi& graph_api() {
@@ -224,10 +213,6 @@ const GraphApi& graph_api() {
     lookup(found.node_type, "cudaGraphNodeGetType");
     lookup(found.memcpy_params, "cudaGraphMemcpyNodeGetParams");
     lookup(found.set_memcpy, "cudaGraphExecMemcpyNodeSetParams1D");
-    lookup(found.event_create, "cudaEventCreateWithFlags");
-    lookup(found.event_record, "cudaEventRecord");
-    lookup(found.stream_wait, "cudaStreamWaitEvent");
-    lookup(found.event_destroy, "cudaEventDestroy");
     return found;
   }();
   return api;
@@ -329,72 +314,21 @@ struct DeltaGraphs::Impl {
 #ifdef HSTU_EXPORT_CUDA_GRAPHS
   // Captures the program on the buffers, after copies of `entry.sources` into them when `copies`.
   void capture_into(Graph& entry, bool copies) {
-    Events events;  // destroyed after the capture's end
     entry.graph = std::make_unique<at::cuda::CUDAGraph>(/*keep_graph=*/copies);  // kept: its copy nodes
     entry.graph->capture_begin(*pool);
     try {
-      if (copies && graph_api().events()) {
-        copy_branches(entry, events);
-        entry.outputs = run(entry.buffers);
-      } else {
-        if (copies) {
-          for (const auto& [name, value] : entry.sources) entry.buffers.at(name).copy_(value);
-        }
-        entry.outputs = run_bucket(entry.buffers);
+      // The copies form a chain on the capturing stream. Captured as parallel branches (a stream and two
+      // events each) they took no less GPU time and 15-37 us more host time to launch (docs/PERF.md,
+      // thirteenth session), so they were taken out again.
+      if (copies) {
+        for (const auto& [name, value] : entry.sources) entry.buffers.at(name).copy_(value);
       }
+      entry.outputs = run_bucket(entry.buffers);
     } catch (...) {
       entry.graph->capture_end();
       throw;
     }
     entry.graph->capture_end();
-  }
-
-  // Events made during a capture, destroyed with this.
-  struct Events {
-    std::vector<cudaEvent_t> made;
-    cudaEvent_t make() {
-      cudaEvent_t event = nullptr;
-      check(graph_api().event_create(&event, cudaEventDisableTiming), "creating an event");
-      made.push_back(event);
-      return event;
-    }
-    ~Events() {
-      for (cudaEvent_t event : made) graph_api().event_destroy(event);
-    }
-  };
-
-  // The copies of `entry.sources` into the buffers, each on a stream of its own forked from the capturing
-  // stream and joined back (the padding user's count after the copy of the counts it completes): the graph
-  // gets them as parallel branches, none waiting on another.
-  void copy_branches(Graph& entry, Events& events) {
-    const GraphApi& api = graph_api();
-    int64_t batch = entry.buffers.at("kv_cached").size(0) - 1;
-    c10::cuda::CUDAStream capturing = c10::cuda::getCurrentCUDAStream();
-    cudaEvent_t fork = events.make();
-    check(api.event_record(fork, capturing.stream()), "forking the capture");
-    std::vector<std::string> counted;
-    for (const auto& [name, value] : entry.sources) {
-      c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, capturing.device_index());
-      if (side == capturing) side = c10::cuda::getStreamFromPool(false, capturing.device_index());
-      check(api.stream_wait(side.stream(), fork, 0), "forking the capture");
-      {
-        c10::cuda::CUDAStreamGuard on_side(side);
-        entry.buffers.at(name).copy_(value);
-        for (auto [counts, rows] : kCounts) {
-          if (name != counts) continue;
-          padding_count(entry.buffers, counts, rows, batch);
-          counted.push_back(name);
-        }
-      }
-      cudaEvent_t join = events.make();
-      check(api.event_record(join, side.stream()), "joining the capture");
-      check(api.stream_wait(capturing.stream(), join, 0), "joining the capture");
-    }
-    for (auto [counts, rows] : kCounts) {
-      if (std::find(counted.begin(), counted.end(), counts) == counted.end()) {
-        padding_count(entry.buffers, counts, rows, batch);
-      }
-    }
   }
 
   // The captured copies' memcpy nodes (from each source into its buffer), and the graph instantiated: false

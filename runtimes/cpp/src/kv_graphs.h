@@ -7,12 +7,12 @@
 // dropped, its K/V go to the pool's scratch page. A bucket is captured the second time it is seen
 // (one-off shapes run as they are, and so do requests whose bucket would be beyond the program's
 // exported bounds), at most `max_graphs` are kept, least recently used out. The graph's first nodes copy
-// the request into the bucket's buffers, side by side (a branch each, captured on streams of their own):
-// before a replay, each copy node is pointed at the request's tensor (cudaGraphExecMemcpyNodeSetParams1D),
-// so that a call launches once. An input that cannot be copied that way (not contiguous, or a page table
-// narrower than the bucket's: see table_width) is copied before the replay instead, as every input is where
-// the CUDA runtime's graph functions are not found. The graph computes the padding user's counts itself.
-// Replays are serialised; the real output rows are copied out, by one _foreach_copy_.
+// the request into the bucket's buffers: before a replay, each copy node is pointed at the request's tensor
+// (cudaGraphExecMemcpyNodeSetParams1D), so that a call launches once. An input that cannot be copied that
+// way (not contiguous, or a page table narrower than the bucket's: see table_width) is copied before the
+// replay instead, as every input is where the CUDA runtime's graph functions are not found. The graph
+// computes the padding user's counts itself. Replays are serialised; the real output rows are copied out,
+// by one _foreach_copy_.
 #pragma once
 
 #include <ATen/Tensor.h>
