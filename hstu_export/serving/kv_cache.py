@@ -92,7 +92,7 @@ class EntryRecord:
     fraction of a PyTorch one (about a third on the GPU machine's CPU, docs/PERF.md)."""
 
     context: np.ndarray  # contextual ids [c], int64
-    tokens: np.ndarray  # [3, history]: TOKEN_ROWS (int64; a request compares them in one call)
+    tokens: np.ndarray  # [3, history]: TOKEN_ROWS (int64; a request compares each row in one call)
     query_time: int  # the earliest query time whose buckets the entry holds
     # The query times [lo, hi) at which every cached token falls in the time bucket it was computed with.
     valid: tuple[int, int]
