@@ -237,6 +237,7 @@ class InputSchema:
         if extra:
             raise RequestError(f"request has unknown feature(s) {extra}; the package expects {self.names}")
         batch_size: int | None = None
+        bounded: list[tuple[FeatureSpec, Tensor]] = []  # features whose values have bounds, checked below
         for f in self.features:
             t = batch[f.name]
             if not isinstance(t, Tensor):
@@ -252,21 +253,30 @@ class InputSchema:
                 elif t.size(0) != batch_size:
                     raise RequestError(
                         f"feature {f.name!r} has {t.size(0)} entries but the batch has {batch_size} users")
-            if t.numel() and f.min_value is not None and _min(t) < f.min_value:
-                raise RequestError(f"feature {f.name!r} has value {_min(t)} below the minimum {f.min_value}")
-            if t.numel() and f.max_value is not None and _max(t) > f.max_value:
+            if t.numel() and (f.min_value is not None or f.max_value is not None):
+                bounded.append((f, t))
+        # Every value the checks read, in one transfer a device (a request on the GPU would otherwise wait
+        # for the device once a read): each bounded feature's least and greatest value, each jagged
+        # feature's total length.
+        jagged = [f for f in self.features if f.kind == "jagged"]
+        extremes, totals = _read_all([t for _, t in bounded], [batch[f.jagged_by] for f in jagged])  # type: ignore[index]
+        for (f, _), (least, greatest) in zip(bounded, extremes):
+            if f.min_value is not None and least < f.min_value:
+                raise RequestError(f"feature {f.name!r} has value {least} below the minimum {f.min_value}")
+            if f.max_value is not None and greatest > f.max_value:
                 what = "length" if f.kind == "lengths" else "value"
                 raise RequestError(
-                    f"feature {f.name!r} has {what} {_max(t)} beyond the exported maximum {f.max_value}")
+                    f"feature {f.name!r} has {what} {greatest} beyond the exported maximum {f.max_value}")
         if batch_size is None or batch_size < 1:
             raise RequestError("request has no users (batch size 0)")
         if max_batch_size is not None and batch_size > max_batch_size:
             raise RequestError(f"batch size {batch_size} is beyond the exported maximum {max_batch_size}")
+        jagged_totals = dict(zip((f.name for f in jagged), totals))
         for f in self.features:
             if f.kind == "lengths" and f.same_as and not torch.equal(batch[f.name], batch[f.same_as]):
                 raise RequestError(f"feature {f.name!r} must equal {f.same_as!r} (the model reads them as one length)")
             if f.kind == "jagged":
-                total = int(batch[f.jagged_by].sum())  # type: ignore[index]
+                total = jagged_totals[f.name]
                 if batch[f.name].size(0) != total:
                     raise RequestError(
                         f"feature {f.name!r} has {batch[f.name].size(0)} values but {f.jagged_by!r} sums to {total}")
@@ -312,11 +322,40 @@ def _feature_json(f: FeatureSpec) -> dict[str, Any]:
     return data
 
 
-def _min(t: Tensor) -> int | float:
-    value = t.min().item()
-    return int(value) if not t.dtype.is_floating_point else value
+def _read_all(bounded: list[Tensor], lengths: list[Tensor], *, together: bool | None = None
+              ) -> tuple[list[tuple[Any, Any]], list[int]]:
+    """(least, greatest) of each tensor of ``bounded`` (none empty) and the sum of each of ``lengths``, as
+    Python numbers. A value on the CPU is read at once; values on a device are read back together, one
+    transfer per device and kind (whole numbers as int64, others as float64), so that a request on the GPU
+    waits for the device once, not once a value (docs/PERF.md: 1.1-1.4x less time validating a request on
+    an H100). ``together`` forces either way (tests)."""
+    numbers: list[Any] = []
+    pending: dict[tuple[torch.device, bool], list[tuple[int, Tensor]]] = {}
 
+    def add(value: Tensor, floating: bool) -> None:
+        pending.setdefault((value.device, floating), []).append(
+            (len(numbers), value.to(torch.float64 if floating else torch.int64)))
+        numbers.append(None)
 
-def _max(t: Tensor) -> int | float:
-    value = t.max().item()
-    return int(value) if not t.dtype.is_floating_point else value
+    def at_once(t: Tensor) -> bool:
+        return t.is_cpu if together is None else not together
+
+    for t in bounded:
+        floating = t.dtype.is_floating_point
+        if at_once(t):
+            least, greatest = t.min().item(), t.max().item()
+            numbers += [least, greatest] if floating else [int(least), int(greatest)]
+        else:
+            least_t, greatest_t = torch.aminmax(t)
+            add(least_t, floating)
+            add(greatest_t, floating)
+    for t in lengths:
+        if at_once(t):
+            numbers.append(int(t.sum()))
+        else:
+            add(t.sum(), False)
+    for items in pending.values():
+        for (index, _), number in zip(items, torch.stack([value for _, value in items]).tolist()):
+            numbers[index] = number
+    extremes = [(numbers[2 * i], numbers[2 * i + 1]) for i in range(len(bounded))]
+    return extremes, [int(n) for n in numbers[2 * len(bounded):]]

@@ -76,6 +76,28 @@ def test_schema_validation_errors():
         schema.validate(dict(batch, uih_item_ids=batch["uih_item_ids"][:-1]))
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["one-by-one", "together"])
+def test_schema_reads_every_bound_and_total_the_same_way_at_once(together):
+    """Validation reads its numbers one by one on the CPU and in one transfer on a device: both give the
+    same numbers (CPU tensors forced through the device path here), whatever the dtypes."""
+    from hstu_export.schema import _read_all
+
+    bounded = [torch.tensor([5, -3, 9], dtype=torch.int32), torch.tensor([2.5, -0.25], dtype=torch.float16),
+               torch.tensor([True, False]), torch.tensor([2**40, 7], dtype=torch.int64),
+               torch.tensor([0.5], dtype=torch.bfloat16)]
+    lengths = [torch.tensor([3, 4]), torch.tensor([0, 0, 9], dtype=torch.int32)]
+    extremes, totals = _read_all(bounded, lengths, together=together)
+    assert extremes == [(-3, 9), (-0.25, 2.5), (0, 1), (7, 2**40), (0.5, 0.5)]
+    assert [type(x) for pair in extremes for x in pair] == [int, int, float, float, int, int, int, int, float, float]
+    assert totals == [7, 9]
+    schema = build_preset("tiny").input_schema()
+    batch = generate_batch(schema, 3, seed=0)
+    bad = dict(batch, uih_item_ids=batch["uih_item_ids"].clone())
+    bad["uih_item_ids"][1] = -4
+    with pytest.raises(RequestError, match="feature 'uih_item_ids' has value -4 below the minimum 0"):
+        schema.validate(bad)
+
+
 def test_config_round_trip_and_validation():
     cfg = preset_config("tzrec")
     assert HSTUConfig.from_dict(cfg.to_dict()) == cfg
