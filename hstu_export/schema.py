@@ -255,8 +255,8 @@ class InputSchema:
                         f"feature {f.name!r} has {t.size(0)} entries but the batch has {batch_size} users")
             if t.numel() and (f.min_value is not None or f.max_value is not None):
                 bounded.append((f, t))
-        # Every value the checks read, in one transfer a device (a request on the GPU would otherwise wait
-        # for the device once a read): each bounded feature's least and greatest value, each jagged
+        # Every value the checks read, in one transfer per device (a request on the GPU would otherwise wait
+        # for the device at each read): each bounded feature's least and greatest value, each jagged
         # feature's total length.
         jagged = [f for f in self.features if f.kind == "jagged"]
         extremes, totals = _read_all([t for _, t in bounded], [batch[f.jagged_by] for f in jagged])  # type: ignore[index]
