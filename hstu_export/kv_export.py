@@ -117,6 +117,15 @@ def residual_for(op_target: str) -> ResidualNorm | None:
     return add_then_norm
 
 
+def heads_for(model: HstuRankingModel) -> torch.nn.Module:
+    """The program's task heads: the model's, with the pipeline's fusion of parallel MLPs (the no-cache
+    program gets it from the pass of that name), so that both programs run the heads alike."""
+    from hstu_export.passes.fuse_parallel_mlps import fused_module
+
+    weight = model.transducer.post_norm_weight
+    return fused_module(model.task_heads, weight.new_zeros(2, model.config.embedding_dim))
+
+
 def example_inputs(model: HstuRankingModel, ranges: Any, page_size: int, device: torch.device,
                    seed: int) -> dict[str, Tensor]:
     """A delta request for torch.export: two users with nothing cached, the others with a few tokens;
@@ -220,7 +229,7 @@ def compile_kv_delta(model: HstuRankingModel, ranges: Any, settings: Any, op_tar
     device, page_size = settings.torch_device, settings.kv_page_size
     max_seq_len, max_query_len = kv_bounds(model, ranges)
     program = DeltaProgram(model, attention_for(op_target, settings.kv_splits), max_seq_len, max_query_len,
-                           attention_inputs_for(op_target), residual_for(op_target)).eval()
+                           attention_inputs_for(op_target), residual_for(op_target), heads_for(model)).eval()
     example = example_inputs(model, ranges, page_size, device, settings.verify.seed)
     names = list(example)
     start = time.perf_counter()

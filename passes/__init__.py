@@ -35,6 +35,8 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("remove_boundary_marks", "remove_boundary_marks:RemoveBoundaryMarks"),
     # Operator mapping (reads ctx.op_target and ctx.allow_unmapped); runs on both halves after the split.
     PassSpec("map_ops", "map_ops:MapOps"),
+    # Sibling MLPs on one input (multi-task heads) as one product per layer; their old modules go with DCE.
+    PassSpec("fuse_parallel_mlps", "fuse_parallel_mlps:FuseParallelMlps"),
     PassSpec("eliminate_dead_code", "eliminate_dead_code:EliminateDeadCode"),
     # Last: the quantized tables call fbgemm lookups no pass above should rewrite (a no-op unless asked).
     PassSpec("quantize_embeddings", "quantize_embeddings:QuantizeEmbeddings"),

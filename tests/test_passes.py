@@ -107,9 +107,14 @@ def test_sparse_holds_every_lookup_and_dense_no_table(tiny: HstuRankingModel, sp
         for t in ("item", "action", "ctx_user_id", "ctx_user_age")
     }
     assert set(split.sparse.state_dict()) == tables
-    assert set(split.dense.state_dict()) == model_params - tables
+    # The task heads' modules are replaced by their fusion (fuse_parallel_mlps); the rest keep their names.
+    heads = {k for k in model_params if k.startswith("task_heads.")}
+    fused = {"parallel_mlp_0.first.weight", "parallel_mlp_0.first.bias", "parallel_mlp_0.weight_2",
+             "parallel_mlp_0.bias_2"}
+    assert set(split.dense.state_dict()) == (model_params - tables - heads) | fused
     for name, value in split.dense.state_dict().items():
-        assert torch.equal(value, tiny.state_dict()[name])
+        if name not in fused:
+            assert torch.equal(value, tiny.state_dict()[name])
     # The top graph owns nothing but the two halves.
     assert {p for p, _ in split.graph.named_children()} == {"sparse", "dense"}
 
@@ -411,7 +416,10 @@ def test_pass_selection_errors(tiny: HstuRankingModel) -> None:
 
 def test_skip_and_results_without_split(tiny: HstuRankingModel) -> None:
     batch = generate_batch(tiny.input_schema(), 2, seed=0)
-    result = run_passes(trace(tiny, batch), PassContext(example_inputs=batch), skip=["split_sparse_dense"])
+    # The heads' fusion left out too: it groups the heads' sums differently (last bits), and this checks that
+    # the graph without a split is the model's, exactly.
+    result = run_passes(trace(tiny, batch), PassContext(example_inputs=batch),
+                        skip=["split_sparse_dense", "fuse_parallel_mlps"])
     assert "split_sparse_dense" not in result.report.names
     assert result.sparse is None and result.dense is None and result.boundary is None
     with pytest.raises(ConfigError, match="did not run split_sparse_dense"):

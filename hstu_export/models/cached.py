@@ -117,8 +117,11 @@ class DeltaRanker:
 
     def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor] = paged_hstu_mha_store,
                  attention_inputs: Callable[..., tuple[Tensor, ...]] = paged_attention_inputs,
-                 residual: ResidualNorm | None = None) -> None:
+                 residual: ResidualNorm | None = None, heads: Callable[[Tensor], dict[str, Tensor]] | None = None) -> None:
         self.model = model
+        # The task heads on the candidates' rows: the model's own, or the same computation in other kernels (an
+        # exported program's: passes/fuse_parallel_mlps.py).
+        self.heads = heads or model.task_heads
         self.config = model.config
         self.transducer = model.transducer
         self.dtype = self.transducer.post_norm_weight.dtype
@@ -258,7 +261,7 @@ class DeltaRanker:
             candidates = F.normalize(candidates, p=2.0, dim=-1, eps=1e-6)
         else:
             candidates = layer_norm_fp32(candidates, tr.post_norm_weight, tr.post_norm_bias)
-        return self.model.task_heads(candidates)
+        return self.heads(candidates)
 
 
 def fresh_contextual(emb: dict[str, Tensor], names: Sequence[str], cached: Tensor) -> dict[str, Tensor]:
@@ -285,10 +288,11 @@ class DeltaProgram(nn.Module):
 
     def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor], max_seq_len: int,
                  max_query_len: int, attention_inputs: Callable[..., tuple[Tensor, ...]] = paged_attention_inputs,
-                 residual: ResidualNorm | None = None) -> None:
+                 residual: ResidualNorm | None = None, heads: nn.Module | None = None) -> None:
         super().__init__()
         self.model = model
-        self.delta = DeltaRanker(model, attention, attention_inputs, residual)
+        self.heads = heads  # a submodule, so that its tensors are the program's
+        self.delta = DeltaRanker(model, attention, attention_inputs, residual, heads)
         self.max_seq_len, self.max_query_len = max_seq_len, max_query_len
 
     def forward(self, uih_item_emb: Tensor, uih_action_emb: Tensor, candidate_item_emb: Tensor, contextual_emb: Tensor,
