@@ -143,7 +143,8 @@ def _fuse(gm: torch.fx.GraphModule, source: torch.fx.Node, chains: list[list[tor
         stacked[i] = (f"{name}.weight_{i}", f"{name}.bias_{i}" if bias is not None else None)
     gm.add_submodule(name, holder)
 
-    earliest = min((chain[0] for chain in chains), key=lambda n: list(graph.nodes).index(n))
+    starts = {chain[0] for chain in chains}
+    earliest = next(node for node in graph.nodes if node in starts)  # the new nodes go before every chain
     width = first[0].out_features
     with graph.inserting_before(earliest):
         value = graph.call_module(f"{name}.first", (source,))  # [M, T * width], branch b in columns b*width...
