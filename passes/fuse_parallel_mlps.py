@@ -4,8 +4,8 @@ A ranking model often ends in one small MLP per task, all on the same rows: ``Li
 Linear`` for ``ctr``, the same shapes again for ``cvr``. Run as written, that is one matrix product, one
 bias-and-activation kernel and so on per layer and per task: small launches that the GPU runs one after
 another. Here the first layers of the T branches become one Linear (their weights concatenated along the
-output), the later layers one batched product each (``baddbmm`` on the weights stacked ``[T, in, out]``),
-and the activations run once on all branches' columns. The arithmetic is the same products and sums; only
+output), the later layers one batched product each (``bmm`` on the weights stacked ``[T, in, out]``, the
+bias added after it, with the activation), and the activations run once on all branches' columns. The arithmetic is the same products and sums; only
 their grouping into kernels changes.
 
 A group is fused when at least two chains start at ``nn.Linear`` modules called on the same 2-D tensor
@@ -158,11 +158,12 @@ def _fuse(gm: torch.fx.GraphModule, source: torch.fx.Node, chains: list[list[tor
                 value = graph.call_method("transpose", (value, 0, 1))
                 batched = True
             weight_name, bias_name = stacked[i]
-            weight = graph.get_attr(weight_name)
-            if bias_name is None:
-                value = graph.call_function(torch.bmm, (value, weight))
-            else:
-                value = graph.call_function(torch.baddbmm, (graph.get_attr(bias_name), value, weight))
+            # A product, then the bias as an addition of its own: a compiler runs the addition with the next
+            # elementwise work (the activation) in one kernel. As one baddbmm, the bias would be copied into
+            # the product's output first (a copy kernel: there is no bias epilogue for batched products).
+            value = graph.call_function(torch.bmm, (value, graph.get_attr(weight_name)))
+            if bias_name is not None:
+                value = graph.call_function(torch.add, (value, graph.get_attr(bias_name)))
             width = key[2]
         outputs = []
         for b in range(t):
