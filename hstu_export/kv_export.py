@@ -31,7 +31,14 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, ExportError
-from hstu_export.models.cached import PROGRAM_INPUTS, DeltaProgram, KVLayout, ResidualNorm, stacked_contextual
+from hstu_export.models.cached import (
+    PROGRAM_INPUTS,
+    DeltaProgram,
+    GatedAttention,
+    KVLayout,
+    ResidualNorm,
+    stacked_contextual,
+)
 from hstu_export.models.ranking import (
     CANDIDATE_LENGTHS,
     HISTORY_LENGTHS,
@@ -85,6 +92,20 @@ def attention_for(op_target: str, splits: int = 0) -> Callable[..., Tensor]:
     from hstu_export.ops.paged import paged_hstu_mha_store_reference
 
     return functools.partial(paged_hstu_mha_store_reference)
+
+
+def gated_attention_for(op_target: str, splits: int = 0) -> GatedAttention | None:
+    """A layer's attention and output gate in one call (:data:`~hstu_export.models.cached.GatedAttention`):
+    for ``triton``, our op, whose gate kernel also sums the attention's key slices (no kernel of their own,
+    and the attention written once); else None: the attention, then the model's gate."""
+    if op_target != "triton":
+        return None
+    import hstu_export.ops._triton  # noqa: F401  (registers hstu_export::paged_hstu_mha_gated_store_triton)
+
+    def triton_gated_attention(*args: Any, max_seq_len: int, max_query_len: int) -> Tensor:
+        return torch.ops.hstu_export.paged_hstu_mha_gated_store_triton(*args, max_seq_len, max_query_len, splits)
+
+    return triton_gated_attention
 
 
 def attention_inputs_for(op_target: str) -> Callable[..., tuple[Tensor, ...]]:
@@ -229,7 +250,8 @@ def compile_kv_delta(model: HstuRankingModel, ranges: Any, settings: Any, op_tar
     device, page_size = settings.torch_device, settings.kv_page_size
     max_seq_len, max_query_len = kv_bounds(model, ranges)
     program = DeltaProgram(model, attention_for(op_target, settings.kv_splits), max_seq_len, max_query_len,
-                           attention_inputs_for(op_target), residual_for(op_target), heads_for(model)).eval()
+                           attention_inputs_for(op_target), residual_for(op_target), heads_for(model),
+                           gated_attention_for(op_target, settings.kv_splits)).eval()
     example = example_inputs(model, ranges, page_size, device, settings.verify.seed)
     names = list(example)
     start = time.perf_counter()
@@ -262,6 +284,9 @@ def compile_kv_delta(model: HstuRankingModel, ranges: Any, settings: Any, op_tar
         "max_seq_len": max_seq_len,
         "max_query_len": max_query_len,
         "bounds": program_bounds(ranges),
+        # The program fits each user's token counts to its tables (models/cached.py's fit_counts): a shape
+        # bucket's padding user may be given the bucket's rows, the same on every call.
+        "fits_counts": True,
         "layout": {"num_layers": layout.num_layers, "num_heads": layout.num_heads,
                    "attention_dim": layout.attention_dim, "linear_dim": layout.linear_dim,
                    "contextual_features": list(layout.contextual_features),

@@ -356,6 +356,12 @@ def _kv_cache(value: Any, files: dict[str, str]) -> dict[str, Any]:
     for key in ("max_seq_len", "max_query_len"):
         _integer(_get(section, key, "kv_cache"), f"kv_cache.{key}", minimum=1)
     _integer(_get(section, "splits", "kv_cache"), "kv_cache.splits", minimum=0)  # 0: chosen per call
+    bounds = _get(section, "bounds", "kv_cache", required=False)
+    if bounds is not _MISSING and bounds is not None:  # absent or null: written before they were recorded
+        bounds = _object(bounds, "kv_cache.bounds")
+        for key in ("batch", "new_history", "candidates"):
+            _integer(_get(bounds, key, "kv_cache.bounds"), f"kv_cache.bounds.{key}", minimum=1)
+    _optional(section, "fits_counts", "kv_cache", _boolean)  # absent: written before the program fitted them
     layout = _object(_get(section, "layout", "kv_cache"), "kv_cache.layout")
     for key in ("num_layers", "num_heads", "attention_dim", "linear_dim", "num_time_buckets"):
         _integer(_get(layout, key, "kv_cache.layout"), f"kv_cache.layout.{key}", minimum=1)

@@ -68,7 +68,7 @@ class PackageDelta:
         self._buckets = Buckets(history=step_h, candidates=step_c,
                                 max_width=page_table_width_bound(section["max_seq_len"], self.page_size),
                                 max_batch=bounds["batch"], max_history=bounds["new_history"],
-                                max_candidates=bounds["candidates"])
+                                max_candidates=bounds["candidates"], fitted_counts=section.get("fits_counts") is True)
         self._graph_max_batch = graph_max_batch
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if use_graphs and self.device.type != "cuda":

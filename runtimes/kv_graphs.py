@@ -17,8 +17,10 @@ the request into its input buffers: before each replay they are pointed at the r
 CUDA runtime found in the process, an input not contiguous), the request is written into the buffers
 before the replay instead (:func:`fill_bucket`: a copy of each embedding, one for the other inputs of each
 dtype). The padding user's rows keep whatever an earlier request left there (finite values that only the
-padding user reads), and its two token counts are computed on the device by the graph itself
-(:func:`padding_counts`). Replays are serialised under one lock; the real rows of the outputs are
+padding user reads). Its two token counts are the bucket's rows, written once, where the program fits each
+user's counts to its tables (``kv_cache.fits_counts``: the padding user, last, then takes what the others
+leave); for a program of before that, the graph computes them on the device at each replay
+(:func:`padding_counts`, four kernels). Replays are serialised under one lock; the real rows of the outputs are
 copied out before it is released. The run itself writes the new K/V into the pages, so they are not
 outputs to copy.
 """
@@ -59,6 +61,9 @@ class Buckets:
     max_batch: int | None = None
     max_history: int | None = None
     max_candidates: int | None = None
+    # The program fits the counts to its tables (kv_cache.fits_counts): the padding user's counts are the
+    # bucket's rows, the same on every call; else they are what the real users leave (padding_counts).
+    fitted_counts: bool = False
 
 
 def _rounded(n: int, step: int) -> int:
@@ -99,6 +104,8 @@ def pad_to_bucket(inputs: dict[str, Tensor], buckets: Buckets, contextual: int) 
     out["candidate_item_emb"] = rows(inputs["candidate_item_emb"], pad_c)
     if contextual:
         out["contextual_emb"] = rows(inputs["contextual_emb"], 1)
+    if buckets.fitted_counts:  # the bucket's rows: the program cuts them to what the real users leave
+        pad_h, pad_c = out["uih_item_emb"].shape[0], out["candidate_item_emb"].shape[0]
     lengths = inputs[HISTORY_LENGTHS]
     out[HISTORY_LENGTHS] = torch.cat([lengths, lengths.new_full((1,), pad_h)])  # a fill: no host-to-device copy
     counts = inputs[CANDIDATE_LENGTHS]
@@ -186,7 +193,8 @@ def request_sizes(inputs: dict[str, Tensor]) -> tuple[int, ...]:
 def fill_bucket(static: dict[str, Tensor], inputs: dict[str, Tensor], copies: Copies | None = None) -> int:
     """Writes a request's real rows into the padded buffers of its bucket (made by :func:`pad_to_bucket` for
     an earlier request of the same bucket), by ``copies`` (default: :func:`copies_into`). The padding user's
-    two token counts are the replay's to write (:func:`padding_counts`, captured with the program). Returns
+    two token counts stay as :func:`pad_to_bucket` wrote them (the bucket's rows, for a program that fits
+    them), or are the replay's to write (:func:`padding_counts`, captured with the program). Returns
     what :func:`pad_to_bucket` returns besides the inputs."""
     copies = copies or copies_into(static, inputs)
     for target, name in copies.singles:
@@ -328,8 +336,10 @@ class GraphCache:
         return inputs["candidate_item_emb"].shape[0]
 
     def _run_bucket(self, static: dict[str, Tensor]) -> dict[str, Tensor]:
-        """What a replay runs: the padding user's counts (its row is the last), then the program."""
-        padding_counts(static, static["kv_cached"].shape[0] - 1)
+        """What a replay runs: the program, after the padding user's counts (its row is the last) where the
+        program does not fit them itself."""
+        if not self._buckets.fitted_counts:
+            padding_counts(static, static["kv_cached"].shape[0] - 1)
         return self._fn(**static)
 
     def _capture(self, inputs: dict[str, Tensor]) -> _Graph:

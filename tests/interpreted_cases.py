@@ -13,6 +13,8 @@ from test_paged_attention import (
     _call,
     _case,
     _expected,
+    _pools,
+    _stored,
     check_attention_inputs,
     check_store,
     check_store_past_the_table,
@@ -83,6 +85,50 @@ def test_triton_kernel_store_skips_tokens_past_the_table() -> None:
 @pytest.mark.parametrize("config", [NO_CONTEXT, CONTEXT], ids=["no-context", "context"])
 def test_cached_ranker_on_the_triton_kernel(config: HSTUConfig) -> None:
     check_every_kind_of_delta(config)
+
+
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("name", list(CASES))
+def test_gated_kernels_equal_the_attention_then_the_gate(name: str, splits: int | None) -> None:
+    """The delta program's layer op on the Triton path (the attention writing into the gate's concat, the gate
+    summing the key slices): the attention third bit for bit as the attention kernel alone (whose slices
+    _sum_slices adds in the same order), the whole as the reference attention then the model's gate, and the
+    new K/V stored as the store op stores them."""
+    from hstu_export.ops._triton.paged import paged_hstu_mha_gated_triton_fwd, paged_hstu_mha_triton_fwd
+    from hstu_export.ops.reference import stu_gate
+
+    q_lens, seq_lens, targets, contextual, window = CASES[name]
+    case = _case(q_lens, seq_lens, targets, seed=len(name))
+    rows = case["rows"]
+    h, dqk, dv = case["q"].shape[1], case["q"].shape[2], case["v"].shape[2]
+    gen = torch.Generator().manual_seed(len(name))
+    u = torch.randn(len(rows), h * dv, generator=gen)
+    uvqk = torch.cat([u, case["v"][rows].flatten(1), case["q"][rows].flatten(1), case["k"][rows].flatten(1)], -1)
+    weight, bias = torch.randn(h * dv, generator=gen), torch.randn(h * dv, generator=gen)
+    k_pool, v_pool = _pools(case, layer=1)
+    want_k, want_v = _stored(case, k_pool, v_pool, 1)
+    got = paged_hstu_mha_gated_triton_fwd(
+        uvqk, case["q_offsets"], k_pool, v_pool, 1, case["table"], case["seq_lens"], case["targets"], weight, bias,
+        1e-6, h, dqk, dv, 128, 0.25, contextual, window, max_seq_len=max(seq_lens), max_query_len=max(q_lens),
+        splits=splits, gate_rows=1 if splits is None else None,  # a row a program, as on a GPU
+    )  # fmt: skip
+    alone = _call(paged_hstu_mha_triton_fwd, case, contextual, window, 128, 0.25, max_seq_len=max(seq_lens),
+                  max_query_len=max(q_lens), splits=splits)
+    assert got.shape == (len(rows), 3 * h * dv) and not got.isnan().any()
+    assert torch.equal(got[:, h * dv:2 * h * dv], alone.flatten(1))
+    want = stu_gate(u, _expected(case, contextual, window, 128, 0.25).flatten(1), weight, bias, 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_pool[:, :-1], want_k[:, :-1], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_pool[:, :-1], want_v[:, :-1], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("config", [NO_CONTEXT, CONTEXT], ids=["no-context", "context"])
+def test_cached_ranker_with_the_gated_kernels(config: HSTUConfig) -> None:
+    """The delta run with the Triton program's layer op (attention and gate in one call): every kind of delta
+    still equals the full model."""
+    from hstu_export.kv_export import gated_attention_for
+
+    check_every_kind_of_delta(config, gated_attention=gated_attention_for("triton"))
 
 
 def test_triton_attention_inputs() -> None:

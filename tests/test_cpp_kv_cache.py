@@ -226,6 +226,7 @@ def _kv_edit(**changes: object):  # type: ignore[no-untyped-def]
     (_kv_edit(program="kv/other.pt2"), "'kv_cache.program' names a file that files does not list"),
     (lambda m: m["kv_cache"]["outputs"].append("kv_new_k"), "it returned the new K/V): re-export with --kv-cache"),
     (lambda m: m["kv_cache"]["inputs"].remove("kv_page_table"), "lacks 'kv_page_table'"),
+    (_kv_edit(fits_counts="yes"), "'kv_cache.fits_counts' is a string, expected a boolean"),
 ])
 def test_a_package_without_a_usable_cache_section(cpp_runtime, kv_package, tmp_path, edit, message) -> None:  # type: ignore[no-untyped-def]
     """--kv-cache is refused in one line; the package still serves requests without a cache."""

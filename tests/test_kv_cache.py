@@ -12,7 +12,7 @@ import torch
 from kv_requests import Users, products_rows_independent
 
 from hstu_export.errors import ConfigError, RequestError
-from hstu_export.models.cached import KVLayout
+from hstu_export.models.cached import GatedAttention, KVLayout
 from hstu_export.models.config import HSTUConfig
 from hstu_export.models.ranking import HstuRankingModel
 from hstu_export.models.transducer import bucket_edges, time_buckets
@@ -42,9 +42,12 @@ def test_every_kind_of_delta_equals_the_full_model(config: HSTUConfig) -> None:
     check_every_kind_of_delta(config)  # also run on the Triton kernel by tests/interpreted_cases.py
 
 
-def check_every_kind_of_delta(config: HSTUConfig) -> None:
+def check_every_kind_of_delta(config: HSTUConfig, gated_attention: GatedAttention | None = None) -> None:
+    """``gated_attention``: the delta run's layers through it (DeltaRanker's argument of that name)."""
     model = _model(config)
     ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=16)
+    if gated_attention is not None:
+        ranker.runner.delta.gated_attention = gated_attention  # type: ignore[attr-defined]
     users = Users(config)
     for user, length in (("a", 20), ("b", 7), ("c", 1)):
         users.grow(user, length)

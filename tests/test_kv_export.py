@@ -155,7 +155,11 @@ def test_a_tampered_kv_section_is_refused(kv_package, tmp_path) -> None:  # type
     copy = tmp_path / "pkg"
     shutil.copytree(root, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
-    for edit, problem in (({"page_size": 24}, "power of two"), ({"program": "../outside.pt2"}, "kv_cache.program")):
+    assert manifest["kv_cache"]["fits_counts"] is True
+    for edit, problem in (({"page_size": 24}, "power of two"), ({"program": "../outside.pt2"}, "kv_cache.program"),
+                          ({"fits_counts": "yes"}, "kv_cache.fits_counts"),
+                          ({"bounds": {"batch": 0, "new_history": 5, "candidates": 5}}, "kv_cache.bounds.batch"),
+                          ({"bounds": [17]}, "kv_cache.bounds")):
         changed = {**manifest, "kv_cache": {**manifest["kv_cache"], **edit}}
         write_manifest_bytes(copy, json.dumps(changed).encode())
         with pytest.raises(PackageError, match=problem):
@@ -222,6 +226,67 @@ def test_the_delta_program_exports_for_any_length_ranges(max_hist: int, max_cand
     _same(got, want)
 
 
+def test_counts_are_fitted_to_their_tables() -> None:
+    from hstu_export.models.cached import fit_counts
+
+    def fitted(counts: list[int], rows: int) -> list[int]:
+        kept, offsets = fit_counts(torch.tensor(counts), rows)
+        assert offsets.tolist() == [0, *torch.cumsum(kept, 0).tolist()]
+        return kept.tolist()
+
+    assert fitted([3, 2, 5], 10) == [3, 2, 5] and fitted([3, 2], 9) == [3, 2]  # within the table: as given
+    assert fitted([3, 2, 10], 7) == [3, 2, 2]  # the last takes what the others leave
+    assert fitted([9, 1, 4], 4) == [4, 0, 0] and fitted([0, 0, 6], 0) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("config", ["context", "no-context"])
+def test_a_padding_user_given_the_buckets_rows_answers_as_one_given_the_rest(config: str) -> None:
+    """A package's program fits each user's counts to its tables (``kv_cache.fits_counts``), so a shape bucket
+    gives its padding user the bucket's rows once, instead of what the real users leave at each call: the
+    answers are those of the exact counts, bit for bit, eager and exported. Two requests of one bucket: the
+    second written into the first's buffers (whose padding rows then hold the first request's values, so
+    only the real users' rows are compared there)."""
+    from hstu_export.kv_export import attention_for, dynamic_shapes, example_inputs
+    from hstu_export.models.cached import PROGRAM_INPUTS, DeltaProgram
+    from hstu_export.runtimes.kv_graphs import Buckets, fill_bucket, pad_to_bucket
+    from hstu_export.verify import ExportRanges
+
+    torch.manual_seed(0)
+    model = HstuRankingModel(CONFIGS[config]).eval()
+    c = model.config.contextual_seq_len
+    ranges = ExportRanges(2, {"uih_lengths": 9, "candidate_lengths": 5}, {"uih_lengths": 1, "candidate_lengths": 1})
+    example = example_inputs(model, ranges, PAGE, torch.device("cpu"), seed=1)
+    program = DeltaProgram(model, attention_for("aten"), 64, 64).eval()
+    with torch.no_grad():
+        exported = torch.export.export(program, (), kwargs=example, strict=False,
+                                       dynamic_shapes=dynamic_shapes(model, ranges, PAGE, list(PROGRAM_INPUTS))).module()
+    exact, fitted = (Buckets(history=8, candidates=8, max_width=64, fitted_counts=f) for f in (False, True))
+    first, _ = pad_to_bucket(example, exact, c)
+    buffers, _ = pad_to_bucket(example, fitted, c)
+    rows = (buffers["uih_item_emb"].shape[0], buffers["candidate_item_emb"].shape[0])
+    assert (int(buffers["uih_lengths"][-1]), int(buffers["candidate_lengths"][-1])) == rows
+    assert first["uih_lengths"][-1] < rows[0] and first["candidate_lengths"][-1] < rows[1]
+    # A later request of the same bucket: fewer history tokens for its first user, more candidates.
+    hist, cand = example["uih_lengths"].clone(), example["candidate_lengths"].clone()
+    hist[0] -= 1
+    cand[0] += 1
+    later = {**example, "uih_lengths": hist, "candidate_lengths": cand,
+             **{name: example[name][1:] for name in ("uih_item_emb", "uih_action_emb", "uih_timestamps")},
+             "candidate_item_emb": torch.cat([example["candidate_item_emb"], example["candidate_item_emb"][:1]])}
+    second, _ = pad_to_bucket(later, exact, c)
+    assert second["uih_item_emb"].shape == buffers["uih_item_emb"].shape
+    for want_inputs, request, compared in ((first, example, rows[1]), (second, later, int(cand.sum()))):
+        fill_bucket(buffers, request)
+        assert (int(buffers["uih_lengths"][-1]), int(buffers["candidate_lengths"][-1])) == rows  # left as they were
+        with torch.no_grad():
+            want = program(**{**want_inputs, **{n: buffers[n] for n in ("kv_k_pages", "kv_v_pages")}})
+            for run in (program, exported):
+                got = run(**buffers)
+                for key in want:
+                    assert got[key].shape == want[key].shape and want[key].shape[0] == rows[1]
+                    assert torch.equal(got[key][:compared], want[key][:compared]), key
+
+
 @pytest.mark.slow
 def test_verify_serves_the_package_through_its_cache(kv_package, capsys) -> None:  # type: ignore[no-untyped-def]
     _, root, _ = kv_package
@@ -265,6 +330,11 @@ def test_padding_to_a_bucket_appends_one_user_and_is_dropped_again() -> None:
     assert padded["uih_lengths"].tolist() == [6, 0, 3] and padded["candidate_lengths"].tolist() == [0, 2, 1]
     kv_graphs.padding_counts(padded, 2)  # what the replay does first: the padding user's counts fill the bucket
     assert padded["uih_lengths"].tolist() == [6, 0, 2] and padded["candidate_lengths"].tolist() == [0, 2, 2]
+    # For a program that fits the counts to its tables, the padding user is given the bucket's rows, once.
+    fitted, _ = pad_to_bucket(inputs, Buckets(history=8, candidates=4, max_width=64, fitted_counts=True), c)
+    assert fitted["uih_lengths"].tolist() == [2, 3, 8] and fitted["candidate_lengths"].tolist() == [1, 2, 4]
+    assert fill_bucket(fitted, later) == 2
+    assert fitted["uih_lengths"].tolist() == [6, 0, 8] and fitted["candidate_lengths"].tolist() == [0, 2, 4]
     assert padded["kv_cached"].tolist() == [0, 9, 0]
     assert padded["kv_page_table"].tolist() == [[4, 9, 9, 9], [5, 6, 7, 8], [9, 9, 9, 9]]
     # A narrower table of the same bucket: the column the earlier request left (page 8) now points at the

@@ -42,13 +42,21 @@ from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offset
 from hstu_export.ops.paged import delta_counts, paged_attention_inputs, paged_hstu_mha_store, scratch_page
 from hstu_export.ops.reference import stu_gate
 
-__all__ = ["PROGRAM_INPUTS", "DeltaPlan", "DeltaProgram", "DeltaRanker", "KVLayout", "ResidualNorm", "fresh_contextual",
-           "plan_on_device", "residual_then_norm", "scratch_page", "stacked_contextual"]
+__all__ = ["PROGRAM_INPUTS", "DeltaPlan", "DeltaProgram", "DeltaRanker", "GatedAttention", "KVLayout", "ResidualNorm",
+           "fit_counts",
+           "fresh_contextual", "plan_on_device", "residual_then_norm", "scratch_page", "stacked_contextual"]
 
 
 # (x, gated, output weight, next layer's norm weight, its bias) -> (x + gated @ weight, the next layer's input
 # norm of that sum): what lies between two STU layers of the delta run.
 ResidualNorm = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+# A layer's attention and output gate in one call (the Triton program's: ops/_triton/paged.py's
+# paged_hstu_mha_gated_store_triton): (uvqk, q_offsets, k_pages, v_pages, layer, page_table, seq_lens,
+# num_targets, gate norm weight, its bias, eps, heads, attention_dim, linear_dim, scaling_seqlen, alpha,
+# contextual_seq_len, max_attn_len, *, max_seq_len, max_query_len) -> concat(SiLU(u), a, SiLU(u) * LN(a)); it
+# stores the new K/V as the attention does.
+GatedAttention = Callable[..., Tensor]
 
 
 def residual_then_norm(x: Tensor, gated: Tensor, weight: Tensor, norm_weight: Tensor,
@@ -71,16 +79,31 @@ class DeltaPlan:
     max_seq_len: int
     max_query_len: int
     on: dict[str, Tensor]
-    # The counts per user as the request gave them (cached, new history, candidates; any integer dtype, even
-    # negative): what the attention's inputs are computed from, in one kernel (paged_attention_inputs).
+    # The counts per user (cached, new history, candidates; int64, none negative, the two token counts fitted
+    # to their tables): what the attention's inputs are computed from, in one kernel (paged_attention_inputs).
     requested: tuple[Tensor, Tensor, Tensor]
+
+
+def fit_counts(counts: Tensor, rows: Any) -> tuple[Tensor, Tensor]:
+    """``counts`` [B] (int64, none negative) with each user's count cut where a table of ``rows`` rows runs out,
+    the users taking their rows in order, and the offsets of those counts [B+1]: unchanged when they add up to
+    at most ``rows``. So a last user given ``rows`` (or more) tokens takes exactly the rows the others leave,
+    which is what a shape bucket's padding user needs (runtimes/kv_graphs.py): its counts are then the same on
+    every call, not computed per call. One scan (the offsets, from the counts with a 0 in front: the run
+    needs them anyway, and a scan of its input padded compiles into one kernel, where a scan then padded is
+    two)."""
+    offsets = torch.cumsum(F.pad(counts, (1, 0)), 0).clamp(max=rows)
+    return offsets[1:] - offsets[:-1], offsets
 
 
 def plan_on_device(cached: Tensor, new_hist: Tensor, cand_len: Tensor, n_hist: Any, n_cand: Any, n_ctx_rows: Any,
                    c: int, max_seq_len: int, max_query_len: int) -> DeltaPlan:
     """A plan from device tensors and the sizes of the request's token tables (history, candidates, the
-    contextual rows of the users with nothing cached): no host read, so it traces with symbolic sizes."""
-    on = delta_counts(*(t.to(torch.int64).clamp(min=0) for t in (cached, new_hist, cand_len)), c)
+    contextual rows of the users with nothing cached): no host read, so it traces with symbolic sizes. The
+    history and candidate counts are fitted to their tables (:func:`fit_counts`)."""
+    cached, new_hist, cand_len = (t.to(torch.int64).clamp(min=0) for t in (cached, new_hist, cand_len))
+    (new_hist, hist_off), (cand_len, cand_off) = fit_counts(new_hist, n_hist), fit_counts(cand_len, n_cand)
+    on = {**delta_counts(cached, new_hist, cand_len, c), "hist_off": hist_off, "cand_off": cand_off}
     return DeltaPlan(batch=cached.shape[0], total_new=n_hist + n_cand + n_ctx_rows,
                      total_cand=n_cand, max_seq_len=max_seq_len, max_query_len=max_query_len, on=on,
                      requested=(cached, new_hist, cand_len))
@@ -117,7 +140,8 @@ class DeltaRanker:
 
     def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor] = paged_hstu_mha_store,
                  attention_inputs: Callable[..., tuple[Tensor, ...]] = paged_attention_inputs,
-                 residual: ResidualNorm | None = None, heads: Callable[[Tensor], dict[str, Tensor]] | None = None) -> None:
+                 residual: ResidualNorm | None = None, heads: Callable[[Tensor], dict[str, Tensor]] | None = None,
+                 gated_attention: GatedAttention | None = None) -> None:
         self.model = model
         # The task heads on the candidates' rows: the model's own, or the same computation in other kernels (an
         # exported program's: passes/fuse_parallel_mlps.py).
@@ -131,6 +155,8 @@ class DeltaRanker:
         self.attention = attention
         self.attention_inputs = attention_inputs
         self.residual = residual or residual_then_norm  # between two layers (see ResidualNorm)
+        # None: the attention, then the gate (stu_gate); else both in one call (see GatedAttention)
+        self.gated_attention = gated_attention
 
     @torch.no_grad()
     def run(
@@ -200,7 +226,9 @@ class DeltaRanker:
         index = on["cached"][user] + r  # index in the user's whole sequence
         is_ctx = r < on["ctx_new"][user]
         is_cand = r >= (on["ctx_new"] + on["new_hist"])[user]
-        hist_off, cand_off = lengths_to_offsets(on["new_hist"]), lengths_to_offsets(on["cand_len"])
+        # The offsets of the history and candidate counts: the plan's where it has them (plan_on_device's scan).
+        hist_off = on["hist_off"] if "hist_off" in on else lengths_to_offsets(on["new_hist"])
+        cand_off = on["cand_off"] if "cand_off" in on else lengths_to_offsets(on["cand_len"])
         hist_row = hist_off[:-1][user] + (r - on["ctx_new"][user]).clamp(min=0)  # where the token is history
         cand_row = cand_off[:-1][user] + (r - on["ctx_new"][user] - on["new_hist"][user]).clamp(min=0)
         n_hist, n_cand = hist_tokens.size(0), cand_tokens.size(0)
@@ -240,15 +268,23 @@ class DeltaRanker:
         for number, layer in enumerate(layers):
             h, dqk, dv = layer.num_heads, layer.attention_dim, layer.linear_dim
             uvqk = torch.addmm(layer.uvqk_bias, n, layer.uvqk_weight)
-            u, v, q, k = torch.split(uvqk, [dv * h, dv * h, dqk * h, dqk * h], dim=-1)
-            # Views into uvqk (head dim contiguous): the kernel takes their strides, so no copy.
-            q, k, v = q.unflatten(-1, (h, dqk)), k.unflatten(-1, (h, dqk)), v.unflatten(-1, (h, dv))
-            a = self.attention(
-                q, k, v, att_offsets, k_pages, v_pages, number, att_pages, att_seq_len, att_targets,
-                cfg.attn_scaling_seqlen, cfg.attn_alpha, c, cfg.max_attn_len, max_seq_len=max_seq_len,
-                max_query_len=max_query_len,
-            ).reshape(-1, h * dv)  # fmt: skip
-            gated = stu_gate(u, a, layer.output_norm_weight, layer.output_norm_bias, LAYER_NORM_EPS)
+            if self.gated_attention is not None:
+                gated = self.gated_attention(
+                    uvqk, att_offsets, k_pages, v_pages, number, att_pages, att_seq_len, att_targets,
+                    layer.output_norm_weight, layer.output_norm_bias, LAYER_NORM_EPS, h, dqk, dv,
+                    cfg.attn_scaling_seqlen, cfg.attn_alpha, c, cfg.max_attn_len, max_seq_len=max_seq_len,
+                    max_query_len=max_query_len,
+                )  # fmt: skip
+            else:
+                u, v, q, k = torch.split(uvqk, [dv * h, dv * h, dqk * h, dqk * h], dim=-1)
+                # Views into uvqk (head dim contiguous): the kernel takes their strides, so no copy.
+                q, k, v = q.unflatten(-1, (h, dqk)), k.unflatten(-1, (h, dqk)), v.unflatten(-1, (h, dv))
+                a = self.attention(
+                    q, k, v, att_offsets, k_pages, v_pages, number, att_pages, att_seq_len, att_targets,
+                    cfg.attn_scaling_seqlen, cfg.attn_alpha, c, cfg.max_attn_len, max_seq_len=max_seq_len,
+                    max_query_len=max_query_len,
+                ).reshape(-1, h * dv)  # fmt: skip
+                gated = stu_gate(u, a, layer.output_norm_weight, layer.output_norm_bias, LAYER_NORM_EPS)
             if number + 1 < len(layers):
                 following = layers[number + 1]
                 x, n = self.residual(x, gated, layer.output_weight, following.input_norm_weight,
@@ -288,11 +324,12 @@ class DeltaProgram(nn.Module):
 
     def __init__(self, model: HstuRankingModel, attention: Callable[..., Tensor], max_seq_len: int,
                  max_query_len: int, attention_inputs: Callable[..., tuple[Tensor, ...]] = paged_attention_inputs,
-                 residual: ResidualNorm | None = None, heads: nn.Module | None = None) -> None:
+                 residual: ResidualNorm | None = None, heads: nn.Module | None = None,
+                 gated_attention: GatedAttention | None = None) -> None:
         super().__init__()
         self.model = model
         self.heads = heads  # a submodule, so that its tensors are the program's
-        self.delta = DeltaRanker(model, attention, attention_inputs, residual, heads)
+        self.delta = DeltaRanker(model, attention, attention_inputs, residual, heads, gated_attention)
         self.max_seq_len, self.max_query_len = max_seq_len, max_query_len
 
     def forward(self, uih_item_emb: Tensor, uih_action_emb: Tensor, candidate_item_emb: Tensor, contextual_emb: Tensor,

@@ -6,8 +6,9 @@ kernels visible and AOTInductor compiles them into the package (no Python or Tri
 - ``hstu_export::hstu_mha_triton``, ``hstu_export::cached_hstu_mha_triton`` (attention.py)
 - ``hstu_export::hstu_mha_gated_triton``: attention plus the STU output gate (gated.py)
 - ``hstu_export::paged_hstu_mha_store_triton``: delta attention against the paged KV cache, storing the
-  new K/V in it, and ``hstu_export::paged_attention_inputs_triton``: what it takes besides q/k/v, computed
-  once for every layer from a request's counts (paged.py)
+  new K/V in it; ``hstu_export::paged_hstu_mha_gated_store_triton``: the same with the STU output gate; and
+  ``hstu_export::paged_attention_inputs_triton``: what they take besides q/k/v, computed once for every
+  layer from a request's counts (paged.py)
 - ``hstu_export::add_layer_norm_triton``: a residual sum and the next layer's input norm (residual.py)
 - ``hstu_export::jagged_to_padded_dense_triton``, ``hstu_export::dense_to_jagged_triton``,
   ``hstu_export::concat_2D_jagged_triton``, ``hstu_export::split_2D_jagged_triton`` (jagged.py)
@@ -36,6 +37,7 @@ OP_NAMES: tuple[str, ...] = (
     "hstu_export::cached_hstu_mha_triton",
     "hstu_export::hstu_mha_gated_triton",
     "hstu_export::paged_hstu_mha_store_triton",
+    "hstu_export::paged_hstu_mha_gated_store_triton",
     "hstu_export::add_layer_norm_triton",
     "hstu_export::jagged_to_padded_dense_triton",
     "hstu_export::dense_to_jagged_triton",

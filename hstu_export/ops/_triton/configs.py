@@ -140,9 +140,11 @@ def jagged_config(capability: tuple[int, int] | None) -> JaggedConfig:
     return config
 
 
-def gate_config(capability: tuple[int, int] | None, width: int) -> JaggedConfig:
+def gate_config(capability: tuple[int, int] | None, width: int, block_rows: int | None = None,
+                kernel: str = "stu_gate") -> JaggedConfig:
     """The config of the STU gate kernel over rows of ``width`` = H*Dv features (None: the CPU
-    interpreter). A row is normalised whole, so block_d covers it; about 4K elements per program."""
+    interpreter). A row is normalised whole, so block_d covers it; about 4K elements per program, or
+    ``block_rows`` rows (``kernel`` names the kernel in the record)."""
     block_d = max(next_power_of_2(width), 16)
     if capability is None:
         key, config = "interpreter", JaggedConfig(block_rows=4, block_d=block_d, num_warps=1)
@@ -151,7 +153,10 @@ def gate_config(capability: tuple[int, int] | None, width: int) -> JaggedConfig:
         config = JaggedConfig(
             block_rows=max(1, min(16, 4096 // block_d)), block_d=block_d, num_warps=4 if block_d <= 1024 else 8
         )
-    _record(f"gate/{key}/width{width}", {"kernel": "stu_gate", "capability": key, **dataclasses.asdict(config)})
+    if block_rows is not None:
+        config = dataclasses.replace(config, block_rows=block_rows)
+    prefix = "gate" if kernel == "stu_gate" else kernel
+    _record(f"{prefix}/{key}/width{width}", {"kernel": kernel, "capability": key, **dataclasses.asdict(config)})
     return config
 
 

@@ -27,7 +27,7 @@ Target rows add their self term, in slice 0 only.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -35,10 +35,13 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .attention import _position, _silu_scaled
-from .configs import AttentionConfig, attention_config, next_power_of_2
+from .configs import AttentionConfig, attention_config, gate_config, next_power_of_2
+from .rows import centred_rstd, row_block
 
 __all__ = [
     "paged_attention_inputs_triton",
+    "paged_hstu_mha_gated_store_triton",
+    "paged_hstu_mha_gated_triton_fwd",
     "paged_hstu_mha_store_triton",
     "paged_hstu_mha_triton_fwd",
     "query_blocks",
@@ -135,7 +138,7 @@ def _paged_attn_fwd(
     q_offsets, seq_lens, num_targets, page_table,
     stride_qm, stride_qh, stride_knm, stride_knh, stride_vnm, stride_vnh,
     stride_kpl, stride_kpp, stride_kpn, stride_kph, stride_vpl, stride_vpp, stride_vpn, stride_vph,
-    stride_pt, stride_om, stride_oh, stride_ws,
+    stride_pt, stride_om, stride_oh, out_col0, stride_ws, stride_wm,
     alpha, inv_scale, contextual_seq_len, max_attn_len, num_users, layer, table_width,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
@@ -286,10 +289,10 @@ def _paged_attn_fwd(
 
         out_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
         if tl.num_programs(2) > 1:
-            w_ptrs = Work + pid_s.to(tl.int64) * stride_ws + q_rows[:, None] * stride_om + h * stride_oh
+            w_ptrs = Work + pid_s.to(tl.int64) * stride_ws + q_rows[:, None] * stride_wm + h * DV
             tl.store(w_ptrs + offs_dv[None, :], acc, mask=out_mask)
         else:
-            o_ptrs = Out + q_rows[:, None] * stride_om + h * stride_oh + offs_dv[None, :]
+            o_ptrs = Out + out_col0 + q_rows[:, None] * stride_om + h * stride_oh + offs_dv[None, :]
             tl.store(o_ptrs, (acc * inv_scale).to(Out.dtype.element_ty), mask=out_mask)
 
 
@@ -355,6 +358,36 @@ def paged_hstu_mha_triton_fwd(
     per call) forces the key-slice count, ``config`` the tile shape, ``prefetch_pages`` whether page
     numbers are read a block ahead (benchmarks). ``traceable``: launched inside the op, so that
     torch.export and Inductor see the kernels; the sizes may then be symbolic."""
+    launch = _launch_paged(q, k_new, v_new, q_offsets, k_pages, v_pages, page_table, seq_lens, num_targets,
+                           scaling_seqlen, alpha, contextual_seq_len, max_attn_len, max_seq_len=max_seq_len,
+                           max_query_len=max_query_len, layer=layer, splits=splits, config=config,
+                           prefetch_pages=prefetch_pages, traceable=traceable)  # fmt: skip
+    # The sum's grid is empty with one slice (no program runs; AOTInductor skips the launch).
+    sum_programs = triton.cdiv(launch.numel, _SUM_BLOCK) * torch.sym_min(launch.slices - 1, 1)
+    if traceable or sum_programs > 0:
+        summing = wrap_triton(_sum_slices) if traceable else _sum_slices
+        summing[(sum_programs,)](launch.work, launch.out, launch.numel, launch.slices, launch.numel,
+                                 1.0 / float(scaling_seqlen), BLOCK=_SUM_BLOCK)  # fmt: skip
+    return launch.out
+
+
+class _Launched(NamedTuple):
+    out: torch.Tensor  # the result where one slice wrote it (the given buffer, or [L, H, Dv])
+    work: torch.Tensor  # the slices' fp32 partials [slices, L, H*Dv] (flat), with several slices
+    slices: Any  # int or SymInt
+    numel: Any  # L * H * Dv
+
+
+def _launch_paged(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, q_offsets: torch.Tensor, k_pages: torch.Tensor,
+    v_pages: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, num_targets: torch.Tensor,
+    scaling_seqlen: int, alpha: float, contextual_seq_len: int, max_attn_len: int, *, max_seq_len: int,
+    max_query_len: int, layer: int | None, splits: int | None, config: AttentionConfig | None,
+    prefetch_pages: bool, traceable: bool, out: torch.Tensor | None = None, out_col0: int = 0,
+) -> _Launched:
+    """The attention kernel alone (see :func:`paged_hstu_mha_triton_fwd`): with one key slice it writes the
+    result into ``out`` (a 2-D buffer [L, W] whose columns [out_col0, out_col0 + H*Dv) take it; default a new
+    [L, H, Dv]), with several the slices' partials into the returned workspace, for the caller to sum."""
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     lq, num_heads, dqk = q.shape
     dv = v_new.shape[2]
@@ -379,7 +412,11 @@ def paged_hstu_mha_triton_fwd(
     blocks = query_blocks(num_users, lq, torch.sym_max(rows, 1), cfg.block_m)
     # The keys a user's new rows see, about: its sequence less its new rows (the request's average).
     slices = splits or split_count(blocks * num_heads, max_seq_len, max_seq_len - lq // torch.sym_max(num_users, 1))
-    out = torch.empty((lq, num_heads, dv), dtype=v_new.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((lq, num_heads, dv), dtype=v_new.dtype, device=q.device)
+        stride_om = num_heads * dv
+    else:
+        stride_om = out.stride(0)
     # With one slice the kernel writes `out` and the workspace is not touched: it is then one element (not
     # empty, so that it has a device address to pass), instead of slices x rows x heads x dv floats. Flat:
     # the kernels take its strides as arguments.
@@ -391,19 +428,151 @@ def paged_hstu_mha_triton_fwd(
         q, k_new, v_new, k_pages, v_pages, out, work, q_offsets, seq_lens, num_targets, page_table,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_layer, *(k_pages.stride(first + i) for i in range(3)), v_layer, *(v_pages.stride(first + i) for i in range(3)),
-        page_table.stride(0), num_heads * dv, dv, lq * num_heads * dv,
+        page_table.stride(0), stride_om, dv, out_col0, numel, num_heads * dv,
         float(alpha), 1.0 / float(scaling_seqlen), contextual_seq_len, max_attn_len, num_users, layer or 0,
         page_table.shape[1], DQK=dqk, DV=dv, BLOCK_DQK=max(next_power_of_2(dqk), 16),
         BLOCK_DV=max(next_power_of_2(dv), 16), BLOCK_M=cfg.block_m, BLOCK_N=block_n, PAGE=page_size,
         CHUNK=_USER_CHUNK, FAST_SILU=fast_silu, UPCAST_DOTS=interpreting and q.dtype != torch.float32,
         PREFETCH=prefetch_pages, STORE=store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    # The sum's grid is empty with one slice (no program runs; AOTInductor skips the launch).
-    sum_programs = triton.cdiv(numel, _SUM_BLOCK) * torch.sym_min(slices - 1, 1)
-    if traceable or sum_programs > 0:
-        summing = wrap_triton(_sum_slices) if traceable else _sum_slices
-        summing[(sum_programs,)](work, out, numel, slices, numel, 1.0 / float(scaling_seqlen), BLOCK=_SUM_BLOCK)
+    return _Launched(out, work, slices, numel)
+
+
+@triton.jit
+def _gate_slices(UVQK, Out, Work, W, Bias, num_rows, slices, stride_u, stride_o, stride_ws, inv_scale, eps,
+                 WIDTH: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """The STU gate after the paged attention (gated.py's gate): Out [L, 3*WIDTH] gets SiLU(u), a and
+    SiLU(u) * LN(a), u being UVQK's first WIDTH columns. With several key slices, a is first their partials
+    (Work) summed in slice order and scaled, as _sum_slices computes it, and written into the middle third;
+    with one, the attention kernel wrote it there."""
+    eps = tl.cast(eps, tl.float32)
+    rows64, cols, col_ok, ok = row_block(num_rows, WIDTH, BLOCK_ROWS, BLOCK_D)
+    dtype = Out.dtype.element_ty
+    if slices > 1:
+        # Four slices' loads at a time, then their sum in slice order (a slice past the last adds 0.0, which
+        # changes no sum): a load per step would wait for each one in turn.
+        acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
+        w_ptrs = Work + rows64 * WIDTH + cols[None, :]
+        for s in range(0, slices, 4):
+            s64 = tl.cast(s, tl.int64)
+            p0 = tl.load(w_ptrs + s64 * stride_ws, mask=ok, other=0.0)
+            p1 = tl.load(w_ptrs + (s64 + 1) * stride_ws, mask=ok & (s + 1 < slices), other=0.0)
+            p2 = tl.load(w_ptrs + (s64 + 2) * stride_ws, mask=ok & (s + 2 < slices), other=0.0)
+            p3 = tl.load(w_ptrs + (s64 + 3) * stride_ws, mask=ok & (s + 3 < slices), other=0.0)
+            acc += p0
+            acc += p1
+            acc += p2
+            acc += p3
+        a_rounded = (acc * tl.cast(inv_scale, tl.float32)).to(dtype)
+        tl.store(Out + rows64 * stride_o + WIDTH + cols[None, :], a_rounded, mask=ok)
+        a = a_rounded.to(tl.float32)
+    else:
+        a = tl.load(Out + rows64 * stride_o + WIDTH + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(UVQK + rows64 * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    silu_u = (u / (1.0 + tl.exp(-u))).to(dtype)
+    centred, rstd = centred_rstd(a, ok, eps, WIDTH)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b = tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)
+    normed = (centred * rstd[:, None] * w[None, :] + b[None, :]).to(dtype)
+    gated = (silu_u.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+    tl.store(Out + rows64 * stride_o + cols[None, :], silu_u, mask=ok)
+    tl.store(Out + rows64 * stride_o + 2 * WIDTH + cols[None, :], gated, mask=ok)
+
+
+def paged_hstu_mha_gated_triton_fwd(
+    uvqk: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    layer: int,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_targets: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_bias: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    attention_dim: int,
+    linear_dim: int,
+    scaling_seqlen: int,
+    alpha: float,
+    contextual_seq_len: int = 0,
+    max_attn_len: int = 0,
+    *,
+    max_seq_len: int,
+    max_query_len: int,
+    splits: int | None = None,
+    gate_rows: int | None = None,
+    traceable: bool = False,
+) -> torch.Tensor:
+    """A delta run's STU layer between its two projections: uvqk [L, H*(2*Dv + 2*Dqk)] (columns u, v, q, k) ->
+    concat(SiLU(u), a, SiLU(u) * LN(a)) [L, 3*H*Dv], a being the paged attention (which also stores the new
+    K/V in the pool's ``layer``, as :func:`paged_hstu_mha_triton_fwd` does). Two kernels: the attention writes
+    a into the middle third (or, split over keys, its partials into a workspace), the gate sums the partials
+    and writes the outer thirds. So the slices need no kernel of their own, and a is written once.
+    ``gate_rows`` forces the gate kernel's rows a program (benchmarks)."""
+    h, dqk, dv = num_heads, attention_dim, linear_dim
+    width = h * dv
+    if uvqk.dim() != 2 or uvqk.shape[1] != 2 * width + 2 * h * dqk or uvqk.stride(1) != 1:
+        raise ValueError(f"uvqk must be [L, H*(2*Dv + 2*Dqk)] = [L, {2 * width + 2 * h * dqk}] with its columns "
+                         f"contiguous for H={h}, Dqk={dqk}, Dv={dv}; got {tuple(uvqk.shape)}")
+    num_rows = uvqk.shape[0]
+    v = uvqk[:, width:2 * width].unflatten(-1, (h, dv))
+    q = uvqk[:, 2 * width:2 * width + h * dqk].unflatten(-1, (h, dqk))
+    k = uvqk[:, 2 * width + h * dqk:].unflatten(-1, (h, dqk))
+    out = torch.empty((num_rows, 3 * width), dtype=uvqk.dtype, device=uvqk.device)
+    launch = _launch_paged(q, k, v, q_offsets, k_pool, v_pool, page_table, seq_lens, num_targets, scaling_seqlen,
+                           alpha, contextual_seq_len, max_attn_len, max_seq_len=max_seq_len,
+                           max_query_len=max_query_len, layer=layer, splits=splits, config=None,
+                           prefetch_pages=True, traceable=traceable, out=out, out_col0=width)  # fmt: skip
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    capability = None if interpreting or uvqk.device.type != "cuda" else torch.cuda.get_device_capability(uvqk.device)
+    # A row a program on a GPU: the slices' sum is a few rows' loads at a time, so more programs finish it
+    # sooner (H100, one layer at 1 user: 23.9 us for the attention and gate at 1 row a program, 29.4 at 8; the
+    # same at 8 and 32 users within 1%: docs/PERF.md, sixteenth session).
+    rows_each = gate_rows or (1 if capability is not None else None)
+    cfg = gate_config(capability, width, block_rows=rows_each, kernel="paged_stu_gate")
+    kernel = wrap_triton(_gate_slices) if traceable else _gate_slices
+    kernel[(triton.cdiv(num_rows, cfg.block_rows),)](
+        uvqk, out, launch.work, norm_weight, norm_bias, num_rows, launch.slices, uvqk.stride(0), out.stride(0),
+        launch.numel, 1.0 / float(scaling_seqlen), float(eps), WIDTH=width, BLOCK_ROWS=cfg.block_rows,
+        BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+    )  # fmt: skip
     return out
+
+
+@triton_op("hstu_export::paged_hstu_mha_gated_store_triton", mutates_args={"k_pool", "v_pool"})
+def paged_hstu_mha_gated_store_triton(
+    uvqk: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    layer: int,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_targets: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_bias: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    attention_dim: int,
+    linear_dim: int,
+    scaling_seqlen: int,
+    alpha: float,
+    contextual_seq_len: int,
+    max_attn_len: int,
+    max_seq_len: int,
+    max_query_len: int,
+    splits: int,
+) -> torch.Tensor:
+    """:func:`paged_hstu_mha_gated_triton_fwd` as an op an exported program calls (the delta program's layers
+    on the Triton path): returns the gate's concat, and stores the new non-target tokens' K/V in the pool's
+    ``layer``."""
+    return paged_hstu_mha_gated_triton_fwd(
+        uvqk, q_offsets, k_pool, v_pool, layer, page_table, seq_lens, num_targets, norm_weight, norm_bias, eps,
+        num_heads, attention_dim, linear_dim, scaling_seqlen, alpha, contextual_seq_len, max_attn_len,
+        max_seq_len=max_seq_len, max_query_len=max_query_len, splits=splits, traceable=True,
+    )  # fmt: skip
 
 
 @triton_op("hstu_export::paged_hstu_mha_store_triton", mutates_args={"k_pool", "v_pool"})

@@ -269,7 +269,7 @@ std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> 
     // The bucket steps stay within the program's bounds (runtimes/kv_delta.py chooses the same).
     detail::Buckets buckets{std::min<int64_t>(64, kv.max_history), std::min<int64_t>(32, kv.max_candidates),
                             std::max<int64_t>((kv.max_seq_len + kv.page_size - 1) / kv.page_size, 64),
-                            kv.bound_batch, kv.bound_history, kv.bound_candidates};
+                            kv.bound_batch, kv.bound_history, kv.bound_candidates, kv.fits_counts};
     const Impl* self = impl.get();
     impl->graphs = std::make_unique<detail::DeltaGraphs>(
         [self](const detail::ProgramInputs& inputs) { return self->run_program(inputs); }, buckets,

@@ -73,10 +73,14 @@ ProgramInputs pad_to_bucket(const ProgramInputs& inputs, const Buckets& buckets,
   for (const char* name : {"uih_item_emb", "uih_action_emb", "uih_timestamps"}) out[name] = rows(inputs.at(name), pad.history);
   out["candidate_item_emb"] = rows(inputs.at("candidate_item_emb"), pad.candidates);
   if (contextual > 0) out["contextual_emb"] = rows(inputs.at("contextual_emb"), 1);
+  // The padding user's counts: what the real users leave, or the bucket's rows where the program cuts them
+  // to that itself (the same on every call of the bucket: nothing to compute at a replay).
+  int64_t history = buckets.fitted_counts ? out.at("uih_item_emb").size(0) : pad.history;
+  int64_t candidates = buckets.fitted_counts ? out.at("candidate_item_emb").size(0) : pad.candidates;
   const at::Tensor& lengths = inputs.at("uih_lengths");
-  out["uih_lengths"] = at::cat({lengths, at::full({1}, pad.history, lengths.options())});
+  out["uih_lengths"] = at::cat({lengths, at::full({1}, history, lengths.options())});
   const at::Tensor& counts = inputs.at("candidate_lengths");
-  out["candidate_lengths"] = at::cat({counts, at::full({1}, pad.candidates, counts.options())});
+  out["candidate_lengths"] = at::cat({counts, at::full({1}, candidates, counts.options())});
   out["query_time"] = rows(inputs.at("query_time"), 1);
   out["kv_cached"] = rows(inputs.at("kv_cached"), 1);  // nothing cached: it reads no page
   const at::Tensor& table = inputs.at("kv_page_table");
@@ -150,7 +154,8 @@ Copies copies_into(const ProgramInputs& buffers, const ProgramInputs& inputs) {
 }
 
 // The padding user's two counts (after the `batch` real users') so that the counts add up to the
-// bucket's rows: device work only, run at the start of every replay (so captured with the program).
+// bucket's rows: device work only, run at the start of every replay (so captured with the program), for a
+// program that does not fit the counts itself (Buckets::fitted_counts).
 void padding_counts(ProgramInputs& buffers, int64_t batch) {
   for (auto [name, rows] : {std::pair<const char*, const char*>{"uih_lengths", "uih_item_emb"},
                             {"candidate_lengths", "candidate_item_emb"}}) {
@@ -271,7 +276,7 @@ struct DeltaGraphs::Impl {
 #endif
 
   std::vector<at::Tensor> run_bucket(ProgramInputs& buffers) {
-    padding_counts(buffers, buffers.at("kv_cached").size(0) - 1);
+    if (!buckets.fitted_counts) padding_counts(buffers, buffers.at("kv_cached").size(0) - 1);
     return run(buffers);
   }
 

@@ -41,6 +41,9 @@ struct Buckets {
   int64_t max_batch = 0;
   int64_t max_history = 0;
   int64_t max_candidates = 0;
+  // The program fits the counts to its tables (kv_cache.fits_counts): the padding user's counts are the
+  // bucket's rows, the same on every call; else they are what the real users leave, computed at each replay.
+  bool fitted_counts = false;
 };
 
 // Whether this runtime was built with CUDA graph support (CUDA headers and libtorch_cuda at build time).

@@ -86,6 +86,9 @@ struct KVSection {
   int64_t bound_batch = 0;
   int64_t bound_history = 0;
   int64_t bound_candidates = 0;
+  // The program cuts each user's token counts where its tables' rows run out (the section's fits_counts; false
+  // for older packages): a shape bucket's padding user is then given the bucket's rows, once.
+  bool fits_counts = false;
 };
 
 // Times a run's phases into a PhaseTimes (nothing without one): synchronises the device on construction

@@ -423,6 +423,9 @@ detail::KVSection read_kv_section(const Fields& fields, const Value& manifest, c
     out.bound_history = std::max<int64_t>(out.bound_batch * out.max_history, 5);
     out.bound_candidates = std::max<int64_t>(out.bound_batch * out.max_candidates, 5);
   }
+  if (const Value* fits = kv.find("fits_counts"); fits != nullptr) {  // absent: written before the program did
+    out.fits_counts = fields.of_type(*fits, Value::Type::Bool, where + ".fits_counts").boolean;
+  }
 
   // What the cache reads of every request: the zoo ranking model's history, candidates and times.
   std::vector<std::string> needed = {detail::kHistoryLengths, detail::kCandidateLengths, detail::kQueryTime};
