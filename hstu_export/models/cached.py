@@ -84,16 +84,16 @@ class DeltaPlan:
     requested: tuple[Tensor, Tensor, Tensor]
 
 
-def fit_counts(counts: Tensor, rows: Any) -> tuple[Tensor, Tensor]:
+def fit_counts(counts: Tensor, rows: Any) -> Tensor:
     """``counts`` [B] (int64, none negative) with each user's count cut where a table of ``rows`` rows runs out,
-    the users taking their rows in order, and the offsets of those counts [B+1]: unchanged when they add up to
-    at most ``rows``. So a last user given ``rows`` (or more) tokens takes exactly the rows the others leave,
-    which is what a shape bucket's padding user needs (runtimes/kv_graphs.py): its counts are then the same on
-    every call, not computed per call. One scan (the offsets, from the counts with a 0 in front: the run
-    needs them anyway, and a scan of its input padded compiles into one kernel, where a scan then padded is
-    two)."""
-    offsets = torch.cumsum(F.pad(counts, (1, 0)), 0).clamp(max=rows)
-    return offsets[1:] - offsets[:-1], offsets
+    the users taking their rows in order: unchanged when they add up to at most ``rows``. So a last user given
+    ``rows`` (or more) tokens takes exactly the rows the others leave, which is what a shape bucket's padding
+    user needs (runtimes/kv_graphs.py): its counts are then the same on every call, not computed per call.
+    A scan over the users, which a compiled program runs in the kernel of the run's other scans of them."""
+    ends = torch.cumsum(counts, 0)
+    # Each user's end and start cut to the table (no slice of the scan: torch.export would then guard the
+    # number of users away from 1 and 2).
+    return ends.clamp(max=rows) - (ends - counts).clamp(max=rows)
 
 
 def plan_on_device(cached: Tensor, new_hist: Tensor, cand_len: Tensor, n_hist: Any, n_cand: Any, n_ctx_rows: Any,
@@ -102,8 +102,8 @@ def plan_on_device(cached: Tensor, new_hist: Tensor, cand_len: Tensor, n_hist: A
     contextual rows of the users with nothing cached): no host read, so it traces with symbolic sizes. The
     history and candidate counts are fitted to their tables (:func:`fit_counts`)."""
     cached, new_hist, cand_len = (t.to(torch.int64).clamp(min=0) for t in (cached, new_hist, cand_len))
-    (new_hist, hist_off), (cand_len, cand_off) = fit_counts(new_hist, n_hist), fit_counts(cand_len, n_cand)
-    on = {**delta_counts(cached, new_hist, cand_len, c), "hist_off": hist_off, "cand_off": cand_off}
+    new_hist, cand_len = fit_counts(new_hist, n_hist), fit_counts(cand_len, n_cand)
+    on = delta_counts(cached, new_hist, cand_len, c)
     return DeltaPlan(batch=cached.shape[0], total_new=n_hist + n_cand + n_ctx_rows,
                      total_cand=n_cand, max_seq_len=max_seq_len, max_query_len=max_query_len, on=on,
                      requested=(cached, new_hist, cand_len))
@@ -226,9 +226,7 @@ class DeltaRanker:
         index = on["cached"][user] + r  # index in the user's whole sequence
         is_ctx = r < on["ctx_new"][user]
         is_cand = r >= (on["ctx_new"] + on["new_hist"])[user]
-        # The offsets of the history and candidate counts: the plan's where it has them (plan_on_device's scan).
-        hist_off = on["hist_off"] if "hist_off" in on else lengths_to_offsets(on["new_hist"])
-        cand_off = on["cand_off"] if "cand_off" in on else lengths_to_offsets(on["cand_len"])
+        hist_off, cand_off = lengths_to_offsets(on["new_hist"]), lengths_to_offsets(on["cand_len"])
         hist_row = hist_off[:-1][user] + (r - on["ctx_new"][user]).clamp(min=0)  # where the token is history
         cand_row = cand_off[:-1][user] + (r - on["ctx_new"][user] - on["new_hist"][user]).clamp(min=0)
         n_hist, n_cand = hist_tokens.size(0), cand_tokens.size(0)
