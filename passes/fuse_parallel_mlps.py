@@ -5,8 +5,9 @@ Linear`` for ``ctr``, the same shapes again for ``cvr``. Run as written, that is
 bias-and-activation kernel and so on per layer and per task: small launches that the GPU runs one after
 another. Here the first layers of the T branches become one Linear (their weights concatenated along the
 output), the later layers one batched product each (``bmm`` on the weights stacked ``[T, in, out]``, the
-bias added after it, with the activation), and the activations run once on all branches' columns. The arithmetic is the same products and sums; only
-their grouping into kernels changes.
+bias added after it, with the activation), and the activations run once on all branches' columns. The
+arithmetic is the same products and sums (in a 16-bit dtype a product is rounded before its bias is added,
+as a separate addition would do); only their grouping into kernels changes.
 
 A group is fused when at least two chains start at ``nn.Linear`` modules called on the same 2-D tensor
 and match node for node (Linear shapes, bias, dtype and device; activation modules of one class and

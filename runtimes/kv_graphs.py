@@ -20,8 +20,8 @@ dtype). The padding user's rows keep whatever an earlier request left there (fin
 padding user reads). Its two token counts are the bucket's rows, written once, where the program fits each
 user's counts to its tables (``kv_cache.fits_counts``: the padding user, last, then takes what the others
 leave); for a program of before that, the graph computes them on the device at each replay
-(:func:`padding_counts`, four kernels). Replays are serialised under one lock; the real rows of the outputs are
-copied out before it is released. The run itself writes the new K/V into the pages, so they are not
+(:func:`padding_counts`, four kernels). Replays are serialised under one lock; the real rows of the outputs
+are copied out before it is released. The run itself writes the new K/V into the pages, so they are not
 outputs to copy.
 """
 

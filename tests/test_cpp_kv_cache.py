@@ -124,7 +124,9 @@ def test_buckets_stay_within_the_programs_bounds(cpp_runtime, kv_package, tmp_pa
     """A bucket has one user more than its request (the padding user), and beyond the delta program's
     exported bounds the program's answers are not defined: with the package's bounds lowered to 2 users, no
     request of 2 or 3 users runs in a bucket, in C++ as in Python, and the answers stay those of the package
-    without cache. A package without recorded bounds (older) gets the ones the export would have given."""
+    without cache. A package without recorded bounds (older) gets the ones the export would have given, and one
+    that does not say its program fits the counts (older too) has its padding user's counts computed at each
+    replay: the same answers."""
     name, root, _ = kv_package
     steps = _sequence(name) * 2
     low = _edit_manifest(root, tmp_path / "low", lambda m: m["kv_cache"]["bounds"].update(batch=2))
@@ -137,10 +139,15 @@ def test_buckets_stay_within_the_programs_bounds(cpp_runtime, kv_package, tmp_pa
         full = predictor(request)
         for key in full:
             torch.testing.assert_close(got[key], full[key], **CLOSE)
-    old = _edit_manifest(root, tmp_path / "old", lambda m: m["kv_cache"].pop("bounds"))
-    done, _ = _run_cpp(cpp_runtime, old, steps, tmp_path / "old-run", "--kv-cache", "auto", "--kv-graphs", "buckets")
+    old = _edit_manifest(root, tmp_path / "old", lambda m: (m["kv_cache"].pop("bounds"), m["kv_cache"].pop("fits_counts")))
+    done, cpp = _run_cpp(cpp_runtime, old, steps, tmp_path / "old-run", "--kv-cache", "auto", "--kv-graphs", "buckets")
     assert re.search(r"shape buckets: [1-9]\d* replays", done.stdout), done.stdout
-    assert hstu_export.load(old).kv_cache().runner._buckets.max_batch == 16
+    buckets = hstu_export.load(old).kv_cache().runner._buckets
+    assert buckets.max_batch == 16 and not buckets.fitted_counts
+    for (_, request), got in zip(steps, cpp):
+        full = predictor(request)
+        for key in full:
+            torch.testing.assert_close(got[key], full[key], **CLOSE)
 
 
 def test_a_history_grown_over_many_requests(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]

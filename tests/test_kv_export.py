@@ -255,9 +255,9 @@ def test_a_padding_user_given_the_buckets_rows_answers_as_one_given_the_rest(con
     ranges = ExportRanges(2, {"uih_lengths": 9, "candidate_lengths": 5}, {"uih_lengths": 1, "candidate_lengths": 1})
     example = example_inputs(model, ranges, PAGE, torch.device("cpu"), seed=1)
     program = DeltaProgram(model, attention_for("aten"), 64, 64).eval()
+    dims = dynamic_shapes(model, ranges, PAGE, list(PROGRAM_INPUTS))
     with torch.no_grad():
-        exported = torch.export.export(program, (), kwargs=example, strict=False,
-                                       dynamic_shapes=dynamic_shapes(model, ranges, PAGE, list(PROGRAM_INPUTS))).module()
+        exported = torch.export.export(program, (), kwargs=example, strict=False, dynamic_shapes=dims).module()
     exact, fitted = (Buckets(history=8, candidates=8, max_width=64, fitted_counts=f) for f in (False, True))
     first, _ = pad_to_bucket(example, exact, c)
     buffers, _ = pad_to_bucket(example, fitted, c)

@@ -43,8 +43,8 @@ from hstu_export.ops.paged import delta_counts, paged_attention_inputs, paged_hs
 from hstu_export.ops.reference import stu_gate
 
 __all__ = ["PROGRAM_INPUTS", "DeltaPlan", "DeltaProgram", "DeltaRanker", "GatedAttention", "KVLayout", "ResidualNorm",
-           "fit_counts",
-           "fresh_contextual", "plan_on_device", "residual_then_norm", "scratch_page", "stacked_contextual"]
+           "fit_counts", "fresh_contextual", "plan_on_device", "residual_then_norm", "scratch_page",
+           "stacked_contextual"]
 
 
 # (x, gated, output weight, next layer's norm weight, its bias) -> (x + gated @ weight, the next layer's input
