@@ -23,7 +23,7 @@ from torch.library import triton_op, wrap_triton
 
 from .attention import _device_capability, _launch_attention
 from .configs import AttentionConfig, gate_config
-from .rows import centred_rstd, row_block
+from .rows import row_block, stu_gate_rows
 
 __all__ = ["hstu_mha_gated_triton_fwd"]
 
@@ -46,13 +46,9 @@ def _stu_gate_kernel(
     rows64, cols, col_ok, ok = row_block(num_rows, WIDTH, BLOCK_ROWS, BLOCK_D)
     u = tl.load(UVQK + rows64 * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     a = tl.load(Out + rows64 * stride_o + WIDTH + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    dtype = Out.dtype.element_ty
-    silu_u = (u / (1.0 + tl.exp(-u))).to(dtype)
-    centred, rstd = centred_rstd(a, ok, eps, WIDTH)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     b = tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)
-    normed = (centred * rstd[:, None] * w[None, :] + b[None, :]).to(dtype)
-    gated = (silu_u.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+    silu_u, gated = stu_gate_rows(u, a, w, b, ok, eps, WIDTH, Out.dtype.element_ty)
     tl.store(Out + rows64 * stride_o + cols[None, :], silu_u, mask=ok)
     tl.store(Out + rows64 * stride_o + 2 * WIDTH + cols[None, :], gated, mask=ok)
 

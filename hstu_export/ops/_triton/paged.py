@@ -36,7 +36,7 @@ from torch.library import triton_op, wrap_triton
 
 from .attention import _position, _silu_scaled
 from .configs import AttentionConfig, attention_config, gate_config, next_power_of_2
-from .rows import centred_rstd, row_block
+from .rows import row_block, stu_gate_rows
 
 __all__ = [
     "paged_attention_inputs_triton",
@@ -469,12 +469,9 @@ def _gate_slices(UVQK, Out, Work, W, Bias, num_rows, slices, stride_u, stride_o,
     else:
         a = tl.load(Out + rows64 * stride_o + WIDTH + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     u = tl.load(UVQK + rows64 * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    silu_u = (u / (1.0 + tl.exp(-u))).to(dtype)
-    centred, rstd = centred_rstd(a, ok, eps, WIDTH)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     b = tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)
-    normed = (centred * rstd[:, None] * w[None, :] + b[None, :]).to(dtype)
-    gated = (silu_u.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+    silu_u, gated = stu_gate_rows(u, a, w, b, ok, eps, WIDTH, dtype)
     tl.store(Out + rows64 * stride_o + cols[None, :], silu_u, mask=ok)
     tl.store(Out + rows64 * stride_o + 2 * WIDTH + cols[None, :], gated, mask=ok)
 

@@ -1,4 +1,5 @@
-"""Row-block helpers shared by the kernels that normalise rows of a [L, D] tensor (gated.py, residual.py).
+"""Row-block helpers shared by the kernels that normalise rows of a [L, D] tensor (gated.py, paged.py,
+residual.py).
 
 They take no pointers: torch's analysis of a user Triton kernel (which Inductor uses to decide what a
 kernel writes, and so what to copy before it) takes a pointer passed to a helper whose result reaches a
@@ -29,3 +30,14 @@ def centred_rstd(v, ok, eps, WIDTH: tl.constexpr):
     centred = tl.where(ok, v - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / WIDTH + eps)
     return centred, rstd
+
+
+@triton.jit
+def stu_gate_rows(u, a, w, b, ok, eps, WIDTH: tl.constexpr, DTYPE: tl.constexpr):
+    """The STU gate's outer thirds from fp32 rows ``u`` and ``a`` (the norm's fp32 weight ``w`` and bias ``b``
+    over the columns): SiLU(u) and SiLU(u) * LN(a), each rounded to DTYPE as the unfused eager code rounds them
+    (SiLU(u) and LN(a) before their product, which is rounded again)."""
+    silu_u = (u / (1.0 + tl.exp(-u))).to(DTYPE)
+    centred, rstd = centred_rstd(a, ok, eps, WIDTH)
+    normed = (centred * rstd[:, None] * w[None, :] + b[None, :]).to(DTYPE)
+    return silu_u, (silu_u.to(tl.float32) * normed.to(tl.float32)).to(DTYPE)
