@@ -526,7 +526,7 @@ def paged_hstu_mha_gated_triton_fwd(
     capability = None if interpreting or uvqk.device.type != "cuda" else torch.cuda.get_device_capability(uvqk.device)
     # A row a program on a GPU: the slices' sum is a few rows' loads at a time, so more programs finish it
     # sooner (H100, one layer at 1 user: 23.9 us for the attention and gate at 1 row a program, 29.4 at 8; the
-    # same at 8 and 32 users within 1%: docs/PERF.md, fifteenth session).
+    # same at 8 and 32 users within 2%: docs/PERF.md, fifteenth session).
     rows_each = gate_rows or (1 if capability is not None else None)
     cfg = gate_config(capability, width, block_rows=rows_each, kernel="paged_stu_gate")
     kernel = wrap_triton(_gate_slices) if traceable else _gate_slices
