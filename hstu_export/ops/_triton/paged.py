@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from .attention import _position, _silu_scaled
+from .attention import _device_capability, _position, _silu_scaled
 from .configs import AttentionConfig, attention_config, gate_config, next_power_of_2
 from .rows import row_block, stu_gate_rows
 
@@ -522,8 +522,7 @@ def paged_hstu_mha_gated_triton_fwd(
                            alpha, contextual_seq_len, max_attn_len, max_seq_len=max_seq_len,
                            max_query_len=max_query_len, layer=layer, splits=splits, config=None,
                            prefetch_pages=True, traceable=traceable, out=out, out_col0=width)  # fmt: skip
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    capability = None if interpreting or uvqk.device.type != "cuda" else torch.cuda.get_device_capability(uvqk.device)
+    capability = _device_capability(uvqk.device)
     # A row a program on a GPU: the slices' sum is a few rows' loads at a time, so more programs finish it
     # sooner (H100, one layer at 1 user: 23.9 us for the attention and gate at 1 row a program, 29.4 at 8; the
     # same at 8 and 32 users within 2%: docs/PERF.md, fifteenth session).
