@@ -120,6 +120,12 @@ def _parse_mappings(items: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def _parse_inductor_options(items: tuple[str, ...]) -> dict[str, bool | int | float | str]:
+    from hstu_export.settings import parse_inductor_option
+
+    return dict(parse_inductor_option(item) for item in items)
+
+
 def _parse_lengths(items: tuple[str, ...]) -> dict[str, tuple[int | None, int | None]]:
     from hstu_export.settings import parse_length_range
 
@@ -245,6 +251,10 @@ def _stage_progress(quiet: bool) -> Any:
 @click.option("--kv-splits", type=int, default=0, show_default=True,
               help="With --kv-cache on CUDA: key slices of the paged attention kernel; 0 chooses per call from the "
                    "request's size (more slices fill the GPU at small batches).")
+@click.option("--aoti-option", "aoti_option", multiple=True, metavar="KEY=VALUE",
+              help="An Inductor config option for the AOTInductor compiles (repeatable), e.g. combo_kernels=true; "
+                   "checked against the installed torch. Applies to the dense program and, with --kv-cache, the "
+                   "delta program (which uses combo_kernels=true on CUDA unless told otherwise).")
 @click.option("--no-verify", is_flag=True, help="Skip the parity check (the manifest records that).")
 @click.option("--verify-batches", type=click.IntRange(min=0), default=4, show_default=True,
               help="Random batches verified besides the edge cases.")
@@ -262,7 +272,7 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
                    serving_repo: str | None, graphs_in_package: bool, leaf_module: tuple[str, ...], opaque_function: tuple[str, ...], map_function: tuple[str, ...],
                    attention_scale: str, max_length: tuple[str, ...], skip_pass: tuple[str, ...],
                    passes: str | None, check_each_pass: bool, force: bool, kv_cache: bool, kv_page_size: int,
-                   kv_splits: int, no_verify: bool, verify_batches: int,
+                   kv_splits: int, aoti_option: tuple[str, ...], no_verify: bool, verify_batches: int,
                    rtol: float | None, atol: float | None, allow_pickle: bool, quantize_embeddings: str,
                    quantize_table: tuple[str, ...], imports: tuple[str, ...], quiet: bool, verbose: bool) -> None:
     """Export MODEL (a model bundle) to a verified package.
@@ -292,7 +302,7 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
         lengths=_parse_lengths(max_length), imports=tuple(imports),
         verify=VerifySettings(enabled=not no_verify, num_random_batches=verify_batches, rtol=rtol, atol=atol),
         quantization=_quantization(quantize_embeddings, quantize_table), force=force, kv_cache=kv_cache,
-        kv_page_size=kv_page_size, kv_splits=kv_splits,
+        kv_page_size=kv_page_size, kv_splits=kv_splits, aoti_options=_parse_inductor_options(aoti_option),
     )
     target = Path(out) if out else Path(model).with_suffix(f".{backend}")
     if serving_repo:  # refused before the export, not after it

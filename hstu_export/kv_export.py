@@ -53,6 +53,18 @@ MAX_PAGES = 1 << 24  # the exported bound on a cache's pages (the budget sets th
 EXAMPLE_USERS = 16  # the most users the export example may need to make its sizes distinct
 
 
+# Inductor options the delta program is compiled with on CUDA, under the user's --aoti-option: its small
+# independent kernels (the counts' scans, the embeddings' casts, the heads' outputs) launched as one kernel
+# each group, three launches fewer a call (H100: docs/PERF.md, sixteenth session).
+DELTA_INDUCTOR_OPTIONS: dict[str, bool | int | float | str] = {"combo_kernels": True}
+
+
+def delta_inductor_options(device: torch.device, user: dict[str, Any]) -> dict[str, Any]:
+    """The delta program's Inductor options on ``device``: :data:`DELTA_INDUCTOR_OPTIONS` on CUDA, then the
+    user's (``--aoti-option``), which win."""
+    return {**(DELTA_INDUCTOR_OPTIONS if device.type == "cuda" else {}), **user}
+
+
 def check_kv_cache(model: Any, backend: str) -> None:
     """Refuse ``--kv-cache`` where it cannot be built, before any work (``model`` None: the bundle is not
     loaded yet, check the backend only)."""
@@ -264,8 +276,10 @@ def compile_kv_delta(model: HstuRankingModel, ranges: Any, settings: Any, op_tar
         raise ExportError(f"torch.export of the KV-cache delta program failed: {text[0] if text else type(exc).__name__}"
                           ) from exc
     (out_dir / KV_DELTA_FILE).parent.mkdir(parents=True, exist_ok=True)
+    options = delta_inductor_options(device, settings.aoti_options)
     try:
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / KV_DELTA_FILE))
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / KV_DELTA_FILE),
+                                                 inductor_configs=dict(options))
     except Exception as exc:
         text = str(exc).strip().splitlines()
         raise ExportError(f"AOTInductor compilation of the KV-cache delta program failed: "
@@ -292,6 +306,7 @@ def compile_kv_delta(model: HstuRankingModel, ranges: Any, settings: Any, op_tar
                    "contextual_features": list(layout.contextual_features),
                    "time_bucket_base": layout.time_bucket_base, "num_time_buckets": layout.num_time_buckets},
         "scaling_seqlen": model.config.attn_scaling_seqlen,
+        "inductor_options": options,
         "compile_seconds": round(time.perf_counter() - start, 3),
     }
 

@@ -362,6 +362,7 @@ def _kv_cache(value: Any, files: dict[str, str]) -> dict[str, Any]:
         for key in ("batch", "new_history", "candidates"):
             _integer(_get(bounds, key, "kv_cache.bounds"), f"kv_cache.bounds.{key}", minimum=1)
     _optional(section, "fits_counts", "kv_cache", _boolean)  # absent: written before the program fitted them
+    _optional(section, "inductor_options", "kv_cache", _object)  # what the program was compiled with (a record)
     layout = _object(_get(section, "layout", "kv_cache"), "kv_cache.layout")
     for key in ("num_layers", "num_heads", "attention_dim", "linear_dim", "num_time_buckets"):
         _integer(_get(layout, key, "kv_cache.layout"), f"kv_cache.layout.{key}", minimum=1)

@@ -139,6 +139,50 @@ def parse_attention_scale(text: str) -> str:
     raise ConfigError(f"--attention-scale {text!r}: use 'batch' or 'fixed:N' with N a positive integer")
 
 
+def parse_inductor_option(text: str) -> tuple[str, bool | int | float | str]:
+    """``KEY=VALUE`` (``--aoti-option``) -> (KEY, VALUE): ``true``/``false`` a bool, a number an int or float,
+    anything else the string. The key is checked by :func:`checked_inductor_options`."""
+    key, sep, raw = str(text).partition("=")
+    key, raw = key.strip(), raw.strip()
+    if not sep or not key or not raw:
+        raise ConfigError(f"--aoti-option {text!r}: use KEY=VALUE with an Inductor config key, e.g. combo_kernels=true")
+    lowered = raw.lower()
+    if lowered in ("true", "false"):
+        return key, lowered == "true"
+    for kind in (int, float):
+        try:
+            return key, kind(raw)
+        except ValueError:
+            pass
+    return key, raw
+
+
+def checked_inductor_options(options: Any) -> dict[str, bool | int | float | str]:
+    """Inductor config options for AOTInductor's compiles (``--aoti-option``), checked against the installed
+    torch's config: a key it does not have, or a value of another type than the key's, is refused in one line
+    (Inductor would otherwise fail deep inside the compile, or ignore it)."""
+    if not isinstance(options, dict):
+        raise ConfigError(f"aoti_options must be a dict of Inductor config keys to values, got {options!r}")
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    checked: dict[str, bool | int | float | str] = {}
+    for key, value in options.items():
+        if not isinstance(key, str) or key not in known:
+            raise ConfigError(f"--aoti-option {key!r}: torch {torch.__version__} has no Inductor config of that name "
+                              "(see torch._inductor.config)")
+        default = known[key]
+        if not isinstance(value, bool | int | float | str):
+            raise ConfigError(f"--aoti-option {key}: expected a bool, number or string, got {value!r}")
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ConfigError(f"--aoti-option {key}={value!r}: expected true or false")
+        if isinstance(default, int | float) and not isinstance(default, bool) and (
+                isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ConfigError(f"--aoti-option {key}={value!r}: expected a number")
+        checked[key] = value
+    return checked
+
+
 def parse_length_range(text: str) -> tuple[str, tuple[int | None, int]]:
     """``NAME=MAX`` or ``NAME=MIN:MAX`` (``--max-length``) -> (NAME, (MIN or None, MAX))."""
     name, sep, value = str(text).partition("=")
@@ -257,6 +301,9 @@ class ExportSettings:
     kv_cache: bool = False  # also export the delta program for KV-cached serving (hstu_export.kv_export)
     kv_page_size: int = 64  # tokens per cache page the delta program reads (a power of two >= 16)
     kv_splits: int = 0  # key slices of the Triton paged attention in the delta program; 0: chosen per call
+    # Inductor config options for the AOTInductor compiles (--aoti-option KEY=VALUE): the dense program's and
+    # the delta program's (which has defaults of its own on CUDA: kv_export.DELTA_INDUCTOR_OPTIONS)
+    aoti_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype)
@@ -287,6 +334,9 @@ class ExportSettings:
             raise ConfigError(f"--kv-page-size must be a power of two >= 16, got {self.kv_page_size!r}")
         if not (isinstance(self.kv_splits, int) and 0 <= self.kv_splits <= 64):
             raise ConfigError(f"--kv-splits must be a whole number from 0 (chosen per call) to 64, got {self.kv_splits!r}")
+        self.aoti_options = checked_inductor_options(self.aoti_options)
+        if self.aoti_options and self.backend != "aoti":
+            raise ConfigError(f"--aoti-option configures AOTInductor's compile; it needs --backend aoti (not {self.backend})")
         if isinstance(self.quantization, str):  # Python API shorthand: quantization="int8"
             self.quantization = EmbeddingQuantization(self.quantization)
         elif not isinstance(self.quantization, EmbeddingQuantization):

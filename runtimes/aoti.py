@@ -59,14 +59,16 @@ class AotiBackend(Backend):
         sparse, sparse_libraries = compile_sparse(inputs, out_dir)
         program = export_dense(inputs)
         (out_dir / DENSE_FILE).parent.mkdir(parents=True, exist_ok=True)
+        options = dict(inputs.settings.aoti_options)  # --aoti-option (a copy: the compile adds its own keys)
         try:
-            torch._inductor.aoti_compile_and_package(program, package_path=str(out_dir / DENSE_FILE))
+            torch._inductor.aoti_compile_and_package(program, package_path=str(out_dir / DENSE_FILE),
+                                                     inductor_configs=dict(options))
         except Exception as exc:
             raise ExportError(f"AOTInductor compilation failed: {plain_first_line(exc)}"
                               f"{data_dependent_advice(exc)}") from exc
         return BackendArtifacts(
             files={"sparse": sparse, "dense": DENSE_FILE},
-            meta={"dense_exported_nodes": len(program.graph.nodes)},
+            meta={"dense_exported_nodes": len(program.graph.nodes), "inductor_options": options},
             op_libraries=sorted(set(sparse_libraries) | package_op_libraries(out_dir / DENSE_FILE)),
         )
 

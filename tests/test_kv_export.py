@@ -38,6 +38,8 @@ def test_the_package_records_a_verified_delta_program(kv_package) -> None:  # ty
     kv = manifest["kv_cache"]
     assert kv["program"] in manifest["files"] and (root / kv["program"]).is_file()
     assert kv["page_size"] == PAGE and kv["layout"]["num_layers"] == 2
+    # On CPU the programs are compiled with Inductor's defaults (the delta program's own are CUDA's only).
+    assert kv["inductor_options"] == {} and manifest["backend"]["meta"]["inductor_options"] == {}
     # The program's exported bounds: 16 users (the export example's, above the package's 4) and their tokens,
     # and room for a shape bucket's padding user (a user, and the tokens that round the counts up).
     ranges = manifest["ranges"]["lengths"]["max_lengths"]
@@ -190,6 +192,66 @@ def test_kv_cache_refuses_what_it_cannot_build(tmp_path, capsys) -> None:  # typ
 
     with pytest.raises(ConfigError, match="HstuRankingModel"):
         check_kv_cache(NotTheZoo(), "aoti")
+
+
+def test_aoti_options_reach_both_compiles_and_bad_ones_are_refused(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """--aoti-option goes to AOTInductor for the dense program and the delta program (which adds its own
+    defaults on CUDA only, under the user's). The compiles are stood in for: the dense one writes an empty
+    package, the delta one stops the export, which then writes nothing."""
+    import zipfile
+
+    from hstu_export.kv_export import DELTA_INDUCTOR_OPTIONS, delta_inductor_options
+
+    seen: dict[str, dict] = {}
+
+    def compile_(program, package_path, inductor_configs=None):  # type: ignore[no-untyped-def]
+        seen["delta" if "kv" in str(package_path) else "dense"] = dict(inductor_configs)
+        if "kv" in str(package_path):
+            raise RuntimeError("stopped here by the test")
+        zipfile.ZipFile(package_path, "w").close()
+        return package_path
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_)
+    bundle = bundle_of(CONFIGS["no-context"], tmp_path / "model.pt")
+    options = ["--aoti-option", "max_fusion_size=32", "--aoti-option", "combo_kernels=false"]
+    assert cli_main([str(bundle), "--kv-cache", "--max-batch-size", "2", *options, "-o", str(tmp_path / "o")]) == 1
+    assert "AOTInductor compilation of the KV-cache delta program failed: stopped here by the test" in capsys.readouterr().err
+    assert seen == {"dense": {"max_fusion_size": 32, "combo_kernels": False},
+                    "delta": {"max_fusion_size": 32, "combo_kernels": False}}
+    assert not (tmp_path / "o").exists()
+
+    # The delta program's defaults: CUDA only, the user's options over them.
+    assert DELTA_INDUCTOR_OPTIONS == {"combo_kernels": True}
+    assert delta_inductor_options(torch.device("cuda"), {}) == {"combo_kernels": True}
+    assert delta_inductor_options(torch.device("cuda"), {"combo_kernels": False, "x": 1}) == {"combo_kernels": False,
+                                                                                             "x": 1}
+    assert delta_inductor_options(torch.device("cpu"), {}) == {}
+
+    # Options Inductor does not have, values of the wrong type, and the wrong backend: one line, exit code 2.
+    for bad, message in [
+        (["--aoti-option", "no_such_option=1"], "has no Inductor config of that name"),
+        (["--aoti-option", "combo_kernels"], "use KEY=VALUE"),
+        (["--aoti-option", "combo_kernels=3"], "expected true or false"),
+        (["--aoti-option", "max_fusion_size=many"], "expected a number"),
+        (["--aoti-option", "combo_kernels=true", "--backend", "torchscript"], "needs --backend aoti"),
+    ]:
+        assert cli_main([str(bundle), *bad, "-o", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "o").exists()
+
+
+def test_inductor_option_values_are_parsed_by_kind() -> None:
+    from hstu_export.settings import checked_inductor_options, parse_inductor_option
+
+    assert parse_inductor_option("combo_kernels=True") == ("combo_kernels", True)
+    assert parse_inductor_option(" max_fusion_size = 16 ") == ("max_fusion_size", 16)
+    assert parse_inductor_option("a=0.5") == ("a", 0.5)
+    assert parse_inductor_option("a=b=c") == ("a", "b=c")
+    assert checked_inductor_options({"triton.cudagraphs": False}) == {"triton.cudagraphs": False}
+    assert ExportSettings(aoti_options={"max_fusion_size": 8}).to_json()["aoti_options"] == {"max_fusion_size": 8}
+    with pytest.raises(ConfigError, match="a dict"):
+        ExportSettings(aoti_options=["combo_kernels=true"])  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
