@@ -55,7 +55,8 @@ REPO = Path(__file__).resolve().parent.parent
 LATENCY = re.compile(r"p50 ([0-9.]+) ms, p99 ([0-9.]+) ms")
 PHASES = re.compile(r"request (\d+) phases \(device synchronised between them\), p50: before the dense half "
                     r"([\d.]+) ms, dense half ([\d.]+) ms, after it ([\d.]+) ms"
-                    r"(?:; the dense half's launch returned after ([\d.]+) ms)?")
+                    r"(?:; the dense half's launch returned after ([\d.]+) ms)?"
+                    r"(?:; before the dense half, the request to the device ([\d.]+) ms and the sparse half ([\d.]+) ms)?")
 
 
 def prefix_of(whole: dict[str, torch.Tensor], work: dict, batch: int) -> dict[str, torch.Tensor]:
@@ -96,7 +97,8 @@ def cpp(runner: Path, *args: object) -> tuple[subprocess.CompletedProcess[str], 
     phases = PHASES.findall(done.stdout)  # --phase-times: the last request's
     return done, {"p50_ms": float(p50), "p99_ms": float(p99), **({"cache": stats[-1]} if stats else {}),
                   **({"phases_p50_ms": {name: float(value) for name, value in
-                                        zip(("before_dense", "dense", "after_dense", "dense_launch"), phases[-1][1:])
+                                        zip(("before_dense", "dense", "after_dense", "dense_launch", "to_device", "sparse"),
+                                            phases[-1][1:])
                                         if value}} if phases else {})}  # fmt: skip
 
 

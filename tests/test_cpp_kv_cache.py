@@ -192,7 +192,10 @@ def test_cpp_phase_times_of_cached_requests(cpp_runtime, kv_package, tmp_path) -
     found = PHASES.findall(done.stdout)
     assert [int(k) for k, *_ in found] == [1, 2, 3], done.stdout
     assert all(float(dense) > 0 and float(before) > 0 and 0 < float(launch) <= float(dense)
-               for _, before, dense, _, launch in found), done.stdout
+               for _, before, dense, _, launch, _, _ in found), done.stdout
+    # The sparse half of the new tokens runs before the dense half, within its time.
+    assert all(0 < float(sparse) and float(to_device) + float(sparse) <= 1.5 * float(before) + 0.01
+               for _, before, _, _, _, to_device, sparse in found), done.stdout
     assert "outputs equal to the first pass's bit for bit" in done.stdout
 
 

@@ -87,22 +87,26 @@ def test_many_threads_get_the_same_outputs(runner, packages, tmp_path) -> None:
 
 PHASES = re.compile(r"request (\d+) phases \(device synchronised between them\), p50: before the dense half "
                     r"([\d.]+) ms, dense half ([\d.]+) ms, after it ([\d.]+) ms; the dense half's launch returned "
-                    r"after ([\d.]+) ms")
+                    r"after ([\d.]+) ms; before the dense half, the request to the device ([\d.]+) ms and the sparse half "
+                    r"([\d.]+) ms")
 LATENCY = re.compile(r"latency over \d+ runs on 1 thread\(s\): p50 ([\d.]+) ms")
 
 
 def test_phase_times(runner, packages, tmp_path) -> None:
     """--phase-times splits each timed request into three phases; together they take about the request's
     time (each phase is timed on its own, so the medians need not add up exactly), and the host's part of the
-    dense half is within it. Only on one thread."""
+    dense half is within it. Before the dense half it also times the request's move to the device and the
+    sparse half (none for TorchScript, whose one module is the whole model). Only on one thread."""
     for backend, package in packages.items():
         request = write_request(package, tmp_path / backend, 4, 30)
         done = runner.run(package, request, "--repeat", 7, "--phase-times")
         assert done.returncode == 0, done.stderr
         (found,) = PHASES.findall(done.stdout)
-        before, dense, after, launch = map(float, found[1:])
+        before, dense, after, launch, to_device, sparse = map(float, found[1:])
         whole = float(LATENCY.search(done.stdout)[1])
         assert found[0] == "1" and dense > 0 and before > 0 and after >= 0 and 0 < launch <= dense, done.stdout
+        assert 0 <= to_device and (sparse == 0) == (backend == "torchscript"), done.stdout
+        assert to_device + sparse <= 1.5 * before + 0.01, done.stdout  # medians of parts of it
         assert 0.3 * whole <= before + dense + after <= 3 * whole + 1, done.stdout
     done = runner.run(packages["aoti"], request, "--repeat", 2, "--threads", 2, "--phase-times")
     assert done.returncode == 2 and "--phase-times goes with --repeat, on one thread" in done.stderr

@@ -494,8 +494,13 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
     sparse_request[kHistoryLengths] = at::tensor(padded_len, at::kLong).to(request.at(kHistoryLengths).scalar_type());
     keep = real_rows.to(device);
   }
+  clock.begin_part();
   Tensors on_device = pkg->plain(delta);
-  NamedTensors boundary = pkg->sparse_outputs(padded ? pkg->plain(sparse_request) : on_device);
+  Tensors sparse_in = padded ? pkg->plain(sparse_request) : on_device;
+  clock.end_part(&PhaseTimes::to_device_ms);
+  clock.begin_part();
+  NamedTensors boundary = pkg->sparse_outputs(sparse_in);
+  clock.end_part(&PhaseTimes::sparse_ms);
   std::map<std::string, at::Tensor> emb;
   for (auto& [name, value] : boundary) emb[name] = value;
   if (keep) {

@@ -46,8 +46,9 @@ constexpr const char* kUsage =
     "                         synchronised between them: before the dense half (validation, sparse half,\n"
     "                         inputs, cache bookkeeping), the dense half as served (with --kv-cache: the\n"
     "                         delta program, its shape bucket's copies and graph replay), and after it;\n"
-    "                         prints their medians per request, and how soon the call that launches the\n"
-    "                         dense half returned (the host's part of it)\n"
+    "                         prints their medians per request, how soon the call that launches the\n"
+    "                         dense half returned (the host's part of it), and of the time before it, the\n"
+    "                         request's move to the device and the sparse half\n"
     "  --quiet                print nothing but errors\n"
     "\n"
     "KV-cached serving (a package exported with --kv-cache; docs/KV_CACHE.md):\n"
@@ -334,9 +335,11 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
       return percentiles(values).first;
     };
     std::printf("  request %zu phases (device synchronised between them), p50: before the dense half %.3f ms, dense "
-                "half %.3f ms, after it %.3f ms; the dense half's launch returned after %.3f ms\n",
+                "half %.3f ms, after it %.3f ms; the dense half's launch returned after %.3f ms; before the dense "
+                "half, the request to the device %.3f ms and the sparse half %.3f ms\n",
                 k + 1, median(&hstu_export::PhaseTimes::before_dense_ms), median(&hstu_export::PhaseTimes::dense_ms),
-                median(&hstu_export::PhaseTimes::after_dense_ms), median(&hstu_export::PhaseTimes::dense_launch_ms));
+                median(&hstu_export::PhaseTimes::after_dense_ms), median(&hstu_export::PhaseTimes::dense_launch_ms),
+                median(&hstu_export::PhaseTimes::to_device_ms), median(&hstu_export::PhaseTimes::sparse_ms));
   }
 }
 

@@ -99,11 +99,16 @@ class PhaseClock {
   void lap(double PhaseTimes::*field);
   // Adds the time since the last mark to `field` without waiting for the device (the mark stays).
   void split(double PhaseTimes::*field);
+  // A part of the current phase: from begin_part() to end_part(field), the device synchronised at both ends,
+  // added to `field` (the phase's own mark stays).
+  void begin_part();
+  void end_part(double PhaseTimes::*field);
 
  private:
   PhaseTimes* times_;
   c10::Device device_;
   std::chrono::steady_clock::time_point mark_;
+  std::chrono::steady_clock::time_point part_;
 };
 
 }  // namespace detail

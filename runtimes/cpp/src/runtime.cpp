@@ -827,6 +827,18 @@ void PhaseClock::split(double PhaseTimes::*field) {
   times_->*field += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - mark_).count();
 }
 
+void PhaseClock::begin_part() {
+  if (times_ == nullptr) return;
+  if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+  part_ = std::chrono::steady_clock::now();
+}
+
+void PhaseClock::end_part(double PhaseTimes::*field) {
+  if (times_ == nullptr) return;
+  if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+  times_->*field += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - part_).count();
+}
+
 void PhaseClock::lap(double PhaseTimes::*field) {
   if (times_ == nullptr) return;
   if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
@@ -849,7 +861,9 @@ NamedTensors Package::Impl::run(const Tensors& request, detail::PhaseClock& cloc
     return out;
   }
   const Artifact& dense_artifact = artifacts.at("dense");
+  clock.begin_part();
   NamedTensors boundary = sparse_outputs(request);
+  clock.end_part(&PhaseTimes::sparse_ms);
   std::vector<at::Tensor> inputs;
   inputs.reserve(dense_artifact.inputs.size());
   for (const auto& spec : dense_artifact.inputs) {
@@ -879,7 +893,10 @@ NamedTensors Package::run(const Tensors& request, PhaseTimes* times) const {
   validate(request);
   c10::InferenceMode guard;
   try {
-    NamedTensors out = impl_->run(impl_->plain(request), clock);
+    clock.begin_part();
+    Tensors on_device = impl_->plain(request);
+    clock.end_part(&PhaseTimes::to_device_ms);
+    NamedTensors out = impl_->run(on_device, clock);
     clock.lap(&PhaseTimes::after_dense_ms);
     return out;
   } catch (const Error&) {

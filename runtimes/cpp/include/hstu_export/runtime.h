@@ -78,6 +78,10 @@ struct PhaseTimes {
   double dense_ms = 0;
   double dense_launch_ms = 0;  // of dense_ms: until the call that launches the dense half returned (host work)
   double after_dense_ms = 0;  // the outputs (and recording what the cache's pages hold)
+  // Parts of before_dense_ms (the device synchronised around each): the request's tensors moved to the device,
+  // and the sparse half. The rest of it is the host's: validation, the cache's bookkeeping, the dense inputs.
+  double to_device_ms = 0;
+  double sparse_ms = 0;
 };
 
 class Package {
