@@ -100,18 +100,42 @@ def _check_range_eager(value: Tensor, low: int, high: int, rows: int, what: str)
         torch._check(highest <= high, lambda: f"{what} has value {highest}, beyond the exported maximum {high}")
 
 
+@torch.jit.unused
+def _check_ranges_eager(values: list[Tensor], lows: list[int], highs: list[int], rows: list[int],
+                        names: list[str]) -> None:
+    for value, low, high, most, what in zip(values, lows, highs, rows, names, strict=True):
+        _check_range_eager(value, low, high, most, what)
+
+
 @has_side_effect
-def check_range(value: Tensor, low: int, high: int, rows: int, what: str) -> Tensor:
-    """``value``, after checking it has at most ``rows`` rows and values in [low, high]: a request
-    feature checked by the artifact itself (a runtime assertion in exported programs)."""
+def check_ranges(values: list[Tensor], lows: list[int], highs: list[int], rows: list[int],
+                 names: list[str]) -> list[Tensor]:
+    """``values``, after checking that each has at most ``rows[i]`` rows and values in [lows[i], highs[i]]:
+    the request features a graph takes, checked by the artifact itself (asserts in TorchScript, runtime
+    assertions in exported programs).
+
+    In TorchScript all the features' extremes come to the host in one read: on a GPU each read waits for
+    the device and costs the host a round trip (about 20 us on an H100 server; a feature's minimum and
+    maximum read apart were two, ten of them a sparse half: docs/PERF.md, sixteenth session)."""
     if torch.jit.is_scripting():
-        assert value.size(0) <= rows, what + " has more rows than the package was exported for"
-        if value.numel() > 0:
-            assert int(value.min()) >= low, what + " has a value below the exported range"
-            assert int(value.max()) <= high, what + " has a value beyond the exported range"
+        for i in range(len(values)):
+            assert values[i].size(0) <= rows[i], names[i] + " has more rows than the package was exported for"
+        pairs: list[Tensor] = []
+        checked: list[int] = []
+        for i in range(len(values)):
+            if values[i].numel() > 0:
+                lowest, highest = torch.aminmax(values[i])
+                pairs.append(torch.stack([lowest.long(), highest.long()]).to(values[0].device))
+                checked.append(i)
+        if len(pairs) > 0:
+            found: list[list[int]] = torch.stack(pairs).tolist()
+            for j in range(len(checked)):
+                i = checked[j]
+                assert found[j][0] >= lows[i], names[i] + " has a value below the exported range"
+                assert found[j][1] <= highs[i], names[i] + " has a value beyond the exported range"
     else:
-        _check_range_eager(value, low, high, rows, what)
-    return value
+        _check_ranges_eager(values, lows, highs, rows, names)
+    return values
 
 
 def per_user_as_jagged(value: Tensor) -> Tensor:
@@ -128,7 +152,7 @@ WRAPPED_FUNCTIONS: tuple[Callable[..., object], ...] = (
     tensor_to_int,
     check_at_most,
     check_lengths_at_most,
-    check_range,
+    check_ranges,
 )
 
 for _fn in WRAPPED_FUNCTIONS:

@@ -4,10 +4,10 @@ The Python predictor validates every request, but a package's artifacts also loa
 (``torch.jit.load``, ``aoti_load_package``) and from C++, where nothing would stop a history longer than
 the export's maximum or an id past a table's end from reaching compiled code. This pass makes the graphs
 check their own inputs: each request feature a graph takes (the sparse half takes most of them; the
-dense half checks those it takes that the sparse half does not) goes through ``check_range``, which
-raises on a value outside [min, max] (lengths against the exported lengths, ids against the tables, the
-number of users against the maximum batch size). In an exported program the checks are runtime
-assertions; in TorchScript, asserts.
+dense half checks those it takes that the sparse half does not) goes through one ``check_ranges`` call
+per graph, which raises on a value outside [min, max] (lengths against the exported lengths, ids against
+the tables, the number of users against the maximum batch size). In an exported program the checks are
+runtime assertions; in TorchScript, asserts, with every feature's extremes read from the device at once.
 
 Runs after the split (``recursive = False``: it edits both halves); needs ``ctx.ranges`` (set by the
 exporter) and does nothing without them.
@@ -15,12 +15,13 @@ exporter) and does nothing without them.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import torch.fx
 
 from hstu_export.boundary import DENSE, SPARSE
-from hstu_export.graph_functions import check_range
+from hstu_export.graph_functions import check_ranges
 
 if TYPE_CHECKING:
     from hstu_export.pipeline import PassContext
@@ -51,23 +52,26 @@ class GuardRanges:
         for half, graph_module in ((SPARSE, sparse), (DENSE, dense)):
             if not isinstance(graph_module, torch.fx.GraphModule):
                 continue
-            count = 0
-            for node in [n for n in graph_module.graph.nodes if n.op == "placeholder"]:
-                name = str(node.target)
-                if name not in limits or (half == DENSE and name in checked_in_sparse) or not node.users:
-                    continue
-                low, high, feature = limits[name]
-                rows = ranges.max_batch_size if name in per_user else NO_LIMIT
-                with graph_module.graph.inserting_after(node):
+            placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+            nodes = [n for n in placeholders if str(n.target) in limits and n.users
+                     and not (half == DENSE and str(n.target) in checked_in_sparse)]
+            if nodes:
+                bounds = [limits[str(n.target)] for n in nodes]
+                lows = [-NO_LIMIT if low is None else low for low, _, _ in bounds]
+                highs = [NO_LIMIT if high is None else high for _, high, _ in bounds]
+                rows = [ranges.max_batch_size if str(n.target) in per_user else NO_LIMIT for n in nodes]
+                # One call for all of a graph's features, after its last input: their values then come from it.
+                with graph_module.graph.inserting_after(placeholders[-1]):
                     check = graph_module.graph.call_function(
-                        check_range, (node, NO_LIMIT * -1 if low is None else low, NO_LIMIT if high is None else high,
-                                      rows, feature))
-                for user in [u for u in node.users if u is not check]:
-                    user.replace_input_with(node, check)
-                check.meta.update(node.meta)
-                count += 1
-                if half == SPARSE:
-                    checked_in_sparse.add(name)
+                        check_ranges, (list(nodes), lows, highs, rows, [feature for _, _, feature in bounds]))
+                for index, node in enumerate(nodes):
+                    with graph_module.graph.inserting_after(check):
+                        value = graph_module.graph.call_function(operator.getitem, (check, index))
+                    value.meta.update(node.meta)
+                    for user in [u for u in node.users if u is not check]:
+                        user.replace_input_with(node, value)
+                    if half == SPARSE:
+                        checked_in_sparse.add(str(node.target))
             graph_module.recompile()
-            ctx.add_stat(f"{half}_checks", count)
+            ctx.add_stat(f"{half}_checks", len(nodes))
         return gm

@@ -294,6 +294,28 @@ def test_stock_loaders_refuse_requests_beyond_the_exported_ranges(packages, back
     assert {p["name"]: p for p in manifest["passes"]}["guard_ranges"]["stats"]["sparse_checks"] >= 5
 
 
+def test_range_checks_read_the_device_once(packages):
+    """The artifacts' range checks take every feature's extremes in one read: no per-feature item() (on a GPU
+    each is a wait for the device and a host round trip), one aminmax per checked feature."""
+    from torch.profiler import ProfilerActivity, profile
+
+    result = packages["torchscript"]
+    manifest = result.manifest
+    module = torch.jit.load(str(result.path / manifest["backend"]["files"]["model"]))
+    schema = hstu_export.InputSchema.from_json(manifest["input_schema"])
+    inputs = schema.to_graph_inputs(generate_batch(schema, 2, seed=3))
+    for _ in range(3):  # past TorchScript's profiling runs
+        module(**inputs)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        module(**inputs)
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        counts[event.name] = counts.get(event.name, 0) + 1
+    checks = {p["name"]: p for p in manifest["passes"]}["guard_ranges"]["stats"]["sparse_checks"]
+    assert checks >= 5 and counts.get("aten::aminmax") == checks, counts
+    assert counts.get("aten::item", 0) == 0 and counts.get("aten::_local_scalar_dense", 0) == 0, counts
+
+
 def test_failed_parity_writes_nothing(bundle, tmp_path):
     class Perturb:
         name = "perturb_outputs"
