@@ -114,8 +114,10 @@ def gated_attention_for(op_target: str, splits: int = 0) -> GatedAttention | Non
         return None
     import hstu_export.ops._triton  # noqa: F401  (registers hstu_export::paged_hstu_mha_gated_store_triton)
 
-    def triton_gated_attention(*args: Any, max_seq_len: int, max_query_len: int) -> Tensor:
-        return torch.ops.hstu_export.paged_hstu_mha_gated_store_triton(*args, max_seq_len, max_query_len, splits)
+    def triton_gated_attention(*args: Any, max_seq_len: int, max_query_len: int,
+                               target_rows: Tensor | None = None) -> Tensor:
+        return torch.ops.hstu_export.paged_hstu_mha_gated_store_triton(*args, max_seq_len, max_query_len, splits,
+                                                                        target_rows)
 
     return triton_gated_attention
 

@@ -122,6 +122,46 @@ def test_gated_kernels_equal_the_attention_then_the_gate(name: str, splits: int 
     torch.testing.assert_close(v_pool[:, :-1], want_v[:, :-1], rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("name", list(CASES))
+def test_gated_kernels_on_the_targets_only(name: str, splits: int | None) -> None:
+    """The layer op asked for the targets' rows only (a model's last layer): the targets' rows of the whole
+    op's result, user by user, and every new non-target token's K/V stored all the same (users without a
+    target, or without any new token, included)."""
+    from hstu_export.ops._triton.paged import paged_hstu_mha_gated_triton_fwd
+    from hstu_export.ops.reference import stu_gate
+
+    q_lens, seq_lens, targets, contextual, window = CASES[name]
+    case = _case(q_lens, seq_lens, targets, seed=len(name))
+    rows = case["rows"]
+    h, dqk, dv = case["q"].shape[1], case["q"].shape[2], case["v"].shape[2]
+    gen = torch.Generator().manual_seed(len(name))
+    u = torch.randn(len(rows), h * dv, generator=gen)
+    uvqk = torch.cat([u, case["v"][rows].flatten(1), case["q"][rows].flatten(1), case["k"][rows].flatten(1)], -1)
+    weight, bias = torch.randn(h * dv, generator=gen), torch.randn(h * dv, generator=gen)
+    ends = case["q_offsets"][1:].tolist()
+    wanted = torch.tensor([end - t + r for end, t in zip(ends, targets) for r in range(t)], dtype=torch.int64)
+
+    def run(target_rows):  # type: ignore[no-untyped-def]
+        k_pool, v_pool = _pools(case, layer=1)
+        got = paged_hstu_mha_gated_triton_fwd(
+            uvqk, case["q_offsets"], k_pool, v_pool, 1, case["table"], case["seq_lens"], case["targets"], weight,
+            bias, 1e-6, h, dqk, dv, 128, 0.25, contextual, window, max_seq_len=max(seq_lens),
+            max_query_len=max(q_lens), splits=splits, gate_rows=1 if splits is None else None, target_rows=target_rows,
+        )  # fmt: skip
+        return got, k_pool, v_pool
+
+    whole, whole_k, whole_v = run(None)
+    got, k_pool, v_pool = run(wanted)
+    assert got.shape == (len(wanted), 3 * h * dv) and not got.isnan().any()
+    torch.testing.assert_close(got, whole[wanted], rtol=1e-6, atol=1e-6)
+    want = stu_gate(u[wanted], _expected(case, contextual, window, 128, 0.25).flatten(1)[wanted], weight, bias, 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    want_k, want_v = _stored(case, *_pools(case, layer=1), 1)
+    for pool, expected in ((k_pool, want_k), (v_pool, want_v), (whole_k, want_k), (whole_v, want_v)):
+        torch.testing.assert_close(pool[:, :-1], expected[:, :-1], rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("config", [NO_CONTEXT, CONTEXT], ids=["no-context", "context"])
 def test_cached_ranker_with_the_gated_kernels(config: HSTUConfig) -> None:
     """The delta run with the Triton program's layer op (attention and gate in one call): every kind of delta

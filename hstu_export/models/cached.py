@@ -54,8 +54,9 @@ ResidualNorm = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, 
 # A layer's attention and output gate in one call (the Triton program's: ops/_triton/paged.py's
 # paged_hstu_mha_gated_store_triton): (uvqk, q_offsets, k_pages, v_pages, layer, page_table, seq_lens,
 # num_targets, gate norm weight, its bias, eps, heads, attention_dim, linear_dim, scaling_seqlen, alpha,
-# contextual_seq_len, max_attn_len, *, max_seq_len, max_query_len) -> concat(SiLU(u), a, SiLU(u) * LN(a)); it
-# stores the new K/V as the attention does.
+# contextual_seq_len, max_attn_len, *, max_seq_len, max_query_len, target_rows) -> concat(SiLU(u), a,
+# SiLU(u) * LN(a)), of the rows ``target_rows`` gives when it is not None (the targets', user by user: the last
+# layer computes only those); it stores the new K/V as the attention does.
 GatedAttention = Callable[..., Tensor]
 
 
@@ -261,9 +262,12 @@ class DeltaRanker:
 
         # The STU layers on the new rows; each layer's attention stores the new non-target tokens' K/V. Each
         # layer's input norm comes with the residual sum of the layer before (self.residual), the first's alone.
+        # The last layer's output is read at the candidates' rows only, so past its projection (every row's K/V
+        # is stored) it computes those rows alone: its attention, gate, output product and residual.
         layers = list(tr.stu.layers)
         n = layer_norm_fp32(x, layers[0].input_norm_weight, layers[0].input_norm_bias) if layers else x
         for number, layer in enumerate(layers):
+            last = number + 1 == len(layers)
             h, dqk, dv = layer.num_heads, layer.attention_dim, layer.linear_dim
             uvqk = torch.addmm(layer.uvqk_bias, n, layer.uvqk_weight)
             if self.gated_attention is not None:
@@ -271,7 +275,7 @@ class DeltaRanker:
                     uvqk, att_offsets, k_pages, v_pages, number, att_pages, att_seq_len, att_targets,
                     layer.output_norm_weight, layer.output_norm_bias, LAYER_NORM_EPS, h, dqk, dv,
                     cfg.attn_scaling_seqlen, cfg.attn_alpha, c, cfg.max_attn_len, max_seq_len=max_seq_len,
-                    max_query_len=max_query_len,
+                    max_query_len=max_query_len, target_rows=cand_rows if last else None,
                 )  # fmt: skip
             else:
                 u, v, q, k = torch.split(uvqk, [dv * h, dv * h, dqk * h, dqk * h], dim=-1)
@@ -282,15 +286,17 @@ class DeltaRanker:
                     cfg.attn_scaling_seqlen, cfg.attn_alpha, c, cfg.max_attn_len, max_seq_len=max_seq_len,
                     max_query_len=max_query_len,
                 ).reshape(-1, h * dv)  # fmt: skip
+                if last:
+                    u, a = u[cand_rows], a[cand_rows]
                 gated = stu_gate(u, a, layer.output_norm_weight, layer.output_norm_bias, LAYER_NORM_EPS)
-            if number + 1 < len(layers):
+            if not last:
                 following = layers[number + 1]
                 x, n = self.residual(x, gated, layer.output_weight, following.input_norm_weight,
                                      following.input_norm_bias)
             else:
-                x = x + gated @ layer.output_weight
+                x = x[cand_rows] + gated @ layer.output_weight
 
-        candidates = x[cand_rows]
+        candidates = x if layers else x[cand_rows]
         if cfg.postprocessor == "l2norm":
             candidates = F.normalize(candidates, p=2.0, dim=-1, eps=1e-6)
         else:

@@ -138,11 +138,12 @@ def _paged_attn_fwd(
     q_offsets, seq_lens, num_targets, page_table,
     stride_qm, stride_qh, stride_knm, stride_knh, stride_vnm, stride_vnh,
     stride_kpl, stride_kpp, stride_kpn, stride_kph, stride_vpl, stride_vpp, stride_vpn, stride_vph,
-    stride_pt, stride_om, stride_oh, out_col0, stride_ws, stride_wm,
+    stride_pt, stride_om, stride_oh, out_col0, stride_ws, stride_wm, out_rows,
     alpha, inv_scale, contextual_seq_len, max_attn_len, num_users, layer, table_width,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
     FAST_SILU: tl.constexpr, UPCAST_DOTS: tl.constexpr, PREFETCH: tl.constexpr, STORE: tl.constexpr,
+    TARGETS_ONLY: tl.constexpr,
 ):  # fmt: skip
     # The layer's pages (0 when the caller passed one layer's).
     KP += tl.cast(layer, tl.int64) * stride_kpl
@@ -155,26 +156,40 @@ def _paged_attn_fwd(
     # back; the user is num_users past the last block. Written here, not in a helper: torch's analysis of a
     # user kernel (Inductor's guide to what the kernel writes) takes every argument of a called function whose
     # result reaches a store for written, and Inductor then copies q_offsets before each layer's launch.
+    # TARGETS_ONLY: a user's blocks cover its targets only (at least one block a user, which stores its new
+    # non-target rows), and the result rows are the targets', user by user (``out_rows`` of them).
     blk = tl.program_id(0)
     b = 0
     before = 0  # blocks of the users before b
     seen = 0  # blocks of the users scanned so far
+    targets_before = 0  # with TARGETS_ONLY: target rows of the users before b
     for c0 in range(0, num_users, CHUNK):
         idx = c0 + tl.arange(0, CHUNK)
         ok = idx < num_users
         first_row = tl.load(q_offsets + idx, mask=ok, other=0)
         end_row = tl.load(q_offsets + idx + 1, mask=ok, other=0)
-        blocks = tl.where(ok, (end_row - first_row + BLOCK_M - 1) // BLOCK_M, 0).to(tl.int32)
+        if TARGETS_ONLY:
+            targets = tl.minimum(tl.maximum(tl.load(num_targets + idx, mask=ok, other=0), 0),
+                                 end_row - first_row).to(tl.int32)
+            blocks = tl.where(ok, tl.maximum((targets + BLOCK_M - 1) // BLOCK_M, 1), 0).to(tl.int32)
+        else:
+            blocks = tl.where(ok, (end_row - first_row + BLOCK_M - 1) // BLOCK_M, 0).to(tl.int32)
         done = ok & (seen + tl.cumsum(blocks, 0) <= blk)  # users whose blocks all come before blk
         b += tl.sum(done.to(tl.int32))
         before += tl.sum(tl.where(done, blocks, 0))
         seen += tl.sum(blocks)
+        if TARGETS_ONLY:
+            targets_before += tl.sum(tl.where(done, targets, 0))
     start = (blk - before) * BLOCK_M
     if b < num_users:
         q_start = tl.load(q_offsets + b)
         q_len = (tl.load(q_offsets + b + 1) - q_start).to(tl.int32)
         n = tl.load(seq_lens + b).to(tl.int32)
         hist_end = n - tl.load(num_targets + b).to(tl.int32)
+        if TARGETS_ONLY:
+            # Rows before the targets are new non-target rows (stored below, not computed).
+            user_targets = tl.minimum(tl.maximum(n - hist_end, 0), q_len)
+            start += q_len - user_targets
         first_query = n - q_len
         ctx_shift = tl.maximum(contextual_seq_len - 1, 0)
         m_pos = hist_end - ctx_shift
@@ -199,6 +214,9 @@ def _paged_attn_fwd(
         hi = tl.where(has_ctx_rows, hist_end, tl.minimum(m1, hist_end))
         lo_pos = _position(m0, ctx_shift, m_pos) - max_attn_len
         lo = tl.where((max_attn_len > 0) & (lo_pos > 0) & (~has_ctx_rows), lo_pos + ctx_shift, 0)
+        if TARGETS_ONLY:  # no key for the block of a user with no target (it only stores)
+            hi = tl.where(start < q_len, hi, 0)
+            lo = tl.where(start < q_len, lo, 0)
         # This program's slice: an equal share of the range's key blocks (none when the range is empty).
         lo_block = lo // BLOCK_N
         per_slice = (((hi + BLOCK_N - 1) // BLOCK_N) - lo_block + tl.num_programs(2) - 1) // tl.num_programs(2)
@@ -272,27 +290,46 @@ def _paged_attn_fwd(
             s_self = _silu_scaled(tl.sum(q.to(tl.float32) * k_self.to(tl.float32), axis=1), alpha, FAST_SILU)
             acc += s_self[:, None] * v_self.to(tl.float32)
         if STORE & (pid_s == tl.num_programs(2) - 1):
-            # This block's non-target rows (this head) go to their pages: row j of the user's sequence
-            # to page table column j // PAGE, row j % PAGE; a column past the table is not stored.
-            col = rows // PAGE
-            keep = row_ok & (rows < hist_end) & (col < table_width)
-            dest_page = tl.load(pt_row + col, mask=keep, other=0).to(tl.int64)
-            in_page = tl.cast(rows % PAGE, tl.int64)
-            keep_k = keep[:, None] & (offs_dqk[None, :] < DQK)
-            k_rows = tl.load(KN + q_rows[:, None] * stride_knm + h * stride_knh + offs_dqk[None, :], mask=keep_k)
-            tl.store(KP + (dest_page * stride_kpp + in_page * stride_kpn + h * stride_kph)[:, None]
-                     + offs_dqk[None, :], k_rows.to(KP.dtype.element_ty), mask=keep_k)  # fmt: skip
-            keep_v = keep[:, None] & (offs_dv[None, :] < DV)
-            v_rows = tl.load(VN + q_rows[:, None] * stride_vnm + h * stride_vnh + offs_dv[None, :], mask=keep_v)
-            tl.store(VP + (dest_page * stride_vpp + in_page * stride_vpn + h * stride_vph)[:, None]
-                     + offs_dv[None, :], v_rows.to(VP.dtype.element_ty), mask=keep_v)  # fmt: skip
+            # Non-target rows (this head) go to their pages: row j of the user's sequence to page table column
+            # j // PAGE, row j % PAGE; a column past the table is not stored. The rows are this block's own;
+            # with TARGETS_ONLY, the user's new non-target rows, shared out among its blocks.
+            if TARGETS_ONLY:
+                own = blk - before
+                r_first = own * BLOCK_M
+                r_end = q_len - user_targets
+                r_step = tl.maximum((user_targets + BLOCK_M - 1) // BLOCK_M, 1) * BLOCK_M
+            else:
+                r_first = start
+                r_end = start + 1
+                r_step = BLOCK_M
+            for r0 in tl.range(r_first, r_end, r_step, num_stages=1):
+                new_r = r0 + tl.arange(0, BLOCK_M)  # rows among the user's new tokens
+                s_rows = first_query + new_r
+                s_q_rows = (q_start + new_r).to(tl.int64)
+                col = s_rows // PAGE
+                keep = (new_r < q_len) & (s_rows < hist_end) & (col < table_width)
+                dest_page = tl.load(pt_row + col, mask=keep, other=0).to(tl.int64)
+                in_page = tl.cast(s_rows % PAGE, tl.int64)
+                keep_k = keep[:, None] & (offs_dqk[None, :] < DQK)
+                k_rows = tl.load(KN + s_q_rows[:, None] * stride_knm + h * stride_knh + offs_dqk[None, :], mask=keep_k)
+                tl.store(KP + (dest_page * stride_kpp + in_page * stride_kpn + h * stride_kph)[:, None]
+                         + offs_dqk[None, :], k_rows.to(KP.dtype.element_ty), mask=keep_k)  # fmt: skip
+                keep_v = keep[:, None] & (offs_dv[None, :] < DV)
+                v_rows = tl.load(VN + s_q_rows[:, None] * stride_vnm + h * stride_vnh + offs_dv[None, :], mask=keep_v)
+                tl.store(VP + (dest_page * stride_vpp + in_page * stride_vpn + h * stride_vph)[:, None]
+                         + offs_dv[None, :], v_rows.to(VP.dtype.element_ty), mask=keep_v)  # fmt: skip
 
-        out_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
+        # The result's rows: the query rows', or with TARGETS_ONLY the targets' among all users' targets.
+        if TARGETS_ONLY:
+            o_rows = (targets_before + offs_m - (q_len - user_targets)).to(tl.int64)
+        else:
+            o_rows = q_rows
+        out_mask = (row_ok & (o_rows < out_rows))[:, None] & (offs_dv[None, :] < DV)
         if tl.num_programs(2) > 1:
-            w_ptrs = Work + pid_s.to(tl.int64) * stride_ws + q_rows[:, None] * stride_wm + h * DV
+            w_ptrs = Work + pid_s.to(tl.int64) * stride_ws + o_rows[:, None] * stride_wm + h * DV
             tl.store(w_ptrs + offs_dv[None, :], acc, mask=out_mask)
         else:
-            o_ptrs = Out + out_col0 + q_rows[:, None] * stride_om + h * stride_oh + offs_dv[None, :]
+            o_ptrs = Out + out_col0 + o_rows[:, None] * stride_om + h * stride_oh + offs_dv[None, :]
             tl.store(o_ptrs, (acc * inv_scale).to(Out.dtype.element_ty), mask=out_mask)
 
 
@@ -384,10 +421,14 @@ def _launch_paged(
     scaling_seqlen: int, alpha: float, contextual_seq_len: int, max_attn_len: int, *, max_seq_len: int,
     max_query_len: int, layer: int | None, splits: int | None, config: AttentionConfig | None,
     prefetch_pages: bool, traceable: bool, out: torch.Tensor | None = None, out_col0: int = 0,
+    target_rows: Any = None,
 ) -> _Launched:
     """The attention kernel alone (see :func:`paged_hstu_mha_triton_fwd`): with one key slice it writes the
     result into ``out`` (a 2-D buffer [L, W] whose columns [out_col0, out_col0 + H*Dv) take it; default a new
-    [L, H, Dv]), with several the slices' partials into the returned workspace, for the caller to sum."""
+    [L, H, Dv]), with several the slices' partials into the returned workspace, for the caller to sum.
+    ``target_rows`` (an int or a symbolic size): compute the targets' rows only, that many in all, whose
+    result rows are then the targets', user by user (L = target_rows above); the new non-target rows'
+    K/V are still stored."""
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     lq, num_heads, dqk = q.shape
     dv = v_new.shape[2]
@@ -409,18 +450,25 @@ def _launch_paged(
     num_users = seq_lens.shape[0]
     # No user has more new rows than the request has in all (a symbolic size in an exported program).
     rows = torch.sym_min(lq, max_query_len) if traceable else max_query_len
-    blocks = query_blocks(num_users, lq, torch.sym_max(rows, 1), cfg.block_m)
+    if target_rows is None:
+        out_rows = lq
+        blocks = query_blocks(num_users, lq, torch.sym_max(rows, 1), cfg.block_m)
+    else:
+        # A user's blocks cover its targets, and at least one block a user (which stores its new rows):
+        # the bound of a request whose users each have one target more.
+        out_rows = target_rows
+        blocks = query_blocks(num_users, target_rows + num_users, torch.sym_max(rows, 1), cfg.block_m)
     # The keys a user's new rows see, about: its sequence less its new rows (the request's average).
     slices = splits or split_count(blocks * num_heads, max_seq_len, max_seq_len - lq // torch.sym_max(num_users, 1))
     if out is None:
-        out = torch.empty((lq, num_heads, dv), dtype=v_new.dtype, device=q.device)
+        out = torch.empty((out_rows, num_heads, dv), dtype=v_new.dtype, device=q.device)
         stride_om = num_heads * dv
     else:
         stride_om = out.stride(0)
     # With one slice the kernel writes `out` and the workspace is not touched: it is then one element (not
     # empty, so that it has a device address to pass), instead of slices x rows x heads x dv floats. Flat:
     # the kernels take its strides as arguments.
-    numel = lq * num_heads * dv
+    numel = out_rows * num_heads * dv
     work = torch.empty(workspace_numel(slices, numel), dtype=torch.float32, device=q.device)
     fast_silu = capability is not None and q.dtype != torch.float32
     kernel = wrap_triton(_paged_attn_fwd) if traceable else _paged_attn_fwd
@@ -428,25 +476,33 @@ def _launch_paged(
         q, k_new, v_new, k_pages, v_pages, out, work, q_offsets, seq_lens, num_targets, page_table,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_layer, *(k_pages.stride(first + i) for i in range(3)), v_layer, *(v_pages.stride(first + i) for i in range(3)),
-        page_table.stride(0), stride_om, dv, out_col0, numel, num_heads * dv,
+        page_table.stride(0), stride_om, dv, out_col0, numel, num_heads * dv, out_rows,
         float(alpha), 1.0 / float(scaling_seqlen), contextual_seq_len, max_attn_len, num_users, layer or 0,
         page_table.shape[1], DQK=dqk, DV=dv, BLOCK_DQK=max(next_power_of_2(dqk), 16),
         BLOCK_DV=max(next_power_of_2(dv), 16), BLOCK_M=cfg.block_m, BLOCK_N=block_n, PAGE=page_size,
         CHUNK=_USER_CHUNK, FAST_SILU=fast_silu, UPCAST_DOTS=interpreting and q.dtype != torch.float32,
-        PREFETCH=prefetch_pages, STORE=store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREFETCH=prefetch_pages, STORE=store, TARGETS_ONLY=target_rows is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return _Launched(out, work, slices, numel)
 
 
 @triton.jit
-def _gate_slices(UVQK, Out, Work, W, Bias, num_rows, slices, stride_u, stride_o, stride_ws, inv_scale, eps,
-                 WIDTH: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def _gate_slices(UVQK, Out, Work, W, Bias, Rows, num_rows, uvqk_rows, slices, stride_u, stride_o, stride_ws,
+                 inv_scale, eps, WIDTH: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                 GATHER: tl.constexpr):  # fmt: skip
     """The STU gate after the paged attention (gated.py's gate): Out [L, 3*WIDTH] gets SiLU(u), a and
     SiLU(u) * LN(a), u being UVQK's first WIDTH columns. With several key slices, a is first their partials
     (Work) summed in slice order and scaled, as _sum_slices computes it, and written into the middle third;
-    with one, the attention kernel wrote it there."""
+    with one, the attention kernel wrote it there. GATHER: row r's u is UVQK's row Rows[r] (the attention
+    computed the targets only, and Out has their rows)."""
     eps = tl.cast(eps, tl.float32)
     rows64, cols, col_ok, ok = row_block(num_rows, WIDTH, BLOCK_ROWS, BLOCK_D)
+    if GATHER:
+        u_rows = tl.load(Rows + rows64, mask=rows64 < num_rows, other=0).to(tl.int64)
+        u_rows = tl.minimum(tl.maximum(u_rows, 0), uvqk_rows - 1)
+    else:
+        u_rows = rows64
     dtype = Out.dtype.element_ty
     if slices > 1:
         # Four slices' loads at a time, then their sum in slice order (a slice past the last adds 0.0, which
@@ -468,7 +524,7 @@ def _gate_slices(UVQK, Out, Work, W, Bias, num_rows, slices, stride_u, stride_o,
         a = a_rounded.to(tl.float32)
     else:
         a = tl.load(Out + rows64 * stride_o + WIDTH + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(UVQK + rows64 * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(UVQK + u_rows * stride_u + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     b = tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)
     silu_u, gated = stu_gate_rows(u, a, w, b, ok, eps, WIDTH, dtype)
@@ -501,13 +557,19 @@ def paged_hstu_mha_gated_triton_fwd(
     splits: int | None = None,
     gate_rows: int | None = None,
     traceable: bool = False,
+    target_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A delta run's STU layer between its two projections: uvqk [L, H*(2*Dv + 2*Dqk)] (columns u, v, q, k) ->
     concat(SiLU(u), a, SiLU(u) * LN(a)) [L, 3*H*Dv], a being the paged attention (which also stores the new
     K/V in the pool's ``layer``, as :func:`paged_hstu_mha_triton_fwd` does). Two kernels: the attention writes
     a into the middle third (or, split over keys, its partials into a workspace), the gate sums the partials
     and writes the outer thirds. So the slices need no kernel of their own, and a is written once.
-    ``gate_rows`` forces the gate kernel's rows a program (benchmarks)."""
+    ``gate_rows`` forces the gate kernel's rows a program (benchmarks).
+
+    ``target_rows`` [T] (int64): the rows of uvqk that are targets, user by user, each user's in order (its
+    last ``num_targets`` new rows): only those rows are computed, and the result is theirs [T, 3*H*Dv] (a
+    model's last layer, whose other rows nothing reads). The new non-target tokens' K/V are stored all the
+    same."""
     h, dqk, dv = num_heads, attention_dim, linear_dim
     width = h * dv
     if uvqk.dim() != 2 or uvqk.shape[1] != 2 * width + 2 * h * dqk or uvqk.stride(1) != 1:
@@ -517,11 +579,13 @@ def paged_hstu_mha_gated_triton_fwd(
     v = uvqk[:, width:2 * width].unflatten(-1, (h, dv))
     q = uvqk[:, 2 * width:2 * width + h * dqk].unflatten(-1, (h, dqk))
     k = uvqk[:, 2 * width + h * dqk:].unflatten(-1, (h, dqk))
-    out = torch.empty((num_rows, 3 * width), dtype=uvqk.dtype, device=uvqk.device)
+    out_rows = num_rows if target_rows is None else target_rows.shape[0]
+    out = torch.empty((out_rows, 3 * width), dtype=uvqk.dtype, device=uvqk.device)
     launch = _launch_paged(q, k, v, q_offsets, k_pool, v_pool, page_table, seq_lens, num_targets, scaling_seqlen,
                            alpha, contextual_seq_len, max_attn_len, max_seq_len=max_seq_len,
                            max_query_len=max_query_len, layer=layer, splits=splits, config=None,
-                           prefetch_pages=True, traceable=traceable, out=out, out_col0=width)  # fmt: skip
+                           prefetch_pages=True, traceable=traceable, out=out, out_col0=width,
+                           target_rows=None if target_rows is None else out_rows)  # fmt: skip
     capability = _device_capability(uvqk.device)
     # A row a program on a GPU: the slices' sum is a few rows' loads at a time, so more programs finish it
     # sooner (H100, one layer at 1 user: 23.9 us for the attention and gate at 1 row a program, 29.4 at 8; the
@@ -529,10 +593,11 @@ def paged_hstu_mha_gated_triton_fwd(
     rows_each = gate_rows or (1 if capability is not None else None)
     cfg = gate_config(capability, width, block_rows=rows_each, kernel="paged_stu_gate")
     kernel = wrap_triton(_gate_slices) if traceable else _gate_slices
-    kernel[(triton.cdiv(num_rows, cfg.block_rows),)](
-        uvqk, out, launch.work, norm_weight, norm_bias, num_rows, launch.slices, uvqk.stride(0), out.stride(0),
-        launch.numel, 1.0 / float(scaling_seqlen), float(eps), WIDTH=width, BLOCK_ROWS=cfg.block_rows,
-        BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+    kernel[(triton.cdiv(out_rows, cfg.block_rows),)](
+        uvqk, out, launch.work, norm_weight, norm_bias, uvqk if target_rows is None else target_rows, out_rows,
+        num_rows, launch.slices, uvqk.stride(0), out.stride(0), launch.numel, 1.0 / float(scaling_seqlen), float(eps),
+        WIDTH=width, BLOCK_ROWS=cfg.block_rows, BLOCK_D=cfg.block_d, GATHER=target_rows is not None,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
     return out
 
@@ -560,14 +625,16 @@ def paged_hstu_mha_gated_store_triton(
     max_seq_len: int,
     max_query_len: int,
     splits: int,
+    target_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`paged_hstu_mha_gated_triton_fwd` as an op an exported program calls (the delta program's layers
-    on the Triton path): returns the gate's concat, and stores the new non-target tokens' K/V in the pool's
-    ``layer``."""
+    on the Triton path): returns the gate's concat (of ``target_rows`` only, when given: the last layer's), and
+    stores the new non-target tokens' K/V in the pool's ``layer``."""
     return paged_hstu_mha_gated_triton_fwd(
         uvqk, q_offsets, k_pool, v_pool, layer, page_table, seq_lens, num_targets, norm_weight, norm_bias, eps,
         num_heads, attention_dim, linear_dim, scaling_seqlen, alpha, contextual_seq_len, max_attn_len,
         max_seq_len=max_seq_len, max_query_len=max_query_len, splits=splits, traceable=True,
+        target_rows=target_rows,
     )  # fmt: skip
 
 
