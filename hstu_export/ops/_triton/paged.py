@@ -453,13 +453,18 @@ def _launch_paged(
     if target_rows is None:
         out_rows = lq
         blocks = query_blocks(num_users, lq, torch.sym_max(rows, 1), cfg.block_m)
+        busy = blocks
     else:
         # A user's blocks cover its targets, and at least one block a user (which stores its new rows):
         # the bound of a request whose users each have one target more.
         out_rows = target_rows
         blocks = query_blocks(num_users, target_rows + num_users, torch.sym_max(rows, 1), cfg.block_m)
+        # The slices follow the blocks the targets fill when each user's are whole blocks, not the bound (up
+        # to a block more a user, of programs that end at once): at 8 users of 256 targets on an H100, 128
+        # programs, which two slices spread over both of each SM's places (docs/PERF.md, eighteenth session).
+        busy = torch.sym_max((target_rows + cfg.block_m - 1) // cfg.block_m, 1)
     # The keys a user's new rows see, about: its sequence less its new rows (the request's average).
-    slices = splits or split_count(blocks * num_heads, max_seq_len, max_seq_len - lq // torch.sym_max(num_users, 1))
+    slices = splits or split_count(busy * num_heads, max_seq_len, max_seq_len - lq // torch.sym_max(num_users, 1))
     if out is None:
         out = torch.empty((out_rows, num_heads, dv), dtype=v_new.dtype, device=q.device)
         stride_om = num_heads * dv
