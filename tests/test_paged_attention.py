@@ -257,10 +257,10 @@ def test_split_count_is_arithmetic_on_symbolic_sizes() -> None:
 
 
 def test_targets_only_launch_sizes_its_slices_by_the_targets(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The last layer's launch (target rows only) has a block more a user in its grid than the targets fill
-    (the bound), but chooses its key slices for the blocks they fill: 8 users of 256 targets in blocks of 64
-    with 4 heads are 128 programs, which two slices spread over an H100's 132 SMs two an SM; the bound's 160
-    programs would have taken one."""
+    """The last layer's launch (target rows only) keeps the grid of every new row (a user's blocks may store its
+    other new rows), but chooses its key slices for the blocks its targets fill: 8 users of 256 targets in
+    blocks of 64 with 4 heads are 128 programs, which two slices spread over an H100's 132 SMs two an SM; the
+    grid's 192 would have taken one."""
     import hstu_export.ops._triton.paged as paged
     from hstu_export.ops._triton.configs import AttentionConfig
 
@@ -288,6 +288,6 @@ def test_targets_only_launch_sizes_its_slices_by_the_targets(monkeypatch) -> Non
                 max_query_len=new)
     out = paged.paged_hstu_mha_gated_triton_fwd(uvqk, **call, target_rows=rows.flatten())
     assert out.shape == (users * targets, 3 * h * d)
-    assert grids["attention"] == (40, h, 2)  # (2048 + 8 + 8 * 63) // 64 blocks; 2 slices for 32 x 4 programs
+    assert grids["attention"] == (48, h, 2)  # 2 slices for the targets' 32 x 4 programs
     paged.paged_hstu_mha_gated_triton_fwd(uvqk, **call)
     assert grids["attention"] == (48, h, 1)  # every new row: 192 programs, one slice

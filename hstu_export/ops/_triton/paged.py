@@ -156,8 +156,9 @@ def _paged_attn_fwd(
     # back; the user is num_users past the last block. Written here, not in a helper: torch's analysis of a
     # user kernel (Inductor's guide to what the kernel writes) takes every argument of a called function whose
     # result reaches a store for written, and Inductor then copies q_offsets before each layer's launch.
-    # TARGETS_ONLY: a user's blocks cover its targets only (at least one block a user, which stores its new
-    # non-target rows), and the result rows are the targets', user by user (``out_rows`` of them).
+    # TARGETS_ONLY: a user's blocks compute its targets only (the result's rows are the targets', user by user:
+    # ``out_rows`` of them), and block j stores the user's new non-target rows [j * BLOCK_M, (j + 1) * BLOCK_M):
+    # a user has as many blocks as the longer of the two needs.
     blk = tl.program_id(0)
     b = 0
     before = 0  # blocks of the users before b
@@ -171,7 +172,8 @@ def _paged_attn_fwd(
         if TARGETS_ONLY:
             targets = tl.minimum(tl.maximum(tl.load(num_targets + idx, mask=ok, other=0), 0),
                                  end_row - first_row).to(tl.int32)
-            blocks = tl.where(ok, tl.maximum((targets + BLOCK_M - 1) // BLOCK_M, 1), 0).to(tl.int32)
+            others = (end_row - first_row - targets).to(tl.int32)
+            blocks = tl.where(ok, tl.maximum(targets + BLOCK_M - 1, others + BLOCK_M - 1) // BLOCK_M, 0).to(tl.int32)
         else:
             blocks = tl.where(ok, (end_row - first_row + BLOCK_M - 1) // BLOCK_M, 0).to(tl.int32)
         done = ok & (seen + tl.cumsum(blocks, 0) <= blk)  # users whose blocks all come before blk
@@ -214,7 +216,7 @@ def _paged_attn_fwd(
         hi = tl.where(has_ctx_rows, hist_end, tl.minimum(m1, hist_end))
         lo_pos = _position(m0, ctx_shift, m_pos) - max_attn_len
         lo = tl.where((max_attn_len > 0) & (lo_pos > 0) & (~has_ctx_rows), lo_pos + ctx_shift, 0)
-        if TARGETS_ONLY:  # no key for the block of a user with no target (it only stores)
+        if TARGETS_ONLY:  # no key for a block past the user's targets (it only stores)
             hi = tl.where(start < q_len, hi, 0)
             lo = tl.where(start < q_len, lo, 0)
         # This program's slice: an equal share of the range's key blocks (none when the range is empty).
@@ -291,40 +293,35 @@ def _paged_attn_fwd(
             acc += s_self[:, None] * v_self.to(tl.float32)
         if STORE & (pid_s == tl.num_programs(2) - 1):
             # Non-target rows (this head) go to their pages: row j of the user's sequence to page table column
-            # j // PAGE, row j % PAGE; a column past the table is not stored. The rows are this block's own;
-            # with TARGETS_ONLY, the user's new non-target rows, shared out among its blocks.
+            # j // PAGE, row j % PAGE; a column past the table is not stored. The rows are this block's own, or
+            # with TARGETS_ONLY its share of the user's new rows.
             if TARGETS_ONLY:
-                own = blk - before
-                r_first = own * BLOCK_M
-                r_end = q_len - user_targets
-                r_step = tl.maximum((user_targets + BLOCK_M - 1) // BLOCK_M, 1) * BLOCK_M
+                s_new = (blk - before) * BLOCK_M + tl.arange(0, BLOCK_M)
+                s_ok = s_new < q_len
+                s_rows = first_query + s_new
+                s_q_rows = (q_start + s_new).to(tl.int64)
             else:
-                r_first = start
-                r_end = start + 1
-                r_step = BLOCK_M
-            for r0 in tl.range(r_first, r_end, r_step, num_stages=1):
-                new_r = r0 + tl.arange(0, BLOCK_M)  # rows among the user's new tokens
-                s_rows = first_query + new_r
-                s_q_rows = (q_start + new_r).to(tl.int64)
-                col = s_rows // PAGE
-                keep = (new_r < q_len) & (s_rows < hist_end) & (col < table_width)
-                dest_page = tl.load(pt_row + col, mask=keep, other=0).to(tl.int64)
-                in_page = tl.cast(s_rows % PAGE, tl.int64)
-                keep_k = keep[:, None] & (offs_dqk[None, :] < DQK)
-                k_rows = tl.load(KN + s_q_rows[:, None] * stride_knm + h * stride_knh + offs_dqk[None, :], mask=keep_k)
-                tl.store(KP + (dest_page * stride_kpp + in_page * stride_kpn + h * stride_kph)[:, None]
-                         + offs_dqk[None, :], k_rows.to(KP.dtype.element_ty), mask=keep_k)  # fmt: skip
-                keep_v = keep[:, None] & (offs_dv[None, :] < DV)
-                v_rows = tl.load(VN + s_q_rows[:, None] * stride_vnm + h * stride_vnh + offs_dv[None, :], mask=keep_v)
-                tl.store(VP + (dest_page * stride_vpp + in_page * stride_vpn + h * stride_vph)[:, None]
-                         + offs_dv[None, :], v_rows.to(VP.dtype.element_ty), mask=keep_v)  # fmt: skip
+                s_ok, s_rows, s_q_rows = row_ok, rows, q_rows
+            col = s_rows // PAGE
+            keep = s_ok & (s_rows < hist_end) & (col < table_width)
+            dest_page = tl.load(pt_row + col, mask=keep, other=0).to(tl.int64)
+            in_page = tl.cast(s_rows % PAGE, tl.int64)
+            keep_k = keep[:, None] & (offs_dqk[None, :] < DQK)
+            k_rows = tl.load(KN + s_q_rows[:, None] * stride_knm + h * stride_knh + offs_dqk[None, :], mask=keep_k)
+            tl.store(KP + (dest_page * stride_kpp + in_page * stride_kpn + h * stride_kph)[:, None]
+                     + offs_dqk[None, :], k_rows.to(KP.dtype.element_ty), mask=keep_k)  # fmt: skip
+            keep_v = keep[:, None] & (offs_dv[None, :] < DV)
+            v_rows = tl.load(VN + s_q_rows[:, None] * stride_vnm + h * stride_vnh + offs_dv[None, :], mask=keep_v)
+            tl.store(VP + (dest_page * stride_vpp + in_page * stride_vpn + h * stride_vph)[:, None]
+                     + offs_dv[None, :], v_rows.to(VP.dtype.element_ty), mask=keep_v)  # fmt: skip
 
         # The result's rows: the query rows', or with TARGETS_ONLY the targets' among all users' targets.
         if TARGETS_ONLY:
             o_rows = (targets_before + offs_m - (q_len - user_targets)).to(tl.int64)
+            out_mask = (row_ok & (o_rows < out_rows))[:, None] & (offs_dv[None, :] < DV)
         else:
             o_rows = q_rows
-        out_mask = (row_ok & (o_rows < out_rows))[:, None] & (offs_dv[None, :] < DV)
+            out_mask = row_ok[:, None] & (offs_dv[None, :] < DV)
         if tl.num_programs(2) > 1:
             w_ptrs = Work + pid_s.to(tl.int64) * stride_ws + o_rows[:, None] * stride_wm + h * DV
             tl.store(w_ptrs + offs_dv[None, :], acc, mask=out_mask)
@@ -450,18 +447,16 @@ def _launch_paged(
     num_users = seq_lens.shape[0]
     # No user has more new rows than the request has in all (a symbolic size in an exported program).
     rows = torch.sym_min(lq, max_query_len) if traceable else max_query_len
+    # A bound on the query blocks (targets only: a user's blocks are those its targets or its other new rows
+    # need, the longer, so no more than for all its rows).
+    blocks = query_blocks(num_users, lq, torch.sym_max(rows, 1), cfg.block_m)
     if target_rows is None:
-        out_rows = lq
-        blocks = query_blocks(num_users, lq, torch.sym_max(rows, 1), cfg.block_m)
-        busy = blocks
+        out_rows, busy = lq, blocks
     else:
-        # A user's blocks cover its targets, and at least one block a user (which stores its new rows):
-        # the bound of a request whose users each have one target more.
+        # The slices follow the blocks that compute, those of the targets when each user's fill whole blocks,
+        # not the bound (whose other programs end at once): at 8 users of 256 targets on an H100, 128
+        # programs, which two slices spread over both of each SM's places (docs/PERF.md, seventeenth session).
         out_rows = target_rows
-        blocks = query_blocks(num_users, target_rows + num_users, torch.sym_max(rows, 1), cfg.block_m)
-        # The slices follow the blocks the targets fill when each user's are whole blocks, not the bound (up
-        # to a block more a user, of programs that end at once): at 8 users of 256 targets on an H100, 128
-        # programs, which two slices spread over both of each SM's places (docs/PERF.md, eighteenth session).
         busy = torch.sym_max((target_rows + cfg.block_m - 1) // cfg.block_m, 1)
     # The keys a user's new rows see, about: its sequence less its new rows (the request's average).
     slices = splits or split_count(busy * num_heads, max_seq_len, max_seq_len - lq // torch.sym_max(num_users, 1))
