@@ -87,6 +87,50 @@ def test_cached_ranker_on_the_triton_kernel(config: HSTUConfig) -> None:
     check_every_kind_of_delta(config)
 
 
+class _LayerOp:
+    """A CASES entry as the delta program's layer op takes it (uvqk: random u, the case's new rows' v, q, k; a
+    random gate norm), run on fresh pools (layer 1 of 2)."""
+
+    def __init__(self, name: str, splits: int | None) -> None:
+        self.q_lens, self.seq_lens, self.targets, self.contextual, self.window = CASES[name]
+        self.case = _case(self.q_lens, self.seq_lens, self.targets, seed=len(name))
+        self.splits = splits
+        rows = self.case["rows"]
+        q, v = self.case["q"], self.case["v"]
+        self.h, self.dqk, self.dv = q.shape[1], q.shape[2], v.shape[2]
+        gen = torch.Generator().manual_seed(len(name))
+        self.u = torch.randn(len(rows), self.h * self.dv, generator=gen)
+        self.uvqk = torch.cat([self.u, v[rows].flatten(1), q[rows].flatten(1), self.case["k"][rows].flatten(1)], -1)
+        self.weight, self.bias = torch.randn(self.h * self.dv, generator=gen), torch.randn(self.h * self.dv, generator=gen)
+
+    def run(self, target_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(result, K pool, V pool) after the op."""
+        from hstu_export.ops._triton.paged import paged_hstu_mha_gated_triton_fwd
+
+        c = self.case
+        k_pool, v_pool = _pools(c, layer=1)
+        got = paged_hstu_mha_gated_triton_fwd(
+            self.uvqk, c["q_offsets"], k_pool, v_pool, 1, c["table"], c["seq_lens"], c["targets"], self.weight,
+            self.bias, 1e-6, self.h, self.dqk, self.dv, 128, 0.25, self.contextual, self.window,
+            max_seq_len=max(self.seq_lens), max_query_len=max(self.q_lens), splits=self.splits,
+            gate_rows=1 if self.splits is None else None, target_rows=target_rows,  # a row a program, as on a GPU
+        )  # fmt: skip
+        return got, k_pool, v_pool
+
+    def reference(self) -> torch.Tensor:
+        """Reference attention over the whole sequences at the new rows, then the model's gate."""
+        from hstu_export.ops.reference import stu_gate
+
+        a = _expected(self.case, self.contextual, self.window, 128, 0.25).flatten(1)
+        return stu_gate(self.u, a, self.weight, self.bias, 1e-6)
+
+    def check_stored(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
+        """The new non-target tokens' K/V in their pages, bit for bit, and nothing else written."""
+        want_k, want_v = _stored(self.case, *_pools(self.case, layer=1), 1)
+        torch.testing.assert_close(k_pool[:, :-1], want_k[:, :-1], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(v_pool[:, :-1], want_v[:, :-1], rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("splits", [1, 3, None])
 @pytest.mark.parametrize("name", list(CASES))
 def test_gated_kernels_equal_the_attention_then_the_gate(name: str, splits: int | None) -> None:
@@ -94,32 +138,17 @@ def test_gated_kernels_equal_the_attention_then_the_gate(name: str, splits: int 
     summing the key slices): the attention third bit for bit as the attention kernel alone (whose slices
     _sum_slices adds in the same order), the whole as the reference attention then the model's gate, and the
     new K/V stored as the store op stores them."""
-    from hstu_export.ops._triton.paged import paged_hstu_mha_gated_triton_fwd, paged_hstu_mha_triton_fwd
-    from hstu_export.ops.reference import stu_gate
+    from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd
 
-    q_lens, seq_lens, targets, contextual, window = CASES[name]
-    case = _case(q_lens, seq_lens, targets, seed=len(name))
-    rows = case["rows"]
-    h, dqk, dv = case["q"].shape[1], case["q"].shape[2], case["v"].shape[2]
-    gen = torch.Generator().manual_seed(len(name))
-    u = torch.randn(len(rows), h * dv, generator=gen)
-    uvqk = torch.cat([u, case["v"][rows].flatten(1), case["q"][rows].flatten(1), case["k"][rows].flatten(1)], -1)
-    weight, bias = torch.randn(h * dv, generator=gen), torch.randn(h * dv, generator=gen)
-    k_pool, v_pool = _pools(case, layer=1)
-    want_k, want_v = _stored(case, k_pool, v_pool, 1)
-    got = paged_hstu_mha_gated_triton_fwd(
-        uvqk, case["q_offsets"], k_pool, v_pool, 1, case["table"], case["seq_lens"], case["targets"], weight, bias,
-        1e-6, h, dqk, dv, 128, 0.25, contextual, window, max_seq_len=max(seq_lens), max_query_len=max(q_lens),
-        splits=splits, gate_rows=1 if splits is None else None,  # a row a program, as on a GPU
-    )  # fmt: skip
-    alone = _call(paged_hstu_mha_triton_fwd, case, contextual, window, 128, 0.25, max_seq_len=max(seq_lens),
-                  max_query_len=max(q_lens), splits=splits)
-    assert got.shape == (len(rows), 3 * h * dv) and not got.isnan().any()
-    assert torch.equal(got[:, h * dv:2 * h * dv], alone.flatten(1))
-    want = stu_gate(u, _expected(case, contextual, window, 128, 0.25).flatten(1), weight, bias, 1e-6)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(k_pool[:, :-1], want_k[:, :-1], rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(v_pool[:, :-1], want_v[:, :-1], rtol=0, atol=0, equal_nan=True)
+    op = _LayerOp(name, splits)
+    got, k_pool, v_pool = op.run()
+    alone = _call(paged_hstu_mha_triton_fwd, op.case, op.contextual, op.window, 128, 0.25,
+                  max_seq_len=max(op.seq_lens), max_query_len=max(op.q_lens), splits=splits)
+    width = op.h * op.dv
+    assert got.shape == (len(op.case["rows"]), 3 * width) and not got.isnan().any()
+    assert torch.equal(got[:, width:2 * width], alone.flatten(1))
+    torch.testing.assert_close(got, op.reference(), rtol=1e-5, atol=1e-5)
+    op.check_stored(k_pool, v_pool)
 
 
 @pytest.mark.parametrize("splits", [1, 3, None])
@@ -128,38 +157,16 @@ def test_gated_kernels_on_the_targets_only(name: str, splits: int | None) -> Non
     """The layer op asked for the targets' rows only (a model's last layer): the targets' rows of the whole
     op's result, user by user, and every new non-target token's K/V stored all the same (users without a
     target, or without any new token, included)."""
-    from hstu_export.ops._triton.paged import paged_hstu_mha_gated_triton_fwd
-    from hstu_export.ops.reference import stu_gate
-
-    q_lens, seq_lens, targets, contextual, window = CASES[name]
-    case = _case(q_lens, seq_lens, targets, seed=len(name))
-    rows = case["rows"]
-    h, dqk, dv = case["q"].shape[1], case["q"].shape[2], case["v"].shape[2]
-    gen = torch.Generator().manual_seed(len(name))
-    u = torch.randn(len(rows), h * dv, generator=gen)
-    uvqk = torch.cat([u, case["v"][rows].flatten(1), case["q"][rows].flatten(1), case["k"][rows].flatten(1)], -1)
-    weight, bias = torch.randn(h * dv, generator=gen), torch.randn(h * dv, generator=gen)
-    ends = case["q_offsets"][1:].tolist()
-    wanted = torch.tensor([end - t + r for end, t in zip(ends, targets) for r in range(t)], dtype=torch.int64)
-
-    def run(target_rows):  # type: ignore[no-untyped-def]
-        k_pool, v_pool = _pools(case, layer=1)
-        got = paged_hstu_mha_gated_triton_fwd(
-            uvqk, case["q_offsets"], k_pool, v_pool, 1, case["table"], case["seq_lens"], case["targets"], weight,
-            bias, 1e-6, h, dqk, dv, 128, 0.25, contextual, window, max_seq_len=max(seq_lens),
-            max_query_len=max(q_lens), splits=splits, gate_rows=1 if splits is None else None, target_rows=target_rows,
-        )  # fmt: skip
-        return got, k_pool, v_pool
-
-    whole, whole_k, whole_v = run(None)
-    got, k_pool, v_pool = run(wanted)
-    assert got.shape == (len(wanted), 3 * h * dv) and not got.isnan().any()
+    op = _LayerOp(name, splits)
+    ends = op.case["q_offsets"][1:].tolist()
+    wanted = torch.tensor([end - t + r for end, t in zip(ends, op.targets) for r in range(t)], dtype=torch.int64)
+    whole, whole_k, whole_v = op.run()
+    got, k_pool, v_pool = op.run(wanted)
+    assert got.shape == (len(wanted), 3 * op.h * op.dv) and not got.isnan().any()
     torch.testing.assert_close(got, whole[wanted], rtol=1e-6, atol=1e-6)
-    want = stu_gate(u[wanted], _expected(case, contextual, window, 128, 0.25).flatten(1)[wanted], weight, bias, 1e-6)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    want_k, want_v = _stored(case, *_pools(case, layer=1), 1)
-    for pool, expected in ((k_pool, want_k), (v_pool, want_v), (whole_k, want_k), (whole_v, want_v)):
-        torch.testing.assert_close(pool[:, :-1], expected[:, :-1], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got, op.reference()[wanted], rtol=1e-5, atol=1e-5)
+    op.check_stored(k_pool, v_pool)
+    op.check_stored(whole_k, whole_v)
 
 
 @pytest.mark.parametrize("config", [NO_CONTEXT, CONTEXT], ids=["no-context", "context"])

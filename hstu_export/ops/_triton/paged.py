@@ -22,6 +22,11 @@ slice is often the shortest, and slice 0 adds the targets' self terms), so a del
 kernels of its own. No program reads what another writes: pages are read for the cached tokens only,
 writes go after them (the pool's scratch page, where tokens that are not kept go, is never read).
 Target rows add their self term, in slice 0 only.
+
+A model's last layer needs its targets' rows only (the heads read nothing else): launched for them
+(``target_rows``), a user's blocks compute its targets, and block j stores its other new rows
+[j * BLOCK_M, (j + 1) * BLOCK_M) (the user has as many blocks as the longer of the two needs); the result's rows
+are the targets', user by user.
 """
 
 from __future__ import annotations
