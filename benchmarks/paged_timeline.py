@@ -173,14 +173,24 @@ def summarise(times: torch.Tensor) -> dict:
         for _, step in events:
             now += step
             most_at_once = max(most_at_once, now)
+    # Programs that ran beside another on their SM at some time, and those that ran alone there: one program may
+    # not keep an SM busy, so the two can take different times for the same work.
+    shared = [r for rows in by_sm.values() for r in rows
+              if any(o is not r and o[1] < r[4] and r[1] < o[4] for o in rows)]  # fmt: skip
+    alone = [r for r in rel if all(r is not o for o in shared)]
     last = max(rel, key=lambda r: r[4])
     med = statistics.median
+
+    def loops(rows: list) -> float | None:
+        return med(r[3] - r[2] for r in rows) if rows else None
+
     return {
         "programs": len(rel), "sms": len(by_sm), "span_us": max(r[4] for r in rel),
         "last_start_us": max(r[1] for r in rel), "most_programs_on_an_sm": max(len(v) for v in by_sm.values()),
         "most_at_once_on_an_sm": most_at_once,
         "median_us": {"setup": med(r[2] - r[1] for r in rel), "loops": med(r[3] - r[2] for r in rel),
                       "after_loops": med(r[4] - r[3] for r in rel), "whole": med(r[4] - r[1] for r in rel)},
+        "loops_median_us": {"beside_another": loops(shared), "alone": loops(alone), "programs_alone": len(alone)},
         "last_program": {"sm": last[0], "start": last[1], "setup_done": last[2], "loops_done": last[3], "end": last[4]},
         "starts_us": sorted(round(r[1], 2) for r in rel)[:: max(1, len(rel) // 24)],
     }
