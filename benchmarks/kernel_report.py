@@ -61,10 +61,11 @@ def compile_attention(
 def compile_paged(
     arch: int, dqk: int, dv: int, dtype: str, block_m: int, block_n: int, num_warps: int, num_stages: int,
     page: int = 64, store: bool = True, kernel: triton.runtime.jit.JITFunction = _paged_attn_fwd,
+    targets_only: bool = False,
 ) -> triton.compiler.CompiledKernel:  # fmt: skip
     """The paged delta kernel (hstu_export/ops/_triton/paged.py, or ``kernel``: a variant of it) as an
     exported program launches it (which stores the new K/V; ``store=False``: as the benchmarks launch it
-    alone)."""
+    alone; ``targets_only``: as the program's last layer launches it)."""
     ptr = _TYPES[dtype]
     signature: dict[str, str] = {}
     for name in kernel.arg_names:
@@ -81,8 +82,9 @@ def compile_paged(
     constexprs = dict(
         DQK=dqk, DV=dv, BLOCK_DQK=max(triton.next_power_of_2(dqk), 16), BLOCK_DV=max(triton.next_power_of_2(dv), 16),
         BLOCK_M=block_m, BLOCK_N=min(block_n, page), PAGE=page, CHUNK=64, FAST_SILU=dtype != "fp32", UPCAST_DOTS=False,
-        PREFETCH=True, STORE=store,
+        PREFETCH=True, STORE=store, TARGETS_ONLY=targets_only,
     )  # fmt: skip
+    constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}  # older variants
     for name in constexprs:
         signature[name] = "constexpr"
     aligned = [i for i, n in enumerate(kernel.arg_names) if signature.get(n, "").startswith("*")
@@ -122,13 +124,14 @@ def main() -> None:
     parser.add_argument("--no-skip", action="store_true")
     parser.add_argument("--kernel", choices=("attention", "paged"), default="attention")
     parser.add_argument("--no-store", action="store_true", help="paged: the kernel without its store of the new K/V")
+    parser.add_argument("--targets-only", action="store_true", help="paged: the last layer's kernel (the targets' rows)")
     args = parser.parse_args()
     rows = []
     for cfg in args.configs.split(","):
         bm, bn, warps, stages = (int(x) for x in cfg.split("x"))
         if args.kernel == "paged":
             kernel = compile_paged(args.arch, args.dqk, args.dv, args.dtype, bm, bn, warps, stages,
-                                   store=not args.no_store)
+                                   store=not args.no_store, targets_only=args.targets_only)
         else:
             kernel = compile_attention(
                 args.arch, args.dqk, args.dv, args.dtype, bm, bn, warps, stages, skip=not args.no_skip
