@@ -423,14 +423,14 @@ def _launch_paged(
     scaling_seqlen: int, alpha: float, contextual_seq_len: int, max_attn_len: int, *, max_seq_len: int,
     max_query_len: int, layer: int | None, splits: int | None, config: AttentionConfig | None,
     prefetch_pages: bool, traceable: bool, out: torch.Tensor | None = None, out_col0: int = 0,
-    target_rows: Any = None,
+    targets: Any = None,
 ) -> _Launched:
     """The attention kernel alone (see :func:`paged_hstu_mha_triton_fwd`): with one key slice it writes the
     result into ``out`` (a 2-D buffer [L, W] whose columns [out_col0, out_col0 + H*Dv) take it; default a new
     [L, H, Dv]), with several the slices' partials into the returned workspace, for the caller to sum.
-    ``target_rows`` (an int or a symbolic size): compute the targets' rows only, that many in all, whose
-    result rows are then the targets', user by user (L = target_rows above); the new non-target rows'
-    K/V are still stored."""
+    ``targets`` (an int or a symbolic size): compute the targets' rows only, that many in all, whose result
+    rows are then the targets', user by user (L = targets above); the new non-target rows' K/V are still
+    stored."""
     interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
     lq, num_heads, dqk = q.shape
     dv = v_new.shape[2]
@@ -455,14 +455,14 @@ def _launch_paged(
     # A bound on the query blocks (targets only: a user's blocks are those its targets or its other new rows
     # need, the longer, so no more than for all its rows).
     blocks = query_blocks(num_users, lq, torch.sym_max(rows, 1), cfg.block_m)
-    if target_rows is None:
+    if targets is None:
         out_rows, busy = lq, blocks
     else:
         # The slices follow the blocks that compute, those of the targets when each user's fill whole blocks,
         # not the bound (whose other programs end at once): at 8 users of 256 targets on an H100, 128
         # programs, which two slices spread over both of each SM's places (docs/PERF.md, seventeenth session).
-        out_rows = target_rows
-        busy = torch.sym_max((target_rows + cfg.block_m - 1) // cfg.block_m, 1)
+        out_rows = targets
+        busy = torch.sym_max((targets + cfg.block_m - 1) // cfg.block_m, 1)
     # The keys a user's new rows see, about: its sequence less its new rows (the request's average).
     slices = splits or split_count(busy * num_heads, max_seq_len, max_seq_len - lq // torch.sym_max(num_users, 1))
     if out is None:
@@ -486,7 +486,7 @@ def _launch_paged(
         page_table.shape[1], DQK=dqk, DV=dv, BLOCK_DQK=max(next_power_of_2(dqk), 16),
         BLOCK_DV=max(next_power_of_2(dv), 16), BLOCK_M=cfg.block_m, BLOCK_N=block_n, PAGE=page_size,
         CHUNK=_USER_CHUNK, FAST_SILU=fast_silu, UPCAST_DOTS=interpreting and q.dtype != torch.float32,
-        PREFETCH=prefetch_pages, STORE=store, TARGETS_ONLY=target_rows is not None, num_warps=cfg.num_warps,
+        PREFETCH=prefetch_pages, STORE=store, TARGETS_ONLY=targets is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return _Launched(out, work, slices, numel)
@@ -590,7 +590,7 @@ def paged_hstu_mha_gated_triton_fwd(
                            alpha, contextual_seq_len, max_attn_len, max_seq_len=max_seq_len,
                            max_query_len=max_query_len, layer=layer, splits=splits, config=None,
                            prefetch_pages=True, traceable=traceable, out=out, out_col0=width,
-                           target_rows=None if target_rows is None else out_rows)  # fmt: skip
+                           targets=None if target_rows is None else out_rows)  # fmt: skip
     capability = _device_capability(uvqk.device)
     # A row a program on a GPU: the slices' sum is a few rows' loads at a time, so more programs finish it
     # sooner (H100, one layer at 1 user: 23.9 us for the attention and gate at 1 row a program, 29.4 at 8; the
