@@ -335,14 +335,17 @@ def gpu_timeline(events, split_us: float = 100.0) -> dict:  # type: ignore[no-un
             busy += max(0.0, end - max(start, reach))
             reach = max(reach, end)
         rows.append({"span": reach - call[0][0], "busy": busy, "kernels": len(call),
-                     "gaps": sorted(gaps, reverse=True)[:5]})
+                     "gaps": sorted(gaps, reverse=True)[:5],
+                     "order": [(n[:60], round(s - call[0][0], 2), round(e - s, 2)) for s, e, n in call]})
     if not rows:
         return {}
     mid = sorted(rows, key=lambda r: r["span"])[len(rows) // 2]
     return {"calls": len(rows), "span_us": statistics.median(r["span"] for r in rows),
             "busy_us": statistics.median(r["busy"] for r in rows),
             "idle_us": statistics.median(r["span"] - r["busy"] for r in rows),
-            "kernels": mid["kernels"], "longest_gaps_of_median_call": [(round(g, 1), n[:80]) for g, n in mid["gaps"]]}
+            "kernels": mid["kernels"], "longest_gaps_of_median_call": [(round(g, 1), n[:80]) for g, n in mid["gaps"]],
+            # The median call's kernels in order: (name, start from the call's first kernel, duration), µs.
+            "median_call_kernels": mid["order"]}
 
 
 def failure(exc: Exception, tail: int = 2000) -> dict:
