@@ -13,7 +13,8 @@ grid-wide barrier between two steps (an atomic count in memory that every progra
 what a persistent kernel pays where a graph pays a launch. Each step reads what another program wrote in the
 step before (the next program's elements), so a barrier that let a program through early shows in the check.
 P must not exceed the programs the GPU holds at once (a program that never starts would leave the others
-waiting: each wait gives up after a bounded number of polls and marks the run failed).
+waiting): each wait gives up after a bounded number of polls (seconds) and marks the kernel failed, and a size
+whose first run failed is reported as such and not timed.
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ def _persistent_steps(buf, counter, failed, steps, BLOCK: tl.constexpr):
         _grid_barrier(counter, base + (i + 1) * programs, failed)
 
 
-def persistent_graph(steps: int, programs: int) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]:
+def persistent_graph(steps: int, programs: int) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor] | None:
+    """The graph, its two buffers and the failure count; None when the first run failed (the GPU did not hold all
+    ``programs`` at once)."""
     buf = torch.zeros(2, programs * _BLOCK, device="cuda")
     bufs = list(buf.unbind(0))
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -89,6 +92,8 @@ def persistent_graph(steps: int, programs: int) -> tuple[torch.cuda.CUDAGraph, l
 
     run()  # compiles
     torch.cuda.synchronize()
+    if int(failed.item()) > 0:
+        return None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
@@ -147,7 +152,14 @@ def main() -> None:
     for kernels in args.kernels:
         for programs in args.programs:
             if args.persistent:
-                graph, bufs, failed = persistent_graph(kernels, programs)
+                made = persistent_graph(kernels, programs)
+                if made is None:
+                    row = {"persistent": True, "kernels": kernels, "programs": programs, "chain_ok": False,
+                           "error": "a barrier timed out: the GPU did not hold all the programs at once"}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
+                graph, bufs, failed = made
             else:
                 graph, bufs = chain_graph(kernels, programs)
             timing = time_graph(graph)
