@@ -8,9 +8,9 @@ there. This measures that limit on the GPU at hand, then times the products the 
 
 - **Reads**: a kernel of P programs, each summing its own ``distinct`` bytes plus ``shared`` bytes that every
   program reads (the same activation rows, as a product's programs of one row block do), bf16, bypassing L1.
-  The whole buffer is read on every replay and stays in L2 (sizes over 30 MB are left out). Ten kernels in a CUDA graph,
-  replayed back to back; the figure is a kernel's time, and the bytes a program read over that time less the
-  time of the same kernel reading nothing (launch and start; measured in the same run).
+  The whole buffer is read on every replay and stays in L2 (sizes over 30 MB are left out). Ten kernels in a
+  CUDA graph, replayed back to back; the figures are a kernel's time, and the bytes an SM read (its programs')
+  over that time less the time of the same kernel reading nothing (launch and start; measured in the same run).
 - **Products**: ``torch.mm`` (cuBLAS) on the 1-user shapes of the dlrmv3 preset, bf16, ten in a graph: the
   projection [384, 512] x [512, 2048] and the output product [384, 1536] x [1536, 512] (and the last layer's
   [256, 1536] x [1536, 512]); with the bytes each SM would read if the product's tiles were the ones cuBLAS chose
