@@ -116,17 +116,23 @@ def chain_graph(kernels: int, programs: int) -> tuple[torch.cuda.CUDAGraph, list
     return graph, bufs
 
 
+def back_to_back_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """µs a replay, over ``replays`` replays launched back to back (the GPU never waits for the host)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
 def time_graph(graph: torch.cuda.CUDAGraph, back_to_back: int = 200, alone: int = 200) -> dict:
     for _ in range(20):
         graph.replay()
     torch.cuda.synchronize()
+    chained = back_to_back_us(graph, back_to_back)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(back_to_back):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    chained = start.elapsed_time(end) * 1e3 / back_to_back
     singles = []
     for _ in range(alone):
         torch.cuda.synchronize()

@@ -23,11 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_floor import back_to_back_us
 
 _BLOCK = 4096  # elements a load (8 KB of bf16)
 _UNROLL = 4  # loads in flight: 32 KB a program, so sizes are multiples of 32 KB
@@ -68,16 +72,7 @@ def per_kernel_us(graph: torch.cuda.CUDAGraph, rounds: int = 5, replays: int = 1
     for _ in range(10):
         graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * _KERNELS))
-    return statistics.median(times)
+    return statistics.median(back_to_back_us(graph, replays) / _KERNELS for _ in range(rounds))
 
 
 def read_row(programs: int, distinct_kb: int, shared_kb: int, empty_us: float | None) -> dict:
