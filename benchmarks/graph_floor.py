@@ -157,31 +157,24 @@ def main() -> None:
     rows = []
     for kernels in args.kernels:
         for programs in args.programs:
-            if args.persistent:
-                made = persistent_graph(kernels, programs)
-                if made is None:
-                    row = {"persistent": True, "kernels": kernels, "programs": programs, "chain_ok": False,
-                           "error": "a barrier timed out: the GPU did not hold all the programs at once"}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    continue
-                graph, bufs, failed = made
+            row = {"persistent": args.persistent, "kernels": kernels, "programs": programs}
+            made = persistent_graph(kernels, programs) if args.persistent else (*chain_graph(kernels, programs), None)
+            if made is None:
+                row.update(chain_ok=False, error="a barrier timed out: the GPU did not hold all the programs at once")
             else:
-                graph, bufs = chain_graph(kernels, programs)
-            timing = time_graph(graph)
-            # From zeros, one replay adds 1 per kernel (or step) to every element if the chain ran whole and in
-            # order.
-            for buf in bufs:
-                buf.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            correct = bool(torch.all(bufs[kernels % 2] == kernels).item())
-            if args.persistent:
-                correct = correct and int(failed.item()) == 0
-            row = {"persistent": args.persistent, "kernels": kernels, "programs": programs, **timing,
-                   "chain_ok": correct,
-                   "back_to_back_us_per_kernel": timing["back_to_back_us"] / kernels,
-                   "alone_us_per_kernel": timing["alone_p50_us"] / kernels}
+                graph, bufs, failed = made
+                timing = time_graph(graph)
+                # From zeros, one replay adds 1 per kernel (or step) to every element if the chain ran whole and in
+                # order.
+                for buf in bufs:
+                    buf.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                correct = bool(torch.all(bufs[kernels % 2] == kernels).item())
+                if failed is not None:
+                    correct = correct and int(failed.item()) == 0
+                row.update(timing, chain_ok=correct, back_to_back_us_per_kernel=timing["back_to_back_us"] / kernels,
+                           alone_us_per_kernel=timing["alone_p50_us"] / kernels)
             rows.append(row)
             print(json.dumps(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

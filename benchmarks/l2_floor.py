@@ -75,7 +75,7 @@ def per_kernel_us(graph: torch.cuda.CUDAGraph, rounds: int = 5, replays: int = 1
     return statistics.median(back_to_back_us(graph, replays) / _KERNELS for _ in range(rounds))
 
 
-def read_row(programs: int, distinct_kb: int, shared_kb: int, empty_us: float | None) -> dict:
+def read_row(programs: int, distinct_kb: int, shared_kb: int, sms: int, empty_us: float | None) -> dict:
     distinct, shared = distinct_kb * 512, shared_kb * 512  # bf16 elements
     buf = torch.randn(shared + programs * distinct + 1, device="cuda").to(torch.bfloat16)
     out = torch.empty(programs, device="cuda")
@@ -89,12 +89,12 @@ def read_row(programs: int, distinct_kb: int, shared_kb: int, empty_us: float | 
     row = {"programs": programs, "distinct_kb": distinct_kb, "shared_kb": shared_kb, "kernel_us": us, "sums_ok": ok}
     if empty_us is not None and distinct_kb + shared_kb > 0:
         # Programs beyond the SMs' count run beside the others on the same SMs.
-        per_sm = (distinct_kb + shared_kb) * 1024 * programs / torch.cuda.get_device_properties(0).multi_processor_count
+        per_sm = (distinct_kb + shared_kb) * 1024 * programs / sms
         row["gb_per_s_per_sm"] = per_sm / ((us - empty_us) * 1e-6) / 1e9
     return row
 
 
-def product_row(m: int, k: int, n: int, tile: tuple[int, int] | None, sms: int) -> dict:
+def product_row(m: int, k: int, n: int, tile: tuple[int, int], sms: int) -> dict:
     a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     w = (torch.randn(k, n, device="cuda") / k**0.5).to(torch.bfloat16)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -106,12 +106,11 @@ def product_row(m: int, k: int, n: int, tile: tuple[int, int] | None, sms: int) 
     kernels = sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
     row = {"m": m, "k": k, "n": n, "kernel_us": us, "tflops": 2 * m * k * n / (us * 1e-6) / 1e12, "kernels": kernels,
            "max_abs_vs_fp32": float((out.float() - a.float() @ w.float()).abs().max())}
-    if tile is not None:
-        tm, tn = tile
-        tiles = triton.cdiv(m, tm) * triton.cdiv(n, tn)
-        row.update(tile=f"{tm}x{tn}", tiles=tiles,
-                   kb_per_tile=(tm * k + k * tn) * 2 / 1024,  # one row block of a, one column block of w
-                   kb_per_sm=(tm * k + k * tn) * 2 / 1024 * triton.cdiv(tiles, sms))
+    tm, tn = tile
+    tiles = triton.cdiv(m, tm) * triton.cdiv(n, tn)
+    row.update(tile=f"{tm}x{tn}", tiles=tiles,
+               kb_per_tile=(tm * k + k * tn) * 2 / 1024,  # one row block of a, one column block of w
+               kb_per_sm=(tm * k + k * tn) * 2 / 1024 * triton.cdiv(tiles, sms))
     return row
 
 
@@ -125,7 +124,7 @@ def main() -> None:
         raise SystemExit("l2_floor.py needs a CUDA GPU")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     reads = []
-    empty = read_row(sms, 0, 0, None)
+    empty = read_row(sms, 0, 0, sms, None)
     reads.append(empty)
     print(json.dumps(empty), flush=True)
     # Alone, then as a product's tiles read: the projection's 64 x 96 (64 KB of activations, 96 KB of weights) and
@@ -134,7 +133,7 @@ def main() -> None:
         for programs in (sms, 2 * sms):
             if programs * distinct_kb + shared_kb > _L2_KB:
                 continue
-            row = read_row(programs, distinct_kb, shared_kb, empty["kernel_us"])
+            row = read_row(programs, distinct_kb, shared_kb, sms, empty["kernel_us"])
             reads.append(row)
             print(json.dumps(row), flush=True)
     tiles = {}
