@@ -465,14 +465,14 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize("kernel", ["attention", "paged", "paged --targets-only"])
 def test_kernels_compile_for_hopper_without_spilling(kernel: str) -> None:
-    """benchmarks/kernel_report.py compiles a kernel for sm_90 without a GPU (Triton ships ptxas): the table's
-    Hopper config of each attention kernel (the full one, the KV cache's paged one, and the paged one as the
-    delta program's last layer launches it) must use wgmma, load through the cp.async pipeline and spill at
-    most a few registers (the H100 timings assume it)."""
+    """benchmarks/investigations/kernel_report.py compiles a kernel for sm_90 without a GPU (Triton ships
+    ptxas): the table's Hopper config of each attention kernel (the full one, the KV cache's paged one, and the
+    paged one as the delta program's last layer launches it) must use wgmma, load through the cp.async pipeline
+    and spill at most a few registers (the H100 timings assume it)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "kernel_report.py"), "--kernel",
-                           *kernel.split(), "--configs", "64x64x4x3"], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    script = REPO_ROOT / "benchmarks" / "investigations" / "kernel_report.py"
+    done = subprocess.run([sys.executable, str(script), "--kernel", *kernel.split(), "--configs", "64x64x4x3"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["HGMMA"] > 0 and report["LDGSTS"] > 0, report

@@ -1,8 +1,8 @@
 """Variants of the paged attention kernel (hstu_export/ops/_triton/paged.py) timed against each other and
 against the kernel without its store of the new K/V, one layer, same run.
 
-    PYTHONPATH=$PWD python benchmarks/paged_store.py --out $OUT --variant end=FILE [--variant last=FILE ...]
-    PYTHONPATH=$PWD python benchmarks/paged_store.py --report --variant end=FILE ...   # sm_90 resources, no GPU
+    PYTHONPATH=$PWD python benchmarks/investigations/paged_store.py --out $OUT --variant end=FILE [--variant last=FILE ...]
+    PYTHONPATH=$PWD python benchmarks/investigations/paged_store.py --report --variant end=FILE ...   # sm_90 resources, no GPU
 
 A variant is a copy of paged.py (its kernels only: the file is read up to its ``@triton_op``, so that no op is
 registered twice). Per workload (benchmarks/kv_cache.py's: long, 384 new rows a user against 3968 cached keys;
@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+# kv_cache (and e2e, which it imports) are benchmarks/ scripts; kernel_report sits beside this one.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_cache import PAGE, WORKLOADS, bench_graph
 
@@ -111,7 +113,7 @@ def timing(variants: dict[str, types.ModuleType], work: dict, batch: int, device
 
 
 def report(variants: dict[str, types.ModuleType]) -> None:
-    """Each variant compiled for sm_90 as benchmarks/kernel_report.py compiles the paged kernel."""
+    """Each variant compiled for sm_90 as benchmarks/investigations/kernel_report.py compiles the paged kernel."""
     import kernel_report
 
     for name, module in variants.items():

@@ -3,8 +3,8 @@
 Triton ships ptxas, so registers, spills, shared memory and the matrix instructions used (wgmma
 shows as HGMMA in SASS) can be read on a machine with no GPU:
 
-    python benchmarks/kernel_report.py --arch 90 --dqk 128 --dv 128 --dtype bf16
-    python benchmarks/kernel_report.py --kernel paged --configs 64x64x4x3   # the KV cache's delta kernel
+    python benchmarks/investigations/kernel_report.py --arch 90 --dqk 128 --dv 128 --dtype bf16
+    python benchmarks/investigations/kernel_report.py --kernel paged --configs 64x64x4x3   # the KV cache's delta kernel
 """
 
 from __future__ import annotations

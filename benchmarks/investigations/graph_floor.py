@@ -1,7 +1,7 @@
 """What a chain of near-empty kernels costs in a CUDA graph (GPU only): the floor under a program of many small
 dependent launches, such as the delta program's forty-odd kernels a call.
 
-    PYTHONPATH=$PWD python benchmarks/graph_floor.py --out $OUT/graph_floor.json
+    PYTHONPATH=$PWD python benchmarks/investigations/graph_floor.py --out $OUT/graph_floor.json
 
 Each graph holds N kernels in a chain (each reads the values the one before wrote and writes its own: 128
 elements a program, P programs), captured once and replayed. Two timings per (N, P), from CUDA events:

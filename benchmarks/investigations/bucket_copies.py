@@ -1,9 +1,9 @@
 """Time the copies of a delta request into its shape bucket's buffers: one multi-tensor copy per dtype
-(the runtimes until the ninth session) against each embedding copied on its own and the integers together
+against each embedding copied on its own and the integers together
 (runtimes/kv_graphs.py's ``copied_alone``), on the long workload's shapes (dlrmv3 dims: fp32 embeddings of
 512; 128 new history tokens and 256 candidates a user).
 
-    python benchmarks/bucket_copies.py --out DIR [--batches 1 8 32]
+    python benchmarks/investigations/bucket_copies.py --out DIR [--batches 1 8 32]
 
 Writes DIR/bucket_copies.json: per batch and way, the median of CUDA-event timings (host launches and device
 copies together, the device synchronised before each timing) and the device's time per fill (the profiler's

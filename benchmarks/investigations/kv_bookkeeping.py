@@ -1,6 +1,6 @@
 """The KV cache's host-side bookkeeping per request, on the CPU: what CachedRanker does around the delta run.
 
-    PYTHONPATH=$PWD python benchmarks/kv_bookkeeping.py --out FILE.json [--batches 1 8 32] [--threads 1] [--runs 1]
+    PYTHONPATH=$PWD python benchmarks/investigations/kv_bookkeeping.py --out FILE.json [--batches 1 8 32] [--threads 1] [--runs 1]
 
 The request is benchmarks/kv_cache.py's "long" workload on the dlrmv3 shapes: history 4096 per user, of
 which the first 3968 tokens are cached, 256 candidates. The ranker's runner returns at once, so what is
@@ -9,12 +9,12 @@ page table, the new tokens' gather and the entries' update. Before each request 
 put back to its 3968 cached tokens (as in benchmarks/kv_cache.py), so every request is a hit that grows
 each history by 128 tokens. ``--runs K`` stores those 3968 tokens with K requests, each adding 128 tokens to the
 one before (the last K-1 requests are hits), so that an entry that keeps its history as runs of the tokens each
-request added (as the C++ runtime's records do; a Python version was tried in the ninth session and was slower,
-docs/PERF.md) holds K of them: 8 is the average over the 16 requests between two merges, 15 the most. Python's
-EntryRecord keeps one copy of the history, so --runs does not change what it holds.
+request added (as the C++ runtime's records do) holds K of them: 8 is the average over the 16 requests
+between two merges, 15 the most. Python's EntryRecord keeps one copy of the history, so --runs does not
+change what it holds.
 
-The script only uses the cache's public pieces and the entries' own fields, so it also runs against an
-earlier commit (PYTHONPATH pointing at a checkout of it): that is how docs/PERF.md compares two versions.
+The script only uses the cache's public pieces and the entries' own fields, so it also runs against another
+commit (PYTHONPATH pointing at a checkout of it): two versions are compared in turn on the same machine.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What an SM reads from L2 per µs, and the delta program's 1-user products against it (GPU only).
 
-    PYTHONPATH=$PWD python benchmarks/l2_floor.py --out $OUT/l2_floor.json
+    PYTHONPATH=$PWD python benchmarks/investigations/l2_floor.py --out $OUT/l2_floor.json
 
 A matrix product with few rows (the delta program's at 1 user: 384) is limited by what its programs read: each
 reads a block of rows of the activations and a block of columns of the weights, from L2 once the weights are
