@@ -315,7 +315,7 @@ def served_trace(runner, inputs: dict, path: Path, calls: int = 10) -> dict:  # 
 def gpu_timeline(events, split_us: float = 20.0) -> dict:  # type: ignore[no-untyped-def]
     """Where a call's GPU time goes, from the profiler's device events: calls are told apart by an idle gap of
     more than ``split_us`` (the host synchronises between them: 87-95 us on the H100 at 1 user, where a call's own
-    gaps were under 2 us; 100 us, the earlier default, ran four 1-user calls together). Per call (medians): the
+    gaps were under 2 us; at 100 us four 1-user calls run together). Per call (medians): the
     span from the first kernel's start to the last one's end, the time some kernel runs, the idle time between
     them, and the five longest idle gaps with the kernel that follows each; and the median call's operations in
     order."""

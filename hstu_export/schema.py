@@ -327,8 +327,7 @@ def _read_all(bounded: list[Tensor], lengths: list[Tensor], *, together: bool | 
     """(least, greatest) of each tensor of ``bounded`` (none empty) and the sum of each of ``lengths``, as
     Python numbers. A value on the CPU is read at once; values on a device are read back together, one
     transfer per device and kind (whole numbers as int64, others as float64), so that a request on the GPU
-    waits for the device once, not once a value (docs/PERF.md: 1.1-1.4x less time validating a request on
-    an H100). ``together`` forces either way (tests)."""
+    waits for the device once, not once a value. ``together`` forces either way (tests)."""
     numbers: list[Any] = []
     pending: dict[tuple[torch.device, bool], list[tuple[int, Tensor]]] = {}
 

@@ -60,10 +60,10 @@ class PackageDelta:
                                f"the new K/V instead of writing them into the cache); export it again with --kv-cache")
         # With CUDA graphs (the default on CUDA; None: on for a CUDA package), requests of up to
         # graph_max_batch users (default: any) run in shape buckets replayed from CUDA graphs
-        # (runtimes/kv_graphs.py; docs/PERF.md has the timings). The bucket steps stay within the program's
+        # (runtimes/kv_graphs.py; docs/KV_CACHE.md, "Using it"). The bucket steps stay within the program's
         # bounds.
         ranges = predictor.package_manifest.ranges.lengths
-        bounds = section.get("bounds") or legacy_program_bounds(ranges)  # packages of before they were recorded
+        bounds = section.get("bounds") or legacy_program_bounds(ranges)  # packages that do not record them
         step_h, step_c = bucket_steps(ranges)
         self._buckets = Buckets(history=step_h, candidates=step_c,
                                 max_width=page_table_width_bound(section["max_seq_len"], self.page_size),

@@ -19,7 +19,7 @@ before the replay instead (:func:`fill_bucket`: a copy of each embedding, one fo
 dtype). The padding user's rows keep whatever an earlier request left there (finite values that only the
 padding user reads). Its two token counts are the bucket's rows, written once, where the program fits each
 user's counts to its tables (``kv_cache.fits_counts``: the padding user, last, then takes what the others
-leave); for a program of before that, the graph computes them on the device at each replay
+leave); for a program without that flag, the graph computes them on the device at each replay
 (:func:`padding_counts`, four kernels). Replays are serialised under one lock; the real rows of the outputs
 are copied out before it is released. The run itself writes the new K/V into the pages, so they are not
 outputs to copy.
@@ -144,7 +144,8 @@ USER_INPUTS = (HISTORY_LENGTHS, CANDIDATE_LENGTHS, "query_time", "kv_cached")
 # The embeddings (the float inputs with a row per token) are copied each on its own (a device memcpy, at
 # the memory's speed), the other inputs of a dtype together (one kernel): CUDA's multi-tensor copy gives each
 # block a fixed chunk of elements, so on the embeddings it runs few blocks and is slow (H100 timings:
-# docs/PERF.md), while the small integer inputs are many and cost a launch each.
+# docs/PERF.md, "KV-cached serving: host round trips"), while the small integer inputs are many and cost a
+# launch each.
 def copied_alone(name: str, value: Tensor) -> bool:
     """Whether :func:`fill_bucket` copies input ``name`` on its own."""
     return name in ROW_INPUTS and value.is_floating_point()

@@ -29,8 +29,8 @@ def bundle_of(config: HSTUConfig, path: Path) -> Path:
 def products_rows_independent() -> bool:
     """Whether this machine's fp32 matrix products give a row the same bits whatever rows come with it: the
     premise of a cached answer equal bit for bit to the full model's (a delta run multiplies fewer rows than
-    the full one). The CI machines of earlier sessions did (the bit-for-bit tests passed there); MKL on an
-    AMD EPYC with AVX-512 does not, even on one thread."""
+    the full one). Many machines' libraries do (the bit-for-bit tests pass there); MKL on an AMD EPYC with
+    AVX-512 does not, even on one thread."""
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(37, 32, generator=gen), torch.randn(96, 32, generator=gen)
     full = x @ w.t()

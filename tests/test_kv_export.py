@@ -481,8 +481,8 @@ def test_embeddings_are_copied_into_a_bucket_each_on_its_own() -> None:
 @pytest.mark.parametrize("max_batch", [4, 32])
 def test_a_request_at_the_packages_maximum_has_a_bucket(max_batch: int) -> None:
     """The delta program is exported with room for a bucket's padding user: a request of the package's
-    largest batch, every user at its longest, fits its bucket; under the bounds of before (no room) it did
-    not, and ran without a graph."""
+    largest batch, every user at its longest, fits its bucket; under the legacy bounds (no room) it does
+    not, and runs without a graph."""
     from types import SimpleNamespace
 
     from hstu_export.kv_export import bucket_steps, legacy_program_bounds, program_bounds

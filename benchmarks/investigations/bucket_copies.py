@@ -45,7 +45,7 @@ def request(batch: int, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def per_dtype(static: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
-    """The earlier way: every input of a dtype in one multi-tensor copy."""
+    """Every input of a dtype in one multi-tensor copy."""
     copies = copies_into(static, inputs)
     targets = [t for t, _ in copies.singles] + [t for group, _ in copies.groups for t in group]
     names = [n for _, n in copies.singles] + [n for _, group in copies.groups for n in group]

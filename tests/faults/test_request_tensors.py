@@ -2,7 +2,8 @@
 code cannot read as is, and refuses what it cannot use with a RequestError.
 
 AOTInductor reads its inputs as contiguous memory without checking strides: a stride-2 view of
-``candidate_lengths`` used to abort the process (exit 134), a strided ``uih_timestamps`` gave wrong scores.
+``candidate_lengths`` passed as is aborts the process (exit 134), and a strided ``uih_timestamps`` gives
+wrong scores.
 """
 
 from __future__ import annotations

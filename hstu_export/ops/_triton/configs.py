@@ -58,7 +58,8 @@ def next_power_of_2(x: int) -> int:
 # max(next_power_of_2(Dqk), next_power_of_2(Dv)) is taken.
 _ATTENTION_TABLE: dict[tuple[object, str], tuple[tuple[int, AttentionConfig], ...]] = {
     # Hopper: the fastest of the candidates timed on an H100 by benchmarks/attention.py --sweep
-    # (docs/PERF.md); register use from benchmarks/kernel_report.py.
+    # (docs/PERF.md, "The attention kernel on an H100"); register use from
+    # benchmarks/investigations/kernel_report.py.
     ((9, 0), "16bit"): (
         (64, AttentionConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)),
         (128, AttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)),

@@ -9,9 +9,9 @@ uvqk [L, H*(2*Dv + 2*Dqk)] (columns u, v, q, k) -> out [L, 3*H*Dv] = concat(SiLU
 
 Unfused, Inductor's one SiLU/layernorm/mul/concat kernel writes all three thirds, copying the
 attention output (a separate extern buffer) into the concat: one extra write of L x H*Dv elements per
-layer (dlrmv3 on an H100: 0.87 -> 0.68 ms per forward, docs/PERF.md). Rounding follows the unfused
-eager code: SiLU(u) and LN(a) are rounded to the input dtype before their product, which is rounded
-again.
+layer (the gate kernel runs at the memory roofline: docs/PERF.md, "The dlrmv3 dense stack on an H100").
+Rounding follows the unfused eager code: SiLU(u) and LN(a) are rounded to the input dtype before their
+product, which is rounded again.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ residual.py).
 
 They take no pointers: torch's analysis of a user Triton kernel (which Inductor uses to decide what a
 kernel writes, and so what to copy before it) takes a pointer passed to a helper whose result reaches a
-store for written (docs/PERF.md, eleventh session).
+store for written (docs/KV_CACHE.md, "The delta program").
 """
 
 from __future__ import annotations

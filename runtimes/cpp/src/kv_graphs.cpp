@@ -322,9 +322,8 @@ struct DeltaGraphs::Impl {
     entry.graph = std::make_unique<at::cuda::CUDAGraph>(/*keep_graph=*/copies);  // kept: its copy nodes
     entry.graph->capture_begin(*pool);
     try {
-      // The copies form a chain on the capturing stream. Captured as parallel branches (a stream and two
-      // events each) they took no less GPU time and 15-37 us more host time to launch (docs/PERF.md,
-      // thirteenth session), so they were taken out again.
+      // The copies form a chain on the capturing stream: as parallel branches (a stream and two events each)
+      // they take no less GPU time and 15-37 us more host time to launch (docs/PERF.md, "Known not to work").
       if (copies) {
         for (const auto& [name, value] : entry.sources) entry.buffers.at(name).copy_(value);
       }
