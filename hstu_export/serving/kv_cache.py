@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import numbers
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,6 +33,7 @@ from hstu_export.errors import ConfigError, RequestError
 from hstu_export.models.cached import DeltaRanker, KVLayout, scratch_page
 from hstu_export.models.ranking import HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES, HstuRankingModel
 from hstu_export.models.transducer import UNBOUNDED, bucket_edges, time_buckets
+from hstu_export.settings import format_bytes, machine_memory, parse_size
 
 __all__ = ["CacheFull", "CachedRanker", "DeltaRunner", "EagerDelta", "EntryRecord", "PagedKVCache"]
 
@@ -130,6 +132,69 @@ def page_bytes(num_layers: int, num_heads: int, attention_dim: int, linear_dim: 
     return num_layers * page_size * num_heads * (attention_dim + linear_dim) * item
 
 
+def budget_in_bytes(budget: int | str) -> int:
+    """A KV-cache budget as bytes: a positive integer, or a size as the CLI reads them (``"512MiB"``,
+    ``"4GiB"``, ``"2GB"``: :func:`~hstu_export.settings.parse_size`). ConfigError otherwise."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral | str):
+        raise ConfigError(f"KV cache budget_bytes must be a number of bytes or a size such as '512MiB' or '4GiB', "
+                          f"got {budget!r} ({type(budget).__name__})")
+    try:
+        return parse_size(budget if isinstance(budget, str) else int(budget))
+    except ConfigError as exc:
+        raise ConfigError(f"KV cache budget_bytes: {exc}") from None
+
+
+def memory_for_pages(device: torch.device) -> tuple[int, int]:
+    """(available, total) bytes where a cache's pages are allocated: the GPU's free memory (with what
+    PyTorch's allocator holds unused), else the host's (:func:`~hstu_export.settings.machine_memory`)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+    total, available = machine_memory()
+    return available, total
+
+
+def user_keys(user_ids: object) -> list[Hashable]:
+    """``user_ids`` as cache keys, one per user: a sequence of hashable ids (ints, strings, ...) or a 1-d
+    integer tensor or array. Ids held in tensors or NumPy scalars become Python numbers, so that ``7``,
+    ``torch.tensor(7)`` and ``np.int64(7)`` are the same user (a tensor hashes by identity: as a key it
+    would never be found again). RequestError when they cannot be keys."""
+    if isinstance(user_ids, Tensor | np.ndarray):
+        if user_ids.ndim != 1:
+            raise RequestError(f"user_ids as a tensor or array must be 1-d (one id per user), got shape "
+                               f"{list(user_ids.shape)}")
+        _check_integral_ids(user_ids.dtype)
+        return user_ids.tolist()
+    if isinstance(user_ids, str | bytes) or not isinstance(user_ids, Iterable):
+        raise RequestError(f"user_ids must be a sequence of one id per user (a list of ints or strings, or a 1-d "
+                           f"integer tensor), got {type(user_ids).__name__}")
+    ids = list(user_ids)
+    for i, user in enumerate(ids):
+        if type(user) is int or type(user) is str:  # the common case, checked first
+            continue
+        if isinstance(user, Tensor | np.generic | np.ndarray):
+            count = user.numel() if isinstance(user, Tensor) else user.size
+            if count != 1:
+                raise RequestError(f"user id at position {i} is a {type(user).__name__} of shape "
+                                   f"{list(user.shape)}; give one id per user")
+            _check_integral_ids(user.dtype, f"user id at position {i}")
+            ids[i] = user.item()
+            continue
+        try:
+            hash(user)
+        except TypeError:
+            raise RequestError(f"user id at position {i} is a {type(user).__name__}, which cannot be a cache key "
+                               f"(unhashable); use ints, strings or tuples of them") from None
+    return ids
+
+
+def _check_integral_ids(dtype: torch.dtype | np.dtype, what: str = "user_ids") -> None:
+    integral = (not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+                if isinstance(dtype, torch.dtype) else np.issubdtype(dtype, np.integer))
+    if not integral:
+        raise RequestError(f"{what} must hold integers, got dtype {dtype}")
+
+
 class PagedKVCache:
     """K/V pages for ``num_layers`` layers within ``budget_bytes``; thread-safe. One page of the budget is
     the scratch page (``scratch_page``, the last), where the K/V of tokens that are not stored are written.
@@ -150,23 +215,39 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         page_size: int = 64,
     ) -> None:
-        if page_size < 16 or page_size & (page_size - 1):
+        if (isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 16
+                or page_size & (page_size - 1)):
             raise ConfigError(f"KV cache page size must be a power of two >= 16 (a key block of the attention kernel "
-                              f"never straddles a page), got {page_size}")
-        self.page_size = page_size
+                              f"never straddles a page), got {page_size!r}")
+        self.page_size = page_size = int(page_size)
         self.page_bytes = page_bytes(num_layers, num_heads, attention_dim, linear_dim, page_size, dtype)
         item = torch.empty(0, dtype=dtype).element_size()
-        self.num_pages = int(budget_bytes) // self.page_bytes - 1  # users' pages; then the scratch page
+        budget_bytes = budget_in_bytes(budget_bytes)
+        self.num_pages = budget_bytes // self.page_bytes - 1  # users' pages; then the scratch page
         if self.num_pages < 1:
             raise ConfigError(
                 f"KV cache budget of {budget_bytes} bytes holds no page for users ({self.page_bytes} bytes each: "
                 f"{num_layers} layers x {page_size} tokens x {num_heads} heads x ({attention_dim}+{linear_dim}) "
                 f"x {item} bytes, and one more for the scratch page); raise the budget"
             )
-        self.k = torch.zeros(num_layers, self.num_pages + 1, page_size, num_heads, attention_dim, dtype=dtype,
-                             device=device)  # fmt: skip
-        self.v = torch.zeros(num_layers, self.num_pages + 1, page_size, num_heads, linear_dim, dtype=dtype,
-                             device=device)  # fmt: skip
+        # Checked before allocating: beyond the memory there, the allocator fails with its own error (or, on the
+        # host, the process is killed while the pages are zeroed).
+        device = torch.device(device)
+        needed = (self.num_pages + 1) * self.page_bytes
+        available, total = memory_for_pages(device)
+        if needed > available:
+            raise ConfigError(f"KV cache budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) is more than the "
+                              f"memory available on {device}: {format_bytes(available)} free of {format_bytes(total)}; "
+                              f"lower the budget")
+        try:
+            self.k = torch.zeros(num_layers, self.num_pages + 1, page_size, num_heads, attention_dim, dtype=dtype,
+                                 device=device)  # fmt: skip
+            self.v = torch.zeros(num_layers, self.num_pages + 1, page_size, num_heads, linear_dim, dtype=dtype,
+                                 device=device)  # fmt: skip
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"cannot allocate a KV cache of {format_bytes(needed)} ({needed} bytes) on {device}: "
+                              f"{first}; lower the budget") from None
         self.scratch_page = scratch_page(self.k)
         self._free = list(range(self.num_pages - 1, -1, -1))
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # least recently used first
@@ -262,6 +343,11 @@ class CachedRanker:
 
     def __init__(self, source: HstuRankingModel | DeltaRunner, *, budget_bytes: int, page_size: int = 64,
                  max_time_drift: int = 0, device: torch.device | str | None = None) -> None:
+        if not isinstance(source, HstuRankingModel) and not hasattr(source, "layout"):
+            raise ConfigError(f"CachedRanker serves the zoo's HstuRankingModel or a package's delta program, got "
+                              f"{type(source).__name__}; for a loaded package use predictor.kv_cache(budget_bytes)")
+        if isinstance(max_time_drift, bool) or not isinstance(max_time_drift, numbers.Integral) or max_time_drift < 0:
+            raise ConfigError(f"max_time_drift must be a whole number of seconds, 0 or more, got {max_time_drift!r}")
         self.runner: DeltaRunner = EagerDelta(source, device) if isinstance(source, HstuRankingModel) else source
         fixed = getattr(self.runner, "page_size", None)  # an exported program reads pages of one size
         if fixed is not None and fixed != page_size:
@@ -274,9 +360,11 @@ class CachedRanker:
                                   budget_bytes=budget_bytes, dtype=layout.dtype, device=self.device,
                                   page_size=page_size)  # fmt: skip
 
-    def __call__(self, features: dict[str, Tensor], user_ids: Sequence[Hashable]) -> dict[str, Tensor]:
+    def __call__(self, features: dict[str, Tensor], user_ids: Sequence[Hashable] | Tensor) -> dict[str, Tensor]:
+        """``user_ids``: one id per user of the batch, in batch order (:func:`user_keys`)."""
         layout = self.layout
         c = layout.contextual_seq_len
+        ids = user_keys(user_ids)
         features = self.runner.validate(features)
         # On the host: what the bookkeeping reads (lengths, history, query time, contextual ids). Per user
         # it compares each token row with the entry's in one call, and its time buckets in O(1) (the
@@ -286,7 +374,6 @@ class CachedRanker:
                                                          *layout.contextual_features)}
         lengths = host[HISTORY_LENGTHS].to(torch.int64).tolist()
         batch = len(lengths)
-        ids = list(user_ids)
         if len(ids) != batch:
             raise RequestError(f"{len(ids)} user ids for a batch of {batch} users")
         hist_off = [0, *itertools.accumulate(lengths)]
