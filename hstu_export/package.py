@@ -9,10 +9,15 @@ and also catches a flip in whitespace. ``load_manifest`` checks both, then valid
 
 A package is built in a hidden temporary directory beside the target, every file fsynced, then renamed
 into place, so a reader never sees half a package and an export killed midway leaves none. An existing
-target is only replaced with ``force``, and only when it is one of our packages (never a user's directory,
-the input, the working directory or one of their ancestors). The old package is moved aside to
-``.NAME.old-PID-*`` first and removed after the rename; if the process is killed in between, the next
-export to that path or the next ``load()`` of it puts things right (``recover_interrupted_replace``).
+target is only replaced with ``force``, and only when it is one of our packages holding nothing but the files
+its manifest lists (never a user's directory or a file a user kept in a package, the input, the working
+directory or one of their ancestors). The old package is moved aside to ``.NAME.old-PID-*`` first and
+removed after the rename; if the process is killed in between, the next export to that path or the next
+``load()`` of it puts things right (``recover_interrupted_replace``). A package's directories and files
+get the modes the umask gives, as ``mkdir`` would.
+
+The other commands' outputs (requests, outputs, signatures, benchmark results, serving repositories) are
+written the same way: ``write_file_atomically``, ``new_output_dir``, ``rename_into_place``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from hstu_export.settings import format_bytes
 from hstu_export.version import __version__
 
 PACKAGE_FORMAT = "hstu-export-package"
+SERVING_MARKER = "serving.json"  # marks a serving repository (hstu_export.serving.triton_repo), replaced like a package
 # 4: the manifest describes each artifact's positional inputs and outputs (artifacts) and the op
 # libraries' shared libraries (op_library_files): docs/PACKAGE.md. 3: manifest.sha256 holds the sha256
 # of manifest.json. 2: ops in the hstu_export:: namespace (1: hstu::), input schema with arguments,
@@ -159,6 +165,35 @@ def check_replaceable(target: Path, protect: Iterable[str | Path | None] = ()) -
             f"--out {target} exists and is not an hstu-export package (no {MANIFEST} of format {PACKAGE_FORMAT}); "
             "--force only replaces packages: choose another --out, or remove the directory yourself"
         )
+    foreign = unlisted_files(resolved)
+    if foreign:
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise PackageError(
+            f"--out {target} holds {foreign[0]}{more}, which its manifest does not list (not written by "
+            "hstu-export); --force will not delete it: move it out of the package, or choose another --out"
+        )
+
+
+def unlisted_files(root: Path) -> list[str]:
+    """POSIX relative paths of what lies in the package directory ``root`` besides the files its manifest
+    lists, its checksum and its signature: files, symbolic links and other non-directories a user put
+    there. Directories themselves are not counted (deleting an empty one loses nothing)."""
+    root = Path(root)
+    try:
+        listed = json.loads((root / MANIFEST).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    ours = set(listed) if isinstance(listed, dict) else set()
+    ours |= {MANIFEST, MANIFEST_SHA256, SIGNATURE}
+    found = []
+    for directory, dirnames, filenames in os.walk(root):
+        here = Path(directory).relative_to(root)
+        links = [d for d in dirnames if os.path.islink(os.path.join(directory, d))]  # not followed by walk
+        for name in sorted([*filenames, *links]):
+            relative = (here / name).as_posix()
+            if relative not in ours:
+                found.append(relative)
+    return sorted(found)
 
 
 def _home() -> Path | None:
@@ -233,18 +268,19 @@ def check_free_space(target: Path, weight_bytes: int) -> None:
 
 
 @contextlib.contextmanager
-def staging_dir(target: Path) -> Iterator[Path]:
+def staging_dir(target: Path, what: str = "the package", option: str = "--out") -> Iterator[Path]:
     """A hidden temporary directory beside ``target`` (same filesystem, so the final rename is atomic),
-    removed on any failure. A file-system failure while the package is written inside the block (full
-    disk, read-only, no permission; see ``file_system_errors``) becomes one ExportError line."""
+    removed on any failure. A file-system failure while ``what`` is written inside the block (full
+    disk, read-only, no permission; see ``file_system_errors``) becomes one ExportError line; ``option``
+    is the command-line option that named ``target``, for the advice."""
     remove_stale_partials(target)
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
     except OSError as exc:
-        raise PackageError(f"cannot create the package beside {target}: {_describe_os_error(exc)}; choose "
-                           "another --out") from exc
+        raise PackageError(f"cannot create {what} beside {target}: {_describe_os_error(exc)}; choose "
+                           f"another {option}") from exc
     try:
-        with file_system_errors(tmp, f"writing the package {target}"):
+        with file_system_errors(tmp, f"writing {what} {target}"):
             yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -360,7 +396,11 @@ def remove_stale_partials(target: Path) -> list[Path]:
     for path, pid in _leftovers(target, "partial"):
         if _process_alive(pid):
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:  # a file of write_file_atomically
+            with contextlib.suppress(OSError):
+                path.unlink()
         removed.append(path)
     return removed
 
@@ -370,7 +410,8 @@ def recover_interrupted_replace(target: Path) -> list[Path]:
 
     ``commit`` moves the old package to ``.NAME.old-PID-*``, renames the new one in, then deletes the old.
     For each such directory of a dead process: if ``target`` is missing (killed between the renames) the
-    old package is moved back; otherwise (killed after the second rename) it is deleted. Directories of
+    old package (or serving repository, which ``rename_into_place`` replaces the same way) is moved back;
+    otherwise (killed after the second rename) it is deleted. Directories of
     live processes are left alone: their replace may still be running. Returns the paths handled."""
     target = Path(target)
     # Newest first: if several were left, the most recently moved aside is the one to restore.
@@ -380,7 +421,8 @@ def recover_interrupted_replace(target: Path) -> list[Path]:
         if _process_alive(pid):
             continue
         try:
-            if not target.exists() and not target.is_symlink() and is_package(path):
+            if not target.exists() and not target.is_symlink() and (
+                    is_package(path) or (path / SERVING_MARKER).is_file()):
                 os.rename(path, target)
             else:
                 shutil.rmtree(path)
@@ -436,12 +478,6 @@ def write_manifest(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 def commit(staged: Path, target: Path, force: bool, protect: Iterable[str | Path | None] = ()) -> None:
     """fsync everything in ``staged``, then rename it to ``target`` (replacing it only with ``force``, and
     only if it is still one of our packages: it is checked again here, after the long export)."""
-    for path in sorted(staged.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(staged)
-    old: Path | None = None
     if target.exists() or target.is_symlink():
         if not force:
             raise PackageError(f"{target} appeared during the export; not replacing it without --force")
@@ -450,6 +486,21 @@ def commit(staged: Path, target: Path, force: bool, protect: Iterable[str | Path
                                "not replacing it")
         # The staged manifest names the bundle it was exported from: never delete that either.
         check_replaceable(target, [*protect, _recorded_bundle(staged)])
+    rename_into_place(staged, target)
+
+
+def rename_into_place(staged: Path, target: Path) -> None:
+    """fsyncs everything in ``staged``, gives it the modes the umask gives new files and directories, and
+    renames it to ``target``. An existing ``target`` (the caller has checked that it may go) is moved aside
+    to ``.NAME.old-PID-*`` first, restored if the rename fails, and removed after it."""
+    for path in sorted(staged.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    follow_umask(staged)
+    _fsync_dir(staged)
+    old: Path | None = None
+    if target.exists() or target.is_symlink():
         old = target.with_name(f".{target.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
         os.rename(target, old)
     try:
@@ -461,6 +512,129 @@ def commit(staged: Path, target: Path, force: bool, protect: Iterable[str | Path
     _fsync_dir(target.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def current_umask() -> int:
+    """The process's umask (read from /proc where it can be, so no thread sees it changed)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(root: Path) -> None:
+    """Gives ``root`` and everything under it the modes that ``mkdir`` and ``open`` give under the umask
+    (``tempfile`` makes its directories and files 0700 and 0600, which would leave a package readable by
+    its owner alone); executable files stay executable. Symbolic links are left as they are."""
+    mask = current_umask()
+    os.chmod(root, 0o777 & ~mask)
+    for directory, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o777 & ~mask)
+        for name in filenames:
+            path = os.path.join(directory, name)
+            if os.path.islink(path):
+                continue
+            executable = os.stat(path).st_mode & 0o111
+            os.chmod(path, (0o777 if executable else 0o666) & ~mask)
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """Raises PackageError unless a file can be written at ``path`` (named by ``option``): its parent
+    directory exists and is writable, and ``path`` is not a directory. Called before the work whose result
+    is written, so a bad path costs nothing."""
+    path = Path(path)
+    if path.is_dir():
+        raise PackageError(f"{option} {path} is a directory; give the path of a file")
+    if not path.parent.is_dir():
+        raise PackageError(f"{option} {path}: its parent directory {path.parent} does not exist")
+    check_writable(path.parent, f"{option} {path}: its parent directory")
+
+
+def write_file_atomically(path: Path, data: bytes, what: str) -> None:
+    """Writes ``data`` to ``path`` as a whole or not at all: into a hidden temporary file beside it
+    (``.NAME.partial-PID-*``), fsynced, given the umask's mode, then renamed over ``path``. A file-system
+    failure (see ``file_system_errors``) becomes one ExportError line naming ``what``; the temporary file
+    is removed and an existing ``path`` is left as it was."""
+    path = Path(path)
+    remove_stale_partials(path)
+    tmp: Path | None = None
+    with file_system_errors(path.parent, f"writing {what} {path}"):
+        try:
+            fd, name = tempfile.mkstemp(prefix=f".{path.name}.partial-{os.getpid()}-", dir=path.parent)
+            tmp = Path(name)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o666 & ~current_umask())
+            os.replace(tmp, path)
+            tmp = None
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+        _fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def new_output_dir(target: Path, what: str, option: str) -> Iterator[Path]:
+    """A directory of output written as a whole or not at all: ``target`` must be absent or an empty
+    directory (nothing in it is overwritten); the block fills the staging directory it is given, which is
+    then renamed to ``target``. Missing parent directories are created, and removed again on failure,
+    with the staging directory (see ``staging_dir``)."""
+    target = Path(target)
+    check_new_output_dir(target, option)
+    with parent_dirs(target, what), staging_dir(target, what, option) as staged:
+        yield staged
+        check_new_output_dir(target, option)  # again: something may have appeared meanwhile
+        rename_into_place(staged, target)
+
+
+@contextlib.contextmanager
+def parent_dirs(target: Path, what: str) -> Iterator[None]:
+    """Creates the missing parent directories of ``target`` for the block, and removes them again (those
+    still empty) if the block fails, so a failed write leaves no trace."""
+    target = Path(target)
+    created: list[Path] = []
+    try:
+        with file_system_errors(target.parent, f"writing {what} {target}"):
+            for parent in reversed([target.parent, *target.parent.parents]):
+                if not parent.exists():
+                    parent.mkdir()
+                    created.append(parent)
+        yield
+    except BaseException:
+        for parent in reversed(created):
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        raise
+
+
+def check_new_output_dir(target: Path, option: str) -> None:
+    """Raises PackageError unless ``target`` (named by ``option``) can become a new directory of output:
+    absent or an empty directory, and its nearest existing ancestor writable."""
+    target = Path(target)
+    if target.is_symlink():
+        raise PackageError(f"{option} {target} is a symbolic link; choose a new directory")
+    if target.exists() and not target.is_dir():
+        raise PackageError(f"{option} {target} exists and is not a directory; choose a new directory")
+    try:
+        occupied = target.is_dir() and any(target.iterdir())
+    except OSError as exc:
+        raise PackageError(f"{option} {target} cannot be read: {_describe_os_error(exc)}; choose a new "
+                           "directory") from None
+    if occupied:
+        raise PackageError(f"{option} {target} exists and is not empty; choose a new directory (nothing in it "
+                           "is overwritten)")
+    check_writable(target.parent, f"{option} {target}: its parent directory")
 
 
 def _recorded_bundle(root: Path) -> str | None:

@@ -5,6 +5,7 @@ TorchScript backend, the quickest to compile."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -33,18 +34,13 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def _fake_package(root: Path) -> Path:
-    """A directory that passes for one of our packages (a manifest of our format), with a user file."""
+    """A directory that passes for one of our packages (a manifest of our format), with one file,
+    notes.txt, that its manifest lists (a file it did not list would stop ``--force`` by itself)."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / MANIFEST).write_text(json.dumps({"format": PACKAGE_FORMAT, "format_version": 1, "files": {}}))
     (root / "notes.txt").write_text("keep me")
+    files = {"notes.txt": hashlib.sha256(b"keep me").hexdigest()}
+    (root / MANIFEST).write_text(json.dumps({"format": PACKAGE_FORMAT, "format_version": 1, "files": files}))
     return root
-
-
-@pytest.fixture(scope="module")
-def package(workdir, bundle):
-    """A real package, exported once; tests copy it."""
-    settings = ExportSettings(backend="torchscript", max_batch_size=2, verify=VerifySettings(num_random_batches=0))
-    return hstu_export.export(bundle, workdir / "pkg-torchscript", settings).path
 
 
 # ----------------------------------------------------------------------------------- refusals (CLI)
@@ -137,7 +133,7 @@ def test_check_target_refuses_a_package_holding_a_protected_input(tmp_path):
     with pytest.raises(PackageError, match="contains the input"):
         check_target(tmp_path / "outer", force=True, protect=[None, tmp_path / "outer" / "deep" / ".." / "deep" / "m.pt"])
     # Protecting an unrelated path does not stop the replace of a package.
-    check_target(pkg, force=True, protect=[tmp_path / "elsewhere.pt"])
+    check_target(_fake_package(tmp_path / "pkg3"), force=True, protect=[tmp_path / "elsewhere.pt"])
 
 
 def test_check_target_refuses_files_symlinks_and_foreign_manifests(tmp_path):
