@@ -18,6 +18,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def clamp_batch_size(requested: int | None, maximum: int) -> tuple[int, str | None]:
+    """The batch size to benchmark (``requested``, at most the package's ``maximum``; the maximum when
+    nothing was requested) and, when the request was cut down, a note saying so."""
+    if requested is None or requested <= maximum:
+        return requested or maximum, None
+    return maximum, (f"--batch-size {requested} is beyond the package's maximum batch size {maximum}; "
+                     f"benchmarking batches of {maximum} users")
+
+
 def time_calls(run: Run, batch: dict[str, Tensor], iters: int, warmup: int, device: torch.device) -> dict[str, float]:
     """Per-call latency (ms) statistics over ``iters`` timed calls after ``warmup`` calls."""
     with torch.no_grad():

@@ -308,7 +308,7 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
     if serving_repo:  # refused before the export, not after it
         from hstu_export.serving.triton_repo import check_out
 
-        check_out(Path(serving_repo), force)
+        check_out(Path(serving_repo), force, package=target)
     result = export(model, target, settings, allow_pickle=allow_pickle, progress=_stage_progress(quiet))
     if result.dryrun_report is not None:
         console.print(result.dryrun_report, markup=False, highlight=False, soft_wrap=True)
@@ -464,7 +464,7 @@ def verify(package: str, model_path: str | None, batches: int, seed: int, rtol: 
 @cli.command()
 @click.argument("package", type=click.Path(file_okay=False))
 @click.option("--key", "private_key", type=click.Path(dir_okay=False), required=True,
-              help="Private key (PEM, elliptic curve) to sign with.")
+              help="Private key to sign with (PEM, elliptic curve P-256, P-384 or P-521).")
 @_verbose_option
 def sign(package: str, private_key: str, verbose: bool) -> None:
     """Sign a package (OpenSSF model-signing, offline): writes PACKAGE/package.sig over all its files.
@@ -493,12 +493,18 @@ def sign(package: str, private_key: str, verbose: bool) -> None:
 @_verbose_option
 def run(package: str, batch_path: str, output: str | None, output_dir: str | None, verbose: bool) -> None:
     """Run a package on one batch and print its outputs."""
-    import torch
+    from pathlib import Path
 
+    from hstu_export.package import check_new_output_dir, check_output_file, write_file_atomically
     from hstu_export.runtimes.predictor import load
-    from hstu_export.tensor_dir import save_tensors
+    from hstu_export.tensor_dir import saved_bytes, write_tensors
     from hstu_export.verify import load_batch_file
 
+    # Where the outputs go is checked before the package runs (write_tensors checks the rest again).
+    if output:
+        check_output_file(Path(output), "--output")
+    if output_dir:
+        check_new_output_dir(Path(output_dir), "--output-dir")
     predictor = load(package)
     batch = load_batch_file(batch_path)
     outputs = predictor(batch)
@@ -508,10 +514,11 @@ def run(package: str, batch_path: str, output: str | None, output_dir: str | Non
         table.add_row(name, str(list(value.shape)), str(value.dtype).removeprefix("torch."), head)
     console.print(table)
     if output:
-        torch.save({k: v.detach().cpu() for k, v in outputs.items()}, output)
+        write_file_atomically(Path(output), saved_bytes({k: v.detach().cpu() for k, v in outputs.items()}),
+                              "the outputs")
         console.print(f"wrote {escape(output)}")
     if output_dir:
-        save_tensors(outputs, output_dir)
+        write_tensors(outputs, output_dir, "the outputs", "--output-dir")
         console.print(f"wrote {len(outputs)} outputs to {escape(output_dir)}")
 
 
@@ -556,17 +563,14 @@ def request(package: str, out_dir: str, batch_size: int | None, seed: int, verbo
     from hstu_export.batch import generate_batch
     from hstu_export.errors import ConfigError
     from hstu_export.package import load_manifest
-    from hstu_export.tensor_dir import save_tensors
+    from hstu_export.tensor_dir import write_tensors
 
     manifest = load_manifest(Path(package))
     size = batch_size or manifest.ranges.max_batch_size
     if size > manifest.ranges.max_batch_size:
         raise ConfigError(f"--batch-size {size} is beyond the package's maximum {manifest.ranges.max_batch_size}")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"--out {out_dir} exists and is not empty; choose a new directory")
     batch = generate_batch(manifest.input_schema, size, seed=seed)
-    save_tensors(batch, out)
+    write_tensors(batch, out_dir, "the request", "--out")
     console.print(f"wrote a request of {size} users ({len(batch)} features) to {escape(out_dir)}")
 
 
@@ -584,16 +588,28 @@ def request(package: str, out_dir: str, batch_size: int | None, seed: int, verbo
 @_verbose_option
 def bench(package: str, model_path: str | None, batch_size: int | None, iters: int, warmup: int, seed: int,
           json_path: str | None, allow_pickle: bool, imports: tuple[str, ...], verbose: bool) -> None:
-    """Latency p50/p99 and throughput of a package against eager, measured in the same run."""
+    """Latency p50/p99 and throughput of a package against eager, measured in the same run. A
+    --batch-size beyond the package's maximum is benchmarked at the maximum, with a note saying so."""
     import json
+    from pathlib import Path
 
+    from hstu_export.bench import clamp_batch_size
     from hstu_export.bundle import import_modules
+    from hstu_export.package import check_output_file, load_manifest, write_file_atomically
     from hstu_export.verify import bench_package
 
+    if json_path:  # before minutes of timing, not after
+        check_output_file(Path(json_path), "--json")
     import_modules(imports)
-
-    res = bench_package(package, model_path, batch_size=batch_size, iters=iters, warmup=warmup, seed=seed,
+    # Checksums are left to bench_package's load(); only the maximum batch size is read here.
+    maximum = load_manifest(Path(package), verify_checksums=False).ranges.max_batch_size
+    size, note = clamp_batch_size(batch_size, maximum)
+    if note:
+        err_console.print(f"[yellow]note:[/yellow] {escape(note)}", soft_wrap=True)
+    res = bench_package(package, model_path, batch_size=size, iters=iters, warmup=warmup, seed=seed,
                         allow_pickle=allow_pickle)
+    if note:
+        res.update(requested_batch_size=batch_size, note=note)
     table = Table("", "p50 ms", "p99 ms", "users/s", "candidates/s", box=None, pad_edge=False)
     for name in ("eager", "exported"):
         r = res[name]
@@ -604,8 +620,7 @@ def bench(package: str, model_path: str | None, batch_size: int | None, iters: i
     console.print(table)
     console.print(f"speed-up (p50): {res['speedup_p50']:.2f}×")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=2)
+        write_file_atomically(Path(json_path), (json.dumps(res, indent=2) + "\n").encode(), "the benchmark results")
 
 
 @cli.command()

@@ -10,6 +10,7 @@ file name (``features.item.values`` stays as it is; ``a/b`` becomes ``a%2Fb``). 
 
 from __future__ import annotations
 
+import io
 import string
 from pathlib import Path
 
@@ -56,12 +57,33 @@ def tensor_name(file: str) -> str:
 def save_tensors(tensors: dict[str, Tensor], directory: str | Path) -> Path:
     """Writes each tensor (detached, on the CPU, contiguous) to ``directory/<encoded name>.pt``."""
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
     for name, value in tensors.items():
         if not isinstance(value, Tensor):
             raise RequestError(f"{name!r} must be a tensor, got {type(value).__name__}")
-        torch.save(value.detach().cpu().contiguous(), root / file_name(name))
+    root.mkdir(parents=True, exist_ok=True)
+    for name, value in tensors.items():
+        (root / file_name(name)).write_bytes(saved_bytes(value.detach().cpu().contiguous()))
     return root
+
+
+def write_tensors(tensors: dict[str, Tensor], directory: str | Path, what: str, option: str) -> Path:
+    """:func:`save_tensors` into a new (or empty) ``directory``, as a whole or not at all
+    (``hstu_export.package.new_output_dir``): a full or read-only disk is one error line and leaves nothing
+    behind. ``what`` and ``option`` name the output in that line."""
+    from hstu_export.package import new_output_dir
+
+    root = Path(directory)
+    with new_output_dir(root, what, option) as staged:
+        save_tensors(tensors, staged)
+    return root
+
+
+def saved_bytes(value: object) -> bytes:
+    """``torch.save`` of ``value``, in memory. Written from Python, a full disk is an OSError (ENOSPC);
+    torch's own file writer reports it as ``basic_ios::clear: iostream error``."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def load_untrusted(path: Path, what: str) -> object:

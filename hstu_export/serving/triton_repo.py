@@ -16,22 +16,27 @@ whose model_config protobuf the tests parse the config with); the server itself 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hstu_export.errors import ConfigError
 from hstu_export.manifest import Manifest
-from hstu_export.package import load_manifest
+from hstu_export.package import (
+    SERVING_MARKER,
+    check_writable,
+    load_manifest,
+    parent_dirs,
+    rename_into_place,
+    staging_dir,
+)
 from hstu_export.serving.batching import output_rows
 from hstu_export.version import __version__
 
 TRITON_SERVER_VERSION = "2.73.0"
-MARKER = "serving.json"
+MARKER = SERVING_MARKER
 DATA_TYPES = {"int64": "TYPE_INT64", "int32": "TYPE_INT32", "float32": "TYPE_FP32", "bfloat16": "TYPE_BF16",
               "float16": "TYPE_FP16", "float64": "TYPE_FP64", "bool": "TYPE_BOOL"}
 MODEL_FILE = Path(__file__).with_name("triton_model.py")
@@ -116,14 +121,29 @@ an error naming the feature; the others in its batch are unaffected.
 """
 
 
-def check_out(out: Path, force: bool) -> None:
-    """ConfigError unless ``out`` is new, empty, or (with ``force``) a repository this tool wrote."""
+def check_out(out: Path, force: bool, package: Path | None = None) -> None:
+    """ConfigError unless ``out`` is new, empty, or (with ``force``) a repository this tool wrote, and lies
+    apart from ``package`` (a repository inside its package would copy the package into itself, and
+    replacing a repository that holds the package would delete it); PackageError unless the directory it
+    goes in is writable."""
+    out = Path(out)
+    if package is not None:
+        inside, holder = Path(out).resolve(), Path(package).resolve()
+        if inside.is_relative_to(holder):
+            raise ConfigError(f"--out {out} is inside the package {package}; the repository holds a copy of the "
+                              "package, so write it outside: choose another --out")
+        if out.exists() and holder.is_relative_to(inside):
+            raise ConfigError(f"--out {out} contains the package {package}; it will not be replaced: choose "
+                              "another --out")
+    if out.is_symlink():
+        raise ConfigError(f"{out} is a symbolic link; choose a new directory")
     if out.exists():
         if not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).is_file()):
             raise ConfigError(f"{out} exists and is not a serving repository hstu-export wrote; choose a new "
                               "directory")
         if any(out.iterdir()) and not force:
             raise ConfigError(f"{out} exists; pass --force to replace it")
+    check_writable(out.parent, f"--out {out}: its parent directory")
 
 
 def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRepoSettings | None = None,
@@ -137,10 +157,9 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
     name = model_name(package, settings)
     if manifest.backend.name not in ("aoti", "torchscript", "onnx", "trt"):
         raise ConfigError(f"backend {manifest.backend.name!r} has no serving repository")
-    check_out(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    check_out(out, force, package)
+    # Built beside ``out`` and renamed in; a full or read-only disk is one line and leaves nothing behind.
+    with parent_dirs(out, "the serving repository"), staging_dir(out, "the serving repository") as staged:
         model_dir = staged / name
         (model_dir / "1").mkdir(parents=True)
         shutil.copytree(package, model_dir / "1" / "package", symlinks=False)
@@ -152,14 +171,6 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
             "written_by": f"hstu-export {__version__}", "triton_server": TRITON_SERVER_VERSION, "model": name,
             "package": str(package.resolve()), "backend": "python", "batches_requests": batching,
         }, indent=2) + "\n")
-        if out.exists():  # moved aside first, so a failure in between leaves a whole repository
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            staged.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            staged.rename(out)
-    except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
-        raise
+        check_out(out, force, package)  # again: something may have appeared meanwhile
+        rename_into_place(staged, out)  # an old repository is moved aside first and removed after
     return out / name

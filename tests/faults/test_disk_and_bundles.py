@@ -261,22 +261,6 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path):
-    """A real 1 MiB tmpfs (root and mount needed; skipped otherwise)."""
-    mountpoint = tmp_path / "tmpfs"
-    mountpoint.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)], capture_output=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
-    try:
-        yield mountpoint
-    finally:
-        subprocess.run(["umount", str(mountpoint)], check=False)
-
-
 def test_real_full_disk_is_refused_before_work(bundle, tiny_tmpfs):
     proc = subprocess.run([sys.executable, "-m", "hstu_export.cli", str(bundle), "-o", str(tiny_tmpfs / "pkg"), "-q"],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
