@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from hstu_export.errors import ConfigError, PackageError
-from hstu_export.package import SIGNATURE, check_writable, current_umask, file_system_errors
+from hstu_export.package import (
+    SIGNATURE,
+    check_writable,
+    current_umask,
+    file_system_errors,
+    remove_stale_partials,
+)
 
 INSTALL_HINT = "pip install model-signing pyopenssl (or 'hstu-export[sign]')"
 # model-signing's elliptic-curve signer and verifier take these curves (cryptography's name: NIST name).
@@ -93,7 +99,9 @@ def sign_package(package: str | os.PathLike[str], private_key: str | os.PathLike
     # The signature is written beside the package (outside the files being signed), then renamed in.
     check_writable(root, f"{root}: the package directory")
     check_writable(root.parent, f"{root}: the directory holding the package")
-    tmp = root.parent / f".{root.name}.{SIGNATURE}.tmp-{os.getpid()}"
+    # Named as a staging file of ``root``, so one left by a killed process is removed by the next sign.
+    remove_stale_partials(root)
+    tmp = root.parent / f".{root.name}.partial-{os.getpid()}-{SIGNATURE}"
     try:
         with file_system_errors(root.parent, f"signing {root}"):
             config = ms.signing.Config().use_elliptic_key_signer(private_key=key)

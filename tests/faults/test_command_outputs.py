@@ -160,6 +160,16 @@ def test_failed_replace_keeps_the_previous_output(case, inputs, tmp_path, simula
 
 
 @slow
+def test_sign_removes_a_temporary_signature_a_killed_sign_left(inputs, tmp_path, dead_pid):
+    place = fresh_dir(tmp_path)
+    argv, output = command("sign", inputs, place)
+    (place / f".pkg.partial-{dead_pid}-package.sig").write_text("{}")
+    (place / ".pkg.partial-1-package.sig").write_text("{}")  # of a live process (init): kept
+    assert cli_main(argv) == 0 and output.is_file()
+    assert sorted(p.name for p in place.iterdir()) == [".pkg.partial-1-package.sig", "pkg"]
+
+
+@slow
 def test_missing_parents_made_for_a_request_are_removed_when_it_fails(inputs, tmp_path, simulated_full_disk,
                                                                       cli_streams):
     place = fresh_dir(tmp_path)
