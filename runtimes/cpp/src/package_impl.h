@@ -135,6 +135,10 @@ struct Package::Impl {
   // The sparse artifact on a plain request: its outputs by name (aoti packages).
   NamedTensors sparse_outputs(const Tensors& request) const;
   NamedTensors run(const Tensors& inputs, detail::PhaseClock& clock) const;
+  // When `exc`, raised while the artifacts ran `request`, is one of their own range checks (passes/guard_ranges.py;
+  // the manifest let the request through), the RequestError naming the feature, its value and the limit the
+  // artifact holds it to; nullopt for any other error.
+  std::optional<RequestError> range_refusal(const std::exception& exc, const Tensors& request) const;
 };
 
 }  // namespace hstu_export

@@ -3,6 +3,8 @@
 
 #include <c10/core/InferenceMode.h>
 #include <dlfcn.h>
+#include <torch/csrc/jit/ir/constants.h>
+#include <torch/csrc/jit/ir/ir.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
 
@@ -10,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -46,10 +49,18 @@ std::string first_line(const std::string& text) {
 namespace detail {
 
 std::string error_text(const std::exception& exc) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&exc)) {
-    return first_line(c10_error->what_without_backtrace());
+  std::string text = exc.what();
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&exc)) text = c10_error->what_without_backtrace();
+  // A TorchScript error opens with a fixed sentence and its tracebacks; what was raised is its last line.
+  if (first_line(text).starts_with("The following operation failed in the TorchScript interpreter")) {
+    auto end = text.find_last_not_of(" \t\r\n");
+    if (end != std::string::npos) {
+      auto newline = text.rfind('\n', end);
+      size_t start = newline == std::string::npos ? 0 : newline + 1;
+      return first_line(text.substr(start, end + 1 - start));
+    }
   }
-  return first_line(exc.what());
+  return first_line(text);
 }
 
 std::string in_quotes(const std::string& text) { return "'" + text.substr(0, 200) + "'"; }
@@ -888,6 +899,121 @@ NamedTensors Package::Impl::run(const Tensors& request, detail::PhaseClock& cloc
   return out;
 }
 
+namespace {
+
+// What the artifacts' range checks raise in TorchScript after "AssertionError: <feature>" (check_ranges in
+// hstu_export/graph_functions.py), and which limit each one means.
+enum class Bound { kRows, kLow, kHigh };
+constexpr std::pair<const char*, Bound> kRangeChecks[] = {
+    {" has more rows than the package was exported for", Bound::kRows},
+    {" has a value below the exported range", Bound::kLow},
+    {" has a value beyond the exported range", Bound::kHigh},
+};
+
+// The list a TorchScript value holds when it is constant (a list constant, or a list built of constants).
+std::optional<std::vector<c10::IValue>> constant_list(torch::jit::Value* value) {
+  if (auto constant = torch::jit::toIValue(value)) {
+    if (!constant->isList()) return std::nullopt;
+    return constant->toListRef().vec();
+  }
+  if (value->node()->kind() != c10::prim::ListConstruct) return std::nullopt;
+  std::vector<c10::IValue> out;
+  for (torch::jit::Value* item : value->node()->inputs()) {
+    auto constant = torch::jit::toIValue(item);
+    if (!constant) return std::nullopt;
+    out.push_back(*constant);
+  }
+  return out;
+}
+
+struct CheckedRange {
+  int64_t low, high, rows;
+};
+
+// The limits a TorchScript artifact holds `feature` to: the constant arguments of its check_ranges call
+// (check_ranges(values, lows, highs, rows, names)), in any method of the module or its submodules.
+std::optional<CheckedRange> checked_range(const torch::jit::Module& module, const std::string& feature) {
+  std::function<std::optional<CheckedRange>(torch::jit::Block*)> search = [&](torch::jit::Block* block) {
+    for (torch::jit::Node* node : block->nodes()) {
+      for (torch::jit::Block* inner : node->blocks()) {
+        if (auto found = search(inner)) return found;
+      }
+      if (node->kind() != c10::prim::CallFunction || node->inputs().size() != 6) continue;
+      auto function = node->input(0)->type()->cast<c10::FunctionType>();
+      if (!function || function->function()->name() != "check_ranges") continue;
+      auto lows = constant_list(node->input(2)), highs = constant_list(node->input(3));
+      auto rows = constant_list(node->input(4)), names = constant_list(node->input(5));
+      if (!lows || !highs || !rows || !names) continue;
+      for (size_t i = 0; i < names->size() && i < lows->size() && i < highs->size() && i < rows->size(); ++i) {
+        const c10::IValue &name = (*names)[i], &low = (*lows)[i], &high = (*highs)[i], &most = (*rows)[i];
+        if (name.isString() && name.toStringRef() == feature && low.isInt() && high.isInt() && most.isInt()) {
+          return std::optional<CheckedRange>(CheckedRange{low.toInt(), high.toInt(), most.toInt()});
+        }
+      }
+    }
+    return std::optional<CheckedRange>();
+  };
+  static std::mutex reading;  // a refusal's path only; Module's API is not const
+  std::lock_guard<std::mutex> lock(reading);
+  try {
+    for (const auto& child : module.modules()) {
+      for (const auto& method : child.get_methods()) {
+        if (auto found = search(method.graph()->block())) return found;
+      }
+    }
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<RequestError> Package::Impl::range_refusal(const std::exception& exc, const Tensors& request) const {
+  std::string text = exc.what();
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&exc)) text = c10_error->what_without_backtrace();
+  const std::string marker = "AssertionError: ";
+  size_t at = text.rfind(marker);
+  if (at == std::string::npos) return std::nullopt;
+  std::string raised = text.substr(at + marker.size());
+  raised = raised.substr(0, raised.find('\n'));
+  raised.erase(raised.find_last_not_of(" \t\r") + 1);
+  for (const auto& [check, bound] : kRangeChecks) {
+    if (!raised.ends_with(check)) continue;
+    std::string name = raised.substr(0, raised.size() - std::string(check).size());
+    auto f = std::find_if(features.begin(), features.end(), [&](const Feature& g) { return g.name == name; });
+    if (f == features.end() || !request.count(name)) return std::nullopt;
+    const at::Tensor& t = request.at(name);
+    const std::string quoted = in_quotes(name);
+    bool torchscript = backend == "torchscript";
+    const std::string& file = artifacts.at(torchscript ? "model" : "sparse").file;
+    std::optional<CheckedRange> range = checked_range(torchscript ? model : sparse, name);
+    bool integral = !at::isFloatingType(t.scalar_type());
+    auto value_text = [&](const at::Tensor& v) {
+      return integral ? std::to_string(v.item<int64_t>()) : c10::str(v.item<double>());
+    };
+    std::string what, manifest;
+    if (bound == Bound::kRows) {
+      what = "feature " + quoted + " has " + std::to_string(t.size(0)) + " entries, beyond the exported maximum of " +
+             (range ? std::to_string(range->rows) + " users" : "users " + file + " was exported for");
+      manifest = "the manifest allows " + std::to_string(max_batch_size);
+    } else if (bound == Bound::kLow) {
+      what = "feature " + quoted + " has value " + (t.numel() ? value_text(t.min()) : "?") +
+             (range ? " below the minimum " + std::to_string(range->low) : " below the range " + file + " was exported for");
+      manifest = f->min_value ? "the manifest's minimum is " + c10::str(*f->min_value) : "the manifest states no minimum";
+    } else {
+      what = "feature " + quoted + " has " + (f->kind == "lengths" ? "length " : "value ") +
+             (t.numel() ? value_text(t.max()) : "?") +
+             (range ? " beyond the exported maximum " + std::to_string(range->high)
+                    : " beyond the range " + file + " was exported for");
+      manifest = f->max_value ? "the manifest's maximum is " + std::to_string(static_cast<int64_t>(*f->max_value))
+                              : "the manifest states no maximum";
+    }
+    return RequestError(what + " (refused by " + file + " itself; " + manifest +
+                        ", so the manifest does not match the package's programs: re-export the package)");
+  }
+  return std::nullopt;
+}
+
 NamedTensors Package::run(const Tensors& request, PhaseTimes* times) const {
   detail::PhaseClock clock(times, impl_->device);
   validate(request);
@@ -902,6 +1028,7 @@ NamedTensors Package::run(const Tensors& request, PhaseTimes* times) const {
   } catch (const Error&) {
     throw;
   } catch (const std::exception& exc) {
+    if (auto refused = impl_->range_refusal(exc, request)) throw *refused;
     throw Error(impl_->root + ": running the package failed: " + error_text(exc));
   }
 }

@@ -92,7 +92,9 @@ class Package {
   Package& operator=(const Package&) = delete;
 
   // Validates the request (RequestError naming the first problem), runs it, and returns the outputs in
-  // output_names() order, on the package's device. Thread-safe. `times`: see PhaseTimes.
+  // output_names() order, on the package's device. A request the artifacts' own range checks refuse (a manifest
+  // that allows more than they were exported for) is a RequestError naming the feature and their limit too.
+  // Thread-safe. `times`: see PhaseTimes.
   NamedTensors run(const Tensors& request, PhaseTimes* times = nullptr) const;
   // The request's batch size, or RequestError: names, dtypes, shapes, value ranges, batch size, jagged totals.
   int64_t validate(const Tensors& request) const;
@@ -119,6 +121,7 @@ constexpr int kPackageFormatVersion = 4;
 // (docs/PACKAGE.md, "Requests on disk"): what hstu-export request writes and hstu-export-run reads.
 std::string tensor_file_name(const std::string& name);
 Tensors load_tensor_dir(const std::string& directory);  // RequestError on anything but tensors
+// Whole or not at all: on failure (a full disk) no file of it is left or replaced, nor a directory it created.
 void save_tensor_dir(const NamedTensors& tensors, const std::string& directory);
 
 }  // namespace hstu_export
