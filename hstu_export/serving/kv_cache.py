@@ -210,7 +210,7 @@ class PagedKVCache:
         attention_dim: int,
         linear_dim: int,
         *,
-        budget_bytes: int,
+        budget_bytes: int | str,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         page_size: int = 64,
@@ -336,12 +336,12 @@ class PagedKVCache:
 
 class CachedRanker:
     """Serves the zoo ranking model, or a package exported with its delta program, with a
-    :class:`PagedKVCache` of ``budget_bytes``: ``ranker(request, user_ids)`` returns what
-    ``model(request)`` returns, computing for each user only the tokens past its cached prefix.
-    ``max_time_drift`` (seconds, default 0: exact) lets cached history tokens keep their timestamp
-    buckets for that long after they were computed."""
+    :class:`PagedKVCache` of ``budget_bytes`` (bytes, or a size such as ``"4GiB"``; refused beyond the memory
+    available where the pages go): ``ranker(request, user_ids)`` returns what ``model(request)`` returns,
+    computing for each user only the tokens past its cached prefix. ``max_time_drift`` (seconds, default 0:
+    exact) lets cached history tokens keep their timestamp buckets for that long after they were computed."""
 
-    def __init__(self, source: HstuRankingModel | DeltaRunner, *, budget_bytes: int, page_size: int = 64,
+    def __init__(self, source: HstuRankingModel | DeltaRunner, *, budget_bytes: int | str, page_size: int = 64,
                  max_time_drift: int = 0, device: torch.device | str | None = None) -> None:
         if not isinstance(source, HstuRankingModel) and not hasattr(source, "layout"):
             raise ConfigError(f"CachedRanker serves the zoo's HstuRankingModel or a package's delta program, got "

@@ -224,7 +224,7 @@ def test_a_packages_cache_takes_sizes_and_tensor_ids(kv_package) -> None:
     predictor = hstu_export.load(root)
     ranker = predictor.kv_cache("1MiB")
     assert ranker.cache.bytes == (1 << 20) // ranker.cache.page_bytes * ranker.cache.page_bytes
-    with pytest.raises(ConfigError, match=r"KV cache budget of 1024\.0 TiB .* is more than the memory available on cpu"):
+    with pytest.raises(ConfigError, match=r"KV cache budget of 1\.0 PiB .* is more than the memory available on cpu"):
         predictor.kv_cache("1024TiB")
     with pytest.raises(ConfigError, match="KV cache budget_bytes: cannot read size '1 gigabyte'"):
         predictor.kv_cache("1 gigabyte")
@@ -239,3 +239,22 @@ def test_a_packages_cache_takes_sizes_and_tensor_ids(kv_package) -> None:
     for name in full:
         torch.testing.assert_close(first[name], full[name], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(second[name], full[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_package", ["no-context"], indirect=True)
+def test_the_cpp_runtime_refuses_a_budget_beyond_memory(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``hstu-export-run --kv-cache``: the same check, in one line; before, the allocator's error, or on the host
+    a budget the allocator granted (Linux overcommits) killed the process while its pages were zeroed."""
+    from hstu_export.tensor_dir import save_tensors
+
+    _, root, _ = kv_package
+    request = save_tensors(_request(["a", "b"]), tmp_path / "request")
+    done = cpp_runtime.run(root, request, "--kv-cache", "1048576GiB", "--user-ids", "1,2", "--out", tmp_path / "out")
+    assert done.returncode == 1 and done.stdout == "" and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("hstu-export-run: error: KV cache budget of 1.0 PiB (1125899906842624 bytes) is "
+                                  "more than the memory available on cpu: "), done.stderr
+    assert " free of " in done.stderr and done.stderr.rstrip().endswith("; lower the budget")
+    assert not (tmp_path / "out").exists()
+    done = cpp_runtime.run(root, request, "--kv-cache", "1MiB", "--user-ids", "1,2", "-q")
+    assert done.returncode == 0, done.stderr

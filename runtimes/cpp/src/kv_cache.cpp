@@ -8,10 +8,14 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <list>
 #include <mutex>
+#include <optional>
+#include <sstream>
 #include <unordered_map>
 
 #include "kv_graphs.h"
@@ -30,6 +34,57 @@ constexpr std::array<const char*, 2> kHistoryEmbeddings = {"uih_item_emb", "uih_
 // Beyond any time difference a request holds: the outer bounds of the first and last time buckets.
 constexpr int64_t kUnbounded = int64_t{1} << 62;
 constexpr size_t kStripes = 64;  // per-user request locks: a fixed set, the user's hash picks one
+
+// `1536` -> `1.5 KiB`, as hstu_export/settings.py's format_bytes writes sizes in messages.
+std::string format_bytes(double n) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  char text[32];
+  for (const char* unit : kUnits) {
+    if (n < 1024) {
+      std::snprintf(text, sizeof text, std::strcmp(unit, "B") == 0 ? "%.0f %s" : "%.1f %s", n, unit);
+      return text;
+    }
+    n /= 1024;
+  }
+  std::snprintf(text, sizeof text, "%.1f PiB", n);
+  return text;
+}
+
+std::optional<int64_t> file_integer(const char* path) {
+  std::ifstream in(path);
+  long long value = 0;
+  if (in >> value) return value;
+  return std::nullopt;  // absent, unreadable, or "max"
+}
+
+// (available, total) bytes of host memory this process may take: /proc/meminfo's MemAvailable, within a
+// cgroup's limit (v2 or v1), as hstu_export/settings.py's machine_memory reads them; nullopt when unknown.
+std::optional<std::pair<int64_t, int64_t>> host_memory() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  int64_t total = -1, available = -1;
+  while (std::getline(meminfo, line)) {
+    std::istringstream fields(line);
+    std::string key;
+    long long kib = 0;
+    if (!(fields >> key >> kib)) continue;
+    if (key == "MemTotal:") total = kib * 1024;
+    if (key == "MemAvailable:") available = kib * 1024;
+  }
+  if (total < 0 || available < 0) return std::nullopt;
+  const std::pair<const char*, const char*> kCgroups[] = {
+      {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"},
+      {"/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"}};
+  for (const auto& [limit_file, usage_file] : kCgroups) {
+    std::optional<int64_t> limit = file_integer(limit_file);
+    if (limit && *limit < total) {
+      total = *limit;
+      available = std::min(available, std::max<int64_t>(*limit - file_integer(usage_file).value_or(0), 0));
+      break;
+    }
+  }
+  return std::pair<int64_t, int64_t>(available, total);
+}
 
 // log(query_time - t) / base, in [0, num_buckets): hstu_export/models/transducer.py's time_buckets, with
 // the same ATen ops (so the same float32 rounding).
@@ -238,6 +293,15 @@ std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> 
     throw Error("KV cache budget of " + std::to_string(budget) + " bytes holds no page for users (" +
                 std::to_string(page_bytes) + " bytes each, and one more for the scratch page); raise the budget");
   }
+  // On the host, checked before allocating: the allocator may grant more than there is (Linux overcommits
+  // memory), and the process is then killed while the pages are zeroed. On a GPU its allocator refuses.
+  int64_t needed = (impl->num_pages + 1) * page_bytes;
+  if (auto memory = host_memory(); memory && !pkg.device.is_cuda() && needed > memory->first) {
+    throw Error("KV cache budget of " + format_bytes(static_cast<double>(budget)) + " (" + std::to_string(budget) +
+                " bytes) is more than the memory available on " + pkg.device.str() + ": " +
+                format_bytes(static_cast<double>(memory->first)) + " free of " +
+                format_bytes(static_cast<double>(memory->second)) + "; lower the budget");
+  }
   auto pages = at::TensorOptions().dtype(kv.dtype).device(pkg.device);
   try {
     impl->k = at::zeros({kv.num_layers, impl->num_pages + 1, kv.page_size, kv.num_heads, kv.attention_dim}, pages);
@@ -314,6 +378,7 @@ NamedTensors CachedRanker::run(const Tensors& request, const std::vector<int64_t
   } catch (const Error&) {
     throw;
   } catch (const std::exception& exc) {
+    if (auto refused = impl_->pkg->range_refusal(exc, request)) throw *refused;
     throw Error(impl_->pkg->root + ": KV-cached serving failed: " + detail::error_text(exc));
   }
 }

@@ -59,7 +59,8 @@ struct KVCacheStats {
 
 class CachedRanker {
  public:
-  // PackageError when the package has no usable delta program; Error when the budget holds no page.
+  // PackageError when the package has no usable delta program; Error when the budget holds no page, or (on
+  // the host) is more than the memory available.
   static std::shared_ptr<CachedRanker> open(std::shared_ptr<const Package> package, const KVCacheOptions& options = {});
   ~CachedRanker();
   CachedRanker(const CachedRanker&) = delete;
