@@ -397,9 +397,18 @@ int serve(const Args& args) {
     if (ranker && !args.quiet) std::printf("%s\n", stats_line(*ranker).c_str());
   }
   if (!args.out.empty()) {
-    for (size_t k = 0; k < outputs.size(); ++k) {
-      std::string directory = outputs.size() > 1 ? (std::filesystem::path(args.out) / std::to_string(k + 1)).string() : args.out;
-      hstu_export::save_tensor_dir(outputs[k], directory);
+    // Each directory is written whole or not at all (save_tensor_dir); with several, a failure also removes the
+    // ones written before it when --out is this run's own.
+    std::error_code ec;
+    bool existed = std::filesystem::exists(args.out, ec);
+    try {
+      for (size_t k = 0; k < outputs.size(); ++k) {
+        std::string directory = outputs.size() > 1 ? (std::filesystem::path(args.out) / std::to_string(k + 1)).string() : args.out;
+        hstu_export::save_tensor_dir(outputs[k], directory);
+      }
+    } catch (...) {
+      if (!existed && !ec) std::filesystem::remove_all(args.out, ec);
+      throw;
     }
     if (!args.quiet) std::printf("wrote the outputs of %zu request(s) to %s\n", outputs.size(), args.out.c_str());
   }

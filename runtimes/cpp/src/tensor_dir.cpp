@@ -2,6 +2,8 @@
 // hstu_export/tensor_dir.py: <percent-encoded name>.pt, each one torch.save'd tensor.
 #include <torch/csrc/jit/serialization/pickle.h>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <vector>
@@ -100,21 +102,43 @@ Tensors load_tensor_dir(const std::string& directory) {
 }
 
 void save_tensor_dir(const NamedTensors& tensors, const std::string& directory) {
+  // All or nothing: each file is written beside its target (<file>.partial) and renamed once all are written.
+  // On failure (a full disk) the partial files go, and so do the directories this call created.
   std::error_code ec;
+  fs::path created;  // the outermost directory that did not exist
+  for (fs::path p = fs::absolute(directory, ec); !ec && !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
+    created = p;
+    if (p == p.parent_path()) break;
+  }
   fs::create_directories(directory, ec);
   if (ec) throw Error(directory + ": cannot create it (" + ec.message() + ")");
-  for (const auto& [name, tensor] : tensors) {
-    std::vector<char> data = torch::jit::pickle_save(tensor.detach().cpu().contiguous());
-    fs::path target = fs::path(directory) / tensor_file_name(name);
-    fs::path partial = target;
-    partial += ".partial";
-    {
+  std::vector<std::pair<fs::path, fs::path>> staged;  // (partial file, target)
+  try {
+    for (const auto& [name, tensor] : tensors) {
+      std::vector<char> data = torch::jit::pickle_save(tensor.detach().cpu().contiguous());
+      fs::path target = fs::path(directory) / tensor_file_name(name);
+      fs::path partial = target;
+      partial += ".partial";
+      staged.emplace_back(partial, target);
+      errno = 0;
       std::ofstream out(partial, std::ios::binary | std::ios::trunc);
       out.write(data.data(), static_cast<std::streamsize>(data.size()));
-      if (!out) throw Error(partial.string() + ": cannot write it (disk full or not writable?)");
+      out.close();  // the buffered bytes reach the disk here: a full disk shows at the close
+      if (!out) {
+        int error = errno;
+        throw Error("cannot write the outputs to " + directory + ": " + partial.filename().string() + ": " +
+                    (error ? std::strerror(error) : "write failed") + " (disk full or not writable?); nothing was written");
+      }
     }
-    fs::rename(partial, target, ec);
-    if (ec) throw Error(target.string() + ": cannot write it (" + ec.message() + ")");
+    for (const auto& [partial, target] : staged) {
+      fs::rename(partial, target, ec);
+      if (ec) throw Error(target.string() + ": cannot write it (" + ec.message() + ")");
+    }
+  } catch (...) {
+    std::error_code ignored;
+    for (const auto& [partial, target] : staged) fs::remove(partial, ignored);
+    if (!created.empty()) fs::remove_all(created, ignored);
+    throw;
   }
 }
 
