@@ -394,6 +394,7 @@ def export(
 
         if settings.verify.enabled:
             with _timed(timings, progress, "verify"), torch.no_grad():
+                ranges = _settle_ranges(staged, manifest, schema, ranges, settings)
                 parity = _verify(staged, captured.reference, schema, ranges, settings, op_target,
                                  captured.quantized_tables, output_shapes)
             manifest["parity"] = parity
@@ -490,6 +491,32 @@ def _collecting_triton_configs() -> contextlib.AbstractContextManager[dict[str, 
     except ImportError:  # no triton installed: nothing can be chosen
         return contextlib.nullcontext({})
     return collecting_configs()
+
+
+def _settle_ranges(root: Path, manifest: dict[str, Any], schema: InputSchema, ranges: ExportRanges,
+                   settings: ExportSettings) -> ExportRanges:
+    """The package's program on every corner of its ranges (``hstu_export.verify.settle_ranges``). A bound it
+    refuses is narrowed: written into the staged manifest (input schema, ranges, ``ranges.narrowed``) and
+    said in one warning line each. Returns the ranges the package serves."""
+    import warnings
+
+    from hstu_export.runtimes.predictor import load
+    from hstu_export.verify import narrowing_note, settle_ranges
+
+    predictor = load(root, verify_checksums=False)
+    settled, narrowed = settle_ranges(predictor, schema, ranges, settings.verify.seed)
+    if narrowed:
+        manifest["input_schema"] = exported_schema(schema, settled).to_json()
+        manifest["ranges"].update(max_batch_size=settled.max_batch_size, lengths=settled.to_json(),
+                                  narrowed=narrowed)
+        write_manifest(root, manifest)
+        for record in narrowed:
+            warnings.warn(narrowing_note(record), NarrowedRangeWarning, stacklevel=2)
+    return settled
+
+
+class NarrowedRangeWarning(UserWarning):
+    """Export narrowed a declared range the compiled program does not serve (the manifest records it)."""
 
 
 def _verify(root: Path, reference: Any, schema: InputSchema, ranges: ExportRanges, settings: ExportSettings,

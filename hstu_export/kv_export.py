@@ -46,6 +46,7 @@ from hstu_export.models.ranking import (
     HstuRankingModel,
 )
 from hstu_export.models.stu import LAYER_NORM_EPS
+from hstu_export.runtimes.unbacked_ranges import unbacked_ranges_hold_at_one
 
 KV_DELTA_FILE = "kv/delta.pt2"
 KV_INPUTS = ("kv_cached", "kv_k_pages", "kv_v_pages", "kv_page_table")
@@ -271,7 +272,7 @@ def compile_kv_delta(model: HstuRankingModel, ranges: Any, settings: Any, op_tar
     names = list(example)
     start = time.perf_counter()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), unbacked_ranges_hold_at_one():
             exported = torch.export.export(program, args=(), kwargs=example,
                                            dynamic_shapes=dynamic_shapes(model, ranges, page_size, names), strict=False)
     except Exception as exc:
@@ -281,8 +282,9 @@ def compile_kv_delta(model: HstuRankingModel, ranges: Any, settings: Any, op_tar
     (out_dir / KV_DELTA_FILE).parent.mkdir(parents=True, exist_ok=True)
     options = delta_inductor_options(device, settings.aoti_options)
     try:
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / KV_DELTA_FILE),
-                                                 inductor_configs=dict(options))
+        with unbacked_ranges_hold_at_one():
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / KV_DELTA_FILE),
+                                                     inductor_configs=dict(options))
     except Exception as exc:
         text = str(exc).strip().splitlines()
         raise ExportError(f"AOTInductor compilation of the KV-cache delta program failed: "

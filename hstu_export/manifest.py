@@ -336,9 +336,32 @@ def _parse(data: Any) -> Manifest:
         files=files,
         parity=_parity(get("parity")),
         model_bundle=_optional(model, "bundle", "model", _optional_string),
-        artifacts=_artifacts(get("artifacts"), backend, schema),
+        artifacts=_check_artifact_io(_artifacts(get("artifacts"), backend, schema), schema, names["output_names"]),
         raw=top,
     )
+
+
+def _check_artifact_io(artifacts: dict[str, dict[str, Any]], schema: InputSchema,
+                       output_names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """The artifacts' own inputs and outputs agree with what the loaders read from the rest of the
+    manifest: a request feature an artifact takes has the dtype the input schema gives it (requests are
+    checked against the schema), and the artifact whose outputs are the package's (``model``, else
+    ``dense``) returns them in ``output_names``' order (outputs are named by that list)."""
+    dtypes = {f.name: f.dtype for f in schema.features}
+    for role, entry in artifacts.items():
+        for i, tensor in enumerate(entry["inputs"]):
+            feature = tensor.get("feature")
+            if feature is not None and tensor["dtype"] != dtypes[feature]:
+                raise _FieldError(f"input_schema.features.{feature}.dtype",
+                                  f"is {dtypes[feature]!r} but artifacts.{role}.inputs[{i}] takes {tensor['dtype']!r}")
+    final = artifacts.get("model") or artifacts.get("dense")
+    if final is not None:
+        returned = tuple(tensor["name"] for tensor in final["outputs"])
+        if returned != tuple(output_names):
+            role = "model" if "model" in artifacts else "dense"
+            raise _FieldError("output_names", f"{list(output_names)} is not what artifacts.{role} returns, in its order "
+                                              f"({list(returned)})")
+    return artifacts
 
 
 def _kv_cache(value: Any, files: dict[str, str]) -> dict[str, Any]:

@@ -59,7 +59,11 @@ class GuardRanges:
                 bounds = [limits[str(n.target)] for n in nodes]
                 lows = [-NO_LIMIT if low is None else low for low, _, _ in bounds]
                 highs = [NO_LIMIT if high is None else high for _, high, _ in bounds]
-                rows = [ranges.max_batch_size if str(n.target) in per_user else NO_LIMIT for n in nodes]
+                # The number of users is compiled as a dynamic dim of at least 2 (torch.export cannot make a
+                # dim of at most 1 dynamic, and the export example has 2 users): with --max-batch-size 1 the
+                # artifacts take 2, and the loaders, which read the manifest, hold requests to 1.
+                users = max(ranges.max_batch_size, 2)
+                rows = [users if str(n.target) in per_user else NO_LIMIT for n in nodes]
                 # One call for all of a graph's features, after its last input: their values then come from it.
                 with graph_module.graph.inserting_after(placeholders[-1]):
                     check = graph_module.graph.call_function(

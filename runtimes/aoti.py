@@ -30,18 +30,20 @@ from hstu_export.runtimes.graph_io import (
     plain_first_line,
 )
 from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
+from hstu_export.runtimes.unbacked_ranges import unbacked_ranges_hold_at_one
 
 DENSE_FILE = "dense/dense.pt2"
 
 
 def export_dense(inputs: CompileInputs) -> torch.export.ExportedProgram:
     """torch.export of the dense graph with the shared named dynamic dims (non-strict: the graph is
-    already an FX graph of plain calls)."""
+    already an FX graph of plain calls). Sizes read from tensor data keep the ranges the dims allow down to
+    1 (``runtimes/unbacked_ranges.py``); compile the program under the same context."""
     from hstu_export.capture.opaque import export_builtins
 
     dynamic = torch_dynamic_shapes(inputs.dense_input_names, inputs.dense_dynamic_dims)
     try:
-        with torch.no_grad(), export_builtins(set(inputs.user_packages)):
+        with torch.no_grad(), export_builtins(set(inputs.user_packages)), unbacked_ranges_hold_at_one():
             return torch.export.export(
                 export_ready(inputs.dense), args=(), kwargs=inputs.example_dense_inputs, dynamic_shapes=dynamic,
                 strict=False,
@@ -61,8 +63,9 @@ class AotiBackend(Backend):
         (out_dir / DENSE_FILE).parent.mkdir(parents=True, exist_ok=True)
         options = dict(inputs.settings.aoti_options)  # --aoti-option (a copy: the compile adds its own keys)
         try:
-            torch._inductor.aoti_compile_and_package(program, package_path=str(out_dir / DENSE_FILE),
-                                                     inductor_configs=dict(options))
+            with unbacked_ranges_hold_at_one():
+                torch._inductor.aoti_compile_and_package(program, package_path=str(out_dir / DENSE_FILE),
+                                                         inductor_configs=dict(options))
         except Exception as exc:
             raise ExportError(f"AOTInductor compilation failed: {plain_first_line(exc)}"
                               f"{data_dependent_advice(exc)}") from exc

@@ -13,6 +13,7 @@ laid out as it was compiled for.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hstu_export.errors import PackageError, RequestError
+from hstu_export.errors import HstuExportError, PackageError, RequestError
 from hstu_export.manifest import OP_LIBRARIES, Manifest, as_manifest
 from hstu_export.package import load_manifest, recover_interrupted_replace
 from hstu_export.runtimes import get_backend
@@ -58,7 +59,67 @@ class Predictor:
 
     def __call__(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         request = self.check_request(batch)
-        return self._runner({f.graph_name: to_device(request[f.name], self.device) for f in self.input_schema.features})
+        try:
+            return self._runner({f.graph_name: to_device(request[f.name], self.device)
+                                 for f in self.input_schema.features})
+        except HstuExportError:
+            raise
+        except Exception as exc:  # the artifacts' own checks, compiled guards, the runtime: one line each
+            raise self.refusal(exc, request) from exc
+
+    def refusal(self, exc: BaseException, request: Mapping[str, Tensor]) -> HstuExportError:
+        """What ``exc``, raised by the package's artifacts on a request that passed ``check_request``, tells
+        the caller: a RequestError naming the feature and its limit when a range check inside an artifact
+        refused it (the manifest then does not match the programs) or a compiled guard did (named by the
+        request's features at their limits), a RequestError for a request too large for memory, else a
+        PackageError."""
+        text = str(exc)
+        raised = _ASSERTION.findall(text)  # the last one: TorchScript's traceback quotes the assert's code first
+        if raised:
+            message = raised[-1].strip()
+            for suffix, bound in RANGE_CHECK_MESSAGES:
+                name = message[: -len(suffix)]
+                if message.endswith(suffix) and name in self._feature_names:
+                    return RequestError(self._range_refusal(name, bound, request[name]))
+        first = _first_line(text) or type(exc).__name__
+        if isinstance(exc, torch.OutOfMemoryError):
+            return RequestError(f"the request does not fit in the memory of {self.device} ({first[:200]}); send fewer "
+                                "users or shorter sequences")
+        if _COMPILED_GUARD.search(text) or "exported" in first:
+            return RequestError(
+                f"the package's programs refuse this request although its manifest accepts it ({first[:300]}); at "
+                f"their limits: {self._at_limits(request)}. Re-export the package (export verifies every corner of "
+                "the ranges and narrows what its programs do not take)")
+        return PackageError(f"{self.root}: running the package failed: {first[:500]}")
+
+    def _range_refusal(self, name: str, bound: str, value: Tensor) -> str:
+        spec = self.input_schema.get(name)
+        if bound == "rows":
+            found, limit = f"has {value.size(0)} entries", f"the manifest allows {self.max_batch_size} users"
+        elif bound == "low":
+            found = f"has value {value.min().item() if value.numel() else '?'}"
+            limit = f"the manifest's minimum is {spec.min_value}"
+        else:
+            what = "length" if spec.kind == "lengths" else "value"
+            found = f"has {what} {value.max().item() if value.numel() else '?'}"
+            limit = f"the manifest's maximum is {spec.max_value}"
+        where = "below" if bound == "low" else "beyond"
+        return (f"feature {name!r} {found}, {where} the range the package's programs were exported for (refused by "
+                f"the programs themselves; {limit}, so the manifest does not match the programs: re-export the package)")
+
+    def _at_limits(self, request: Mapping[str, Tensor]) -> str:
+        """``B=1 (min), uih_lengths=1..1 (min)``: the batch size and each lengths feature's shortest and
+        longest user, with the bounds they reach."""
+        users = next((request[f.name].size(0) for f in self.input_schema.features if f.kind == "lengths"), None)
+        parts = [f"B={users}" + (" (max)" if users == self.max_batch_size else " (min)" if users == 1 else "")]
+        for f in self.input_schema.lengths_features():
+            value = request[f.name]
+            if f.same_as or not value.numel():
+                continue
+            low, high = int(value.min()), int(value.max())
+            marks = [m for m, hit in (("min", low == f.min_value), ("max", high == f.max_value)) if hit]
+            parts.append(f"{f.name}={low}..{high}" + (f" ({', '.join(marks)})" if marks else ""))
+        return ", ".join(parts)
 
     predict = __call__
 
@@ -91,6 +152,23 @@ class Predictor:
     def __repr__(self) -> str:
         b = self.manifest["backend"]["name"]
         return f"Predictor({self.root}, backend={b}, device={self.device}, dtype={self.manifest['dtype']})"
+
+
+# The messages of the range checks inside artifacts (hstu_export/graph_functions.py, check_ranges, as
+# TorchScript asserts): the feature's name, then one of these. The C++ runtime reads the same (runtime.cpp).
+RANGE_CHECK_MESSAGES = (
+    (" has more rows than the package was exported for", "rows"),
+    (" has a value below the exported range", "low"),
+    (" has a value beyond the exported range", "high"),
+)
+_ASSERTION = re.compile(r"AssertionError: ([^\n]+)")
+# A guard AOTInductor compiled into a program ("Expected u14 >= 2 but received 1").
+_COMPILED_GUARD = re.compile(r"Expected .+ but received")
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[0] if lines else ""
 
 
 def plain_tensor(name: str, value: Any) -> Tensor:

@@ -62,8 +62,9 @@ def test_export_passes_verification(packages, backend):
     assert parity["passed"]
     assert parity["worst"]["rel_l2"] < 1e-5
     labels = [row["batch"] for row in parity["batches"]]
-    assert labels[0] == "batch size 1" and any("max" in label for label in labels)
-    assert any("shortest and longest" in label for label in labels)
+    assert labels[0] == "corner: B=1, uih_lengths=1 (min), candidate_lengths=1 (min)"
+    assert f"corner: B={MAX_BATCH}, uih_lengths=46 (max), candidate_lengths=16 (max)" in labels
+    assert any("shortest and the longest" in label for label in labels)
     # The aten target leaves nothing of ours: only fbgemm, which torchrec's scripted sparse code calls.
     assert manifest["op_target"] == "aten" and manifest["op_libraries"] == ["fbgemm_gpu"]
     for key in ("versions", "device", "input_schema", "ranges", "passes", "files", "boundary"):

@@ -457,7 +457,7 @@ def test_inspect_a_package_shows_what_its_export_recorded(
     for name in ("prune_unused", "split_sparse_dense", "map_ops", "eliminate_dead_code"):
         assert name in out
     assert "package, backend torchscript, cpu" in out and "verification batch" in out
-    assert "batch size 1" in out and "parity tolerances:" in out and "timings: load" in out
+    assert "corner: B=1, uih_lengths=1 (min)" in out and "parity tolerances:" in out and "timings: load" in out
     assert f"graphs and report: {package / 'graphs' / 'report.html'}" in out
     # What map_ops did, as in the report's op-mapping table: source → target, count, whose table.
     assert "mapped: hstu_export::hstu_mha_gated → hstu_export.ops.reference:hstu_mha_gated_reference x2 (ours)" in out
