@@ -403,13 +403,14 @@ def verify_package(package: Any, model_path: str | None, *, num_random: int = 4,
 
 def bench_package(package: Any, model_path: str | None, *, batch_size: int | None = None, iters: int = 50,
                   warmup: int = 10, seed: int = 11, allow_pickle: bool = False) -> dict[str, Any]:
-    """Latency of the package and of eager on one generated batch (sizes drawn from the ranges)."""
-    from hstu_export.bench import benchmark
+    """Latency of the package and of eager on one generated batch (sizes drawn from the ranges). A
+    ``batch_size`` beyond the package's maximum is timed at the maximum, and the result's ``note`` says so."""
+    from hstu_export.bench import benchmark, clamp_batch_size
     from hstu_export.runtimes.predictor import load
 
     predictor = load(package)
     _, eager = _eager_for_package(predictor, model_path, allow_pickle)
-    b = min(batch_size or predictor.max_batch_size, predictor.max_batch_size)
+    b, note = clamp_batch_size(batch_size, predictor.max_batch_size)
     batch = generate_batch(predictor.input_schema, b, seed=seed)
     device_batch = {k: v.to(predictor.device) for k, v in batch.items()}
     cand = next((f.jagged_by for f in predictor.input_schema.features
@@ -418,6 +419,8 @@ def bench_package(package: Any, model_path: str | None, *, batch_size: int | Non
     res = benchmark(predictor, eager, device_batch, b, num_candidates, iters, warmup, predictor.device)
     res.update({"package": str(package), "batch_size": b, "num_candidates": num_candidates,
                 "device": str(predictor.device), "torch": torch.__version__})
+    if note:
+        res.update(requested_batch_size=batch_size, note=note)
     return res
 
 

@@ -324,3 +324,8 @@ def test_bench_notes_a_batch_size_beyond_the_maximum(inputs, tmp_path, capsys):
     assert capsys.readouterr().err.strip() == ""
     res = json.loads(results.read_text())
     assert res["batch_size"] == 2 and "note" not in res and "requested_batch_size" not in res
+    # The Python API says it too.
+    from hstu_export.verify import bench_package
+
+    res = bench_package(inputs.package, str(inputs.bundle), batch_size=64, iters=1, warmup=0)
+    assert res["batch_size"] == 2 and res["requested_batch_size"] == 64 and res["note"] == note
