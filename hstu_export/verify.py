@@ -3,8 +3,9 @@
 Every run includes the corners of the ranges, derived from the schema (every dynamic dim, the number of
 users and each lengths feature, at its minimum and its maximum, alone and combined: 1 user with 1 history
 item and 1 candidate, the maximum batch with every user at the minimum, ...), batches mixing the
-shortest and the longest users, then seeded random batches. Each output is
-compared by relative L2 error ‖out−ref‖/‖ref‖ and max absolute error against per-dtype tolerances.
+shortest and the longest users, then seeded random batches. Each output is compared by relative L2 error
+‖out−ref‖/‖ref‖ and max absolute error against per-dtype tolerances. ``settle_ranges`` finds the ranges a
+compiled program really takes (docs/PACKAGE.md, "Every request inside the ranges").
 """
 
 from __future__ import annotations

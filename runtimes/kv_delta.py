@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hstu_export.errors import ConfigError, PackageError
+from hstu_export.errors import ConfigError, HstuExportError, PackageError
 from hstu_export.kv_export import bucket_steps, legacy_program_bounds, page_table_width_bound
 from hstu_export.models.cached import KVLayout, stacked_contextual
 from hstu_export.models.ranking import HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES
@@ -86,7 +86,12 @@ class PackageDelta:
 
     def __call__(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
                  page_table: Tensor) -> dict[str, Tensor]:
-        return self.run_program(self.program_inputs(features, cached, k_pages, v_pages, page_table))
+        try:
+            return self.run_program(self.program_inputs(features, cached, k_pages, v_pages, page_table))
+        except HstuExportError:
+            raise
+        except Exception as exc:  # the programs' own checks and guards, named as the predictor names them
+            raise self._predictor.refusal(exc, features) from exc
 
     def program_inputs(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
                        page_table: Tensor) -> dict[str, Tensor]:

@@ -93,19 +93,25 @@ class Predictor:
         return PackageError(f"{self.root}: running the package failed: {first[:500]}")
 
     def _range_refusal(self, name: str, bound: str, value: Tensor) -> str:
+        """Worded as the C++ runtime words it when it cannot read the program's own limit."""
         spec = self.input_schema.get(name)
+        files = self.package_manifest.backend.files
+        artifact = files.get("model") or files.get("sparse") or "the package's programs"
         if bound == "rows":
-            found, limit = f"has {value.size(0)} entries", f"the manifest allows {self.max_batch_size} users"
+            found = f"has {value.size(0)} entries, beyond the exported maximum of users {artifact} was exported for"
+            limit = f"the manifest allows {self.max_batch_size}"
         elif bound == "low":
-            found = f"has value {value.min().item() if value.numel() else '?'}"
-            limit = f"the manifest's minimum is {spec.min_value}"
+            found = f"has value {value.min().item() if value.numel() else '?'} below the range {artifact} was exported for"
+            limit = (f"the manifest's minimum is {spec.min_value}" if spec.min_value is not None
+                     else "the manifest states no minimum")
         else:
             what = "length" if spec.kind == "lengths" else "value"
-            found = f"has {what} {value.max().item() if value.numel() else '?'}"
-            limit = f"the manifest's maximum is {spec.max_value}"
-        where = "below" if bound == "low" else "beyond"
-        return (f"feature {name!r} {found}, {where} the range the package's programs were exported for (refused by "
-                f"the programs themselves; {limit}, so the manifest does not match the programs: re-export the package)")
+            found = (f"has {what} {value.max().item() if value.numel() else '?'} beyond the range {artifact} was "
+                     "exported for")
+            limit = (f"the manifest's maximum is {spec.max_value}" if spec.max_value is not None
+                     else "the manifest states no maximum")
+        return (f"feature {name!r} {found} (refused by {artifact} itself; {limit}, so the manifest does not match "
+                "the package's programs: re-export the package)")
 
     def _at_limits(self, request: Mapping[str, Tensor]) -> str:
         """``B=1 (min), uih_lengths=1..1 (min)``: the batch size and each lengths feature's shortest and

@@ -200,3 +200,44 @@ def test_max_batch_size_1_exports_and_serves_one_user(tmp_path: Path, backend: s
     assert all(torch.allclose(got[k], expected[k], rtol=1e-5, atol=1e-5) for k in expected)
     with pytest.raises(RequestError, match="batch size 2 is beyond the exported maximum 1"):
         predictor(hstu_export.generate_batch(predictor.input_schema, 2, seed=4))
+
+
+@pytest.mark.slow
+def test_a_compiled_guard_is_narrowed_at_export_and_named_by_both_runtimes(gr_bundle: Path, tmp_path: Path,
+                                                                          monkeypatch, cpp_runtime) -> None:
+    """Without the fix that keeps data-read sizes at their declared minima, AOTInductor compiles a guard
+    that refuses 1 user with 1 candidate (the bug this issue reported). Unverified, such a package refuses
+    the request in both runtimes with one line naming the features at their limits; verified, export
+    narrows the candidates' minimum, says so and records it."""
+    import contextlib
+
+    import hstu_export.runtimes.aoti as aoti
+
+    monkeypatch.setattr(aoti, "unbacked_ranges_hold_at_one", contextlib.nullcontext)
+    mappings = {gr_style.ATTENTION: gr_style.GR_ATTENTION}
+    unverified = hstu_export.export(gr_bundle, tmp_path / "unverified", ExportSettings(
+        backend="aoti", max_batch_size=4, op_mappings=mappings, verify=VerifySettings(enabled=False)))
+    predictor = hstu_export.load(unverified.path)
+    model = hstu_export.load_bundle(gr_bundle).model
+    one = flatten_example(predictor.input_schema, gr_style.example_inputs([3], [1], seed=1), None, model)
+    with pytest.raises(RequestError) as info:
+        predictor(one)
+    message = str(info.value)
+    assert "refuse this request although its manifest accepts it (Expected " in message, message
+    assert "candidates_features.cand_item_id.lengths=1..1 (min)" in message and "B=1 (min)" in message
+    done = cpp_runtime.run(unverified.path, save_tensors(one, tmp_path / "one"), "--out", tmp_path / "out")
+    assert done.returncode != 0 and "refuse this request although its manifest accepts it (Expected " in done.stderr
+    assert "candidates_features.cand_item_id.lengths=1..1 (min)" in done.stderr
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        verified = hstu_export.export(gr_bundle, tmp_path / "verified", ExportSettings(
+            backend="aoti", max_batch_size=4, op_mappings=mappings, verify=VerifySettings(num_random_batches=1)))
+    notes = [str(w.message) for w in caught if issubclass(w.category, NarrowedRangeWarning)]
+    assert len(notes) == 1 and notes[0].startswith("candidates_features.cand_item_id.lengths narrowed to >= 2 "
+                                                   "(declared 1): the compiled program refuses"), notes
+    [record] = verified.manifest["ranges"]["narrowed"]
+    assert (record["bound"], record["declared"], record["exported"]) == ("min", 1, 2) and "Expected" in record["reason"]
+    assert verified.parity["passed"]
+    with pytest.raises(RequestError, match="below the minimum 2"):
+        hstu_export.load(verified.path)(one)

@@ -20,8 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gr_ranker, the factory the bundle names
 
 import gr_ranker
+import torch
 
 import hstu_export
+from hstu_export.outputs import call_model
 
 
 def main() -> int:
@@ -57,10 +59,29 @@ def main() -> int:
             "mapped": passes["map_ops"].get("foreign"), "not_mapped": passes["map_ops"].get("foreign_kept"),
             "opaque": result.manifest["capture"]["opaque_calls"], "backend_meta": result.manifest["backend"]["meta"],
             "files": {k: v for k, v in result.manifest["backend"]["files"].items()},
+            "narrowed": result.manifest["ranges"].get("narrowed", []),
+            "corners": serve_corners(result.path, model),
         }
         print(f"{backend}: ok in {results[backend]['seconds']} s, worst rel. L2 {result.parity['worst']['rel_l2']:.2e}")
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     return 0 if all(r["ok"] for r in results.values()) else 1
+
+
+def serve_corners(package: Path, model: torch.nn.Module) -> dict[str, float]:
+    """The package against ``DlrmHSTU.forward`` on single-user requests at the ranges' minima: the worst
+    absolute difference per request (history items, candidates)."""
+    predictor = hstu_export.load(package)
+    worst = {}
+    for history, candidates in [(1, 1), (1, 8), (40, 1), (3, 1)]:
+        request = hstu_export.flatten_example(predictor.input_schema,
+                                              gr_ranker.example_inputs([history], [candidates], seed=history),
+                                              None, model)
+        with torch.no_grad():
+            expected = call_model(model, predictor.input_schema, request)
+        got = predictor(request)
+        worst[f"1 user, {history} history, {candidates} candidates"] = max(
+            float((got[k] - expected[k]).abs().max()) for k in expected)
+    return worst
 
 
 if __name__ == "__main__":

@@ -91,9 +91,9 @@ def test_a_range_check_inside_the_artifact_is_a_request_error_naming_the_feature
     with pytest.raises(RequestError) as info:
         predictor(batch)
     message = str(info.value)
-    assert message.startswith(f"feature 'uih_lengths' has length {exported_max + 2}, beyond the range the package's "
-                              "programs were exported for"), message
-    assert "the manifest's maximum is 60" in message and "re-export the package" in message
+    assert message == (f"feature 'uih_lengths' has length {exported_max + 2} beyond the range model/model.ts was "
+                       "exported for (refused by model/model.ts itself; the manifest's maximum is 60, so the manifest "
+                       "does not match the package's programs: re-export the package)"), message
     assert "\n" not in message
 
 
@@ -136,3 +136,17 @@ def test_any_other_failure_of_the_programs_is_a_package_error(package, monkeypat
     monkeypatch.setattr(predictor, "_runner", broken)
     with pytest.raises(PackageError, match=r"running the package failed: something inside the program$"):
         predictor(generate_batch(predictor.input_schema, 2, seed=6))
+
+
+def test_the_cpp_runtime_refuses_a_feature_dtype_the_artifact_does_not_take(pkg, tmp_path, cpp_runtime):
+    schema = hstu_export.load(pkg).input_schema
+    request = save_tensors(generate_batch(schema, 2, seed=7), tmp_path / "request")
+
+    def narrower(manifest: dict[str, Any]) -> None:
+        feature(manifest, "query_time")["dtype"] = "int32"
+
+    rewrite(pkg, narrower)
+    done = cpp_runtime.run(pkg, request, "--out", tmp_path / "out")
+    assert done.returncode != 0 and not (tmp_path / "out").exists()
+    assert ("field 'input_schema.features.query_time.dtype' is 'int32' but artifacts.model.inputs[" in done.stderr
+            and "takes 'int64'" in done.stderr and len(done.stderr.strip().splitlines()) == 1), done.stderr

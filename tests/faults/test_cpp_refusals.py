@@ -105,3 +105,23 @@ def test_requests_within_the_programs_ranges_still_run(cpp_runtime, kv_package, 
     request = save_tensors(_request({"a": 46, "b": 1}), tmp_path / "request")
     done = cpp_runtime.run(package, request, "--kv-cache", "auto", "--user-ids", "1,2", "-q")
     assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["plain", "kv-cache"])
+def test_python_names_the_feature_as_cpp_does(kv_package, tmp_path, cached) -> None:  # type: ignore[no-untyped-def]
+    """The Python predictor and its KV cache word the same refusal as the C++ runtime does when it cannot read the
+    program's own limit: a RequestError, never a raw torch.jit.Error."""
+    import hstu_export
+    from hstu_export.errors import RequestError
+
+    _, root, _ = kv_package
+    package = tmp_path / "pkg"
+    shutil.copytree(root, package)
+    rewrite_manifest(package, _longer_histories)
+    predictor = hstu_export.load(package)
+    request = _request({"a": 47, "b": 3})
+    with pytest.raises(RequestError) as info:
+        predictor.kv_cache()(request, [1, 2]) if cached else predictor(request)
+    assert str(info.value) == ("feature 'uih_lengths' has length 47 beyond the range sparse/sparse.ts was exported for "
+                               "(refused by sparse/sparse.ts itself; the manifest's maximum is 100, so the manifest "
+                               "does not match the package's programs: re-export the package)")

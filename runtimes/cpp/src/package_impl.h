@@ -137,8 +137,10 @@ struct Package::Impl {
   NamedTensors run(const Tensors& inputs, detail::PhaseClock& clock) const;
   // When `exc`, raised while the artifacts ran `request`, is one of their own range checks (passes/guard_ranges.py;
   // the manifest let the request through), the RequestError naming the feature, its value and the limit the
-  // artifact holds it to; nullopt for any other error.
+  // artifact holds it to; when it is a guard compiled into a program, the RequestError naming the request's
+  // features at their limits (docs/PACKAGE.md, "Every request inside the ranges"); nullopt for any other error.
   std::optional<RequestError> range_refusal(const std::exception& exc, const Tensors& request) const;
+  std::string at_limits(const Tensors& request) const;
 };
 
 }  // namespace hstu_export

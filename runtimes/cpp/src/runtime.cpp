@@ -636,6 +636,16 @@ std::shared_ptr<const Package> Package::open(const std::string& path, const Opti
       if (!spec.feature.empty() && !feature_names.count(spec.feature)) {
         fields.fail(at + ".feature", "names " + in_quotes(spec.feature) + ", which is not in input_schema");
       }
+      if (!spec.feature.empty()) {
+        // Requests are checked against the schema's dtype: it must be the one the artifact takes.
+        const std::string takes = fields.string(inputs.array[i], "dtype", at);
+        auto f = std::find_if(impl->features.begin(), impl->features.end(),
+                              [&](const Feature& g) { return g.name == spec.feature; });
+        if (f != impl->features.end() && f->dtype != takes) {
+          fields.fail("input_schema.features." + spec.feature + ".dtype",
+                      "is " + in_quotes(f->dtype) + " but " + at + " takes " + in_quotes(takes));
+        }
+      }
       artifact.inputs.push_back(std::move(spec));
     }
     const auto& outputs = fields.of_type(fields.member(entry, "outputs", where), Value::Type::Array, where + ".outputs");
@@ -968,9 +978,47 @@ std::optional<CheckedRange> checked_range(const torch::jit::Module& module, cons
 
 }  // namespace
 
+// "B=1 (min), uih_lengths=1..1 (min)": the request's number of users and each lengths feature's shortest and
+// longest user, with the manifest's bounds they reach (a compiled guard names only its symbols).
+std::string Package::Impl::at_limits(const Tensors& request) const {
+  std::string out;
+  std::optional<int64_t> users;
+  for (const auto& f : features) {
+    if (f.kind == "lengths" && request.count(f.name)) {
+      users = request.at(f.name).size(0);
+      break;
+    }
+  }
+  if (users) {
+    out = "B=" + std::to_string(*users) + (*users == max_batch_size ? " (max)" : *users == 1 ? " (min)" : "");
+  }
+  for (const auto& f : features) {
+    if (f.kind != "lengths" || !f.same_as.empty() || !request.count(f.name) || request.at(f.name).numel() == 0) continue;
+    const at::Tensor values = request.at(f.name).to(at::kCPU);
+    int64_t low = values.min().item<int64_t>(), high = values.max().item<int64_t>();
+    std::string marks;
+    if (f.min_value && low == static_cast<int64_t>(*f.min_value)) marks = "min";
+    if (f.max_value && high == static_cast<int64_t>(*f.max_value)) marks += std::string(marks.empty() ? "" : ", ") + "max";
+    out += (out.empty() ? "" : ", ") + f.name + "=" + std::to_string(low) + ".." + std::to_string(high) +
+           (marks.empty() ? "" : " (" + marks + ")");
+  }
+  return out;
+}
+
 std::optional<RequestError> Package::Impl::range_refusal(const std::exception& exc, const Tensors& request) const {
   std::string text = exc.what();
   if (const auto* c10_error = dynamic_cast<const c10::Error*>(&exc)) text = c10_error->what_without_backtrace();
+  // A guard AOTInductor compiled into a program ("Expected u14 >= 2 but received 1"): the request is inside the
+  // manifest's ranges (validate() ran), so the program is narrower than its manifest.
+  if (size_t guard = text.find("Expected "); guard != std::string::npos && text.find(" but received", guard) != std::string::npos) {
+    std::string raised = text.substr(guard);
+    raised = raised.substr(0, raised.find('\n'));
+    raised.erase(raised.find_last_not_of(" \t\r") + 1);
+    return RequestError("the package's programs refuse this request although its manifest accepts it (" + raised.substr(0, 300) +
+                        "); at their limits: " + at_limits(request) +
+                        ". Re-export the package (export verifies every corner of the ranges and narrows what its "
+                        "programs do not take)");
+  }
   const std::string marker = "AssertionError: ";
   size_t at = text.rfind(marker);
   if (at == std::string::npos) return std::nullopt;
