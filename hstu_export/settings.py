@@ -30,8 +30,9 @@ DEFAULT_TOLERANCES = {
 TF32_TOLERANCES = {"rel_l2": 2e-4, "max_abs": 5e-4}
 MAX_BATCH_SIZE = 65_536
 
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50, "k": 2**10, "m": 2**20,
+               "g": 2**30}
 
 
 def parse_size(text: str | int) -> int:
