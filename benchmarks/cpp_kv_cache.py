@@ -49,7 +49,7 @@ from kv_cache import PAGE, WORKLOADS, failure, request
 import hstu_export
 from hstu_export.models.config import preset_config
 from hstu_export.models.ranking import HstuRankingModel
-from hstu_export.tensor_dir import load_tensors, save_tensors
+from hstu_export.package.tensor_dir import load_tensors, save_tensors
 
 REPO = Path(__file__).resolve().parent.parent
 LATENCY = re.compile(r"p50 ([0-9.]+) ms, p99 ([0-9.]+) ms")

@@ -26,8 +26,8 @@ import torch
 
 import hstu_export
 from hstu_export.models import build_preset
+from hstu_export.package.tensor_dir import load_tensors, save_tensors
 from hstu_export.runtimes.aoti import package_op_libraries
-from hstu_export.tensor_dir import load_tensors, save_tensors
 
 REPO = Path(__file__).resolve().parent.parent
 # The dlrmv3 workload (B up to 32, histories up to 2048, 2048 candidates); tiny for a quick check.

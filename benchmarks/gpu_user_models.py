@@ -21,7 +21,7 @@ import torch
 from user_models import dlrm_hstu, pooled
 
 import hstu_export
-from hstu_export.schema_inference import flatten_example
+from hstu_export.sources.schema_inference import flatten_example
 
 GR_ATTENTION = "generative_recommenders.ops.pytorch.pt_hstu_attention.pytorch_hstu_mha"
 CASES = {
@@ -48,7 +48,7 @@ def run(name: str, out: Path) -> dict:
     eager = model.to("cuda")
     with torch.no_grad():
         args, kwargs = predictor.input_schema.assemble({k: v.cuda() for k, v in request.items()})
-        expected = hstu_export.outputs.flatten_outputs(eager(*args, **kwargs))
+        expected = hstu_export.sources.outputs.flatten_outputs(eager(*args, **kwargs))
     got = predictor(request)
     passes = {p["name"]: p["stats"] for p in result.manifest["passes"]}
     return {
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(CASES))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    import hstu_export.outputs  # noqa: F401
+    import hstu_export.sources.outputs  # noqa: F401
 
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
     for name in args.models:

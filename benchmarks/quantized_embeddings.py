@@ -32,11 +32,11 @@ import torch.utils.benchmark as tbench
 
 import hstu_export
 from hstu_export import ExportSettings, VerifySettings, generate_batch, save_bundle
-from hstu_export.bundle import load_bundle
 from hstu_export.exporter import _compile_inputs, capture, export_ranges, probe_batch
 from hstu_export.models import build_preset
 from hstu_export.runtimes.sparse_torchscript import compile_sparse
 from hstu_export.settings import EmbeddingQuantization
+from hstu_export.sources.bundle import load_bundle
 
 
 def sparse_half(bundle: Any, settings: ExportSettings, out_dir: Path) -> tuple[dict[str, Any], Any, dict[str, Any]]:

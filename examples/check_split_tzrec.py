@@ -19,7 +19,7 @@ import torch
 from hstu_export import PassContext, generate_batch, run_passes, trace
 from hstu_export.errors import HstuExportError
 from hstu_export.models import build_preset
-from hstu_export.pipeline import max_rel_error, parameter_totals
+from hstu_export.passes.manager import max_rel_error, parameter_totals
 
 # (batch size, uih lengths, candidate lengths); None draws lengths up to the given caps.
 CASES: list[tuple[int, list[int] | int, list[int] | int]] = [

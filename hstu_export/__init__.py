@@ -17,11 +17,11 @@ Python API (release scripts):
 
 from __future__ import annotations
 
-from hstu_export.batch import generate_batch
-from hstu_export.bundle import ModelBundle, load_bundle, save_bundle
 from hstu_export.errors import HstuExportError
-from hstu_export.registry import build_model, register_model, registered_models
-from hstu_export.schema import FeatureSpec, InputSchema
+from hstu_export.package.schema import FeatureSpec, InputSchema
+from hstu_export.sources.bundle import ModelBundle, load_bundle, save_bundle
+from hstu_export.sources.registry import build_model, register_model, registered_models
+from hstu_export.verification.batch import generate_batch
 from hstu_export.version import __version__
 
 
@@ -43,10 +43,10 @@ _source_checkout_subpackages()
 # `hstu-export --help` and bundle handling stay fast.
 _LAZY = {
     "trace": "hstu_export.capture",
-    "run_passes": "hstu_export.pipeline",
-    "PassContext": "hstu_export.pipeline",
-    "PipelineResult": "hstu_export.pipeline",
-    "BoundarySchema": "hstu_export.boundary",
+    "run_passes": "hstu_export.passes.manager",
+    "PassContext": "hstu_export.passes.context",
+    "PipelineResult": "hstu_export.passes.manager",
+    "BoundarySchema": "hstu_export.passes.boundary",
     "export": "hstu_export.exporter",
     "ExportResult": "hstu_export.exporter",
     "ExportSettings": "hstu_export.settings",
@@ -54,11 +54,11 @@ _LAZY = {
     "EmbeddingQuantization": "hstu_export.settings",
     "load": "hstu_export.runtimes.predictor",
     "Predictor": "hstu_export.runtimes.predictor",
-    "verify_package": "hstu_export.verify",
-    "infer_schema": "hstu_export.schema_inference",
-    "flatten_example": "hstu_export.schema_inference",
-    "ExportHints": "hstu_export.hints",
-    "ArgumentSpec": "hstu_export.schema",
+    "verify_package": "hstu_export.verification.packages",
+    "infer_schema": "hstu_export.sources.schema_inference",
+    "flatten_example": "hstu_export.sources.schema_inference",
+    "ExportHints": "hstu_export.sources.hints",
+    "ArgumentSpec": "hstu_export.package.schema",
 }
 
 

@@ -142,8 +142,8 @@ def describe(model: str, allow_pickle: bool, quantize_embeddings: str, quantize_
              imports: tuple[str, ...], verbose: bool) -> None:
     """Print a model bundle's name, config, parameters, sparse tables and example batch; with
     --quantize-embeddings, each table's stored size in that mode and the bytes saved."""
-    from hstu_export.bundle import load_bundle
-    from hstu_export.describe import describe_bundle
+    from hstu_export.sources.bundle import load_bundle
+    from hstu_export.sources.describe import describe_bundle
 
     quantization = _quantization(quantize_embeddings, quantize_table)
     bundle = load_bundle(model, allow_pickle=allow_pickle, imports=imports)
@@ -430,12 +430,13 @@ def verify(package: str, model_path: str | None, batches: int, seed: int, rtol: 
     --key its signature first."""
     from hstu_export.errors import ConfigError, VerificationError
     from hstu_export.settings import VerifySettings
-    from hstu_export.verify import mismatch_summary, verify_package
+    from hstu_export.verification.packages import verify_package
+    from hstu_export.verification.parity import mismatch_summary
 
     if signature_only and public_key is None:
         raise ConfigError("--signature-only needs --key PUBLIC_KEY")
     if public_key is not None:
-        from hstu_export.signing import verify_signature
+        from hstu_export.package.signing import verify_signature
 
         verify_signature(package, public_key)
         console.print(f"[green]signature ok[/green] ({escape(public_key)})")
@@ -475,7 +476,7 @@ def sign(package: str, private_key: str, verbose: bool) -> None:
       hstu-export sign model.aoti --key key.pem
       hstu-export verify model.aoti --key pub.pem --signature-only
     """
-    from hstu_export.signing import sign_package
+    from hstu_export.package.signing import sign_package
 
     path = sign_package(package, private_key)
     console.print(f"signed: {escape(str(path))}")
@@ -495,10 +496,10 @@ def run(package: str, batch_path: str, output: str | None, output_dir: str | Non
     """Run a package on one batch and print its outputs."""
     from pathlib import Path
 
-    from hstu_export.package import check_new_output_dir, check_output_file, write_file_atomically
+    from hstu_export.package.directory import check_new_output_dir, check_output_file, write_file_atomically
+    from hstu_export.package.tensor_dir import saved_bytes, write_tensors
     from hstu_export.runtimes.predictor import load
-    from hstu_export.tensor_dir import saved_bytes, write_tensors
-    from hstu_export.verify import load_batch_file
+    from hstu_export.verification.packages import load_batch_file
 
     # Where the outputs go is checked before the package runs (write_tensors checks the rest again).
     if output:
@@ -560,10 +561,10 @@ def request(package: str, out_dir: str, batch_size: int | None, seed: int, verbo
     hstu-export-run, the C++ runtime's CLI, and `hstu-export run --batch DIR` read)."""
     from pathlib import Path
 
-    from hstu_export.batch import generate_batch
     from hstu_export.errors import ConfigError
-    from hstu_export.package import load_manifest
-    from hstu_export.tensor_dir import write_tensors
+    from hstu_export.package.directory import load_manifest
+    from hstu_export.package.tensor_dir import write_tensors
+    from hstu_export.verification.batch import generate_batch
 
     manifest = load_manifest(Path(package))
     size = batch_size or manifest.ranges.max_batch_size
@@ -593,10 +594,10 @@ def bench(package: str, model_path: str | None, batch_size: int | None, iters: i
     import json
     from pathlib import Path
 
-    from hstu_export.bench import clamp_batch_size
-    from hstu_export.bundle import import_modules
-    from hstu_export.package import check_output_file, load_manifest, write_file_atomically
-    from hstu_export.verify import bench_package
+    from hstu_export.package.directory import check_output_file, load_manifest, write_file_atomically
+    from hstu_export.sources.bundle import import_modules
+    from hstu_export.verification.bench import clamp_batch_size
+    from hstu_export.verification.packages import bench_package
 
     if json_path:  # before minutes of timing, not after
         check_output_file(Path(json_path), "--json")
@@ -676,9 +677,9 @@ def inspect(
         _inspect_package(Path(model), open_report)
         return
 
-    from hstu_export.bundle import load_bundle
     from hstu_export.exporter import capture
     from hstu_export.settings import ExportSettings
+    from hstu_export.sources.bundle import load_bundle
 
     if verbose:
         logging.basicConfig(level=logging.DEBUG, format="%(name)s: %(message)s")
@@ -772,7 +773,7 @@ def _inspect_package(root: Any, open_report: bool) -> None:
     import json
     from pathlib import Path
 
-    from hstu_export.package import load_manifest
+    from hstu_export.package.directory import load_manifest
 
     raw = load_manifest(root).raw
     model = raw["model"] if isinstance(raw.get("model"), dict) else {}

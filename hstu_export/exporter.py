@@ -18,19 +18,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hstu_export.artifacts import describe as describe_artifacts
-from hstu_export.artifacts import name_dims, op_library_files
-from hstu_export.batch import generate_batch
-from hstu_export.bundle import ModelBundle, load_bundle
 from hstu_export.errors import ConfigError, ExportError, VerificationError
-from hstu_export.hints import model_hints
 from hstu_export.ops.mappings import (
     fixed_attention_scale,
     function_mappings,
     imported_functions,
     unscalable_attention,
 )
-from hstu_export.package import (
+from hstu_export.package.artifacts import describe as describe_artifacts
+from hstu_export.package.artifacts import name_dims, op_library_files
+from hstu_export.package.directory import (
     OP_NAMESPACE,
     check_target,
     commit,
@@ -40,17 +37,16 @@ from hstu_export.package import (
     staging_dir,
     write_manifest,
 )
+from hstu_export.package.ranges import ExportRanges, exported_schema
+from hstu_export.package.schema import InputSchema
 from hstu_export.runtimes import get_backend
 from hstu_export.runtimes.base import CompileInputs, DimSpec
-from hstu_export.schema import InputSchema
 from hstu_export.settings import ExportSettings
-from hstu_export.verify import (
-    ExportRanges,
-    check_parity,
-    exported_schema,
-    mismatch_summary,
-    verification_batches,
-)
+from hstu_export.sources.bundle import ModelBundle, load_bundle
+from hstu_export.sources.hints import model_hints
+from hstu_export.verification.batch import generate_batch
+from hstu_export.verification.corners import verification_batches
+from hstu_export.verification.parity import check_parity, mismatch_summary
 
 BATCH_DIM = "batch"
 Progress = Callable[[str], Any]  # called with a stage name; may return a context manager
@@ -217,7 +213,8 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
     """Trace the bundle's model (on ``settings.device``/``dtype``) and run the passes. ``need_ranges``
     False (inspect) falls back to the bundle's example batch when no lengths ranges are known."""
     from hstu_export.capture import trace
-    from hstu_export.pipeline import PassContext, run_passes
+    from hstu_export.passes.context import PassContext
+    from hstu_export.passes.manager import run_passes
 
     timings = {} if timings is None else timings
     device = settings.torch_device
@@ -282,7 +279,7 @@ def export(
     cannot be written there: read-only, no permission, not enough disk space; nothing done), ExportError
     (also a full disk or a read-only file system met while writing; nothing written), VerificationError
     (nothing written)."""
-    from hstu_export.package import check_free_space, check_writable, file_system_errors
+    from hstu_export.package.directory import check_free_space, check_writable, file_system_errors
 
     settings = settings or ExportSettings()
     out = Path(out)
@@ -430,7 +427,7 @@ def _refuse_what_the_machine_cannot_hold(bundle: ModelBundle, settings: ExportSe
     the weights in the export dtype."""
     import math
 
-    from hstu_export.package import check_free_space
+    from hstu_export.package.directory import check_free_space
     from hstu_export.settings import format_bytes, machine_memory
 
     schema = bundle.input_schema
@@ -462,7 +459,7 @@ def _refuse_what_the_machine_cannot_hold(bundle: ModelBundle, settings: ExportSe
 def _check_op_libraries(libraries: list[str]) -> None:
     """Packages load only op libraries hstu-export knows (no arbitrary import at load time): an op
     namespace without one cannot be shipped, so say so now rather than at the first load."""
-    from hstu_export.manifest import OP_LIBRARIES
+    from hstu_export.package.manifest import OP_LIBRARIES
 
     unknown = sorted(set(libraries) - set(OP_LIBRARIES))
     if unknown:
@@ -495,13 +492,13 @@ def _collecting_triton_configs() -> contextlib.AbstractContextManager[dict[str, 
 
 def _settle_ranges(root: Path, manifest: dict[str, Any], schema: InputSchema, ranges: ExportRanges,
                    settings: ExportSettings) -> ExportRanges:
-    """The package's program on every corner of its ranges (``hstu_export.verify.settle_ranges``). A bound it
+    """The package's program on every corner of its ranges (``hstu_export.verification.corners.settle_ranges``). A bound it
     refuses is narrowed: written into the staged manifest (input schema, ranges, ``ranges.narrowed``) and
     said in one warning line each. Returns the ranges the package serves."""
     import warnings
 
     from hstu_export.runtimes.predictor import load
-    from hstu_export.verify import narrowing_note, settle_ranges
+    from hstu_export.verification.corners import narrowing_note, settle_ranges
 
     predictor = load(root, verify_checksums=False)
     settled, narrowed = settle_ranges(predictor, schema, ranges, settings.verify.seed)
@@ -523,9 +520,9 @@ def _verify(root: Path, reference: Any, schema: InputSchema, ranges: ExportRange
             op_target: str, quantized_tables: list[dict[str, Any]], output_shapes: dict[str, list[int | str]]
             ) -> dict[str, Any]:
     """Parity against the user's fp32 model; with quantized tables, at the coarsest mode's tolerances and
-    with each user's candidate ranking compared (Kendall tau, ``hstu_export.rank_agreement``)."""
-    from hstu_export import rank_agreement
+    with each user's candidate ranking compared (Kendall tau, ``hstu_export.verification.rank_agreement``)."""
     from hstu_export.runtimes.predictor import load
+    from hstu_export.verification import rank_agreement
 
     predictor = load(root, verify_checksums=False)
     batches = verification_batches(schema, ranges, settings.verify.seed, settings.verify.num_random_batches)
@@ -564,7 +561,7 @@ def _eager_reference(eager: nn.Module, schema: InputSchema, settings: ExportSett
                      functions: dict[str, Any], device: torch.device) -> Any:
     """The user's own model on a flat request (its arguments assembled by the schema), outputs flattened
     by name; with ``--attention-scale fixed:N``, its foreign attention run with that divisor."""
-    from hstu_export.outputs import call_model
+    from hstu_export.sources.outputs import call_model
 
     def run(batch: dict[str, Tensor]) -> dict[str, Tensor]:
         with fixed_attention_scale(settings.attention_scale, functions, eager), torch.no_grad():
@@ -594,7 +591,7 @@ def _output_shapes(result: Any, schema: InputSchema, ranges: ExportRanges, input
                    settings: ExportSettings) -> dict[str, list[int | str]]:
     """Each output's shape with its dynamic dims named: the graph is run on a second example whose dynamic
     sizes all differ from the export example's, and an axis whose size changed is matched to the input
-    dim that changed alike (``hstu_export.artifacts.name_dims``)."""
+    dim that changed alike (``hstu_export.package.artifacts.name_dims``)."""
     from hstu_export.runtimes.graph_io import as_output_dict
 
     first = dim_values(schema, ranges, inputs.example_features)

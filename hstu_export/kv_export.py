@@ -168,7 +168,7 @@ def example_inputs(model: HstuRankingModel, ranges: Any, page_size: int, device:
     """A delta request for torch.export: two users with nothing cached, the others with a few tokens;
     every dynamic size >= 2 and different from the others (so that none is specialised to a constant or
     unified with another), whatever the package's length ranges."""
-    from hstu_export.batch import generate_batch
+    from hstu_export.verification.batch import generate_batch
 
     layout = KVLayout.of(model)
     max_hist, max_cand = ranges.max_lengths[HISTORY_LENGTHS], ranges.max_lengths[CANDIDATE_LENGTHS]
@@ -323,7 +323,7 @@ class _Histories:
     a request takes a prefix of each named user's history, and fresh candidates."""
 
     def __init__(self, schema: Any, layout: KVLayout, users: int, max_hist: int, seed: int) -> None:
-        from hstu_export.batch import generate_batch
+        from hstu_export.verification.batch import generate_batch
 
         self.layout, self.schema, self.seed = layout, schema, seed
         self.full = generate_batch(schema, users, seed=seed, lengths={HISTORY_LENGTHS: [max_hist] * users,
@@ -332,7 +332,7 @@ class _Histories:
         self.calls = 0
 
     def request(self, users: list[int], hist: list[int], cand: list[int]) -> dict[str, Tensor]:
-        from hstu_export.batch import generate_batch
+        from hstu_export.verification.batch import generate_batch
 
         self.calls += 1
         fresh = generate_batch(self.schema, len(users), seed=self.seed + 101 * self.calls,
@@ -371,7 +371,7 @@ def verify_kv_cache(predictor: Any, reference: Callable[[dict[str, Tensor]], dic
     """Serve :func:`verification_steps` through the package's cache, in order, and compare each answer
     with ``reference`` (the user's model on the whole request). Returns the ``parity.kv_cache`` record:
     ``check_parity``'s, plus the cache's counters; it fails when no request was served from the cache."""
-    from hstu_export.verify import check_parity
+    from hstu_export.verification.parity import check_parity
 
     section = predictor.manifest["kv_cache"]
     ranker = predictor.kv_cache()
@@ -393,7 +393,7 @@ def verify_kv_cache(predictor: Any, reference: Callable[[dict[str, Tensor]], dic
 
 def kv_failure(report: dict[str, Any]) -> str:
     """Why :func:`verify_kv_cache`'s ``report`` failed, in one line."""
-    from hstu_export.verify import mismatch_summary
+    from hstu_export.verification.parity import mismatch_summary
 
     if all(row["passed"] for row in report["batches"]):
         return "no request was served from the KV cache"

@@ -1,4 +1,6 @@
-"""Graph passes, one file each, and the one list that orders them.
+"""Graph passes, one file each, and the one list that orders them; the pass manager (``manager``), what a
+pass reads (``context``) and what the manager records of each (``record``); the sparse/dense boundary the
+split writes (``boundary``).
 
 Adding a pass = one file here defining a class (``name`` attribute, ``run(gm, ctx) -> gm``, statistics
 through ``ctx.add_stat``; set ``recursive = False`` to see only the top graph) + one line in ``PASSES``.
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 from hstu_export.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hstu_export.pipeline import GraphPass
+    from hstu_export.passes.context import GraphPass
 
 
 @dataclass(frozen=True)

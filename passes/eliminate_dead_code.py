@@ -10,7 +10,7 @@ import torch.fx
 from .prune_unused import prune_unused_attributes
 
 if TYPE_CHECKING:
-    from hstu_export.pipeline import PassContext
+    from hstu_export.passes.context import PassContext
 
 
 class EliminateDeadCode:

@@ -28,7 +28,7 @@ from torch import nn
 from .prune_unused import prune_unused_attributes
 
 if TYPE_CHECKING:
-    from hstu_export.pipeline import PassContext
+    from hstu_export.passes.context import PassContext
 
 __all__ = ["FuseParallelMlps", "fuse_parallel_mlps", "fused_module"]
 

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch.fx
 
-from hstu_export.boundary import DENSE, SPARSE
-from hstu_export.graph_functions import check_ranges
+from hstu_export.capture.graph_functions import check_ranges
+from hstu_export.passes.boundary import DENSE, SPARSE
 
 if TYPE_CHECKING:
-    from hstu_export.pipeline import PassContext
+    from hstu_export.passes.context import PassContext
 
 NO_LIMIT = 2**62
 

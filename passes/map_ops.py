@@ -38,7 +38,7 @@ from hstu_export.ops.mappings import (
 )
 
 if TYPE_CHECKING:
-    from hstu_export.pipeline import PassContext
+    from hstu_export.passes.context import PassContext
 
 TARGETS = ("triton", "aten", "fbgemm")
 TARGET_ALIASES = {"rtp": "aten"}

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 import torch.fx
 
 from hstu_export.capture import module_matches
+from hstu_export.capture.graph_functions import int_to_tensor, sparse_boundary, tensor_to_int
 from hstu_export.errors import PassError
-from hstu_export.graph_functions import int_to_tensor, sparse_boundary, tensor_to_int
-from hstu_export.schema import graph_name
+from hstu_export.package.schema import graph_name
 
 if TYPE_CHECKING:
-    from hstu_export.pipeline import PassContext
+    from hstu_export.passes.context import PassContext
 
 NAME = "mark_sparse_dense"
 ACCESSORS = ("values", "lengths", "offsets", "weights", "lengths_or_none", "weights_or_none", "to_dict")
@@ -50,7 +50,7 @@ class MarkSparseDense:
             raise PassError(
                 f"{NAME}: the graph calls no embedding module ({', '.join(c.rsplit('.', 1)[-1] for c in ctx.embedding_modules)}) "
                 "and has no sparse_boundary marks; name the model's embedding modules with --leaf-module, or mark "
-                "the boundary with hstu_export.graph_functions.sparse_boundary"
+                "the boundary with hstu_export.capture.graph_functions.sparse_boundary"
             )
         merged = _merge_repeated_accessors(graph)
         if merged:

@@ -26,7 +26,7 @@ from torch import Tensor
 from hstu_export.errors import PassError
 
 if TYPE_CHECKING:
-    from hstu_export.pipeline import PassContext
+    from hstu_export.passes.context import PassContext
 
 STRUCTURED_TYPES = ("KeyedJaggedTensor", "JaggedTensor", "KeyedTensor")
 
@@ -91,7 +91,7 @@ def has_data_dependent_ints(gm: torch.fx.GraphModule) -> bool:
 
 
 def has_marks(gm: torch.fx.GraphModule) -> bool:
-    from hstu_export.graph_functions import sparse_boundary
+    from hstu_export.capture.graph_functions import sparse_boundary
 
     return any(n.op == "call_function" and n.target is sparse_boundary for n in gm.graph.nodes)
 

@@ -8,7 +8,7 @@ import torch.fx
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from hstu_export.pipeline import PassContext
+    from hstu_export.passes.context import PassContext
 
 
 class PruneUnused:

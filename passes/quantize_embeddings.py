@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch.fx
 
-from hstu_export.boundary import SPARSE
 from hstu_export.embedding_quantization import find_collections, plan_tables, quantize_collection
+from hstu_export.passes.boundary import SPARSE
 
 if TYPE_CHECKING:
-    from hstu_export.pipeline import PassContext
+    from hstu_export.passes.context import PassContext
 
 NAME = "quantize_embeddings"
 

@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 import torch.fx
 
-from hstu_export.graph_functions import sparse_boundary
+from hstu_export.capture.graph_functions import sparse_boundary
 
 if TYPE_CHECKING:
-    from hstu_export.pipeline import PassContext
+    from hstu_export.passes.context import PassContext
 
 
 class RemoveBoundaryMarks:

@@ -19,14 +19,21 @@ import torch.fx
 from torch import Tensor, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from hstu_export.boundary import BATCH_DIM, DENSE, SPARSE, BoundarySchema, BoundaryTensor, jagged_total_dim
 from hstu_export.capture import module_matches
+from hstu_export.capture.graph_functions import sparse_boundary
 from hstu_export.errors import PassError
-from hstu_export.graph_functions import sparse_boundary
+from hstu_export.passes.boundary import (
+    BATCH_DIM,
+    DENSE,
+    SPARSE,
+    BoundarySchema,
+    BoundaryTensor,
+    jagged_total_dim,
+)
 
 if TYPE_CHECKING:
-    from hstu_export.pipeline import PassContext
-    from hstu_export.schema import InputSchema
+    from hstu_export.package.schema import InputSchema
+    from hstu_export.passes.context import PassContext
 
 NAME = "split_sparse_dense"
 
@@ -43,7 +50,7 @@ class SplitSparseDense:
         if not marks:
             raise PassError(
                 f"{NAME}: the graph has no sparse_boundary marks; wrap every embedding tensor the dense part "
-                "uses with hstu_export.graph_functions.sparse_boundary(value, name, jagged_by)"
+                "uses with hstu_export.capture.graph_functions.sparse_boundary(value, name, jagged_by)"
             )
         mark_info = {m: _mark_args(m) for m in marks}
         _check_mark_names(mark_info, [str(n.target) for n in inputs])
@@ -166,7 +173,7 @@ def _check_no_embedding_module(gm: torch.fx.GraphModule, dense_nodes: set[torch.
             raise PassError(
                 f"{NAME}: the output of embedding module '{owner}' ({cls}) reaches the dense side without a "
                 f"sparse_boundary mark (via node {node.name!r}); wrap each embedding tensor the dense part uses "
-                "with hstu_export.graph_functions.sparse_boundary(value, name, jagged_by)"
+                "with hstu_export.capture.graph_functions.sparse_boundary(value, name, jagged_by)"
             )
 
 

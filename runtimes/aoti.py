@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from hstu_export.errors import ExportError, PackageError
-from hstu_export.manifest import BackendFields, backend_fields
+from hstu_export.package.manifest import BackendFields, backend_fields
 from hstu_export.runtimes.base import (
     Backend,
     BackendArtifacts,

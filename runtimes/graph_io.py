@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule
 
+from hstu_export.capture.symbolic import check_non_negative, symbolic_float, symbolic_int
 from hstu_export.errors import ExportError
 from hstu_export.ops.mappings import op_key
 
@@ -71,33 +72,6 @@ def data_dependent_advice(exc: BaseException) -> str:
                     "with --map-function NAME=RULE (README, 'Your own model'), or export with --backend torchscript")
         link = link.__cause__ or link.__context__
     return ""
-
-
-def symbolic_int(value: Any) -> Any:
-    """``int(value)`` as torch.export can trace it: a symbolic int stays symbolic (``int()`` of an
-    unbacked size would demand its value), an integer tensor becomes its (unbacked) item."""
-    if isinstance(value, torch.SymInt):
-        return value
-    if isinstance(value, Tensor):
-        item = value.item()
-        return item if not value.is_floating_point() else torch.sym_int(item)
-    if isinstance(value, torch.SymFloat):
-        return torch.sym_int(value)
-    return int(value)
-
-
-def symbolic_float(value: Any) -> Any:
-    if isinstance(value, (torch.SymInt, torch.SymFloat)):
-        return torch.sym_float(value)
-    if isinstance(value, Tensor):
-        return torch.sym_float(value.item())
-    return float(value)
-
-
-def check_non_negative(value: Any) -> Any:
-    """``value``, known to be >= 0 from here on (a size computed from data, say a max length)."""
-    torch._check(value >= 0)
-    return value
 
 
 def export_ready(gm: GraphModule) -> GraphModule:

@@ -33,7 +33,7 @@ class PackageDelta:
     """A :class:`~hstu_export.serving.kv_cache.DeltaRunner` over a loaded package (``Predictor``)."""
 
     def __init__(self, predictor: Any, *, cuda_graphs: bool | None = None, graph_max_batch: int | None = None) -> None:
-        from hstu_export.manifest import resolve_inside
+        from hstu_export.package.manifest import resolve_inside
         from hstu_export.runtimes.aoti import _load_pt2
 
         section = predictor.manifest.get("kv_cache")

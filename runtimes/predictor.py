@@ -1,7 +1,7 @@
 """Loading a package and serving it: ``hstu_export.load(path)`` returns a thread-safe Predictor.
 
 A package is untrusted input. Load-time checks, in order: the package format; the manifest's own sha256
-(manifest.sha256); every manifest field (``hstu_export.manifest``: types, values, every path inside the
+(manifest.sha256); every manifest field (``hstu_export.package.manifest``: types, values, every path inside the
 package and listed with its sha256); every file's sha256; the torch version (compiled artifacts are
 tied to it); the device and, for CUDA, the GPU architecture; then the op libraries the graphs call are
 imported (only names from a fixed list, each mapped to the module imported for it), and the backend
@@ -22,11 +22,11 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import HstuExportError, PackageError, RequestError
-from hstu_export.manifest import OP_LIBRARIES, Manifest, as_manifest
-from hstu_export.package import load_manifest, recover_interrupted_replace
+from hstu_export.package.directory import load_manifest, recover_interrupted_replace
+from hstu_export.package.manifest import OP_LIBRARIES, Manifest, as_manifest
+from hstu_export.package.schema import InputSchema
 from hstu_export.runtimes import get_backend
 from hstu_export.runtimes.base import Runner, SplitRunner
-from hstu_export.schema import InputSchema
 
 
 class Predictor:
@@ -160,7 +160,7 @@ class Predictor:
         return f"Predictor({self.root}, backend={b}, device={self.device}, dtype={self.manifest['dtype']})"
 
 
-# The messages of the range checks inside artifacts (hstu_export/graph_functions.py, check_ranges, as
+# The messages of the range checks inside artifacts (hstu_export/capture/graph_functions.py, check_ranges, as
 # TorchScript asserts): the feature's name, then one of these. The C++ runtime reads the same (runtime.cpp).
 RANGE_CHECK_MESSAGES = (
     (" has more rows than the package was exported for", "rows"),
@@ -276,7 +276,7 @@ def load(path: str | Path, *, verify_checksums: bool = True, require_signature: 
     # An export killed midway through replacing this package may have left it moved aside: put it back.
     recover_interrupted_replace(root)
     if require_signature is not None:
-        from hstu_export.signing import verify_signature
+        from hstu_export.package.signing import verify_signature
 
         verify_signature(root, require_signature)
     manifest = load_manifest(root, verify_checksums=verify_checksums)

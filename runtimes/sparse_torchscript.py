@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from hstu_export.errors import PackageError
-from hstu_export.manifest import BackendFields, backend_fields
+from hstu_export.package.manifest import BackendFields, backend_fields
 from hstu_export.runtimes.base import CompileInputs, Features, Runner
 from hstu_export.runtimes.graph_io import (
     as_output_dict,

@@ -31,7 +31,7 @@ from hstu_export.errors import (
     PackageError,
     UnmappedOpsError,
 )
-from hstu_export.manifest import BackendFields, backend_fields
+from hstu_export.package.manifest import BackendFields, backend_fields
 from hstu_export.runtimes.aoti import export_dense
 from hstu_export.runtimes.base import (
     Backend,

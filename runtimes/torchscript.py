@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from hstu_export.boundary import DENSE, SPARSE
 from hstu_export.errors import ExportError, PackageError
-from hstu_export.manifest import BackendFields, backend_fields
+from hstu_export.package.manifest import BackendFields, backend_fields
+from hstu_export.passes.boundary import DENSE, SPARSE
 from hstu_export.runtimes.base import Backend, BackendArtifacts, CompileInputs, Features, Runner
 from hstu_export.runtimes.graph_io import (
     as_output_dict,

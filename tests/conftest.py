@@ -24,7 +24,7 @@ def _manifests_follow_the_contract():  # type: ignore[no-untyped-def]
     import jsonschema
 
     import hstu_export.exporter as exporter
-    import hstu_export.package as package
+    import hstu_export.package.directory as package
 
     validator = jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()))
     original = package.write_manifest

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hstu_export.package import manifest_sha256_line
+from hstu_export.package.directory import manifest_sha256_line
 
 
 def write_manifest_bytes(package: Path, data: bytes) -> None:

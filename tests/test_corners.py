@@ -23,10 +23,11 @@ from hstu_export.cli import main as cli_main
 from hstu_export.errors import RequestError, VerificationError
 from hstu_export.exporter import NarrowedRangeWarning
 from hstu_export.models import build_preset
-from hstu_export.outputs import call_model
-from hstu_export.schema_inference import flatten_example
-from hstu_export.tensor_dir import load_tensors, save_tensors
-from hstu_export.verify import ExportRanges, corner_sizes, settle_ranges, verification_batches
+from hstu_export.package.ranges import ExportRanges
+from hstu_export.package.tensor_dir import load_tensors, save_tensors
+from hstu_export.sources.outputs import call_model
+from hstu_export.sources.schema_inference import flatten_example
+from hstu_export.verification.corners import corner_sizes, settle_ranges, verification_batches
 
 RANGES = ExportRanges(4, {"uih_lengths": 46, "candidate_lengths": 16}, {"uih_lengths": 1, "candidate_lengths": 1})
 
@@ -61,7 +62,7 @@ def test_corner_batches_have_the_sizes_their_labels_name(tiny_schema) -> None:
 
 
 def test_more_dims_than_all_combinations_allow_give_each_dim_against_the_rest(tiny_schema) -> None:
-    from hstu_export.schema import FeatureSpec, InputSchema
+    from hstu_export.package.schema import FeatureSpec, InputSchema
 
     extra = tuple(FeatureSpec(f"len{i}", "int64", "lengths", min_value=1, max_value=5) for i in range(4))
     schema = InputSchema(tiny_schema.features + extra)

@@ -17,8 +17,8 @@ from kv_requests import CONFIGS, PAGE, Users, products_rows_independent
 from manifests import rewrite_manifest
 
 import hstu_export
+from hstu_export.package.tensor_dir import load_tensors, save_tensors
 from hstu_export.serving.kv_cache import page_bytes
-from hstu_export.tensor_dir import load_tensors, save_tensors
 
 pytestmark = pytest.mark.slow
 

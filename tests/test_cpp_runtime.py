@@ -23,7 +23,7 @@ from hstu_export import ExportSettings, VerifySettings, generate_batch, save_bun
 from hstu_export.cli import main as cli_main
 from hstu_export.errors import RequestError
 from hstu_export.models import build_preset
-from hstu_export.tensor_dir import file_name, load_tensors, save_tensors, tensor_name
+from hstu_export.package.tensor_dir import file_name, load_tensors, save_tensors, tensor_name
 
 pytestmark = pytest.mark.slow
 

@@ -80,7 +80,7 @@ FRESH_PROCESS = textwrap.dedent("""
     batches = torch.load(sys.argv[2], weights_only=True)
     outputs = [predictor(b) for b in batches]
     torch.save(outputs, sys.argv[3])
-    leaked = [m for m in ("hstu_export.models", "hstu_export.capture", "hstu_export.pipeline") if m in sys.modules]
+    leaked = [m for m in ("hstu_export.models", "hstu_export.capture", "hstu_export.passes.manager") if m in sys.modules]
     print("LEAKED", leaked)
 """)
 

@@ -116,7 +116,7 @@ def test_dump_files_for_every_pass(dumped: Path) -> None:
 def test_without_graphviz_dot_text_is_written_once_warned(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hstu_export.inspection as inspection
+    import hstu_export.report.dumps as inspection
 
     monkeypatch.setattr(inspection.shutil, "which", lambda name: None)
     model = build_preset("tiny")
@@ -429,7 +429,7 @@ def test_cli_without_graphviz_says_so_in_one_line(
 ) -> None:
     import warnings
 
-    import hstu_export.inspection as inspection
+    import hstu_export.report.dumps as inspection
 
     monkeypatch.setattr(inspection.shutil, "which", lambda name: None)
     shown = warnings.showwarning

@@ -268,7 +268,7 @@ def test_the_delta_program_exports_for_any_length_ranges(max_hist: int, max_cand
     have a single history token or candidate, and the exported program answers as the eager one."""
     from hstu_export.kv_export import attention_for, dynamic_shapes, example_inputs
     from hstu_export.models.cached import PROGRAM_INPUTS, DeltaProgram
-    from hstu_export.verify import ExportRanges
+    from hstu_export.package.ranges import ExportRanges
 
     torch.manual_seed(0)
     model = HstuRankingModel(CONFIGS["context"]).eval()
@@ -308,8 +308,8 @@ def test_a_padding_user_given_the_buckets_rows_answers_as_one_given_the_rest(con
     only the real users' rows are compared there)."""
     from hstu_export.kv_export import attention_for, dynamic_shapes, example_inputs
     from hstu_export.models.cached import PROGRAM_INPUTS, DeltaProgram
+    from hstu_export.package.ranges import ExportRanges
     from hstu_export.runtimes.kv_graphs import Buckets, fill_bucket, pad_to_bucket
-    from hstu_export.verify import ExportRanges
 
     torch.manual_seed(0)
     model = HstuRankingModel(CONFIGS[config]).eval()

@@ -11,7 +11,8 @@ import hstu_export
 from hstu_export.errors import UnmappedOpsError
 from hstu_export.models import build_preset
 from hstu_export.ops import lengths_to_offsets
-from hstu_export.pipeline import PassContext, run_passes
+from hstu_export.passes.context import PassContext
+from hstu_export.passes.manager import run_passes
 from hstu_export.runtimes.graph_io import op_calls
 from hstu_export.settings import ExportSettings
 from passes.map_ops import MapOps

@@ -80,7 +80,7 @@ def test_schema_validation_errors():
 def test_schema_reads_every_bound_and_total_the_same_way_at_once(together):
     """Validation reads its numbers one by one on the CPU and in one transfer on a device: both give the
     same numbers (CPU tensors forced through the device path here), whatever the dtypes."""
-    from hstu_export.schema import _read_all
+    from hstu_export.package.schema import _read_all
 
     bounded = [torch.tensor([5, -3, 9], dtype=torch.int32), torch.tensor([2.5, -0.25], dtype=torch.float16),
                torch.tensor([True, False]), torch.tensor([2**40, 7], dtype=torch.int64),

@@ -100,7 +100,7 @@ def test_aoti_package_lists_the_ops_it_calls_at_run_time(tmp_path: Path) -> None
 def test_output_dims_are_named_by_how_they_change() -> None:
     """A static axis stays an int even when it equals a dynamic size (3 tasks, 3 users); an axis that
     follows an input dim is named after it, with a factor or an offset when it has one."""
-    from hstu_export.artifacts import name_dims
+    from hstu_export.package.artifacts import name_dims
 
     first = {"per_task": torch.zeros(3, 7), "per_user": torch.zeros(3, 16), "pairs": torch.zeros(14),
              "offsets": torch.zeros(4), "nonzero": torch.zeros(5)}

@@ -16,12 +16,12 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from hstu_export import PassContext, PipelineResult, generate_batch, run_passes, trace
 from hstu_export import passes as pass_registry
-from hstu_export.boundary import BoundarySchema
+from hstu_export.capture.graph_functions import build_kjt, sparse_boundary
 from hstu_export.errors import ConfigError, PassError
-from hstu_export.graph_functions import build_kjt, sparse_boundary
 from hstu_export.models import build_preset
 from hstu_export.models.ranking import HstuRankingModel
-from hstu_export.pipeline import max_rel_error, op_histogram
+from hstu_export.passes.boundary import BoundarySchema
+from hstu_export.passes.manager import max_rel_error, op_histogram
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +92,8 @@ def test_sparse_holds_every_lookup_and_dense_no_table(tiny: HstuRankingModel, sp
         "module:EmbeddingCollection",
         "method:values",
         "operator.getitem",
-        "hstu_export.graph_functions.build_kjt",
-        "hstu_export.graph_functions.per_user_as_jagged",
+        "hstu_export.capture.graph_functions.build_kjt",
+        "hstu_export.capture.graph_functions.per_user_as_jagged",
     }
     assert op_histogram(split.sparse)["method:values"] == 5  # every lookup crosses the boundary
     assert EmbeddingCollection not in _module_types(split.dense)
@@ -171,8 +171,8 @@ def test_report_records_every_pass(split: PipelineResult) -> None:
     assert cut.parameter_bytes_after == cut.parameter_bytes_before
     marks = report["remove_boundary_marks"]
     assert marks.stats["removed_marks"] == 5
-    assert marks.ops_before["hstu_export.graph_functions.sparse_boundary"] == 5
-    assert "hstu_export.graph_functions.sparse_boundary" not in marks.ops_after
+    assert marks.ops_before["hstu_export.capture.graph_functions.sparse_boundary"] == 5
+    assert "hstu_export.capture.graph_functions.sparse_boundary" not in marks.ops_after
     assert not any(n.target is sparse_boundary for n in _nodes(split.graph))
     final = report["eliminate_dead_code"]
     assert final.ops_after["module:EmbeddingCollection"] == 1
@@ -313,7 +313,7 @@ def test_wrong_jagged_by_is_caught() -> None:
 
 
 def _toy_schema() -> Any:
-    from hstu_export.schema import FeatureSpec, InputSchema
+    from hstu_export.package.schema import FeatureSpec, InputSchema
 
     return InputSchema(
         (

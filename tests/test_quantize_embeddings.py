@@ -19,9 +19,9 @@ from hstu_export.cli import main as cli_main
 from hstu_export.embedding_quantization import check_model, plan_tables, quantize_collection, stored_row_bytes
 from hstu_export.errors import ConfigError
 from hstu_export.models import build_preset
-from hstu_export.rank_agreement import kendall_tau, per_user_tau, user_rows
 from hstu_export.settings import QUANTIZED_TOLERANCES, EmbeddingQuantization, parse_table_modes
-from hstu_export.verify import verification_batches
+from hstu_export.verification.corners import verification_batches
+from hstu_export.verification.rank_agreement import kendall_tau, per_user_tau, user_rows
 
 MODES = ("fp16", "int8", "int4")
 # Max abs error on probabilities of a quantized package against the fp32 one (the issue's acceptance).
@@ -187,7 +187,7 @@ def test_per_user_rows_from_named_dims() -> None:
 def test_verification_batches_stay_inside_narrowed_ranges() -> None:
     """Found with the tzrec preset's --max-seq-len below its own limit: the batch-size-1 case drew lengths
     from the model's range and the package refused it."""
-    from hstu_export.verify import ExportRanges
+    from hstu_export.package.ranges import ExportRanges
 
     schema = build_preset("tiny", seed=1).input_schema()
     ranges = ExportRanges(3, {"uih_lengths": 5, "candidate_lengths": 2}, {"uih_lengths": 1, "candidate_lengths": 1})
@@ -286,7 +286,7 @@ def _max_probability_gap(fp32: Path, quantized: Path, num_random: int = 2) -> fl
     """Max abs difference of every output between two packages on the verification batches."""
     reference, predictor = hstu_export.load(fp32), hstu_export.load(quantized)
     ranges = predictor.manifest["ranges"]["lengths"]
-    from hstu_export.verify import ExportRanges
+    from hstu_export.package.ranges import ExportRanges
 
     batches = verification_batches(predictor.input_schema, ExportRanges(
         ranges["max_batch_size"], ranges["max_lengths"], ranges["min_lengths"]), 1234, num_random)
@@ -323,7 +323,7 @@ def test_tiny_packages_in_every_mode(tiny_bundle: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_cpp_runtime_serves_a_quantized_package(cpp_runtime, tiny_bundle: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The C++ runtime loads the fbgemm libraries the quantized lookups live in, and matches Python."""
-    from hstu_export.tensor_dir import load_tensors
+    from hstu_export.package.tensor_dir import load_tensors
 
     package = _export(tiny_bundle, tmp_path / "pkg", "int4", max_batch_size=4).path
     request = tmp_path / "request"

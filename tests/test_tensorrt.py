@@ -30,7 +30,8 @@ from hstu_export.exporter import (
     feature_dims,
 )
 from hstu_export.models import build_preset
-from hstu_export.pipeline import PassContext, run_passes
+from hstu_export.passes.context import PassContext
+from hstu_export.passes.manager import run_passes
 from hstu_export.runtimes import get_backend
 from hstu_export.runtimes import tensorrt as trt_backend
 from hstu_export.runtimes.base import CompileInputs, DimSpec
@@ -43,7 +44,7 @@ from hstu_export.runtimes.tensorrt import (
     torch_executed_op_names,
 )
 from hstu_export.settings import parse_size
-from hstu_export.verify import verification_batches
+from hstu_export.verification.corners import verification_batches
 
 MAX_BATCH = 6
 TRT_DEVICE = torch.device("cuda")  # only asked for its type: no GPU is touched

@@ -18,10 +18,11 @@ import hstu_export
 from hstu_export import ExportSettings, VerifySettings
 from hstu_export.capture import trace
 from hstu_export.errors import ConfigError, TraceError, VerificationError
-from hstu_export.outputs import call_model
-from hstu_export.pipeline import PassContext, run_passes
-from hstu_export.schema_inference import flatten_example, infer_schema
-from hstu_export.tensor_dir import load_tensors, save_tensors
+from hstu_export.package.tensor_dir import load_tensors, save_tensors
+from hstu_export.passes.context import PassContext
+from hstu_export.passes.manager import run_passes
+from hstu_export.sources.outputs import call_model
+from hstu_export.sources.schema_inference import flatten_example, infer_schema
 
 GR_ATTENTION = "generative_recommenders.ops.pytorch.pt_hstu_attention.pytorch_hstu_mha"
 USER_ATTENTION = "user_models.dlrm_hstu.jagged_hstu_attention"

@@ -23,7 +23,7 @@ import gr_ranker
 import torch
 
 import hstu_export
-from hstu_export.outputs import call_model
+from hstu_export.sources.outputs import call_model
 
 
 def main() -> int:

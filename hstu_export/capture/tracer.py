@@ -20,6 +20,7 @@ import torch.fx
 from torch import Tensor, nn
 from torchrec.fx.tracer import Tracer as TorchrecTracer
 
+from hstu_export.capture.graph_functions import WRAPPED_FUNCTIONS, build_kjt, build_weighted_kjt
 from hstu_export.capture.opaque import (
     OpaqueCall,
     failure_location,
@@ -29,10 +30,9 @@ from hstu_export.capture.opaque import (
 )
 from hstu_export.capture.proxies import InputKJTProxy, KeyedProxy, embedding_output_keys, kjt_proxy_factory
 from hstu_export.errors import ConfigError, TraceError
-from hstu_export.graph_functions import WRAPPED_FUNCTIONS, build_kjt, build_weighted_kjt
-from hstu_export.hints import model_hints, resolve_callable
-from hstu_export.outputs import output_items
-from hstu_export.schema import InputSchema, kjt_feature_names
+from hstu_export.package.schema import InputSchema, kjt_feature_names
+from hstu_export.sources.hints import model_hints, resolve_callable
+from hstu_export.sources.outputs import output_items
 
 # Modules holding embedding tables: the sparse side of the split. Their forward takes a
 # KeyedJaggedTensor and runs data-dependent lookups, so they are also leaves of the trace.
@@ -174,7 +174,7 @@ def trace(
 
     The graph module takes one argument per request feature, named by the feature's graph name, in
     schema order; every feature is an input even if unused. Its output is a flat dict of named
-    tensors (see :mod:`hstu_export.outputs`). The schema is ``schema``, else ``model.input_schema()``,
+    tensors (see :mod:`hstu_export.sources.outputs`). The schema is ``schema``, else ``model.input_schema()``,
     else (for a model whose forward takes one dict of tensors) the example batch's keys.
     ``leaf_modules`` names extra modules to keep opaque (class names, bare or dotted, or submodule
     paths); ``opaque_functions`` extra functions to record as single calls (callables or
@@ -380,7 +380,7 @@ def _nodes_in(structure: Any) -> list[Any]:
 
 
 def _flat_outputs(graph: torch.fx.Graph) -> torch.fx.Graph:
-    """Rewrites the output node to a flat ``{name: node}`` dict (see :mod:`hstu_export.outputs`) and
+    """Rewrites the output node to a flat ``{name: node}`` dict (see :mod:`hstu_export.sources.outputs`) and
     drops the pytree codegen the trace may have installed."""
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     items = output_items(output.args[0], is_leaf=lambda x: isinstance(x, torch.fx.Node))

@@ -17,10 +17,10 @@ from torch import Tensor, nn
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 
-from hstu_export.graph_functions import build_kjt, per_user_as_jagged, sparse_boundary
+from hstu_export.capture.graph_functions import build_kjt, per_user_as_jagged, sparse_boundary
 from hstu_export.models.config import HSTUConfig
 from hstu_export.models.transducer import HSTUTransducer
-from hstu_export.schema import FeatureSpec, InputSchema
+from hstu_export.package.schema import FeatureSpec, InputSchema
 
 HISTORY_LENGTHS = "uih_lengths"
 CANDIDATE_LENGTHS = "candidate_lengths"
@@ -112,7 +112,7 @@ class MultiTaskHeads(nn.Module):
 
 
 class HstuRankingModel(nn.Module):
-    """The zoo's ranking model; registered as ``hstu_ranking`` (``hstu_export.registry.ZOO``)."""
+    """The zoo's ranking model; registered as ``hstu_ranking`` (``hstu_export.sources.registry.ZOO``)."""
 
     config_class = HSTUConfig
 

@@ -25,8 +25,8 @@ from hstu_export.report.record import (
 )
 
 if TYPE_CHECKING:
-    from hstu_export.boundary import BoundarySchema
-    from hstu_export.pipeline import PassReport
+    from hstu_export.passes.boundary import BoundarySchema
+    from hstu_export.passes.record import PassReport
 
 NO_TABLE = "none (no table has it)"
 STAT_TEXT_LIMIT = 300  # characters of one statistic in the pass table

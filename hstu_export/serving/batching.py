@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import HstuExportError, RequestError
-from hstu_export.manifest import Manifest
+from hstu_export.package.manifest import Manifest
 
 _DIM = re.compile(r"^(?:(?P<scale>[0-9]+)\*)?(?P<name>[^*+]+?)(?:\+(?P<offset>[0-9]+))?$")
 BATCH = "batch"

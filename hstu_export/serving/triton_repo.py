@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hstu_export.errors import ConfigError
-from hstu_export.manifest import Manifest
-from hstu_export.package import (
+from hstu_export.package.directory import (
     SERVING_MARKER,
     check_writable,
     load_manifest,
@@ -32,6 +31,7 @@ from hstu_export.package import (
     rename_into_place,
     staging_dir,
 )
+from hstu_export.package.manifest import Manifest
 from hstu_export.serving.batching import output_rows
 from hstu_export.version import __version__
 

@@ -24,7 +24,7 @@ import hstu_export
 from hstu_export import ExportSettings, VerifySettings, generate_batch
 from hstu_export.cli import main as cli_main
 from hstu_export.errors import PackageError, RequestError
-from hstu_export.tensor_dir import save_tensors
+from hstu_export.package.tensor_dir import save_tensors
 
 pytestmark = pytest.mark.slow
 

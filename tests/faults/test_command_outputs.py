@@ -26,10 +26,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 import hstu_export
 from hstu_export import generate_batch
-from hstu_export.bench import clamp_batch_size
 from hstu_export.cli import main as cli_main
-from hstu_export.package import MANIFEST, load_manifest, rename_into_place
-from hstu_export.tensor_dir import load_tensors
+from hstu_export.package.directory import MANIFEST, load_manifest, rename_into_place
+from hstu_export.package.tensor_dir import load_tensors
+from hstu_export.verification.bench import clamp_batch_size
 
 slow = pytest.mark.slow  # these use the conftest's exported package
 
@@ -325,7 +325,7 @@ def test_bench_notes_a_batch_size_beyond_the_maximum(inputs, tmp_path, capsys):
     res = json.loads(results.read_text())
     assert res["batch_size"] == 2 and "note" not in res and "requested_batch_size" not in res
     # The Python API says it too.
-    from hstu_export.verify import bench_package
+    from hstu_export.verification.packages import bench_package
 
     res = bench_package(inputs.package, str(inputs.bundle), batch_size=64, iters=1, warmup=0)
     assert res["batch_size"] == 2 and res["requested_batch_size"] == 64 and res["note"] == note

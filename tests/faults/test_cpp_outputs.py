@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from kv_requests import CONFIGS, Users
 
-from hstu_export.tensor_dir import file_name, save_tensors
+from hstu_export.package.tensor_dir import file_name, save_tensors
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("kv_package", ["no-context"], indirect=True)]
 

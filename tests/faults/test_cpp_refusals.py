@@ -1,6 +1,6 @@
 """Fault campaign, issue 37 item 4: a request the package's own programs refuse is refused by the C++ runtime
 (``hstu-export-run``, runtimes/cpp) in one line that names the feature, its value and the limit, as the
-Python RequestError messages do (hstu_export/schema.py ``validate``).
+Python RequestError messages do (hstu_export/package/schema.py ``validate``).
 
 The manifest's ranges are checked first and name the feature (tests/test_cpp_runtime.py). What reached the
 programs' own range checks (passes/guard_ranges.py) was a request the manifest allows and the programs do
@@ -20,7 +20,7 @@ import torch
 from kv_requests import CONFIGS, Users
 from manifests import rewrite_manifest
 
-from hstu_export.tensor_dir import save_tensors
+from hstu_export.package.tensor_dir import save_tensors
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("kv_package", ["no-context"], indirect=True)]
 

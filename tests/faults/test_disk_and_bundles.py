@@ -28,15 +28,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import hstu_export.bundle as bundle_module
 import hstu_export.settings as settings_module
+import hstu_export.sources.bundle as bundle_module
 from hstu_export import export, generate_batch, load_bundle, save_bundle
-from hstu_export.bundle import CHECKSUM_KEY, content_sha256
 from hstu_export.cli import main as cli_main
 from hstu_export.errors import BundleError, ConfigError, ExportError, PackageError, VerificationError
 from hstu_export.models import HSTUConfig, HstuRankingModel, build_preset
-from hstu_export.package import check_target, staging_dir
+from hstu_export.package.directory import check_target, staging_dir
 from hstu_export.settings import ExportSettings
+from hstu_export.sources.bundle import CHECKSUM_KEY, content_sha256
 
 REPO = Path(__file__).resolve().parents[2]
 NORM = "transducer.post_norm_weight"
@@ -200,7 +200,7 @@ ZIP_ON_FULL_DEVICE = """
 import shutil, sys
 from pathlib import Path
 from torch.export.pt2_archive._package import PT2ArchiveWriter  # AOTInductor's package writer
-from hstu_export.package import staging_dir
+from hstu_export.package.directory import staging_dir
 if sys.argv[2] == "full":
     real = shutil.disk_usage
     shutil.disk_usage = lambda p: real(p)._replace(free=0)
@@ -254,7 +254,7 @@ def test_torchscript_writer_on_a_full_device_raises_instead_of_aborting(tmp_path
 # A CLI export with the disk-space pre-check turned off, so the write itself meets the full disk.
 EXPORT_WITHOUT_PRECHECK = """
 import sys
-import hstu_export.package as package
+import hstu_export.package.directory as package
 package.check_free_space = lambda *args, **kwargs: None
 from hstu_export.cli import main
 sys.exit(main(sys.argv[1:]))

@@ -17,7 +17,7 @@ import hstu_export
 from hstu_export import ExportSettings, VerifySettings
 from hstu_export.cli import main as cli_main
 from hstu_export.errors import PackageError
-from hstu_export.package import (
+from hstu_export.package.directory import (
     MANIFEST,
     PACKAGE_FORMAT,
     check_target,

@@ -13,7 +13,7 @@ import pytest
 import hstu_export
 from hstu_export.cli import main as cli_main
 from hstu_export.errors import PackageError
-from hstu_export.package import check_target, commit, unlisted_files
+from hstu_export.package.directory import check_target, commit, unlisted_files
 
 pytestmark = pytest.mark.slow  # the conftest's exported package
 

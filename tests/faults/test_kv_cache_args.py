@@ -246,7 +246,7 @@ def test_a_packages_cache_takes_sizes_and_tensor_ids(kv_package) -> None:
 def test_the_cpp_runtime_refuses_a_budget_beyond_memory(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``hstu-export-run --kv-cache``: the same check, in one line; before, the allocator's error, or on the host
     a budget the allocator granted (Linux overcommits) killed the process while its pages were zeroed."""
-    from hstu_export.tensor_dir import save_tensors
+    from hstu_export.package.tensor_dir import save_tensors
 
     _, root, _ = kv_package
     request = save_tensors(_request(["a", "b"]), tmp_path / "request")

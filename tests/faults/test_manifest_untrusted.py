@@ -28,7 +28,7 @@ import hstu_export
 from hstu_export import ExportSettings, VerifySettings, generate_batch
 from hstu_export.cli import main as cli_main
 from hstu_export.errors import PackageError, RequestError
-from hstu_export.manifest import OP_LIBRARIES, Manifest
+from hstu_export.package.manifest import OP_LIBRARIES, Manifest
 from hstu_export.runtimes.predictor import load_op_libraries
 
 pytestmark = pytest.mark.slow

@@ -37,7 +37,7 @@ import torch.fx
 
 from hstu_export.errors import ConfigError, UnmappedOpsError
 from hstu_export.ops.mappings import fbgemm, ours
-from hstu_export.qualified_names import import_object, split_name
+from hstu_export.sources.qualified_names import import_object, split_name
 
 MAPPINGS: dict[str, dict[str, str]] = {**ours.OPS, **fbgemm.OPS}
 
@@ -106,7 +106,7 @@ class MappingCall:
 
     def checked_bound(self, key: str) -> tuple[int, Any]:
         """(static bound, runtime value checked against it) of int argument ``key``."""
-        from hstu_export.graph_functions import check_at_most
+        from hstu_export.capture.graph_functions import check_at_most
 
         bound = self.static_bound(key)
         return bound, self.record(check_at_most, self.arguments[key], bound)

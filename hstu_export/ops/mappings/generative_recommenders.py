@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hstu_export.graph_functions import check_lengths_at_most, tensor_to_int
+from hstu_export.capture.graph_functions import check_lengths_at_most, tensor_to_int
 from hstu_export.ops.mappings import FunctionMapping, MappingCall, Unmappable
 
 LIBRARY = "generative-recommenders"

@@ -912,7 +912,7 @@ NamedTensors Package::Impl::run(const Tensors& request, detail::PhaseClock& cloc
 namespace {
 
 // What the artifacts' range checks raise in TorchScript after "AssertionError: <feature>" (check_ranges in
-// hstu_export/graph_functions.py), and which limit each one means.
+// hstu_export/capture/graph_functions.py), and which limit each one means.
 enum class Bound { kRows, kLow, kHigh };
 constexpr std::pair<const char*, Bound> kRangeChecks[] = {
     {" has more rows than the package was exported for", Bound::kRows},

@@ -1,5 +1,5 @@
 // Directories of named tensors (docs/PACKAGE.md, "Requests on disk"), the same format as
-// hstu_export/tensor_dir.py: <percent-encoded name>.pt, each one torch.save'd tensor.
+// hstu_export/package/tensor_dir.py: <percent-encoded name>.pt, each one torch.save'd tensor.
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <cerrno>

@@ -2,7 +2,7 @@
 model): Kendall's tau-b over each user's candidate scores. Ranking is what a recommender serves, so a
 quantized package is judged by the order it gives each user's candidates as well as by its max error.
 
-Which rows belong to one user is read from the output's named dims (``hstu_export.artifacts.name_dims``):
+Which rows belong to one user is read from the output's named dims (``hstu_export.package.artifacts.name_dims``):
 dim 0 named ``<lengths>.total`` is jagged by that lengths feature (one segment per user); dim 0 named
 ``batch`` with a second dim of two or more is one row per user. Other outputs have no per-user ranking.
 """

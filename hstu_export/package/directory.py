@@ -5,7 +5,7 @@ beside it holds the sha256 of ``manifest.json``'s exact bytes, in ``sha256sum`` 
 (``<hex>  manifest.json``; ``sha256sum -c manifest.sha256`` checks it without Python). A hash of the
 bytes as stored needs no canonical JSON form (which other languages could not reproduce byte for byte)
 and also catches a flip in whitespace. ``load_manifest`` checks both, then validates every field
-(``hstu_export.manifest``): a package is untrusted input.
+(``hstu_export.package.manifest``): a package is untrusted input.
 
 A package is built in a hidden temporary directory beside the target, every file fsynced, then renamed
 into place, so a reader never sees half a package and an export killed midway leaves none. An existing
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from hstu_export.errors import ExportError, PackageError
-from hstu_export.manifest import Manifest, parse_manifest, resolve_inside
+from hstu_export.package.manifest import Manifest, parse_manifest, resolve_inside
 from hstu_export.settings import format_bytes
 from hstu_export.version import __version__
 
@@ -53,7 +53,7 @@ PACKAGE_FORMAT_VERSION = 4
 OP_NAMESPACE = "hstu_export"
 MANIFEST = "manifest.json"
 MANIFEST_SHA256 = "manifest.sha256"
-SIGNATURE = "package.sig"  # hstu_export.signing writes it
+SIGNATURE = "package.sig"  # hstu_export.package.signing writes it
 MAX_MANIFEST_BYTES = 64 * 2**20  # a manifest is kilobytes; more is not one of ours (and not read into memory)
 # Why a package of an older format cannot be read, by format version.
 _OLD_FORMATS = {

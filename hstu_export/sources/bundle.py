@@ -37,7 +37,9 @@ import torch
 from torch import Tensor, nn
 
 from hstu_export.errors import BundleError, ConfigError, ModelRegistryError
-from hstu_export.registry import (
+from hstu_export.package.schema import InputSchema
+from hstu_export.settings import format_bytes, machine_memory
+from hstu_export.sources.registry import (
     build_model,
     call_factory,
     factory_path,
@@ -45,8 +47,6 @@ from hstu_export.registry import (
     registered_name,
     resolve_factory,
 )
-from hstu_export.schema import InputSchema
-from hstu_export.settings import format_bytes, machine_memory
 from hstu_export.version import __version__
 
 BUNDLE_FORMAT = "hstu-export-bundle"
@@ -390,7 +390,7 @@ def _schema_for(model: nn.Module, schema: InputSchema | None, example_inputs: An
                 f"{type(model).__name__} has no input_schema(); pass example_inputs (an example call in the "
                 "model's own format) so the schema can be inferred, or input_schema"
             )
-        from hstu_export.schema_inference import infer_schema
+        from hstu_export.sources.schema_inference import infer_schema
 
         args, kwargs = _split_example(example_inputs)
         schema = infer_schema(model, args, kwargs)
@@ -404,7 +404,7 @@ def _example_batch(model: nn.Module, schema: InputSchema | None, example_batch: 
         return example_batch
     if example_inputs is None or schema is None:
         raise BundleError("save_bundle needs an example: example_batch (a flat request) or example_inputs")
-    from hstu_export.schema_inference import flatten_example
+    from hstu_export.sources.schema_inference import flatten_example
 
     args, kwargs = _split_example(example_inputs)
     return flatten_example(schema, args, kwargs, model)
@@ -449,7 +449,7 @@ def _load_pickled(path: Path) -> ModelBundle:
                 f"{path} holds a bare pickled module with no example batch and no input_schema(); "
                 "save it with hstu_export.save_bundle(model, path, example_batch, allow_pickle=True)"
             )
-        from hstu_export.batch import generate_batch
+        from hstu_export.verification.batch import generate_batch
 
         batch = generate_batch(module.input_schema(), 4, seed=0)
     _check_batch(batch, path)

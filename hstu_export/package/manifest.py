@@ -15,8 +15,8 @@ is checked besides types:
 - the graphs' input and output names agree with the input schema and with each other, and the ranges
   cover every lengths feature.
 
-The manifest's own integrity (``manifest.sha256``, see ``hstu_export.package``) and the checksums of
-the other files are checked by ``hstu_export.package.load_manifest`` before and after this parsing.
+The manifest's own integrity (``manifest.sha256``, see ``hstu_export.package.directory``) and the checksums of
+the other files are checked by ``hstu_export.package.directory.load_manifest`` before and after this parsing.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hstu_export.errors import ConfigError, PackageError
+from hstu_export.package.schema import DTYPES, InputSchema
 from hstu_export.runtimes import backend_names
-from hstu_export.schema import DTYPES, InputSchema
 from hstu_export.settings import TORCH_DTYPES
 
 # Op libraries a package may name, and the module the loader imports for each. Kept in step with

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from hstu_export.errors import ConfigError
-from hstu_export.schema import ArgumentSpec, FeatureSpec, InputSchema, dtype_name, kjt_feature_names
+from hstu_export.package.schema import ArgumentSpec, FeatureSpec, InputSchema, dtype_name, kjt_feature_names
 
 
 def infer_schema(

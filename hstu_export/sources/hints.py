@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from hstu_export.errors import ConfigError
-from hstu_export.qualified_names import import_object, split_name
+from hstu_export.sources.qualified_names import import_object, split_name
 
 HINTS_ATTRIBUTE = "hstu_export_hints"
 

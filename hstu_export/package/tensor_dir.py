@@ -68,9 +68,9 @@ def save_tensors(tensors: dict[str, Tensor], directory: str | Path) -> Path:
 
 def write_tensors(tensors: dict[str, Tensor], directory: str | Path, what: str, option: str) -> Path:
     """:func:`save_tensors` into a new (or empty) ``directory``, as a whole or not at all
-    (``hstu_export.package.new_output_dir``): a full or read-only disk is one error line and leaves nothing
+    (``hstu_export.package.directory.new_output_dir``): a full or read-only disk is one error line and leaves nothing
     behind. ``what`` and ``option`` name the output in that line."""
-    from hstu_export.package import new_output_dir
+    from hstu_export.package.directory import new_output_dir
 
     root = Path(directory)
     with new_output_dir(root, what, option) as staged:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from hstu_export.errors import ModelRegistryError
-from hstu_export.qualified_names import import_object, split_name
+from hstu_export.sources.qualified_names import import_object, split_name
 
 ENTRY_POINT_GROUP = "hstu_export.models"
 

@@ -15,13 +15,12 @@ against eager (``check_each_pass``) and dumps the graphs (``dump_dir``).
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 import torch.fx
@@ -29,131 +28,12 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.fx.node import _get_qualified_name
 
-from hstu_export.boundary import DENSE, SPARSE, BoundarySchema
-from hstu_export.capture import EMBEDDING_MODULES
 from hstu_export.errors import ConfigError, HstuExportError, PassError
-from hstu_export.schema import InputSchema
+from hstu_export.passes.boundary import DENSE, SPARSE, BoundarySchema
+from hstu_export.passes.context import GraphPass, PassContext
+from hstu_export.passes.record import PassRecord, PassReport
 
 log = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class GraphPass(Protocol):
-    """What the manager needs of a pass. Optional attribute: ``recursive: bool`` (default True)."""
-
-    name: str
-
-    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule: ...
-
-
-@dataclass
-class PassContext:
-    """Everything passes may read (settings, example inputs) and the little they write back."""
-
-    example_inputs: dict[str, Tensor]
-    model: nn.Module | None = None  # eager reference for check_each_pass (else the graph before any pass)
-    schema: InputSchema | None = None  # taken from model.input_schema() when left None
-    op_target: str = "aten"  # map_ops: "aten" | "triton" | "fbgemm"
-    allow_unmapped: bool = False  # map_ops: keep ops without a mapping instead of failing
-    embedding_modules: tuple[str, ...] = EMBEDDING_MODULES  # classes whose outputs must cross a mark
-    dump_dir: Path | None = None
-    check_each_pass: bool = False
-    check_tolerance: float = 1e-5  # max relative error of a checked pass
-    # Batches at the export's maxima (graph-input names): observe_values records the largest values of
-    # data-dependent ints on them, which bound the padding of mapped foreign attention.
-    probe_inputs: list[dict[str, Tensor]] = field(default_factory=list)
-    attention_scale: str = "batch"  # "batch" (the model's own, from the batch) or "fixed:N"
-    ranges: Any = None  # the export's ExportRanges: guard_ranges makes the artifacts check them
-    op_mappings: dict[str, str] = field(default_factory=dict)  # extra foreign-function mappings
-    # The user's model on graph inputs -> flat named outputs (check_each_pass's eager reference).
-    reference: Any = None
-    quantization: Any = None  # quantize_embeddings: an EmbeddingQuantization (None: tables stay as they are)
-    # Written while passes run.
-    boundary: BoundarySchema | None = None  # set by split_sparse_dense
-    current_graph: str = ""  # submodule path of the graph a pass is running on ("" = top)
-    stats: dict[str, Any] = field(default_factory=dict)  # the running pass's statistics
-    quantized_tables: list[dict[str, Any]] = field(default_factory=list)  # set by quantize_embeddings
-
-    def __post_init__(self) -> None:
-        if self.dump_dir is not None:
-            self.dump_dir = Path(self.dump_dir)
-        if self.schema is None and self.model is not None and callable(getattr(self.model, "input_schema", None)):
-            self.schema = self.model.input_schema()  # type: ignore[operator]
-
-    def add_stat(self, key: str, value: Any) -> None:
-        """Adds ``value`` to statistic ``key``: over the graphs a pass runs on, numbers sum up, lists
-        extend and dicts merge key by key by the same rules; anything else is replaced."""
-        _accumulate(self.stats, key, value)
-
-
-def _accumulate(stats: dict[str, Any], key: str, value: Any) -> None:
-    old = stats.get(key)
-    if isinstance(old, (int, float)) and not isinstance(old, bool) and isinstance(value, (int, float)):
-        stats[key] = old + value
-    elif isinstance(old, list) and isinstance(value, list):
-        stats[key] = [*old, *value]
-    elif isinstance(old, dict) and isinstance(value, dict):
-        merged = dict(old)
-        for k, v in value.items():
-            _accumulate(merged, k, v)
-        stats[key] = merged
-    else:
-        stats[key] = value
-
-
-@dataclass
-class PassRecord:
-    """What one pass did. ``status`` is "ok" or "failed"."""
-
-    index: int
-    name: str
-    status: str = "ok"
-    note: str = ""
-    graphs: list[str] = field(default_factory=list)
-    time_s: float = 0.0
-    nodes_before: int = 0
-    nodes_after: int = 0
-    ops_before: dict[str, int] = field(default_factory=dict)
-    ops_after: dict[str, int] = field(default_factory=dict)
-    parameters_before: int = 0  # elements of all parameters and buffers
-    parameters_after: int = 0
-    parameter_bytes_before: int = 0
-    parameter_bytes_after: int = 0
-    stats: dict[str, Any] = field(default_factory=dict)
-    max_rel_error: float | None = None  # set when check_each_pass ran
-    files: list[str] = field(default_factory=list)  # dump files, relative to dump_dir
-
-    def to_json(self) -> dict[str, Any]:
-        # Passes may report any value; anything JSON cannot hold is written as its str().
-        return json.loads(json.dumps(asdict(self), default=str))
-
-
-@dataclass
-class PassReport:
-    """The per-pass records of one pipeline run (iterable, indexable by position or pass name)."""
-
-    records: list[PassRecord] = field(default_factory=list)
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self.records)
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, key: int | str) -> PassRecord:
-        if isinstance(key, int):
-            return self.records[key]
-        for record in self.records:
-            if record.name == key:
-                return record
-        raise KeyError(key)
-
-    @property
-    def names(self) -> list[str]:
-        return [r.name for r in self.records]
-
-    def to_json(self) -> list[dict[str, Any]]:
-        return [r.to_json() for r in self.records]
 
 
 @dataclass
@@ -195,7 +75,7 @@ def run_passes(
     planned = _resolve(passes, skip)
     dumper = None
     if ctx.dump_dir is not None:
-        from hstu_export.inspection import GraphDumper
+        from hstu_export.report.dumps import GraphDumper
 
         dumper = GraphDumper(ctx.dump_dir)
     reference = _reference_outputs(gm, ctx) if ctx.check_each_pass else None
@@ -379,7 +259,7 @@ def _reference_outputs(gm: torch.fx.GraphModule, ctx: PassContext) -> Any:
         if ctx.reference is not None:
             return ctx.reference(ctx.example_inputs)
         if ctx.model is not None and ctx.schema is not None:
-            from hstu_export.outputs import call_model
+            from hstu_export.sources.outputs import call_model
 
             by_graph_name = {f.graph_name: f.name for f in ctx.schema.features}
             return call_model(ctx.model, ctx.schema, {by_graph_name.get(k, k): v for k, v in ctx.example_inputs.items()})

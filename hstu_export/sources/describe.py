@@ -6,8 +6,8 @@ from typing import Any
 
 from torch import nn
 
-from hstu_export.bundle import ModelBundle
 from hstu_export.settings import EmbeddingQuantization
+from hstu_export.sources.bundle import ModelBundle
 
 
 def sparse_tables(model: nn.Module) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hstu_export.errors import ConfigError, PackageError
-from hstu_export.package import (
+from hstu_export.package.directory import (
     SIGNATURE,
     check_writable,
     current_umask,
@@ -89,7 +89,7 @@ def _key_kind(public: Any) -> str:
 
 def sign_package(package: str | os.PathLike[str], private_key: str | os.PathLike[str]) -> Path:
     """Signs every file of ``package`` with ``private_key``; returns the signature's path."""
-    from hstu_export.package import read_manifest
+    from hstu_export.package.directory import read_manifest
 
     root = Path(package).resolve()
     read_manifest(root)  # only an intact package of ours is signed

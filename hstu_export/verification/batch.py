@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError
-from hstu_export.schema import InputSchema
+from hstu_export.package.schema import InputSchema
 
 _START_TIME = 1_700_000_000  # seconds; any fixed epoch works
 _MEAN_GAP = 3_600

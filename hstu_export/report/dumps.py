@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch.fx
 
-from hstu_export.boundary import DENSE, SPARSE, BoundarySchema
+from hstu_export.passes.boundary import DENSE, SPARSE, BoundarySchema
 from hstu_export.report import pictures, render
 from hstu_export.report.build import pass_record
 from hstu_export.report.record import GroupPicture, PassPictures
 
 if TYPE_CHECKING:
-    from hstu_export.pipeline import PassReport
+    from hstu_export.passes.record import PassReport
 
 log = logging.getLogger(__name__)
 
