@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule
 
-from hstu_export.capture.symbolic import check_non_negative, symbolic_float, symbolic_int
 from hstu_export.errors import ExportError
 from hstu_export.ops.mappings import op_key
+from hstu_export.runtimes.symbolic import check_non_negative, symbolic_float, symbolic_int
 
 # Namespaces of ops that need a library loaded in the serving process, and the module that loads it.
 OP_LIBRARY_MODULES = {"hstu_export": "hstu_export.ops", "fbgemm": "fbgemm_gpu"}

@@ -1,6 +1,5 @@
 """Capture: from a user's model to an FX graph (tracer, proxies for KeyedJaggedTensors, opaque calls, the
-functions that stay single call nodes in graphs, ``int()``/``float()`` of traced values as torch.export
-reads them).
+functions that stay single call nodes in graphs).
 
 ``trace`` is the entry point; passes/ and runtimes/ take it from there.
 """

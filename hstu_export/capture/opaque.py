@@ -96,7 +96,7 @@ class _ExportIntMeta(_TracedBuiltinMeta):
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 1 and not kwargs and isinstance(args[0], (torch.Tensor, torch.SymInt, torch.SymFloat)):
-            from hstu_export.capture.symbolic import symbolic_float, symbolic_int
+            from hstu_export.runtimes.symbolic import symbolic_float, symbolic_int
 
             return symbolic_int(args[0]) if cls._builtin is int else symbolic_float(args[0])
         return cls._builtin(*args, **kwargs)
