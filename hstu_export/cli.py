@@ -256,6 +256,10 @@ def _stage_progress(quiet: bool) -> Any:
                    "checked against the installed torch. Applies to the dense program and, with --kv-cache, the "
                    "delta program (which uses combo_kernels=true on CUDA unless told otherwise).")
 @click.option("--no-verify", is_flag=True, help="Skip the parity check (the manifest records that).")
+@click.option("--reference-device", type=click.Choice(["cpu"]), default=None,
+              help="Run your model (the verification reference, and while tracing) on the CPU in fp32, for models "
+                   "whose own ops do not run on the export device (fbgemm's jagged ops without its CUDA build); "
+                   "the package is compared with the exported dtype's tolerances.")
 @click.option("--verify-batches", type=click.IntRange(min=0), default=4, show_default=True,
               help="Random batches verified besides the edge cases.")
 @click.option("--rtol", type=float, default=None, help="Relative L2 tolerance of verification [default: by dtype].")
@@ -272,8 +276,8 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
                    serving_repo: str | None, graphs_in_package: bool, leaf_module: tuple[str, ...], opaque_function: tuple[str, ...], map_function: tuple[str, ...],
                    attention_scale: str, max_length: tuple[str, ...], skip_pass: tuple[str, ...],
                    passes: str | None, check_each_pass: bool, force: bool, kv_cache: bool, kv_page_size: int,
-                   kv_splits: int, aoti_option: tuple[str, ...], no_verify: bool, verify_batches: int,
-                   rtol: float | None, atol: float | None, allow_pickle: bool, quantize_embeddings: str,
+                   kv_splits: int, aoti_option: tuple[str, ...], no_verify: bool, reference_device: str | None,
+                   verify_batches: int, rtol: float | None, atol: float | None, allow_pickle: bool, quantize_embeddings: str,
                    quantize_table: tuple[str, ...], imports: tuple[str, ...], quiet: bool, verbose: bool) -> None:
     """Export MODEL (a model bundle) to a verified package.
 
@@ -301,6 +305,7 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
         op_mappings=_parse_mappings(map_function), attention_scale=attention_scale,
         lengths=_parse_lengths(max_length), imports=tuple(imports),
         verify=VerifySettings(enabled=not no_verify, num_random_batches=verify_batches, rtol=rtol, atol=atol),
+        reference_device=reference_device,
         quantization=_quantization(quantize_embeddings, quantize_table), force=force, kv_cache=kv_cache,
         kv_page_size=kv_page_size, kv_splits=kv_splits, aoti_options=_parse_inductor_options(aoti_option),
     )
@@ -420,12 +425,14 @@ def _parity_table(parity: dict[str, Any]) -> Table:
 @click.option("--key", "public_key", type=click.Path(dir_okay=False), default=None,
               help="Public key (PEM): the package must be signed by its private key (hstu-export sign).")
 @click.option("--signature-only", is_flag=True, help="With --key: check the signature only, not the parity.")
+@click.option("--reference-device", type=click.Choice(["cpu"]), default=None,
+              help="Run the model on the CPU in fp32 [default: where the export ran it].")
 @click.option("--allow-pickle", is_flag=True)
 @_import_option
 @_verbose_option
 def verify(package: str, model_path: str | None, batches: int, seed: int, rtol: float | None, atol: float | None,
-           public_key: str | None, signature_only: bool, allow_pickle: bool, imports: tuple[str, ...],
-           verbose: bool) -> None:
+           public_key: str | None, signature_only: bool, reference_device: str | None, allow_pickle: bool,
+           imports: tuple[str, ...], verbose: bool) -> None:
     """Check a package against the model it came from on fresh batches (exit 1 on mismatch), and with
     --key its signature first."""
     from hstu_export.errors import ConfigError, VerificationError
@@ -444,7 +451,7 @@ def verify(package: str, model_path: str | None, batches: int, seed: int, rtol: 
             return
     VerifySettings(rtol=rtol, atol=atol)  # checks the values
     report = verify_package(package, model_path, num_random=batches, seed=seed, allow_pickle=allow_pickle,
-                            rtol=rtol, atol=atol, imports=imports)
+                            rtol=rtol, atol=atol, imports=imports, reference_device=reference_device)
     console.print(_parity_table(report))
     for name, ra in report.get("rank_agreement", {}).items():
         console.print(f"rank agreement {escape(name)}: {_rank_agreement(ra)}")

@@ -210,14 +210,16 @@ class Captured:
 def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, timings: dict[str, float] | None = None,
             progress: Progress | None = None, extra_passes: list[Any] | None = None,
             need_ranges: bool = True) -> Captured:
-    """Trace the bundle's model (on ``settings.device``/``dtype``) and run the passes. ``need_ranges``
-    False (inspect) falls back to the bundle's example batch when no lengths ranges are known."""
+    """Trace the bundle's model (on ``settings.device``/``dtype``, or in fp32 on ``--reference-device``, the
+    graphs then moved to the export device and dtype) and run the passes. ``need_ranges`` False (inspect)
+    falls back to the bundle's example batch when no lengths ranges are known."""
     from hstu_export.capture import trace
     from hstu_export.passes.context import PassContext
     from hstu_export.passes.manager import run_passes
 
     timings = {} if timings is None else timings
-    device = settings.torch_device
+    # The model's own code runs here: while tracing, while passes observe values, as the reference.
+    device = settings.reference_torch_device
     with _timed(timings, progress, "prepare"):
         schema: InputSchema = bundle.input_schema
         hints = model_hints(bundle.model)
@@ -229,7 +231,7 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
             if need_ranges:
                 raise
             ranges = None
-        eager = copy.deepcopy(bundle.model).to(device=device, dtype=settings.torch_dtype).eval()
+        eager = copy.deepcopy(bundle.model).to(device=device, dtype=settings.reference_torch_dtype).eval()
         if ranges is not None:
             example = export_example_batch(schema, ranges, seed=settings.verify.seed)
             probes = [probe_batch(schema, ranges, seed=settings.verify.seed + 1)]
@@ -257,8 +259,25 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
 
             names = (names or default_pass_names()) + list(extra_passes)
         result = run_passes(gm, ctx, passes=names, skip=settings.skip_passes)
+    if (device, settings.reference_torch_dtype) != (settings.torch_device, settings.torch_dtype):
+        # Traced where the model runs; compiled for the export device and dtype. A copy: the graphs share
+        # their modules with the model, which stays the reference where it is.
+        result = _moved(result, settings.torch_device, settings.torch_dtype)
+        example = _to_device(example, settings.torch_device)
     summary = {"opaque_calls": gm.meta.get("opaque_calls", []), "leaf_modules": gm.meta.get("leaf_modules", [])}
     return Captured(result, schema, ranges, example, reference, summary, ctx.quantized_tables)
+
+
+def _moved(result: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """A PipelineResult whose graphs are copies on ``device`` in ``dtype`` (floating tensors only)."""
+    import dataclasses
+
+    from hstu_export.passes.boundary import DENSE, SPARSE
+
+    graph = copy.deepcopy(result.graph).to(device=device, dtype=dtype)
+    return dataclasses.replace(result, graph=graph,
+                               sparse=getattr(graph, SPARSE) if result.sparse is not None else None,
+                               dense=getattr(graph, DENSE) if result.dense is not None else None)
 
 
 def export(
@@ -540,6 +559,8 @@ def _verify(root: Path, reference: Any, schema: InputSchema, ranges: ExportRange
         from hstu_export.kv_export import verify_kv_cache
 
         parity["kv_cache"] = verify_kv_cache(predictor, reference, tolerances, settings.verify.seed)
+    parity["reference"] = {"device": str(settings.reference_torch_device),
+                           "dtype": str(settings.reference_torch_dtype).removeprefix("torch.")}
     return parity
 
 

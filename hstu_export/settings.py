@@ -305,6 +305,10 @@ class ExportSettings:
     # Inductor config options for the AOTInductor compiles (--aoti-option KEY=VALUE): the dense program's and
     # the delta program's (which has defaults of its own on CUDA: kv_export.DELTA_INDUCTOR_OPTIONS)
     aoti_options: dict[str, Any] = field(default_factory=dict)
+    # Where the user's model runs as verification's reference, in fp32, and while the graph is traced and
+    # observed (--reference-device): for models whose own ops do not run on the export device (fbgemm's
+    # jagged ops on a GPU machine with fbgemm's CPU build). None: on the export device, in the export dtype.
+    reference_device: str | None = None
 
     def __post_init__(self) -> None:
         self.dtype = normalize_dtype(self.dtype)
@@ -329,6 +333,9 @@ class ExportSettings:
                 raise ConfigError(f"unknown op target {self.op_target!r}; use triton, aten (alias rtp) or fbgemm")
         if self.dump_dir is not None:
             self.dump_dir = Path(self.dump_dir)
+        if self.reference_device is not None and self.reference_device != "cpu":
+            raise ConfigError(f"--reference-device {self.reference_device!r}: only cpu is supported (the reference "
+                              "runs on the export device otherwise)")
         self.attention_scale = parse_attention_scale(self.attention_scale)
         if not (isinstance(self.kv_page_size, int) and self.kv_page_size >= 16
                 and not self.kv_page_size & (self.kv_page_size - 1)):
@@ -353,6 +360,16 @@ class ExportSettings:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def reference_torch_device(self) -> torch.device:
+        """Where the user's model runs (reference, tracing): ``--reference-device`` or the export device."""
+        return torch.device(self.reference_device) if self.reference_device else self.torch_device
+
+    @property
+    def reference_torch_dtype(self) -> torch.dtype:
+        """fp32 with ``--reference-device``; the export dtype otherwise (the model converted as exported)."""
+        return torch.float32 if self.reference_device else self.torch_dtype
 
     def tolerances(self, op_target: str | None = None, quantized_modes: list[str] | None = None) -> dict[str, float]:
         """Verification tolerances; ``quantized_modes`` (the tables' storage modes) widen them to the

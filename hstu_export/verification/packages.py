@@ -14,7 +14,11 @@ from hstu_export.verification.corners import verification_batches
 from hstu_export.verification.parity import check_parity
 
 
-def _eager_for_package(predictor: Any, model_path: str | None, allow_pickle: bool) -> tuple[Any, Any]:
+def _eager_for_package(predictor: Any, model_path: str | None, allow_pickle: bool,
+                       reference_device: str | None = None) -> tuple[Any, Any]:
+    """The package's model as the reference: on ``reference_device`` (default: the export's
+    ``--reference-device``) in fp32, else on the package's device in its dtype. It takes a batch on any
+    device."""
     from pathlib import Path
 
     from hstu_export.errors import ConfigError
@@ -31,9 +35,11 @@ def _eager_for_package(predictor: Any, model_path: str | None, allow_pickle: boo
             "pass --model MODEL.pt"
         )
     bundle = load_bundle(path, allow_pickle=allow_pickle)
-    dtype = TORCH_DTYPES[predictor.manifest["dtype"]]
-    model = bundle.model.to(device=predictor.device, dtype=dtype).eval()
-    return bundle, lambda batch: call_model(model, bundle.input_schema, batch)
+    where = reference_device or (predictor.manifest.get("settings") or {}).get("reference_device")
+    device = torch.device(where) if where else predictor.device
+    dtype = torch.float32 if where else TORCH_DTYPES[predictor.manifest["dtype"]]
+    model = bundle.model.to(device=device, dtype=dtype).eval()
+    return bundle, lambda batch: call_model(model, bundle.input_schema, {k: v.to(device) for k, v in batch.items()})
 
 
 def _manifest_ranges(manifest: dict[str, Any]) -> ExportRanges:
@@ -43,16 +49,17 @@ def _manifest_ranges(manifest: dict[str, Any]) -> ExportRanges:
 
 def verify_package(package: Any, model_path: str | None, *, num_random: int = 4, seed: int = 7,
                    allow_pickle: bool = False, rtol: float | None = None, atol: float | None = None,
-                   imports: tuple[str, ...] = ()) -> dict[str, Any]:
+                   imports: tuple[str, ...] = (), reference_device: str | None = None) -> dict[str, Any]:
     """Parity of an existing package against its eager model on fresh batches. The tolerances are the
-    export's, unless ``rtol`` (relative L2) or ``atol`` (max absolute) are given."""
+    export's, unless ``rtol`` (relative L2) or ``atol`` (max absolute) are given. The model runs where the
+    export ran it (``--reference-device``), unless ``reference_device`` says otherwise."""
     from hstu_export.runtimes.predictor import load
     from hstu_export.settings import DEFAULT_TOLERANCES
     from hstu_export.sources.bundle import import_modules
 
     import_modules(imports)
     predictor = load(package)
-    _, eager = _eager_for_package(predictor, model_path, allow_pickle)
+    _, eager = _eager_for_package(predictor, model_path, allow_pickle, reference_device)
     batches = verification_batches(predictor.input_schema, _manifest_ranges(predictor.manifest), seed, num_random)
     tolerances = dict(predictor.manifest.get("parity", {}).get("tolerances")
                       or DEFAULT_TOLERANCES[predictor.manifest["dtype"]])
@@ -71,7 +78,7 @@ def verify_package(package: Any, model_path: str | None, *, num_random: int = 4,
             return {"rank_agreement": rank_agreement.per_user_tau(exported, ref, batch, dims)}
 
     with torch.no_grad():
-        report = check_parity(predictor, lambda b: eager({k: v.to(predictor.device) for k, v in b.items()}),
+        report = check_parity(predictor, eager,
                               batches, tolerances, per_batch=per_batch)
     if quantized:
         report["rank_agreement"] = rank_agreement.summarize(report["batches"])
@@ -80,7 +87,7 @@ def verify_package(package: Any, model_path: str | None, *, num_random: int = 4,
 
         with torch.no_grad():
             report["kv_cache"] = verify_kv_cache(
-                predictor, lambda b: eager({k: v.to(predictor.device) for k, v in b.items()}), tolerances, seed)
+                predictor, eager, tolerances, seed)
         report["passed"] = report["passed"] and report["kv_cache"]["passed"]
     return report
 

@@ -83,10 +83,12 @@ class GrStyleRanker(nn.Module):
         num_uih = int(uih_lengths.sum().item())
         total_candidates = int(num_candidates.sum().item())
 
-        contextual = self.contextual_proj(embeddings["user_id"].values())
+        # The tables look up in their own dtype; the dense layers may run in another (a bf16 export).
+        dtype = self.contextual_proj.weight.dtype
+        contextual = self.contextual_proj(embeddings["user_id"].values().to(dtype))
         history = self.history_proj(torch.cat([embeddings["uih_item_id"].values(),
-                                               embeddings["uih_action"].values()], dim=-1))
-        candidate_embeddings = embeddings["cand_item_id"].values()
+                                               embeddings["uih_action"].values()], dim=-1).to(dtype))
+        candidate_embeddings = embeddings["cand_item_id"].values().to(dtype)
         candidates = self.candidate_proj(candidate_embeddings)
         lengths = contextual_lengths + uih_lengths + num_candidates
         total = int(contextual_lengths.sum().item()) + num_uih + total_candidates
