@@ -38,10 +38,15 @@ UIH = ["user_id", "user_active_degree", "video_id", "action_timestamp", "action_
 CANDIDATES = ["item_video_id", "item_action_weight", "item_target_watchtime", "item_query_time"]
 
 
-def build_ranker(dim: int = 32, heads: int = 2, layers: int = 2, seed: int = 0) -> DlrmHSTU:
+def build_ranker(dim: int = 32, heads: int = 2, layers: int = 2, seed: int = 0, *, head_dim: int = 16,
+                 max_seq_len: int = 64, max_candidates: int = 8, preprocessor_dim: int | None = None,
+                 items: int = 1000) -> DlrmHSTU:
+    """A small DlrmHSTU by default; ``build_ranker(512, 4, 5, head_dim=128, preprocessor_dim=256, ...)`` has
+    the dense shape of generative-recommenders' DLRMv3 configuration (small tables)."""
     cfg = DlrmHSTUConfig(
-        max_seq_len=64, max_num_candidates=8, hstu_num_heads=heads, hstu_attn_linear_dim=16, hstu_attn_qk_dim=16,
-        hstu_attn_num_layers=layers, hstu_embedding_table_dim=dim, hstu_preprocessor_hidden_dim=dim,
+        max_seq_len=max_seq_len, max_num_candidates=max_candidates, hstu_num_heads=heads,
+        hstu_attn_linear_dim=head_dim, hstu_attn_qk_dim=head_dim, hstu_attn_num_layers=layers,
+        hstu_embedding_table_dim=dim, hstu_preprocessor_hidden_dim=preprocessor_dim or dim,
         hstu_transducer_embedding_dim=dim, contextual_feature_to_max_length={"user_id": 1, "user_active_degree": 1},
         user_embedding_feature_names=["video_id", "user_id", "user_active_degree"],
         item_embedding_feature_names=["item_video_id"], uih_post_id_feature_name="video_id",
@@ -56,7 +61,7 @@ def build_ranker(dim: int = 32, heads: int = 2, layers: int = 2, seed: int = 0) 
                            TaskConfig("is_like", 2, MultitaskTaskType.BINARY_CLASSIFICATION)],
     )
     tables = {name: EmbeddingConfig(num_embeddings=rows, embedding_dim=dim, name=name, feature_names=features)
-              for name, rows, features in [("video_id", 1000, ["video_id", "item_video_id"]),
+              for name, rows, features in [("video_id", items, ["video_id", "item_video_id"]),
                                            ("user_id", 100, ["user_id"]), ("user_active_degree", 8, ["user_active_degree"])]}
     torch.manual_seed(seed)
     model = DlrmHSTU(cfg, tables, is_inference=True, bf16_training=False)

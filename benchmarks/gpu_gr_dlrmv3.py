@@ -1,0 +1,240 @@
+"""generative-recommenders' ``DlrmHSTU`` in DLRMv3's dense shape, exported for CUDA, beside the zoo's dlrmv3
+package, timed in the same run.
+
+    GR_SRC=/path/to/generative-recommenders PYTHONPATH=$PWD python benchmarks/gpu_gr_dlrmv3.py --out $OUT \\
+        [--steps verify export time] [--work DIR]
+    GR_SRC=... python benchmarks/gpu_gr_dlrmv3.py --out /tmp/gr --small --device cpu   # a dry run on a CPU
+
+The model: ``examples/generative_recommenders/gr_ranker.py`` at 5 layers of d512 with 4 heads of 128 and a
+256-wide preprocessor (the dense shape of generative-recommenders' dlrm_v3 configuration), small tables.
+Its eager code calls fbgemm's jagged ops, which the GPU machine has only for the CPU, so it is traced and
+verified on the CPU in fp32 (``--reference-device cpu``) and compiled for CUDA in bf16 with the ``triton``
+op target.
+
+Steps (each writes into ``--work``, so later steps can run in another call on the same machine):
+- ``verify``: exported with small ranges (4 users, 64 history items, 16 candidates) and verified on every
+  corner against ``DlrmHSTU.forward`` on the CPU in fp32.
+- ``export``: exported with the timed workload's ranges, unverified (its corners on the CPU would take
+  hours), then checked against the verified package on small requests (the same model and program, other
+  ranges); the zoo's dlrmv3 exported with the same ranges.
+- ``time``: both packages' dense halves on the same workload: 32 users, history lengths uniform over
+  [1, 2047] (mean about 1024), 2048 candidates each, bf16; median of ``--iters`` synced calls (CUDA events)
+  after warm-up, and the same calls back to back. Tokens are history plus candidate tokens (contextual
+  tokens not counted), the same for both models.
+
+Writes ``gr_dlrmv3.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples" / "generative_recommenders"))
+if os.environ.get("GR_SRC"):
+    sys.path.insert(0, os.environ["GR_SRC"])
+
+import gr_ranker  # noqa: E402  (after the paths)
+
+import hstu_export  # noqa: E402
+from hstu_export import ExportSettings, VerifySettings  # noqa: E402
+from hstu_export.models import build_preset  # noqa: E402
+from hstu_export.sources.schema_inference import flatten_example  # noqa: E402
+
+DLRMV3 = {"dim": 512, "heads": 4, "layers": 5, "head_dim": 128, "preprocessor_dim": 256, "max_seq_len": 8192,
+          "max_candidates": 2048}
+SMALL = {"dim": 64, "heads": 2, "layers": 2, "head_dim": 32, "preprocessor_dim": 32, "max_seq_len": 512,
+         "max_candidates": 64}
+
+
+def shape(small: bool) -> dict[str, Any]:
+    return SMALL if small else DLRMV3
+
+
+def sizes(small: bool) -> dict[str, int]:
+    """The timed workload and the ranges it is exported with."""
+    return ({"users": 4, "history": 32, "candidates": 16} if small
+            else {"users": 32, "history": 2047, "candidates": 2048})
+
+
+def gr_bundle(work: Path, small: bool, ranges: dict[str, int], name: str) -> Path:
+    model = gr_ranker.build_ranker(**shape(small))
+    return hstu_export.save_bundle(
+        model, work / f"{name}.pt", example_inputs=gr_ranker.example_inputs([5, 3, 7], [3, 1, 2]),
+        factory="gr_ranker:build_ranker", factory_kwargs=shape(small),
+        ranges={"uih_features.video_id": (1, ranges["history"]), "uih_features.user_id": (1, 1),
+                "candidates_features": (1, ranges["candidates"])})
+
+
+def settings(device: str, ranges: dict[str, int], verify: bool, **kwargs: Any) -> ExportSettings:
+    cuda = device == "cuda"
+    return ExportSettings(backend="aoti", device=device, dtype="bfloat16" if cuda else "float32",
+                          max_batch_size=ranges["users"], force=True,
+                          verify=VerifySettings(enabled=verify, num_random_batches=2), **kwargs)
+
+
+VERIFIED = {"users": 4, "history": 64, "candidates": 16}
+
+
+def step_verify(work: Path, device: str, small: bool) -> dict[str, Any]:
+    ranges = VERIFIED
+    bundle = gr_bundle(work, small, ranges, "gr_small")
+    start = time.perf_counter()
+    result = hstu_export.export(bundle, work / "gr_small.aoti", settings(device, ranges, True, reference_device="cpu"))
+    parity = result.parity
+    return {"seconds": round(time.perf_counter() - start, 1), "passed": parity["passed"], "worst": parity["worst"],
+            "tolerances": parity["tolerances"], "reference": parity["reference"],
+            "batches": [(r["batch"], r["passed"]) for r in parity["batches"]],
+            "mapped": next(p["stats"] for p in result.manifest["passes"] if p["name"] == "map_ops").get("foreign"),
+            "triton_configs": result.manifest.get("triton_configs", {})}
+
+
+def step_export(work: Path, device: str, small: bool) -> dict[str, Any]:
+    ranges = sizes(small)
+    out: dict[str, Any] = {}
+    bundle = gr_bundle(work, small, ranges, "gr_timed")
+    start = time.perf_counter()
+    hstu_export.export(bundle, work / "gr_timed.aoti", settings(device, ranges, False, reference_device="cpu"))
+    out["gr_export_seconds"] = round(time.perf_counter() - start, 1)
+    # The timed package against the verified one, on small requests both take.
+    timed, verified = hstu_export.load(work / "gr_timed.aoti"), hstu_export.load(work / "gr_small.aoti")
+    model = hstu_export.load_bundle(bundle).model
+    worst = 0.0
+    h, c = min(VERIFIED["history"], ranges["history"]), min(VERIFIED["candidates"], ranges["candidates"])
+    for seed, (history, candidates) in enumerate([([1], [1]), ([7, h], [3, c]), ([h] * 4, [c] * 4)]):
+        request = flatten_example(timed.input_schema, gr_ranker.example_inputs(history, candidates, seed=seed), None,
+                                  model)
+        a, b = timed(request), verified(request)
+        worst = max(worst, *(float((a[k].float() - b[k].float()).abs().max()) for k in a))
+    out["gr_timed_vs_verified_max_abs"] = worst
+    zoo_model = build_preset("tiny" if small else "dlrmv3", seed=0)
+    schema = zoo_model.input_schema()
+    zoo_bundle = hstu_export.save_bundle(zoo_model, work / "zoo.pt", hstu_export.generate_batch(schema, 3, seed=1))
+    start = time.perf_counter()
+    zoo_settings = settings(device, ranges, False, lengths={"uih_lengths": (1, ranges["history"]),
+                                                            "candidate_lengths": (1, ranges["candidates"])})
+    hstu_export.export(zoo_bundle, work / "zoo.aoti", zoo_settings)
+    out["zoo_export_seconds"] = round(time.perf_counter() - start, 1)
+    return out
+
+
+def workload(small: bool, seed: int = 2026) -> tuple[list[int], list[int]]:
+    s = sizes(small)
+    gen = torch.Generator().manual_seed(seed)
+    history = torch.randint(1, s["history"] + 1, (s["users"],), generator=gen).tolist()
+    return history, [s["candidates"]] * s["users"]
+
+
+def dense_timer(predictor: Any, request: dict[str, torch.Tensor], iters: int, warmup: int) -> dict[str, float]:
+    split = predictor.split
+    request = predictor.check_request(request)
+    features = {f.graph_name: request[f.name].to(predictor.device) for f in predictor.input_schema.features}
+    inputs = split.dense_inputs(features)
+    cuda = predictor.device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    with torch.no_grad():
+        for _ in range(warmup):
+            split.dense(**inputs)
+        sync()
+        times = []
+        for _ in range(iters):
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                split.dense(**inputs)
+                end.record()
+                end.synchronize()
+                times.append(begin.elapsed_time(end))
+            else:
+                start = time.perf_counter()
+                split.dense(**inputs)
+                times.append((time.perf_counter() - start) * 1000)
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            split.dense(**inputs)
+        sync()
+        back_to_back = (time.perf_counter() - start) * 1000 / iters
+    return {"ms": statistics.median(times), "ms_back_to_back": back_to_back,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
+
+
+def step_time(work: Path, small: bool, iters: int, warmup: int) -> dict[str, Any]:
+    history, candidates = workload(small)
+    tokens = sum(history) + sum(candidates)
+    gr = hstu_export.load(work / "gr_timed.aoti")
+    model = hstu_export.load_bundle(work / "gr_timed.pt").model
+    gr_request = flatten_example(gr.input_schema, gr_ranker.example_inputs(history, candidates, seed=5), None, model)
+    zoo = hstu_export.load(work / "zoo.aoti")
+    zoo_request = hstu_export.generate_batch(zoo.input_schema, len(history), seed=5,
+                                             lengths={"uih_lengths": history, "candidate_lengths": candidates})
+    out: dict[str, Any] = {"users": len(history), "history_tokens": sum(history), "candidate_tokens": sum(candidates),
+                           "longest_history": max(history), "iters": iters}
+    # Alternated twice, so that neither package always runs first on a warmer GPU.
+    for _ in range(2):
+        for name, predictor, request in (("zoo", zoo, zoo_request), ("gr", gr, gr_request)):
+            timing = dense_timer(predictor, request, iters, warmup)
+            out.setdefault(name, []).append(timing)
+    for name in ("zoo", "gr"):
+        best = min(out[name], key=lambda t: t["ms"])
+        out[f"{name}_ms"] = best["ms"]
+        out[f"{name}_mtokens_per_s"] = tokens / best["ms"] / 1e3
+    out["gr_vs_zoo_tokens_per_s"] = out["gr_mtokens_per_s"] / out["zoo_mtokens_per_s"]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=None, help="where packages are kept between steps [--out]")
+    parser.add_argument("--steps", nargs="+", default=["verify", "export", "time"], choices=["verify", "export", "time"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--small", action="store_true", help="small shapes and sizes (a dry run)")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or args.out
+    work.mkdir(parents=True, exist_ok=True)
+    results_path = args.out / "gr_dlrmv3.json"
+    results: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {}
+    results["machine"] = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                          "torch": torch.__version__, "python": platform.python_version(),
+                          "date": time.strftime("%Y-%m-%d"), "gr_snapshot": os.environ.get("GR_SNAPSHOT")}
+    code = 0
+    for step in args.steps:
+        start = time.perf_counter()
+        try:
+            if step == "verify":
+                results[step] = step_verify(work, args.device, args.small)
+            elif step == "export":
+                results[step] = step_export(work, args.device, args.small)
+            else:
+                results[step] = step_time(work, args.small, args.iters, args.warmup)
+        except Exception as exc:
+            results[step] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]}
+            code = 1
+        results[step]["step_seconds"] = round(time.perf_counter() - start, 1)
+        results_path.write_text(json.dumps(results, indent=2, default=str))
+        print(step, json.dumps({k: v for k, v in results[step].items() if k != "traceback"}, default=str)[:1500],
+              flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
