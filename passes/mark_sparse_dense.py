@@ -6,7 +6,8 @@ the results through torchrec's accessors: ``jt.values()``, ``jt.lengths()``, ``j
 reads such a structure (KeyedJaggedTensor, JaggedTensor, KeyedTensor, and containers of them, as
 ``observe_values`` saw them on the example batch) plus everything those nodes depend on. Every tensor
 (or Python int) that leaves the region for dense code and depends on a lookup or a structure gets a
-mark, named after its accessor chain (``<module>.<key>.values``); values computed from the request
+mark, named after its accessor chain back to the lookup (``<module>.<key>.values``, ``<module>.<key>`` for
+``kt["key"]``, a regrouped KeyedTensor by its group's keys); values computed from the request
 alone are recomputed on the dense side instead. Ints cross as 0-d tensors.
 
 Explicit ``sparse_boundary`` marks win: a graph that has any is left as it is.
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 NAME = "mark_sparse_dense"
 ACCESSORS = ("values", "lengths", "offsets", "weights", "lengths_or_none", "weights_or_none", "to_dict")
 CONTAINER_KINDS = ("kjt", "other")
+MAX_CHAIN = 6  # accessor steps followed back to a lookup
+SIZE_METHODS = ("size", "dim", "numel")
 
 
 class MarkSparseDense:
@@ -72,7 +75,7 @@ class MarkSparseDense:
                     "tensors and ints can cross the sparse/dense boundary. Read tensors out of it in the model "
                     "(values(), lengths(), kt[key]) or keep the consuming function opaque"
                 )
-            name = _unique(graph_name(_boundary_name(gm, node)), used_names)
+            name = _unique(graph_name(_boundary_name(gm, node, lookups)), used_names)
             with graph.inserting_after(node):
                 if kind == "int":
                     as_tensor = graph.call_function(int_to_tensor, (node,))
@@ -161,25 +164,107 @@ def _descendants(roots: set[torch.fx.Node]) -> set[torch.fx.Node]:
     return seen
 
 
-def _boundary_name(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
-    """``<embedding module>.<key>.<accessor>`` for an accessor chain on a lookup, else the node name."""
+def _boundary_name(gm: torch.fx.GraphModule, node: torch.fx.Node, lookups: list[torch.fx.Node]) -> str:
+    """``<embedding module>.<key>.<accessor>`` along the accessor chain back to a lookup: ``kt["key"]``,
+    ``values()``, ``to_dict()["key"]``; a group of a KeyedTensor regroup (``KeyedTensor.regroup_as_dict``,
+    ``regroup``) is named by its keys. When the chain reaches something else (a KeyedTensor built in the
+    model, a ``tile``), the lookups it comes from name it."""
     parts: list[str] = []
     current: Any = node
-    for _ in range(4):
+    sources: list[torch.fx.Node] | None = None  # where the lookups are looked for, when not ``current``
+    for _ in range(MAX_CHAIN):
         if not isinstance(current, torch.fx.Node):
-            break
+            return node.name
         if current.op == "call_module":
-            parts.append(str(current.target))
-            return ".".join(reversed(parts))
+            return ".".join([str(current.target), *reversed(parts)])
         if current.op == "call_method" and current.target in ACCESSORS and current.args:
             parts.append(str(current.target))
             current = current.args[0]
-        elif current.op == "call_function" and getattr(current.target, "__name__", "") == "getitem" and len(current.args) == 2:
-            parts.append(str(current.args[1]))
-            current = current.args[0]
-        else:
+            continue
+        if not (current.op == "call_function" and current.target is operator.getitem and len(current.args) == 2):
             break
-    return node.name
+        base, key = current.args
+        if not isinstance(base, torch.fx.Node):
+            break
+        groups = _regroup_keys(base)
+        if groups is not None and isinstance(key, int) and -len(groups) <= key < len(groups):
+            parts.append(_keys_name(groups[key]))
+            # The lookups behind this group are those of the KeyedTensors holding its keys.
+            sources = _holders(gm, base, groups[key])
+            current = base
+            break
+        parts.append(str(key))
+        current = base
+    prefix = _lookup_path(sources or [current], lookups)
+    if not prefix:
+        return node.name
+    return ".".join([prefix, *reversed(parts or [node.name])])
+
+
+def _regroup_keys(node: torch.fx.Node) -> list[list[str]] | None:
+    """The groups of a regroup call (KeyedTensors and a list of key lists in, one tensor per group out)."""
+    if node.op != "call_function" or len(node.args) < 2:
+        return None
+    groups = node.args[1]
+    if (isinstance(groups, (list, tuple)) and groups
+            and all(isinstance(g, (list, tuple)) and g and all(isinstance(k, str) for k in g) for g in groups)):
+        return [list(g) for g in groups]
+    return None
+
+
+def _holders(gm: torch.fx.GraphModule, regroup: torch.fx.Node, keys: list[str]) -> list[torch.fx.Node] | None:
+    """The KeyedTensors given to ``regroup`` that hold one of ``keys`` (None when their keys are not known)."""
+    inputs = regroup.args[0]
+    if not isinstance(inputs, (list, tuple)):
+        return None
+    holders = []
+    for kt in inputs:
+        held = _kt_keys(gm, kt) if isinstance(kt, torch.fx.Node) else None
+        if held is None:
+            return None
+        if set(held) & set(keys):
+            holders.append(kt)
+    return holders or None
+
+
+def _kt_keys(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[str] | None:
+    """The keys of a KeyedTensor: an EmbeddingBagCollection's features, or a KeyedTensor built with
+    constant keys."""
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        configs = getattr(module, "embedding_bag_configs", None)
+        return [f for c in configs() for f in c.feature_names] if callable(configs) else None
+    keys = node.kwargs.get("keys", node.args[0] if node.op == "call_function" and node.args else None)
+    if isinstance(keys, (list, tuple)) and all(isinstance(k, str) for k in keys):
+        return list(keys)
+    return None
+
+
+def _keys_name(keys: list[str]) -> str:
+    return "_".join(keys) if len(keys) <= 3 else f"{keys[0]}_and_{len(keys) - 1}_more"
+
+
+def _lookup_path(nodes: list[torch.fx.Node], lookups: list[torch.fx.Node]) -> str:
+    """The embedding module(s) whose values ``nodes`` read (sizes taken of a lookup do not count): one
+    module's path, else the path they share, else their names joined."""
+    ancestors: set[torch.fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        current = stack.pop()
+        if current not in ancestors:
+            ancestors.add(current)
+            if not (current.op == "call_method" and current.target in SIZE_METHODS):
+                stack.extend(current.all_input_nodes)
+    paths = [str(n.target) for n in lookups if n in ancestors]
+    if len(paths) <= 1:
+        return paths[0] if paths else ""
+    split = [p.split(".") for p in paths]
+    shared = []
+    for level in zip(*split):
+        if len(set(level)) != 1:
+            break
+        shared.append(level[0])
+    return ".".join(shared) if shared else "_".join(p[-1] for p in split)
 
 
 def _unique(name: str, used: set[str]) -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torchrec.modules.embedding_modules import EmbeddingCollection
-from user_models import dlrm_hstu, pooled
+from user_models import dlrm_hstu, grouped_ebc, pooled
 
 import hstu_export
 from hstu_export import ExportSettings, VerifySettings
@@ -163,6 +163,28 @@ def test_boundary_is_found_and_attention_mapped() -> None:
     stats = result.report["map_ops"].stats
     assert stats["foreign"] == {f"{USER_ATTENTION} (generative-recommenders (declared like {GR_ATTENTION}))": 2}
     assert stats["mapped"]["hstu_export::hstu_mha -> hstu_export.ops.reference:hstu_mha_reference"] == 2
+    assert all(r.max_rel_error is not None and r.max_rel_error <= 1e-6 for r in result.report)
+
+
+@pytest.mark.parametrize("which", ["pooled", "grouped"])
+def test_pooled_boundary_is_named_after_the_lookup_chain(which: str) -> None:
+    """EmbeddingBagCollection results read as ``kt[key]``, ``kt.values()``, ``to_dict()``, through a
+    KeyedTensor the model builds itself and through ``KeyedTensor.regroup_as_dict`` (TorchEasyRec's
+    embedding groups) cross under the names of their lookup chain, not the graph's node names."""
+    if which == "pooled":
+        model, example, ranges = pooled.build_pooled(), pooled.example_inputs(3, seed=0), {"sparse_features": (1, 6)}
+        expected = ["ebc__user_id", "ebc__item_id", "ebc__item_tags", "ebc__values"]
+    else:
+        model, example = grouped_ebc.build_grouped(), grouped_ebc.example_inputs(3, seed=0)
+        ranges = {"item_features": (1, 4), "user_features": (1, 1)}
+        # wide = item_id (ebc) + user_id (ebc_user, tiled); deep = item_tags + item_id (ebc alone)
+        expected = ["ebc_ebc_user__item_id_user_id", "ebc__item_tags_item_id", "ebc_user__values"]
+    schema = infer_schema(model, example, ranges=ranges)
+    flat = flatten_example(schema, example, None, model)
+    ctx = PassContext(example_inputs=schema.to_graph_inputs(flat), model=model, schema=schema, check_each_pass=True)
+    result = run_passes(trace(model, flat, schema=schema), ctx)
+    assert result.report["mark_sparse_dense"].stats["automatic_marks"] == expected
+    assert [t.name for t in result.boundary.dense_inputs if t.name not in schema.graph_names] == expected
     assert all(r.max_rel_error is not None and r.max_rel_error <= 1e-6 for r in result.report)
 
 
