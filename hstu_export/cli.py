@@ -157,14 +157,14 @@ def describe(model: str, allow_pickle: bool, quantize_embeddings: str, quantize_
         console.print(table)
     if info["sparse_tables"]:
         quantized = quantization.requested
-        columns = ("sparse table", "rows", "dim", "bytes", *(("mode", "stored", "saved") if quantized else ()),
+        columns = ("sparse table", "rows", "dim", "dtype", "bytes", *(("mode", "stored", "saved") if quantized else ()),
                    "features")
         table = Table(*columns, box=None, pad_edge=False)
         for t in info["sparse_tables"]:
             plan = t.get("quantization")
             stored = (((plan["mode"], human_bytes(plan["bytes"]), human_bytes(t["bytes"] - plan["bytes"])) if plan
                        else ("kept", human_bytes(t["bytes"]), human_bytes(0))) if quantized else ())
-            table.add_row(t["name"], f"{t['num_embeddings']:,}", str(t["embedding_dim"]),
+            table.add_row(t["name"], f"{t['num_embeddings']:,}", str(t["embedding_dim"]), t["data_type"],
                           human_bytes(t["bytes"]), *stored, ", ".join(t["feature_names"]))
         console.print(table)
     if info["source"]:

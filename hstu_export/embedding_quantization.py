@@ -153,14 +153,14 @@ def quantize_collection(module: nn.Module, modes: dict[str, str]) -> tuple[torch
         lines = str(exc).strip().splitlines()
         raise ExportError(f"TorchScript cannot compile torchrec's quantized {type(module).__name__}: "
                           f"{lines[0] if lines else type(exc).__name__}") from exc
-    return scripted, _stored_bytes(quantized)
+    return scripted, table_bytes(quantized)
 
 
-def _stored_bytes(quantized: nn.Module) -> dict[str, int]:
-    """Table name -> bytes of its rows in a torchrec quantized collection (its per-table weights are views
-    of the rows the lookup reads)."""
+def table_bytes(collection: nn.Module) -> dict[str, int]:
+    """Table name -> bytes of its rows in a torchrec collection, float or quantized (a quantized one's
+    per-table weights are views of the rows the lookup reads)."""
     sizes: dict[str, int] = {}
-    for name, tensor in quantized.state_dict().items():
+    for name, tensor in collection.state_dict().items():
         parts = name.split(".")
         if len(parts) >= 3 and parts[0] in ("embeddings", "embedding_bags") and parts[-1].startswith("weight"):
             packed = getattr(tensor, "elem", tensor)  # torchrec wraps int4 rows in a 4-bit view of the bytes

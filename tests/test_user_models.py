@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import Tensor, nn
+from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from user_models import dlrm_hstu, grouped_ebc, pooled
 
@@ -186,6 +187,49 @@ def test_pooled_boundary_is_named_after_the_lookup_chain(which: str) -> None:
     assert result.report["mark_sparse_dense"].stats["automatic_marks"] == expected
     assert [t.name for t in result.boundary.dense_inputs if t.name not in schema.graph_names] == expected
     assert all(r.max_rel_error is not None and r.max_rel_error <= 1e-6 for r in result.report)
+
+
+# ---- describe -----------------------------------------------------------------------------------
+
+
+def test_describe_lists_pooled_and_quantized_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from torch.ao.quantization import PlaceholderObserver
+    from torchrec.modules.embedding_configs import QuantConfig
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
+    from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
+
+    from hstu_export.cli import main as cli_main
+    from hstu_export.embedding_quantization import stored_row_bytes
+    from hstu_export.sources.describe import sparse_tables
+
+    path = hstu_export.save_bundle(pooled.build_pooled(), tmp_path / "pooled.pt",
+                                   example_inputs=pooled.example_inputs(3, seed=0),
+                                   factory="user_models.pooled:build_pooled", ranges={"sparse_features": (1, 6)})
+    assert cli_main(["describe", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["user"], ["item"], ["tags"])}
+    # name, rows, dim, dtype, bytes (rows x dim x 4), features
+    assert rows["item"] == ["item", "200", "8", "fp32", "6.2", "KiB", "item_id"]
+    assert rows["tags"][1:4] == ["50", "8", "fp32"]
+    assert cli_main(["describe", str(path), "--quantize-embeddings", "int8"]) == 0
+    assert "int8" in capsys.readouterr().out
+
+    # torchrec's quantized collections: their tables, stored as fbgemm's rows.
+    model = pooled.build_pooled()
+    ec = EmbeddingCollection(tables=[EmbeddingConfig(name="seq", embedding_dim=8, num_embeddings=30,
+                                                     feature_names=["seq_id"])], device=torch.device("cpu"))
+    quantized = []
+    for module, cls, dtype in ((model.ebc, QuantEmbeddingBagCollection, torch.qint8),
+                               (ec, QuantEmbeddingCollection, torch.quint4x2)):
+        module.qconfig = QuantConfig(activation=PlaceholderObserver.with_args(dtype=torch.float32),
+                                     weight=PlaceholderObserver.with_args(dtype=dtype))
+        quantized.append(cls.from_float(module))
+    holder = nn.ModuleDict({"bags": quantized[0], "sequences": quantized[1]})
+    tables = {t["name"]: t for t in sparse_tables(holder)}
+    assert sorted(tables) == ["item", "seq", "tags", "user"]
+    assert (tables["item"]["data_type"], tables["item"]["bytes"]) == ("int8", 200 * stored_row_bytes(8, "int8"))
+    assert (tables["seq"]["data_type"], tables["seq"]["bytes"]) == ("int4", 30 * stored_row_bytes(8, "int4"))
+    assert tables["seq"]["feature_names"] == ["seq_id"]
 
 
 # ---- exports ------------------------------------------------------------------------------------

@@ -11,24 +11,40 @@ from hstu_export.sources.bundle import ModelBundle
 
 
 def sparse_tables(model: nn.Module) -> list[dict[str, Any]]:
-    """Every torchrec embedding table in the model: name, rows, dim, bytes, features."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+    """Every torchrec embedding table in the model (EmbeddingCollection, EmbeddingBagCollection, their
+    quantized counterparts, anything else that lists its tables so): name, rows, dim, how its rows are
+    stored, bytes, features."""
+    from hstu_export.embedding_quantization import table_bytes
 
     tables = []
-    for module in model.modules():
-        if isinstance(module, (EmbeddingCollection, EmbeddingBagCollection)):
-            configs = (module.embedding_configs() if isinstance(module, EmbeddingCollection)
-                       else module.embedding_bag_configs())
-            for cfg in configs:
-                weight = module.embeddings[cfg.name].weight  # type: ignore[index]
-                tables.append({
-                    "name": cfg.name,
-                    "num_embeddings": cfg.num_embeddings,
-                    "embedding_dim": cfg.embedding_dim,
-                    "bytes": weight.numel() * weight.element_size(),
-                    "feature_names": list(cfg.feature_names),
-                })
+    counted: list[str] = []
+    for path, module in model.named_modules():
+        configs = _table_configs(module)
+        if configs is None or any(path.startswith(f"{c}.") for c in counted):
+            continue  # a collection inside one already counted (a managed-collision wrapper's) is the same
+        counted.append(path)
+        sizes = table_bytes(module)
+        for cfg in configs:
+            data_type = getattr(cfg, "data_type", None)
+            tables.append({
+                "name": cfg.name,
+                "num_embeddings": cfg.num_embeddings,
+                "embedding_dim": cfg.embedding_dim,
+                "data_type": str(getattr(data_type, "value", data_type or "")).lower(),
+                "bytes": sizes.get(cfg.name, 0),
+                "feature_names": list(cfg.feature_names),
+            })
     return tables
+
+
+def _table_configs(module: nn.Module) -> list[Any] | None:
+    """The table configs a torchrec collection lists (``embedding_configs()`` or ``embedding_bag_configs()``)."""
+    for method in ("embedding_configs", "embedding_bag_configs"):
+        listed = getattr(type(module), method, None)
+        if callable(listed):
+            configs = listed(module)
+            return list(configs) if isinstance(configs, (list, tuple)) else None
+    return None
 
 
 def describe_bundle(bundle: ModelBundle, quantization: EmbeddingQuantization | None = None) -> dict[str, Any]:
