@@ -25,6 +25,13 @@ class TraceError(HstuExportError):
     """FX tracing failed; the message names the module and suggests ``--leaf-module``."""
 
 
+class ModelRunError(HstuExportError):
+    """The user's model failed while export ran it (on the export device, or the reference device); the
+    message names the model's file and line and the likely cause."""
+
+    exit_code = 1
+
+
 class PassError(HstuExportError):
     """A graph pass failed; the message names the pass."""
 

@@ -44,6 +44,7 @@ from hstu_export.runtimes.base import CompileInputs, DimSpec
 from hstu_export.settings import ExportSettings
 from hstu_export.sources.bundle import ModelBundle, load_bundle
 from hstu_export.sources.hints import model_hints
+from hstu_export.sources.model_failures import running_model
 from hstu_export.verification.batch import generate_batch
 from hstu_export.verification.corners import verification_batches
 from hstu_export.verification.parity import check_parity, mismatch_summary
@@ -239,11 +240,11 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
             example, probes = dict(bundle.example_batch), []
         example = _to_device(example, device)
         reference = _eager_reference(eager, schema, settings, functions, device)
-    with _timed(timings, progress, "trace"), torch.no_grad():
+    with _timed(timings, progress, "trace"), torch.no_grad(), running_model(device, "while it was traced"):
         gm = trace(eager, example, leaf_modules=settings.leaf_modules, schema=schema,
                    opaque_functions=[*settings.opaque_functions, *imported_functions(list(functions))])
         _check_attention_scale(settings, gm, functions)
-    with _timed(timings, progress, "passes"), torch.no_grad():
+    with _timed(timings, progress, "passes"), torch.no_grad(), running_model(device, "while the passes ran its graph"):
         ctx = PassContext(
             example_inputs=schema.to_graph_inputs(example), model=eager, schema=schema, op_target=op_target,
             allow_unmapped=settings.allow_unmapped, dump_dir=settings.dump_dir,
@@ -343,12 +344,14 @@ def export(
     if result.sparse is None or result.dense is None or result.boundary is None:
         raise ConfigError("exporting needs the split_sparse_dense pass; do not skip it")
 
-    inputs = _compile_inputs(result, schema.to_graph_inputs(example), schema, ranges, settings)
+    with running_model(device, "while its split graphs ran"):
+        inputs = _compile_inputs(result, schema.to_graph_inputs(example), schema, ranges, settings)
     if settings.dryrun:
         with _timed(timings, progress, "compile"), torch.no_grad():
             report = backend.dryrun(inputs)
         return ExportResult(out, {}, timings, dryrun_report=report)
-    output_shapes = _output_shapes(result, schema, ranges, inputs, settings)
+    with running_model(device, "while its split graphs ran"):
+        output_shapes = _output_shapes(result, schema, ranges, inputs, settings)
     with staging_dir(out) as staged:
         # Again, after the long capture: something else may have filled the disk meanwhile.
         check_free_space(out, weight_bytes)
@@ -409,7 +412,8 @@ def export(
         write_manifest(staged, manifest)
 
         if settings.verify.enabled:
-            with _timed(timings, progress, "verify"), torch.no_grad():
+            with _timed(timings, progress, "verify"), torch.no_grad(), \
+                    running_model(settings.reference_torch_device, "as verification's reference"):
                 ranges = _settle_ranges(staged, manifest, schema, ranges, settings)
                 parity = _verify(staged, captured.reference, schema, ranges, settings, op_target,
                                  captured.quantized_tables, output_shapes)

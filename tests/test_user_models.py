@@ -429,6 +429,70 @@ def _first_user(schema, batch):  # type: ignore[no-untyped-def]
     return out
 
 
+def test_model_failing_on_the_export_device_is_said_so(tmp_path: Path) -> None:
+    """TorchEasyRec's default kernel setting (TRITON) on a CPU: the model's own code fails while export runs
+    it. That is one line naming the model's file and line and the likely cause, not an internal error."""
+    from user_models import triton_kernel
+
+    from hstu_export.cli import main as cli_main
+    from hstu_export.errors import ModelRunError
+
+    path = hstu_export.save_bundle(triton_kernel.build_kernel_ranker("pytorch"), tmp_path / "m.pt",
+                                   example_inputs=pooled.example_inputs(3, seed=0),
+                                   factory="user_models.triton_kernel:build_kernel_ranker",
+                                   factory_kwargs={"kernel": "triton"}, ranges={"sparse_features": (1, 6)})
+    settings = ExportSettings(backend="torchscript", max_batch_size=MAX_BATCH)
+    with pytest.raises(ModelRunError) as info:
+        hstu_export.export(path, tmp_path / "pkg", settings)
+    message = str(info.value)
+    assert message.startswith("the model fails when run on cpu (while it was traced) at ")
+    assert f"{triton_kernel.__file__}:" in message and "0 active drivers" in message
+    assert "likely cause: a Triton kernel launched on a CPU" in message and "kernel: PYTORCH" in message
+    assert not (tmp_path / "pkg").exists()
+    assert cli_main([str(path), "--backend", "torchscript", "--out", str(tmp_path / "pkg"), "-q"]) == 1
+
+    # Built with its PyTorch kernels, the same model exports.
+    fine = hstu_export.save_bundle(triton_kernel.build_kernel_ranker("pytorch"), tmp_path / "fine.pt",
+                                   example_inputs=pooled.example_inputs(3, seed=0),
+                                   factory="user_models.triton_kernel:build_kernel_ranker",
+                                   factory_kwargs={"kernel": "pytorch"}, ranges={"sparse_features": (1, 6)})
+    from hstu_export.exporter import capture
+
+    assert capture(hstu_export.load_bundle(fine), settings, "aten").result.dense is not None
+
+
+def _fails_in_user_code(x: Tensor) -> Tensor:
+    return x[x.numel() + 5]  # IndexError, raised from this file: the model's code
+
+
+def test_which_failures_are_the_models() -> None:
+    """A failure is the model's when it came out of the model's code, directly or wrapped by the pass that
+    ran the graph; a failure of ours, or a trace failure that chains the model's exception, stays as it is."""
+    from hstu_export.errors import PassError
+    from hstu_export.sources.model_failures import model_failure
+
+    cpu = torch.device("cpu")
+    try:
+        _fails_in_user_code(torch.zeros(2))
+    except IndexError as exc:
+        raised = exc
+    failure = model_failure(raised, cpu, "while the passes ran its graph")
+    assert failure is not None and failure.exit_code == 1
+    assert f"{__file__}:" in str(failure) and "IndexError: index 7 is out of bounds" in str(failure)
+    assert "likely cause" not in str(failure)  # nothing known about an index error
+    wrapped = PassError("observe_values: the traced graph fails on the example batch")
+    wrapped.__cause__ = raised
+    assert str(model_failure(wrapped, cpu, "x")) == str(model_failure(raised, cpu, "x"))
+    traced = TraceError("cannot trace M")
+    traced.__cause__ = raised
+    assert model_failure(traced, cpu, "x") is None
+    try:
+        torch.nn.functional.embedding(torch.tensor([5]), torch.zeros(2, 2))
+    except IndexError as exc:
+        # As export's code sees a failure of torch's alone (this test's frame, the catching one, left out).
+        assert model_failure(exc.with_traceback(exc.__traceback__.tb_next), cpu, "x") is None
+
+
 def test_root_control_flow_names_file_and_line() -> None:
     class Branchy(pooled.PooledRanker):
         def forward(self, sparse_features, dense_features):  # type: ignore[no-untyped-def]
