@@ -45,6 +45,7 @@ from hstu_export.settings import ExportSettings
 from hstu_export.sources.bundle import ModelBundle, load_bundle
 from hstu_export.sources.hints import model_hints
 from hstu_export.sources.model_failures import running_model
+from hstu_export.sources.model_limits import Limit, lengths_limits, sequence_limits
 from hstu_export.verification.batch import generate_batch
 from hstu_export.verification.corners import verification_batches
 from hstu_export.verification.parity import check_parity, mismatch_summary
@@ -66,34 +67,42 @@ class ExportResult:
 
 
 def export_ranges(schema: InputSchema, settings: ExportSettings,
-                  stated: dict[str, tuple[int | None, int | None]] | None = None) -> ExportRanges:
+                  stated: dict[str, tuple[int | None, int | None]] | None = None,
+                  limits: dict[str, Limit] | None = None) -> ExportRanges:
     """Exported ranges from the model's schema, ranges the model states in its hints (``stated``) and the
-    settings (``--max-length``, ``--max-seq-len``, ``--max-candidates``), in rising priority. Only a
-    model's own limits cannot be widened."""
+    settings (``--max-length``, ``--max-seq-len``, ``--max-candidates``), in rising priority. ``limits`` are
+    the model's own (``hstu_export.sources.model_limits.lengths_limits``): only those cannot be widened, and a
+    schema's maxima are only defaults beside them (a bundle's stored schema holds the ranges stated when it
+    was saved). Without ``limits``, the schema's maxima are the model's own."""
     chosen: dict[str, tuple[int | None, int | None]] = {}
-    for source in (stated or {}, settings.lengths):
+    flags: dict[str, str] = {}
+    for source, flag in ((stated or {}, "the range stated for {key}"), (settings.lengths, "--max-length {key}")):
         for key, value in source.items():
             for name in schema.resolve_lengths(key):
                 chosen[schema.canonical_lengths(name)] = value
+                flags[schema.canonical_lengths(name)] = flag.format(key=key)
     max_lengths, min_lengths = {}, {}
     for f in schema.lengths_features():
         if f.same_as:
             continue
-        model_max = f.max_value
+        limit = (limits.get(f.name) if limits is not None else
+                 Limit(f.max_value, "the model's input schema") if f.max_value is not None else None)
+        default = f.max_value if f.max_value is not None else limit.value if limit is not None else None
         lo, hi = chosen.get(f.name, (None, None))
         wanted = hi if hi is not None else {
             "history_length": settings.max_seq_len, "candidate_count": settings.max_candidates
         }.get(f.semantic)
-        if model_max is None and wanted is None:
+        if default is None and wanted is None:
             raise ConfigError(
                 f"no maximum length for {f.name!r}: the model does not bound it; pass --max-length {f.name}=N "
                 "(or state ranges in the bundle / the model's export hints)"
             )
-        if wanted is not None and model_max is not None and wanted > model_max:
-            flag = (f"--max-length {f.name}={wanted}" if hi is not None
+        if wanted is not None and limit is not None and wanted > limit.value:
+            flag = (f"{flags[f.name]}={wanted}" if hi is not None
                     else "--max-seq-len" if f.semantic == "history_length" else "--max-candidates")
-            raise ConfigError(f"{flag} exceeds the model's own limit of {model_max} for {f.name!r}")
-        max_lengths[f.name] = wanted if wanted is not None else model_max
+            raise ConfigError(f"{flag} exceeds the model's own limit of {limit.value} for {f.name!r} "
+                              f"({limit.source})")
+        max_lengths[f.name] = wanted if wanted is not None else default
         floor = lo if lo is not None else (f.min_value if f.min_value is not None else 1)
         min_lengths[f.name] = min(max(floor, 0), max_lengths[f.name])
     for f in schema.lengths_features():
@@ -227,7 +236,8 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
         op_mappings = {**hints.mappings, **settings.op_mappings}
         functions = function_mappings(op_mappings)
         try:
-            ranges: ExportRanges | None = export_ranges(schema, settings, hints.ranges)
+            ranges: ExportRanges | None = export_ranges(schema, settings, hints.ranges,
+                                                        lengths_limits(bundle.model, bundle.schema))
         except ConfigError:
             if need_ranges:
                 raise
@@ -340,6 +350,7 @@ def export(
     with file_system_errors(settings.dump_dir, doing):
         captured = capture(bundle, settings, op_target, timings=timings, progress=progress, extra_passes=extra_passes)
     result, schema, ranges, example = captured.result, captured.schema, captured.ranges, captured.example
+    _check_sequence_length(result, schema, ranges, settings, bundle.model)
     assert ranges is not None  # capture() raises without ranges when need_ranges
     if result.sparse is None or result.dense is None or result.boundary is None:
         raise ConfigError("exporting needs the split_sparse_dense pass; do not skip it")
@@ -454,7 +465,8 @@ def _refuse_what_the_machine_cannot_hold(bundle: ModelBundle, settings: ExportSe
     from hstu_export.settings import format_bytes, machine_memory
 
     schema = bundle.input_schema
-    planned = export_ranges(schema, settings, model_hints(bundle.model).ranges)
+    planned = export_ranges(schema, settings, model_hints(bundle.model).ranges,
+                            lengths_limits(bundle.model, bundle.schema))
     request_bytes = 0
     for f in schema.features:
         rows = planned.max_batch_size
@@ -593,6 +605,35 @@ def _eager_reference(eager: nn.Module, schema: InputSchema, settings: ExportSett
             return call_model(eager, schema, _to_device(batch, device))
 
     return run
+
+
+def _check_sequence_length(result: Any, schema: InputSchema, ranges: ExportRanges | None, settings: ExportSettings,
+                           model: nn.Module) -> None:
+    """The longest sequence the exported ranges allow, as the model's foreign attention sees it (contextual
+    tokens + history + candidates, observed with every length at its maximum: ``observe_values``), against
+    what the model itself allows (``hstu_export.sources.model_limits.sequence_limits``) and against
+    ``--attention-scale fixed:N``."""
+    observed = next((r for r in result.report if r.name == "observe_values"), None)
+    longest = observed.stats.get("longest_sequence") if observed is not None else None
+    if not isinstance(longest, int) or ranges is None:
+        return
+    lengths = ", ".join(f"{f.name} <= {ranges.max_lengths[f.name]:,}" for f in schema.lengths_features()
+                        if not f.same_as)
+    seen = ("contextual tokens + history + candidates, as the model's attention sees them with every length at its "
+            f"maximum; the ranges now: {lengths}")
+    for limit in sequence_limits(model):
+        if longest > limit.value:
+            raise ConfigError(f"the exported ranges allow sequences of {longest:,} tokens, beyond the model's own limit "
+                              f"of {limit}: lower the ranges (--max-length, --max-seq-len, --max-candidates) ({seen})")
+    if settings.attention_scale.startswith("fixed:"):
+        n = int(settings.attention_scale.partition(":")[2])
+        if n < longest:
+            raise ConfigError(
+                f"--attention-scale fixed:{n} is below the longest sequence the exported ranges allow, {longest:,} "
+                "tokens: a longer sequence would be divided by less than its own length, which the model never does "
+                f"(given max_seq_len {n}, generative-recommenders' attention truncates it); use fixed:N with N >= "
+                f"{longest}, or lower the ranges ({seen})"
+            )
 
 
 def _check_attention_scale(settings: ExportSettings, gm: torch.fx.GraphModule, functions: dict[str, Any]) -> None:

@@ -4,6 +4,7 @@ KeyedTensor, dict and tensor arguments. No model here knows about hstu-export.""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -415,6 +416,118 @@ def test_foreign_attention_is_mapped_by_name(foreign_library: str, scale: str, t
         scores_both, scores_alone = predictor(both)["output_1.click"], predictor(first_user)["output_1.click"]
         n = int(first_user["candidates_features.cand_item_id.lengths"][0])
         torch.testing.assert_close(scores_both[:n], scores_alone, rtol=1e-5, atol=1e-6)
+
+
+@dataclasses.dataclass
+class RankerConfig:
+    max_seq_len: int
+
+
+class ConfiguredRanker(dlrm_hstu.DlrmHstu):
+    """The ranker keeping its configuration where generative-recommenders' DlrmHSTU keeps it, with the
+    longest sequence it is meant for (contextual tokens + history + candidates; it has no contextual tokens)."""
+
+    def __init__(self, max_seq_len: int) -> None:
+        super().__init__()
+        self._hstu_configs = RankerConfig(max_seq_len)
+
+
+def build_configured(max_seq_len: int = 20) -> ConfiguredRanker:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return ConfiguredRanker(max_seq_len).eval()
+
+
+def test_stated_ranges_widen_up_to_the_models_own_limits(tmp_path: Path) -> None:
+    """A bundle's stated ranges (written into its schema) are defaults --max-length may widen; the limits a
+    model sets itself (the zoo's own schema) are refused, naming where they come from."""
+    from hstu_export.exporter import export_ranges
+    from hstu_export.models import build_preset
+    from hstu_export.sources.model_limits import lengths_limits
+
+    bundle = hstu_export.load_bundle(hstu_export.save_bundle(
+        build_configured(), tmp_path / "m.pt", example_inputs=dlrm_hstu.example_inputs(3, seed=0),
+        factory="test_user_models:build_configured", ranges=RANGES_A))
+    uih = "uih_features.uih_item_id.lengths"
+    assert bundle.input_schema.get(uih).max_value == 12  # stated when saved
+    assert lengths_limits(bundle.model, bundle.schema) == {}  # ... which is no limit of the model's
+    wider = export_ranges(bundle.input_schema, ExportSettings(lengths={"uih_features": (1, 30)}), None,
+                          lengths_limits(bundle.model, bundle.schema))
+    assert wider.max_lengths[uih] == 30 and wider.max_lengths["candidates_features.cand_item_id.lengths"] == 5
+
+    zoo = build_preset("tiny")
+    limits = lengths_limits(zoo, None)
+    assert limits["uih_lengths"].value == 46 and limits["uih_lengths"].source == "HstuRankingModel.input_schema()"
+    with pytest.raises(ConfigError, match=r"^--max-length uih_lengths=47 exceeds the model's own limit of 46 for "
+                                          r"'uih_lengths' \(HstuRankingModel.input_schema\(\)\)$"):
+        export_ranges(zoo.input_schema(), ExportSettings(lengths={"uih_lengths": (1, 47)}), None, limits)
+    assert export_ranges(zoo.input_schema(), ExportSettings(lengths={"uih_lengths": (1, 46)}), None,
+                         limits).max_lengths["uih_lengths"] == 46
+
+
+def test_model_limits_are_found_where_models_keep_them() -> None:
+    from hstu_export.models import build_preset
+    from hstu_export.sources.model_limits import sequence_limits
+
+    assert [(x.value, x.source) for x in sequence_limits(build_preset("tiny"))] == [
+        (64, "HstuRankingModel.config.max_seq_len"),
+        (64, "the positional table transducer.positional_encoder.position_emb, 64 rows")]
+    assert [(x.value, x.source) for x in sequence_limits(build_configured(20))] == [
+        (20, "ConfiguredRanker._hstu_configs.max_seq_len")]
+
+    class ProtoConfig:  # TorchEasyRec keeps a protobuf message: its int fields read as ints
+        max_seq_len = 4096
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self._position_embeddings_weight = nn.Parameter(torch.zeros(300, 4))
+            self._timestamp_embeddings_weight = nn.Parameter(torch.zeros(9, 4))
+
+    class TzrecLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self._model_config = ProtoConfig()
+            self._positional_encoder = Encoder()
+
+    assert [(x.value, x.source) for x in sequence_limits(TzrecLike())] == [
+        (300, "the positional table _positional_encoder._position_embeddings_weight, 300 rows"),
+        (4096, "TzrecLike._model_config.max_seq_len")]
+
+
+@pytest.mark.parametrize("foreign_library", [
+    ("generative_recommenders.ops.pytorch.pt_hstu_attention", gr_pytorch_hstu_mha),
+], indirect=True, ids=["generative_recommenders"])
+def test_sequences_beyond_the_model_or_a_fixed_scale_are_refused(foreign_library: str, tmp_path: Path) -> None:
+    """The longest sequence the exported ranges allow, as the attention sees it, against the model's configured
+    max_seq_len and against --attention-scale fixed:N; both refusals come before anything is compiled."""
+    from hstu_export.exporter import _check_sequence_length, capture
+
+    path = hstu_export.save_bundle(build_configured(20), tmp_path / "m.pt",
+                                   example_inputs=dlrm_hstu.example_inputs(3, seed=0),
+                                   factory="test_user_models:build_configured", ranges=RANGES_A)
+    bundle = hstu_export.load_bundle(path)
+    # 16 history items widen the stated 12, and with 5 candidates make 21 tokens, one beyond the model's 20.
+    settings = ExportSettings(backend="torchscript", max_batch_size=MAX_BATCH, lengths={"uih_features": (1, 16)})
+    with pytest.raises(ConfigError) as info:
+        hstu_export.export(bundle, tmp_path / "pkg", settings)
+    assert str(info.value).startswith("the exported ranges allow sequences of 21 tokens, beyond the model's own "
+                                      "limit of 20 (ConfiguredRanker._hstu_configs.max_seq_len): lower the ranges")
+    assert "uih_features.uih_item_id.lengths <= 16, candidates_features.cand_item_id.lengths <= 5" in str(info.value)
+    assert not (tmp_path / "pkg").exists()
+
+    # 15 + 5 fits; the stated ranges (12 + 5 = 17 tokens) with a fixed scale below 17 do not.
+    fits = dataclasses.replace(settings, lengths={"uih_features": (1, 15)})
+    captured = capture(bundle, fits, "aten")
+    assert captured.result.report["observe_values"].stats["longest_sequence"] == 20
+    _check_sequence_length(captured.result, captured.schema, captured.ranges, fits, bundle.model)
+    fixed = ExportSettings(backend="torchscript", max_batch_size=MAX_BATCH, attention_scale="fixed:16")
+    with pytest.raises(ConfigError, match=r"^--attention-scale fixed:16 is below the longest sequence the exported "
+                                          r"ranges allow, 17 tokens: .* use fixed:N with N >= 17, or lower the ranges"):
+        hstu_export.export(bundle, tmp_path / "pkg", fixed)
+    captured = capture(bundle, dataclasses.replace(fixed, attention_scale="fixed:17"), "aten")
+    _check_sequence_length(captured.result, captured.schema, captured.ranges,
+                           dataclasses.replace(fixed, attention_scale="fixed:17"), bundle.model)
 
 
 def _first_user(schema, batch):  # type: ignore[no-untyped-def]
