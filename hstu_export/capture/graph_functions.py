@@ -3,8 +3,8 @@
 Two kinds live here:
 - markers (``sparse_boundary``) that name the sparse→dense boundary and survive tracing as nodes the
   split pass cuts at;
-- small helpers whose bodies cannot be symbolically traced (they build a KeyedJaggedTensor), so FX
-  records a call instead of stepping into them.
+- small helpers whose bodies cannot be symbolically traced (they build a KeyedJaggedTensor, a
+  JaggedTensor or a KeyedTensor), so FX records a call instead of stepping into them.
 
 (Token positions inside jagged sequences are the ``hstu_export::jagged_positions`` op, not a helper here, so
 that the mapping pass can pick their implementation per target.)
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 from torch.fx.node import has_side_effect
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 
 def sparse_boundary(value: Tensor, name: str, jagged_by: str = "", dim0: str = "") -> Tensor:
@@ -47,6 +47,21 @@ def build_weighted_kjt(
     return KeyedJaggedTensor(
         keys=keys, values=torch.cat(values), lengths=torch.cat(lengths), weights=torch.cat(weights)
     )
+
+
+def build_jt(values: Tensor, lengths: Tensor) -> JaggedTensor:
+    """JaggedTensor from its values and per-user lengths."""
+    return JaggedTensor(values=values, lengths=lengths)
+
+
+def build_weighted_jt(values: Tensor, lengths: Tensor, weights: Tensor) -> JaggedTensor:
+    """Like :func:`build_jt`, with per-value weights."""
+    return JaggedTensor(values=values, lengths=lengths, weights=weights)
+
+
+def build_kt(keys: list[str], tensors: list[Tensor]) -> KeyedTensor:
+    """KeyedTensor (key dim 1) from per-key ``[B, dim]`` tensors."""
+    return KeyedTensor.from_tensor_list(keys, tensors, key_dim=1)
 
 
 def int_to_tensor(value: int) -> Tensor:
@@ -147,6 +162,9 @@ WRAPPED_FUNCTIONS: tuple[Callable[..., object], ...] = (
     sparse_boundary,
     build_kjt,
     build_weighted_kjt,
+    build_jt,
+    build_weighted_jt,
+    build_kt,
     per_user_as_jagged,
     int_to_tensor,
     tensor_to_int,

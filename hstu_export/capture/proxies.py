@@ -9,6 +9,10 @@ schema or the embedding module's config) as Python values and still record every
 - :class:`InputKJTProxy`: a model argument assembled from flat request tensors. ``kjt[key].values()``
   is the request tensor itself (no KJT op in the graph), ``kjt.values()`` their concatenation; other
   methods are recorded on the KeyedJaggedTensor the graph builds (``build_kjt``).
+- :class:`InputJTProxy`: a JaggedTensor of the input (one key of an input KJT, or a JaggedTensor
+  argument or record field): its values, lengths and weights are the request tensors themselves.
+- :class:`InputKTProxy`: a KeyedTensor of the input: ``kt[key]`` and ``kt.to_dict()`` are the request
+  tensors, ``kt.values()`` their concatenation, ``length_per_key()`` known ints.
 - :class:`KJTProxy`: a KeyedJaggedTensor the model builds itself with known keys.
 - :class:`KeyedProxy`: an embedding module's output with known keys (a dict of JaggedTensors from
   an EmbeddingCollection, a KeyedTensor from an EmbeddingBagCollection).
@@ -41,7 +45,8 @@ class KJTProxy(torch.fx.Proxy):
 
 
 class InputJTProxy(torch.fx.Proxy):
-    """``kjt[key]`` of an input KJT: values/lengths/weights are the request tensors themselves."""
+    """A JaggedTensor of the input (``kjt[key]`` of an input KJT, or one assembled from a JaggedTensor's
+    request tensors): values/lengths/weights are the request tensors themselves."""
 
     def __init__(self, node: torch.fx.Node, tracer: Any, values: Any, lengths: Any, weights: Any) -> None:
         super().__init__(node, tracer)
@@ -115,6 +120,41 @@ class InputKJTProxy(KJTProxy):
 
     def to_dict(self) -> dict[str, Any]:
         return {key: self[key] for key in self._keys}
+
+
+class InputKTProxy(torch.fx.Proxy):
+    """A KeyedTensor (key dim 1) assembled from per-key request tensors ``[B, dim]``."""
+
+    def __init__(self, node: torch.fx.Node, tracer: Any, keys: list[str], tensors: list[Any],
+                 dims: list[int]) -> None:
+        super().__init__(node, tracer)
+        self._keys, self._tensors, self._dims = list(keys), list(tensors), list(dims)
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def key_dim(self) -> int:
+        return 1
+
+    def length_per_key(self) -> list[int]:
+        return list(self._dims)
+
+    def offset_per_key(self) -> list[int]:
+        offsets = [0]
+        for dim in self._dims:
+            offsets.append(offsets[-1] + dim)
+        return offsets
+
+    def values(self) -> Any:
+        return self._tensors[0] if len(self._tensors) == 1 else torch.cat(self._tensors, dim=1)
+
+    def __getitem__(self, key: Any) -> Any:
+        if not isinstance(key, str) or key not in self._keys:
+            raise KeyError(f"{key!r} is not a key of this KeyedTensor (keys: {self._keys})")
+        return self._tensors[self._keys.index(key)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(zip(self._keys, self._tensors))
 
 
 class KeyedProxy(torch.fx.Proxy):

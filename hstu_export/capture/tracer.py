@@ -2,8 +2,9 @@
 
 ``HstuTracer`` decides leaves (the leaf list is data: torchrec's embedding modules by default, plus
 what the user or the model's hints name) and builds the graph's inputs from the input schema: one
-placeholder per request feature, assembled into the model's own arguments (KeyedJaggedTensors with
-known keys, dicts, tensors, or the zoo's single dict). ``trace`` retries a failing trace with the
+placeholder per request feature, assembled into the model's own arguments (KeyedJaggedTensors,
+JaggedTensors and KeyedTensors with known keys, dicts, tensors, records such as TorchEasyRec's ``Batch``
+holding proxies in their fields, or the zoo's single dict). ``trace`` retries a failing trace with the
 failing user function kept opaque (see :mod:`hstu_export.capture.opaque`) and flattens the outputs
 into a dict of named tensors, so ``gm(**graph_inputs)`` computes ``flatten_outputs(model(...))``.
 """
@@ -20,7 +21,14 @@ import torch.fx
 from torch import Tensor, nn
 from torchrec.fx.tracer import Tracer as TorchrecTracer
 
-from hstu_export.capture.graph_functions import WRAPPED_FUNCTIONS, build_kjt, build_weighted_kjt
+from hstu_export.capture.graph_functions import (
+    WRAPPED_FUNCTIONS,
+    build_jt,
+    build_kjt,
+    build_kt,
+    build_weighted_jt,
+    build_weighted_kjt,
+)
 from hstu_export.capture.opaque import (
     OpaqueCall,
     failure_location,
@@ -28,9 +36,23 @@ from hstu_export.capture.opaque import (
     patched_user_code,
     user_packages,
 )
-from hstu_export.capture.proxies import InputKJTProxy, KeyedProxy, embedding_output_keys, kjt_proxy_factory
+from hstu_export.capture.proxies import (
+    InputJTProxy,
+    InputKJTProxy,
+    InputKTProxy,
+    KeyedProxy,
+    embedding_output_keys,
+    kjt_proxy_factory,
+)
 from hstu_export.errors import ConfigError, TraceError
-from hstu_export.package.schema import InputSchema, kjt_feature_names
+from hstu_export.package.schema import (
+    ArgumentSpec,
+    InputSchema,
+    jt_feature_names,
+    kjt_feature_names,
+    make_record,
+    record_class,
+)
 from hstu_export.sources.hints import model_hints, resolve_callable
 from hstu_export.sources.outputs import output_items
 
@@ -127,12 +149,37 @@ class HstuTracer(TorchrecTracer):
             raise TraceError(f"feature name {name!r} cannot be a graph input name (it shadows a Python builtin)")
         return proxy
 
-    def _argument(self, arg: Any, features: dict[str, Any]) -> Any:
+    def _argument(self, arg: ArgumentSpec, features: dict[str, Any], path: str | None = None) -> Any:
+        """The traced value of one argument (or part of one, at ``path``): request placeholders assembled
+        as the model's own structure, with proxies that keep keys known."""
+        path = arg.name if path is None else path
         if arg.kind == "tensor":
-            return features[arg.name]
+            return features[path]
+        if arg.kind == "none":
+            return None
+        if arg.kind == "constant":
+            return arg.value
+        if arg.kind == "record":
+            values = {f.name: self._argument(f, features, f"{path}.{f.name}") for f in arg.fields}
+            return make_record(record_class(arg, path), values)
         if arg.kind == "dict":
-            return {key: features[f"{arg.name}.{key}"] for key in arg.keys}
-        names = [kjt_feature_names(arg.name, key, arg.weighted) for key in arg.keys]
+            if arg.fields:
+                return {f.name: self._argument(f, features, f"{path}.{f.name}") for f in arg.fields}
+            return {key: features[f"{path}.{key}"] for key in arg.keys}
+        if arg.kind == "jt":
+            names = jt_feature_names(path, arg.weighted)
+            parts = [features[n] for n in names]
+            target = build_weighted_jt if arg.weighted else build_jt
+            weights = parts[2] if arg.weighted else None
+            return self.create_proxy("call_function", target, tuple(parts), {},
+                                     proxy_factory_fn=lambda node: InputJTProxy(node, self, parts[0], parts[1], weights))
+        if arg.kind == "kt":
+            keys = list(arg.keys)
+            tensors = [features[f"{path}.{key}"] for key in keys]
+            dims = [self.schema.get(f"{path}.{key}").trailing[0] for key in keys]  # type: ignore[union-attr]
+            return self.create_proxy("call_function", build_kt, (keys, tensors), {},
+                                     proxy_factory_fn=lambda node: InputKTProxy(node, self, keys, tensors, dims))
+        names = [kjt_feature_names(path, key, arg.weighted) for key in arg.keys]
         keys = list(arg.keys)
         values = [features[n[0]] for n in names]
         lengths = [features[n[1]] for n in names]

@@ -467,7 +467,15 @@ _ARGUMENT_KEYS: dict[str, Callable[[Any, str], Any]] = {
     "keys": _strings,
     "weighted": _boolean,
     "optional_absent": _boolean,
+    "type": _string,  # a record's class: read by nothing that loads a package (only to call the user's model)
+    "fields": lambda v, n: [_argument(a, _child(n, i)) for i, a in enumerate(_array(v, n))],
+    "value": lambda v, n: v if isinstance(v, (bool, int, float)) else _string(v, n),
 }
+
+
+def _argument(value: Any, name: str) -> None:
+    """One input_schema argument, with its nested fields (records, dicts of structures)."""
+    _record(value, name, _ARGUMENT_KEYS, ("name", "kind"))
 
 
 def _pair(value: Any, name: str) -> tuple[int, int]:
@@ -501,7 +509,7 @@ def _input_schema(value: Any) -> InputSchema:
                 if feature.get(key) is not None:
                     _integer(feature[key], _child(name, key))
     for i, argument in enumerate(_array(_get(section, "arguments", "input_schema"), "input_schema.arguments")):
-        _record(argument, f"input_schema.arguments[{i}]", _ARGUMENT_KEYS, ("name", "kind"))
+        _argument(argument, f"input_schema.arguments[{i}]")
     unknown = sorted(set(section) - {"features", "arguments"})
     if unknown:
         raise _FieldError(_child("input_schema", unknown[0]), "unknown key (known: features, arguments)")

@@ -12,7 +12,15 @@ The ``arguments`` say how the flat tensors are assembled into the model's ``forw
 - ``kjt``: a torchrec KeyedJaggedTensor; key ``k`` of argument ``a`` comes from ``a.k.values`` and
   ``a.k.lengths`` (and ``a.k.weights`` for a weighted KJT);
 - ``dict``: a dict of tensors; key ``k`` of argument ``a`` is the feature ``a.k``;
-- ``tensor``: one tensor, the feature named as the argument.
+- ``tensor``: one tensor, the feature named as the argument;
+- ``jt``: a torchrec JaggedTensor from ``a.values`` and ``a.lengths`` (and ``a.weights``);
+- ``kt``: a torchrec KeyedTensor (key dim 1); key ``k`` is the per-user feature ``a.k`` ``[B, dim]``;
+- ``record``: an instance of a record class (a dataclass, an attrs class or a NamedTuple, named by
+  ``type`` as ``module:QualName``) built from its ``fields``, each a nested argument whose request names
+  continue the path (``batch.sparse_features.uih.item_id.values``). Nested arguments are any of these
+  kinds, a ``dict`` whose entries are not all tensors (its ``fields``), ``none`` (a field that was None) or
+  ``constant`` (a plain value: ``value``). The class is imported (trusted user code, as a bundle's factory)
+  only when the model's arguments are assembled, never when a package is loaded.
 The same schema drives batch generation, request validation, the manifest and verification (which
 calls the user's model with arguments assembled here).
 
@@ -33,7 +41,10 @@ from torch import Tensor
 from hstu_export.errors import ConfigError, RequestError
 
 KINDS = ("lengths", "jagged", "per_user")
-ARGUMENT_KINDS = ("kjt", "dict", "tensor")
+ARGUMENT_KINDS = ("kjt", "dict", "tensor", "jt", "kt", "record", "none", "constant")
+# Lengths with one value per user in the example (contextual keys): a range stated on the argument that
+# holds them leaves them at 1 (see ``InputSchema.resolve_lengths``).
+ONE_PER_USER = "one_per_user"
 DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64, "bool": torch.bool}
 
@@ -57,6 +68,12 @@ def kjt_feature_names(argument: str, key: str, weighted: bool = False) -> tuple[
     return (*names, f"{argument}.{key}.weights") if weighted else names
 
 
+def jt_feature_names(path: str, weighted: bool = False) -> tuple[str, ...]:
+    """(values, lengths[, weights]) request names of a JaggedTensor at ``path``."""
+    names = (f"{path}.values", f"{path}.lengths")
+    return (*names, f"{path}.weights") if weighted else names
+
+
 @dataclass(frozen=True)
 class FeatureSpec:
     name: str
@@ -67,6 +84,7 @@ class FeatureSpec:
     max_value: int | None = None
     # "timestamp": jagged values increase within a user; a per-user timestamp comes after them.
     # "history_length" / "candidate_count": lengths bounded by --max-seq-len / --max-candidates.
+    # "one_per_user" (ONE_PER_USER): lengths that were all 1 in the example a schema was inferred from.
     semantic: str = ""
     same_as: str | None = None  # lengths only: equal to this lengths feature in every request
     trailing: tuple[int, ...] = ()  # static dims after the batch or jagged dim
@@ -95,25 +113,150 @@ class FeatureSpec:
 
 @dataclass(frozen=True)
 class ArgumentSpec:
-    """One argument of the model's ``forward`` (see the module docstring)."""
+    """One argument of the model's ``forward``, or one part of a nested one (see the module docstring)."""
 
     name: str
     kind: str
     keys: tuple[str, ...] = ()
     weighted: bool = False
-    optional_absent: bool = False  # a forward parameter left at its default (None): nothing to assemble
+    optional_absent: bool = False  # a forward parameter left at its default: nothing to assemble
+    type: str = ""  # record: its class, "module:QualName"
+    fields: tuple[ArgumentSpec, ...] = ()  # record: its fields; dict: its entries when not all are tensors
+    value: bool | int | float | str | None = None  # constant: the value
 
     def __post_init__(self) -> None:
         if self.kind not in ARGUMENT_KINDS:
             raise ConfigError(f"argument {self.name!r}: kind {self.kind!r} is not one of {', '.join(ARGUMENT_KINDS)}")
-        object.__setattr__(self, "keys", tuple(self.keys))
+        fields = tuple(f if isinstance(f, ArgumentSpec) else ArgumentSpec.from_json(f) for f in self.fields)
+        object.__setattr__(self, "fields", fields)
+        if fields and self.kind not in ("record", "dict"):
+            raise ConfigError(f"argument {self.name!r}: only a record or a dict has fields, not a {self.kind}")
+        keys = tuple(f.name for f in fields) if fields and self.kind == "dict" else tuple(self.keys)
+        object.__setattr__(self, "keys", keys)
+        if self.kind == "record" and not self.type.count(":") == 1:
+            raise ConfigError(f"argument {self.name!r}: a record names its class as module:QualName, got {self.type!r}")
+        if self.kind == "constant" and not isinstance(self.value, (bool, int, float, str)):
+            raise ConfigError(f"argument {self.name!r}: a constant is a bool, number or string, "
+                              f"got {type(self.value).__name__}")
 
-    def feature_names(self) -> list[str]:
+    def feature_names(self, path: str | None = None) -> list[str]:
+        """The request names this argument is assembled from; ``path`` is its own name prefixed by the
+        names of the arguments that hold it (default: its name)."""
+        path = self.name if path is None else path
+        if self.optional_absent or self.kind in ("none", "constant"):
+            return []
         if self.kind == "kjt":
-            return [n for key in self.keys for n in kjt_feature_names(self.name, key, self.weighted)]
+            return [n for key in self.keys for n in kjt_feature_names(path, key, self.weighted)]
+        if self.kind == "jt":
+            return list(jt_feature_names(path, self.weighted))
+        if self.fields:
+            return [n for f in self.fields for n in f.feature_names(f"{path}.{f.name}")]
+        if self.kind in ("dict", "kt"):
+            return [f"{path}.{key}" for key in self.keys]
+        return [] if self.kind == "record" else [path]
+
+    def type_text(self) -> str:
+        """What the argument is, in a line (``describe``): ``Batch(sparse_features: dict[uih:
+        KeyedJaggedTensor[item_id, action]], labels: dict[], ...)``."""
+        if self.kind == "kjt":
+            return f"KeyedJaggedTensor[{', '.join(self.keys)}]"
+        if self.kind == "kt":
+            return f"KeyedTensor[{', '.join(self.keys)}]"
+        if self.kind == "jt":
+            return "JaggedTensor"
+        if self.kind == "record":
+            inner = ", ".join(f"{f.name}: {f.type_text()}" for f in self.fields)
+            return f"{self.type.rpartition(':')[2]}({inner})"
         if self.kind == "dict":
-            return [f"{self.name}.{key}" for key in self.keys]
-        return [self.name]
+            inner = ", ".join(f"{f.name}: {f.type_text()}" for f in self.fields) if self.fields else ", ".join(self.keys)
+            return f"dict[{inner}]"
+        if self.kind == "none":
+            return "None"
+        if self.kind == "constant":
+            return repr(self.value)
+        return "Tensor"
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": self.name, "kind": self.kind, "keys": list(self.keys),
+                                "weighted": self.weighted, "optional_absent": self.optional_absent}
+        # Only where used, so the arguments of KJT/dict/tensor models read as they always have.
+        if self.type:
+            data["type"] = self.type
+        if self.fields:
+            data["fields"] = [f.to_json() for f in self.fields]
+        if self.kind == "constant":
+            data["value"] = self.value
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any) -> ArgumentSpec:
+        if not isinstance(data, dict):
+            raise ConfigError(f"malformed input schema: an argument is an object, got {type(data).__name__}")
+        return cls(**{**data, "keys": tuple(data.get("keys", ())),
+                      "fields": tuple(cls.from_json(f) for f in data.get("fields", ()))})
+
+    def assemble(self, batch: dict[str, Tensor], path: str | None = None) -> Any:
+        """This argument's value built from the flat request."""
+        path = self.name if path is None else path
+        if self.kind == "kjt":
+            return _build_kjt(path, self, batch)
+        if self.kind == "jt":
+            return _build_jt(path, self.weighted, batch)
+        if self.kind == "kt":
+            from torchrec.sparse.jagged_tensor import KeyedTensor
+
+            return KeyedTensor.from_tensor_list(list(self.keys), [batch[f"{path}.{k}"] for k in self.keys], key_dim=1)
+        if self.kind == "record":
+            values = {f.name: f.assemble(batch, f"{path}.{f.name}") for f in self.fields}
+            return make_record(record_class(self, path), values)
+        if self.kind == "dict":
+            if self.fields:
+                return {f.name: f.assemble(batch, f"{path}.{f.name}") for f in self.fields}
+            return {key: batch[f"{path}.{key}"] for key in self.keys}
+        if self.kind == "none":
+            return None
+        if self.kind == "constant":
+            return self.value
+        return batch[path]
+
+
+def record_class(arg: ArgumentSpec, path: str | None = None) -> type:
+    """The class a record argument names, imported (trusted user code, as a bundle's factory is)."""
+    from hstu_export.sources.qualified_names import import_object
+
+    module_name, _, qualname = arg.type.partition(":")
+    what = f"argument {path or arg.name!r} (record class {arg.type})"
+    cls = import_object(module_name, qualname, what, ConfigError)
+    if not isinstance(cls, type):
+        raise ConfigError(f"{what}: {arg.type} is a {type(cls).__name__}, not a class")
+    return cls
+
+
+def record_fields(cls: type) -> list[tuple[str, str]] | None:
+    """(attribute, constructor keyword) of each field a record class is built from, or None when ``cls``
+    is no record (dataclass, attrs class, NamedTuple)."""
+    if dataclasses.is_dataclass(cls):
+        return [(f.name, f.name) for f in dataclasses.fields(cls) if f.init]
+    attrs_fields = getattr(cls, "__attrs_attrs__", None)
+    if attrs_fields is not None:
+        # attrs strips a private attribute's underscore from its __init__ keyword (``alias`` says so).
+        return [(a.name, getattr(a, "alias", None) or a.name.lstrip("_")) for a in attrs_fields if a.init]
+    if issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple):
+        return [(name, name) for name in cls._fields]  # type: ignore[attr-defined]
+    return None
+
+
+def make_record(cls: type, values: dict[str, Any]) -> Any:
+    """An instance of record class ``cls`` from its fields' values by attribute name."""
+    keywords = dict(record_fields(cls) or [])
+    unknown = sorted(set(values) - set(keywords))
+    if unknown:
+        raise ConfigError(f"record class {cls.__module__}.{cls.__qualname__} has no field(s) {unknown}; the input "
+                          "schema was made for another version of it")
+    try:
+        return cls(**{keywords[name]: value for name, value in values.items()})
+    except Exception as exc:  # the class's own __init__/__post_init__ refusing the values
+        raise ConfigError(f"building {cls.__qualname__} from the request failed: {type(exc).__name__}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -173,7 +316,7 @@ class InputSchema:
     def to_json(self) -> dict[str, Any]:
         return {
             "features": [_feature_json(f) for f in self.features],
-            "arguments": [asdict(a) | {"keys": list(a.keys)} for a in self.arguments],
+            "arguments": [a.to_json() for a in self.arguments],
         }
 
     @classmethod
@@ -187,7 +330,7 @@ class InputSchema:
                                "sample_range": tuple(f["sample_range"]) if f.get("sample_range") else None})
                 for f in data["features"]
             )
-            arguments = tuple(ArgumentSpec(**{**a, "keys": tuple(a.get("keys", ()))}) for a in data.get("arguments", []))
+            arguments = tuple(ArgumentSpec.from_json(a) for a in data.get("arguments", []))
         except (TypeError, KeyError, AttributeError) as exc:
             raise ConfigError(f"malformed input schema: {type(exc).__name__}: {exc}") from None
         return cls(features, arguments)
@@ -211,18 +354,21 @@ class InputSchema:
 
     def resolve_lengths(self, key: str) -> list[str]:
         """Lengths features named by ``key``: a lengths feature itself, a KJT key ``arg.key``, a
-        feature partitioned by lengths, or a whole argument ``arg`` (all its lengths)."""
+        feature partitioned by lengths, or a whole argument or part of one ``arg`` (all its lengths but
+        those with one value per user, ``ONE_PER_USER``: a history's range does not make a contextual
+        key jagged; when every lengths feature under ``arg`` has one value per user, all of them)."""
         names = self.names
         if key in names or key in self.graph_names:
             spec = self.get(key)
             return [spec.name] if spec.kind == "lengths" else [spec.jagged_by] if spec.jagged_by else []
         if f"{key}.lengths" in names:
             return [f"{key}.lengths"]
-        found = [f.name for f in self.lengths_features() if f.name.startswith(f"{key}.")]
-        if not found:
+        under = [f for f in self.lengths_features() if f.name.startswith(f"{key}.")]
+        if not under:
             known = ", ".join(f.name for f in self.lengths_features()) or "none"
             raise ConfigError(f"{key!r} names no lengths feature of this model (lengths features: {known})")
-        return found
+        jagged = [f.name for f in under if f.semantic != ONE_PER_USER]
+        return jagged or [f.name for f in under]
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -290,29 +436,26 @@ class InputSchema:
         """(args, kwargs) for the model's ``forward`` from a flat request (see the module docstring)."""
         if not self.arguments:
             return (dict(batch),), {}
-        kwargs: dict[str, Any] = {}
-        for arg in self.arguments:
-            if arg.optional_absent:
-                continue
-            if arg.kind == "kjt":
-                kwargs[arg.name] = _build_kjt(arg, batch)
-            elif arg.kind == "dict":
-                kwargs[arg.name] = {key: batch[f"{arg.name}.{key}"] for key in arg.keys}
-            else:
-                kwargs[arg.name] = batch[arg.name]
-        return (), kwargs
+        return (), {arg.name: arg.assemble(batch) for arg in self.arguments if not arg.optional_absent}
 
 
-def _build_kjt(arg: ArgumentSpec, batch: dict[str, Tensor]) -> Any:
+def _build_kjt(path: str, arg: ArgumentSpec, batch: dict[str, Tensor]) -> Any:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    names = [kjt_feature_names(arg.name, key, arg.weighted) for key in arg.keys]
+    names = [kjt_feature_names(path, key, arg.weighted) for key in arg.keys]
     return KeyedJaggedTensor(
         keys=list(arg.keys),
         values=torch.cat([batch[n[0]] for n in names]),
         lengths=torch.cat([batch[n[1]] for n in names]),
         weights=torch.cat([batch[n[2]] for n in names]) if arg.weighted else None,
     )
+
+
+def _build_jt(path: str, weighted: bool, batch: dict[str, Tensor]) -> Any:
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    names = jt_feature_names(path, weighted)
+    return JaggedTensor(values=batch[names[0]], lengths=batch[names[1]], weights=batch[names[2]] if weighted else None)
 
 
 def _feature_json(f: FeatureSpec) -> dict[str, Any]:

@@ -83,9 +83,7 @@ def _argument_text(arg: Any) -> str:
         return f"{arg.name}=None"
     if arg.kind == "kjt":
         return f"{arg.name}: KeyedJaggedTensor[{', '.join(arg.keys)}]"
-    if arg.kind == "dict":
-        return f"{arg.name}: dict[{', '.join(arg.keys)}]"
-    return f"{arg.name}: Tensor"
+    return f"{arg.name}: {arg.type_text()}"
 
 
 def _kind_text(f: Any) -> str:
