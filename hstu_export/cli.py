@@ -157,28 +157,32 @@ def describe(model: str, allow_pickle: bool, quantize_embeddings: str, quantize_
         console.print(table)
     if info["sparse_tables"]:
         quantized = quantization.requested
-        columns = ("sparse table", "rows", "dim", "dtype", "bytes", *(("mode", "stored", "saved") if quantized else ()),
-                   "features")
-        table = Table(*columns, box=None, pad_edge=False)
+        rows = [("sparse table", "rows", "dim", "dtype", "bytes", *(("mode", "stored", "saved") if quantized else ()),
+                 "features")]
         for t in info["sparse_tables"]:
             plan = t.get("quantization")
             stored = (((plan["mode"], human_bytes(plan["bytes"]), human_bytes(t["bytes"] - plan["bytes"])) if plan
                        else ("kept", human_bytes(t["bytes"]), human_bytes(0))) if quantized else ())
-            table.add_row(t["name"], f"{t['num_embeddings']:,}", str(t["embedding_dim"]), t["data_type"],
-                          human_bytes(t["bytes"]), *stored, ", ".join(t["feature_names"]))
-        console.print(table)
+            rows.append((t["name"], f"{t['num_embeddings']:,}", str(t["embedding_dim"]), t["data_type"],
+                         human_bytes(t["bytes"]), *stored, ", ".join(t["feature_names"])))
+        _print_lines(rows)
     if info["source"]:
         console.print(f"source: {escape(info['source'])}", soft_wrap=True)
     if info["arguments"]:
         console.print(escape(f"forward({', '.join(info['arguments'])})"), soft_wrap=True)
-    # Plain lines, not a table: feature names are long and must never be cut.
     shapes = info["example_batch"]
     rows = [("request feature", "dtype", "example", "range", "kind")]
     rows += [(f["name"], f["dtype"], str(list(shapes.get(f["name"], ((), ""))[0])), f["range"], f["kind"])
              for f in info["features"]]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    _print_lines(rows)
+
+
+def _print_lines(rows: list[tuple[str, ...]]) -> None:
+    """Rows as plain aligned lines, the first one bold: not a table, so long names are never cut (a line
+    longer than the terminal wraps)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for i, row in enumerate(rows):
-        line = "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4]
+        line = "  ".join([*(cell.ljust(w) for cell, w in zip(row, widths)), row[-1]])
         console.print(f"[bold]{escape(line)}[/bold]" if i == 0 else escape(line), soft_wrap=True)
 
 

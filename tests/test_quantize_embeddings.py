@@ -254,8 +254,8 @@ def test_describe_shows_bytes_saved(tiny_bundle: Path, capsys: pytest.CaptureFix
                      "--quantize-table", "action=none"]) == 0
     lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.strip()}
     # item: 1000 x 32 fp32 = 125.0 KiB; int8 rows of 32 + 4 bytes padded to 48: 46.9 KiB; saved 78.1 KiB.
-    assert lines["item"][3:11] == ["125.0", "KiB", "int8", "46.9", "KiB", "78.1", "KiB", "uih_item_ids,"][:8]
-    assert lines["action"][5:8] == ["none", "2.0", "KiB"]
+    assert lines["item"][3:12] == ["fp32", "125.0", "KiB", "int8", "46.9", "KiB", "78.1", "KiB", "uih_item_ids,"]
+    assert lines["action"][6:9] == ["none", "2.0", "KiB"]
 
 
 def test_check_each_pass_records_the_quantization_error(tiny_bundle: Path) -> None:

@@ -212,6 +212,9 @@ def test_describe_lists_pooled_and_quantized_tables(tmp_path: Path, capsys: pyte
     # name, rows, dim, dtype, bytes (rows x dim x 4), features
     assert rows["item"] == ["item", "200", "8", "fp32", "6.2", "KiB", "item_id"]
     assert rows["tags"][1:4] == ["50", "8", "fp32"]
+    # Lengths ranges say whose they are: stated when the bundle was saved, so --max-length may widen them.
+    tags = next(line.split() for line in out.splitlines() if line.startswith("sparse_features.item_tags.lengths"))
+    assert tags[3:5] == ["1..6", "(stated)"]
     assert cli_main(["describe", str(path), "--quantize-embeddings", "int8"]) == 0
     assert "int8" in capsys.readouterr().out
 

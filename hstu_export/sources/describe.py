@@ -68,8 +68,8 @@ def describe_bundle(bundle: ModelBundle, quantization: EmbeddingQuantization | N
         "source": {"factory": f"factory {source.get('factory')}", "registered": "registered model",
                    "pickled": "pickled module"}.get(source.get("kind", ""), ""),
         "arguments": [_argument_text(a) for a in schema.arguments],
-        "features": [{"name": f.name, "kind": _kind_text(f), "dtype": f.dtype, "range": _range_text(f)}
-                     for f in schema.features],
+        "features": [{"name": f.name, "kind": _kind_text(f), "dtype": f.dtype,
+                      "range": _range_text(f, stated=bundle.schema is not None)} for f in schema.features],
         "config": config,
         "num_parameters": sum(p.numel() for p in params),
         "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
@@ -94,9 +94,12 @@ def _kind_text(f: Any) -> str:
     return f.kind
 
 
-def _range_text(f: Any) -> str:
+def _range_text(f: Any, stated: bool) -> str:
+    """``lo..hi``; a lengths range says whose it is: stated when the bundle was saved (a default --max-length
+    may widen) or the model's own limit (its input schema)."""
     if f.min_value is None and f.max_value is None:
         return ""
     lo = "" if f.min_value is None else f.min_value
     hi = "not stated" if f.max_value is None and f.kind == "lengths" else ("" if f.max_value is None else f.max_value)
-    return f"{lo}..{hi}"
+    whose = (" (stated)" if stated else " (model limit)") if f.kind == "lengths" and f.max_value is not None else ""
+    return f"{lo}..{hi}{whose}"
