@@ -64,7 +64,9 @@ def test_schema_from_a_batch_dataclass() -> None:
     # Empty, None and plain fields are recorded as such.
     assert [(fields[n].kind, fields[n].keys) for n in ("labels", "jagged_labels", "sample_weights")] == [("dict", ())] * 3
     assert fields["checkpoint_info"].kind == "none"
-    assert [(fields[n].kind, fields[n].value) for n in ("tile_size", "dummy")] == [("constant", -1), ("constant", False)]
+    assert [(fields[n].kind, fields[n].value) for n in ("tile_size", "dummy", "data_timestamp")] == [
+        ("constant", -1), ("constant", False), ("constant", -1.0)]
+    assert fields["reserves"].kind == "default"  # an empty holder of raw rows: the class makes a fresh one
 
     # Request names follow the path; a KeyedTensor gives one [B, dim] feature per key.
     age, stats = schema.get("batch.dense_features.user.user_age"), schema.get("batch.dense_features.user.user_stats")
@@ -90,6 +92,7 @@ def test_schema_from_a_batch_dataclass() -> None:
     assert args == () and list(kwargs) == ["batch"] and type(rebuilt) is tzrec_style.Batch
     assert (rebuilt.labels, rebuilt.jagged_labels, rebuilt.checkpoint_info, rebuilt.tile_size, rebuilt.dummy) == (
         {}, {}, None, -1, False)
+    assert type(rebuilt.reserves) is tzrec_style.RawRows and rebuilt.reserves is not batch.reserves
     assert torch.equal(rebuilt.dense_features["user"].values(), batch.dense_features["user"].values())
     with torch.no_grad():
         _assert_same(call_model(model, schema, flat), model(batch))
@@ -197,6 +200,7 @@ class AttrsInputs:
     _ids: KeyedJaggedTensor  # a private attribute: attrs' __init__ takes it as ``ids``
     dense: dict[str, Tensor]
     scale: float = 1.0
+    raw: tzrec_style.RawRows = attrs.field(factory=tzrec_style.RawRows)
 
 
 class RecordRanker(pooled.PooledRanker):
@@ -218,6 +222,7 @@ def test_namedtuple_and_attrs_records(kind: str) -> None:
     if kind == "attrs":
         assert schema.get("inputs._ids.item_tags.lengths").max_value == 6
         assert schema.arguments[0].fields[2].value == 2.0
+        assert schema.arguments[0].fields[3].kind == "default"
     request = flatten_example(schema, (example,), None, model)
     gm = trace(model, request, schema=schema)
     with torch.no_grad():
@@ -258,6 +263,9 @@ def test_local_record_class_and_unknown_fields_are_refused() -> None:
     odd = dataclasses.replace(example, labels={"clicks": [1, 0, 1]})
     with pytest.raises(ConfigError, match=r"argument 'batch' of TzrecStyleRanker.forward at 'batch.labels.clicks' is a list"):
         infer_schema(model, (odd,))
+    # Raw rows at inference are not the class's default: nothing can carry them in a request.
+    with pytest.raises(ConfigError, match=r"at 'batch.reserves' is a RawRows"):
+        infer_schema(model, (dataclasses.replace(example, reserves=tzrec_style.RawRows(b"user,item\n")),))
 
 
 # ---- exports -------------------------------------------------------------------------------------

@@ -160,7 +160,8 @@ class HstuTracer(TorchrecTracer):
         if arg.kind == "constant":
             return arg.value
         if arg.kind == "record":
-            values = {f.name: self._argument(f, features, f"{path}.{f.name}") for f in arg.fields}
+            values = {f.name: self._argument(f, features, f"{path}.{f.name}") for f in arg.fields
+                      if f.kind != "default"}
             return make_record(record_class(arg, path), values)
         if arg.kind == "dict":
             if arg.fields:

@@ -18,8 +18,9 @@ The ``arguments`` say how the flat tensors are assembled into the model's ``forw
 - ``record``: an instance of a record class (a dataclass, an attrs class or a NamedTuple, named by
   ``type`` as ``module:QualName``) built from its ``fields``, each a nested argument whose request names
   continue the path (``batch.sparse_features.uih.item_id.values``). Nested arguments are any of these
-  kinds, a ``dict`` whose entries are not all tensors (its ``fields``), ``none`` (a field that was None) or
-  ``constant`` (a plain value: ``value``). The class is imported (trusted user code, as a bundle's factory)
+  kinds, a ``dict`` whose entries are not all tensors (its ``fields``), ``none`` (a field that was None),
+  ``constant`` (a plain value: ``value``) or ``default`` (a field left at its class's default, such as an
+  empty holder of raw data: not passed, so the class makes it again). The class is imported (trusted user code, as a bundle's factory)
   only when the model's arguments are assembled, never when a package is loaded.
 The same schema drives batch generation, request validation, the manifest and verification (which
 calls the user's model with arguments assembled here).
@@ -41,7 +42,7 @@ from torch import Tensor
 from hstu_export.errors import ConfigError, RequestError
 
 KINDS = ("lengths", "jagged", "per_user")
-ARGUMENT_KINDS = ("kjt", "dict", "tensor", "jt", "kt", "record", "none", "constant")
+ARGUMENT_KINDS = ("kjt", "dict", "tensor", "jt", "kt", "record", "none", "constant", "default")
 # Lengths with one value per user in the example (contextual keys): a range stated on the argument that
 # holds them leaves them at 1 (see ``InputSchema.resolve_lengths``).
 ONE_PER_USER = "one_per_user"
@@ -143,7 +144,7 @@ class ArgumentSpec:
         """The request names this argument is assembled from; ``path`` is its own name prefixed by the
         names of the arguments that hold it (default: its name)."""
         path = self.name if path is None else path
-        if self.optional_absent or self.kind in ("none", "constant"):
+        if self.optional_absent or self.kind in ("none", "constant", "default"):
             return []
         if self.kind == "kjt":
             return [n for key in self.keys for n in kjt_feature_names(path, key, self.weighted)]
@@ -174,6 +175,8 @@ class ArgumentSpec:
             return "None"
         if self.kind == "constant":
             return repr(self.value)
+        if self.kind == "default":
+            return "(default)"
         return "Tensor"
 
     def to_json(self) -> dict[str, Any]:
@@ -207,7 +210,7 @@ class ArgumentSpec:
 
             return KeyedTensor.from_tensor_list(list(self.keys), [batch[f"{path}.{k}"] for k in self.keys], key_dim=1)
         if self.kind == "record":
-            values = {f.name: f.assemble(batch, f"{path}.{f.name}") for f in self.fields}
+            values = {f.name: f.assemble(batch, f"{path}.{f.name}") for f in self.fields if f.kind != "default"}
             return make_record(record_class(self, path), values)
         if self.kind == "dict":
             if self.fields:
@@ -244,6 +247,29 @@ def record_fields(cls: type) -> list[tuple[str, str]] | None:
     if issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple):
         return [(name, name) for name in cls._fields]  # type: ignore[attr-defined]
     return None
+
+
+def record_default(cls: type, attribute: str) -> Any:
+    """The value a record class gives field ``attribute`` when it is not passed (a fresh one from a default
+    factory); ``dataclasses.MISSING`` when it has no default."""
+    if dataclasses.is_dataclass(cls):
+        for f in dataclasses.fields(cls):
+            if f.name == attribute:
+                if f.default is not dataclasses.MISSING:
+                    return f.default
+                if f.default_factory is not dataclasses.MISSING:
+                    return f.default_factory()
+        return dataclasses.MISSING
+    for a in getattr(cls, "__attrs_attrs__", None) or ():
+        if a.name == attribute:
+            import attr  # an attrs class: attrs is there
+
+            if a.default is attr.NOTHING:
+                return dataclasses.MISSING
+            if isinstance(a.default, attr.Factory):  # type: ignore[arg-type]
+                return a.default.factory(cls) if a.default.takes_self else a.default.factory()
+            return a.default
+    return getattr(cls, "_field_defaults", {}).get(attribute, dataclasses.MISSING)
 
 
 def make_record(cls: type, values: dict[str, Any]) -> Any:

@@ -33,6 +33,7 @@ from hstu_export.package.schema import (
     jt_feature_names,
     kjt_feature_names,
     record_class,
+    record_default,
     record_fields,
 )
 
@@ -155,9 +156,21 @@ class _Inference:
         if record_class(ArgumentSpec(name, "record", type=spec), path) is not cls:
             raise ConfigError(f"argument {top!r}: importing {spec} gives another class than the example's; "
                               "the record class must be importable by its qualified name")
-        fields = tuple(self.describe(attr, f"{path}.{attr}", getattr(value, attr), top)
+        fields = tuple(self._field(cls, attr, f"{path}.{attr}", getattr(value, attr), top)
                        for attr, _ in record_fields(cls) or ())
         return ArgumentSpec(name, "record", type=spec, fields=fields)
+
+    def _field(self, cls: type, attr: str, path: str, value: Any, top: str) -> ArgumentSpec:
+        """One field of a record: described, or (an object the schema cannot describe) left at the default
+        the class makes itself, such as an empty holder of raw rows."""
+        described = len(self.features)
+        try:
+            return self.describe(attr, path, value, top)
+        except ConfigError:
+            if _same_as_default(value, record_default(cls, attr)):
+                del self.features[described:]
+                return ArgumentSpec(attr, "default")
+            raise
 
     def _dict(self, name: str, path: str, value: dict[Any, Any], top: str) -> ArgumentSpec:
         bad = [k for k in value if not isinstance(k, str)]
@@ -247,6 +260,18 @@ class _Inference:
                            sample_range=_observed_range(tensor))
 
 
+def _same_as_default(value: Any, default: Any) -> bool:
+    """Whether ``value`` is ``default``, or an object of its class whose attributes are the same plain values
+    (None, numbers, strings): a fresh default as the class would make it."""
+    if value is default:
+        return True
+    if type(value) is not type(default) or not hasattr(value, "__dict__") or not hasattr(default, "__dict__"):
+        return False
+    mine, theirs = vars(value), vars(default)
+    plain = all(v is None or isinstance(v, _SCALARS) for v in (*mine.values(), *theirs.values()))
+    return plain and mine == theirs
+
+
 def _is_lengths_entry(key: str, entries: dict[str, Any]) -> bool:
     """Whether ``key`` of a dict is ``<f>.lengths`` beside ``<f>.values`` or ``<f>.weights``."""
     base, dot, part = key.rpartition(".")
@@ -293,7 +318,7 @@ def _batch_size(values: list[Any]) -> int | None:
 
 def _flatten(arg: ArgumentSpec, path: str, value: Any, flat: dict[str, Tensor]) -> None:
     """Adds the request tensors of ``value`` (described by ``arg``) to ``flat``."""
-    if arg.kind in ("none", "constant"):
+    if arg.kind in ("none", "constant", "default"):
         return
     if arg.kind == "kjt":
         per_key = value.to_dict()

@@ -4,7 +4,7 @@ What makes it like that library's models (and what a compiler has to take as it 
 - ``forward(batch: Batch)`` takes one dataclass of dicts: dense features as KeyedTensors by feature group,
   sparse features as KeyedJaggedTensors by group (contextual ids, one per user; the user's history; the
   candidates), dense sequence features as JaggedTensors by feature name, and the fields a trainer fills
-  (labels, sample weights, bookkeeping) empty, None or at their defaults at inference;
+  (labels, sample weights, raw rows, bookkeeping) empty, None or at their defaults at inference;
 - an EmbeddingBagCollection pools the contextual ids, an EmbeddingCollection looks the sequences up;
 - contextual tokens (the pooled ids and the dense features, a fixed number per user) are prepended to
   each user's history, the candidates appended, and HSTU layers run over them (``user_models.dlrm_hstu``'s
@@ -42,6 +42,16 @@ RANGES = {"batch.sparse_features.uih": (1, 8), "batch.sparse_features.candidate"
 ATTENTION = "user_models.dlrm_hstu.jagged_hstu_attention"
 
 
+class RawRows:
+    """The raw input rows of a batch, kept to write predictions out beside them (empty at inference)."""
+
+    def __init__(self, rows: bytes | None = None) -> None:
+        self._schema: str | None = None
+        self._buffer: bytes | None = None
+        if rows:
+            self._schema, self._buffer = "rows", rows
+
+
 @dataclass
 class Batch:
     """One batch of inputs, by kind of feature and then by feature group (or feature name)."""
@@ -51,10 +61,12 @@ class Batch:
     sequence_dense_features: dict[str, JaggedTensor] = field(default_factory=dict)
     labels: dict[str, Tensor] = field(default_factory=dict)
     jagged_labels: dict[str, JaggedTensor] = field(default_factory=dict)
-    sample_weights: dict[str, Tensor] = field(default_factory=dict)
+    reserves: RawRows = field(default_factory=RawRows)
     tile_size: int = -1
+    sample_weights: dict[str, Tensor] = field(default_factory=dict)
     dummy: bool = False
     checkpoint_info: dict[str, int] | None = None
+    data_timestamp: float = -1.0
 
 
 class MultiTaskTower(nn.Module):
