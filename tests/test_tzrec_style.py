@@ -12,6 +12,7 @@ from typing import NamedTuple
 import attrs
 import pytest
 import torch
+from manifests import rewrite_manifest
 from torch import Tensor, nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from user_models import pooled, tzrec_style
@@ -20,7 +21,7 @@ import hstu_export
 from hstu_export import ExportSettings, VerifySettings
 from hstu_export.capture import trace
 from hstu_export.capture.graph_functions import build_jt, build_kt
-from hstu_export.errors import ConfigError
+from hstu_export.errors import ConfigError, PackageError
 from hstu_export.exporter import export_ranges
 from hstu_export.package.schema import ONE_PER_USER, ArgumentSpec, InputSchema
 from hstu_export.package.tensor_dir import load_tensors, save_tensors
@@ -327,6 +328,14 @@ def test_export_from_its_own_batch(bundles: dict[str, Path], tmp_path: Path, bac
         assert done.returncode == 0, done.stderr
         cpp = load_tensors(tmp_path / "out")
         assert sorted(cpp) == sorted(got) and all(torch.equal(cpp[k], got[k]) for k in got)
+
+    # A manifest's nested arguments are checked on load like the rest of it.
+    def tamper(manifest: dict) -> None:
+        manifest["input_schema"]["arguments"][0]["fields"][1]["fields"][0]["keys"] = 5
+
+    rewrite_manifest(result.path, tamper)
+    with pytest.raises(PackageError, match=r"input_schema\.arguments\[0\]\.fields\[1\]\.fields\[0\]\.keys"):
+        hstu_export.load(result.path)
 
 
 @pytest.mark.slow
