@@ -340,6 +340,8 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
 
     root = Path(path)
     table = Table(box=None, pad_edge=False, show_header=False)
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")  # long names wrap, never cut
     table.add_row("package", str(root))
     table.add_row("backend", f"{manifest['backend']['name']} on {manifest['device']['type']} "
                              f"({manifest['device']['name']}), {manifest['dtype']}, ops → {manifest['op_target']}")
@@ -384,16 +386,19 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
                                   f"({', '.join(marks['automatic_marks'][:4])}{', ...' if len(marks['automatic_marks']) > 4 else ''})")
     elif marks.get("explicit_marks"):
         table.add_row("boundary", f"{marks['explicit_marks']} sparse_boundary marks in the model")
-    mapped = passes.get("map_ops", {}).get("stats", {})
-    for name, count in mapped.get("foreign", {}).items():
-        table.add_row("mapped", f"{count}× {name}")
-    for name, reason in mapped.get("foreign_kept", {}).items():
-        table.add_row("not mapped", f"{name}: {reason}")
+    from hstu_export.report.build import op_mapping_rows
+
+    for row in op_mapping_rows(passes.get("map_ops", {}).get("stats", {})):
+        if row.kind == "function":  # source → our op → the target's: what became of the model's own functions
+            table.add_row("mapped" if row.count else "not mapped",
+                          f"{row.source} → {row.target}, {row.count}× ({row.origin})" if row.count
+                          else f"{row.source}: {row.reason}")
     for call in manifest.get("capture", {}).get("opaque_calls", []):
         table.add_row("kept opaque", f"{call['kind']} {call['name']} ({call['reason']})")
     meta = manifest["backend"].get("meta", {})
     if meta.get("method") == "trace":
-        table.add_row("torchscript", f"dense half traced (torch.jit.script failed: {meta.get('script_error', '')[:120]})")
+        script_error = (str(meta.get("script_error", "")).strip().splitlines() or [""])[0]
+        table.add_row("torchscript", f"dense half traced (torch.jit.script failed: {script_error})")
     console.print(table)
 
 
@@ -759,7 +764,7 @@ def _print_passes(entries: Any, opaque_calls: Any) -> None:
             text = " ".join(f"{k}={len(v) if isinstance(v, (list, dict)) else v}" for k, v in stats.items())
             index = num(e.get("index"))
             console.print(f"  [dim]{int(index or 0):02d} {escape(str(e.get('name', '')))}:[/dim] "
-                          f"{escape((text or str(e.get('note')))[:500])}", soft_wrap=True)
+                          f"{escape(text or str(e.get('note')))}", soft_wrap=True)
     for call in opaque_calls if isinstance(opaque_calls, list) else []:
         if isinstance(call, dict):
             console.print(f"kept opaque: {escape(str(call.get('kind')))} {escape(str(call.get('name')))} at "
@@ -781,7 +786,6 @@ def _mapping_lines(entries: list[dict[str, Any]]) -> list[str]:
 
 def _inspect_package(root: Any, open_report: bool) -> None:
     """``hstu-export inspect PKG``: what the package's export recorded (the manifest is checked first)."""
-    import json
     from pathlib import Path
 
     from hstu_export.package.directory import load_manifest
@@ -798,21 +802,16 @@ def _inspect_package(root: Any, open_report: bool) -> None:
     capture = raw.get("capture") if isinstance(raw.get("capture"), dict) else {}
     _print_passes(raw.get("passes"), capture.get("opaque_calls"))
     parity = raw.get("parity") if isinstance(raw.get("parity"), dict) else {}
-    from hstu_export.report.build import parity_record
+    from hstu_export.report.build import parity_record, readable, settings_text
 
     rows = parity_record(parity).batches  # with the KV-cache check's requests (--kv-cache), as the report shows
     if rows:
-        table = Table("verification batch", "users", "worst rel. L2", "worst max abs", "passed", box=None,
-                      pad_edge=False)
-        for row in rows:
-            table.add_row(escape(row.batch[:80]), str(row.batch_size),
-                          f"{row.worst_rel_l2:.2g}" if row.worst_rel_l2 is not None else "",
-                          f"{row.worst_max_abs:.2g}" if row.worst_max_abs is not None else "",
-                          "yes" if row.passed else "NO")
-        for column in table.columns:
-            column.no_wrap = True
-        console.print(table)
-        console.print(f"parity tolerances: {escape(json.dumps(parity.get('tolerances'))[:300])}", soft_wrap=True)
+        # Plain lines, the batch's description last and whole (the numbers first, aligned).
+        _print_lines([("users", "worst rel. L2", "worst max abs", "passed", "verification batch")] + [
+            (str(row.batch_size), f"{row.worst_rel_l2:.2g}" if row.worst_rel_l2 is not None else "",
+             f"{row.worst_max_abs:.2g}" if row.worst_max_abs is not None else "", "yes" if row.passed else "NO",
+             row.batch) for row in rows])
+        console.print(f"parity tolerances: {escape(readable(parity.get('tolerances')))}", soft_wrap=True)
     else:
         console.print("parity: not verified at export", soft_wrap=True)
     ranking = parity.get("rank_agreement") if isinstance(parity.get("rank_agreement"), dict) else {}
@@ -835,8 +834,8 @@ def _inspect_package(root: Any, open_report: bool) -> None:
                                               if isinstance(v, (int, float))), soft_wrap=True)
     settings = raw.get("settings") if isinstance(raw.get("settings"), dict) else {}
     if settings:
-        shown = ", ".join(f"{k}={v}" for k, v in settings.items() if v not in (None, [], {}, ""))
-        console.print(f"settings: {escape(shown[:2000])}", soft_wrap=True)
+        shown = "; ".join(f"{k}={v}" for k, v in settings_text(settings).items())
+        console.print(f"settings: {escape(shown)}", soft_wrap=True)
     report = Path(root) / "graphs" / "report.html"
     if report.is_file():
         console.print(f"graphs and report: {report}", soft_wrap=True)

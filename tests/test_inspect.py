@@ -299,7 +299,9 @@ def test_report_of_a_third_party_style_model(tmp_path: Path) -> None:
     attention = mapping[user_attention]
     assert attention[1] == "function" and attention[3] == "2"  # two layers
     assert attention[4] == "generative-recommenders" and attention[5] == f"declared like {gr_attention}"
-    assert attention[2] == "hstu_export::hstu_mha, then mapped for aten"
+    # The foreign function and its lowering are one row: source → our op → the target's.
+    assert attention[2] == "hstu_export::hstu_mha → hstu_export.ops.reference:hstu_mha_reference (for aten)"
+    assert "hstu_export::hstu_mha" not in mapping
     assert mapping["fbgemm::jagged_to_padded_dense"][2:5] == [
         "hstu_export.ops.mappings.fbgemm:fbgemm_jagged_to_padded_dense_as_aten", "2", "fbgemm"]
     batches = _table(dom, "parity-batches")
@@ -308,10 +310,43 @@ def test_report_of_a_third_party_style_model(tmp_path: Path) -> None:
     settings_shown = {row[0]: row[1] for row in _table(dom, "settings")}
     assert user_attention in settings_shown["op_mappings"]
     model = {row[0]: row[1] for row in _table(dom, "model")}
-    assert '"factory"' in model["model source"] and "user_models.dlrm_hstu:build_ranker" in model["model source"]
+    assert model["model source"] == "kind: factory, factory: user_models.dlrm_hstu:build_ranker, kwargs: none"
+    assert settings_shown["max_batch_size"] == "4" and "{" not in "".join(settings_shown.values())
     record = json.loads((tmp_path / "graphs" / "report.json").read_text())
     mapped = next(p for p in record["passes"] if p["name"] == "map_ops")["pictures"]["groups"]
     assert max(g["nodes"] for g in mapped) <= 60 and sum(g["mapped"] for g in mapped) > 0
+
+
+def test_export_report_shows_what_was_exported_readably(tmp_path: Path) -> None:
+    """The settings an export ran with, with the package's own max batch size where export narrowed it;
+    structured values (settings, the model's source, long pass statistics) as readable text, whole."""
+    from hstu_export.passes.record import PassRecord, PassReport
+    from hstu_export.report import render
+    from hstu_export.report.build import add_export_context, pass_record
+
+    lengths = {"max_batch_size": 8, "max_lengths": {"uih": 40}, "min_lengths": {"uih": 1}}
+    manifest = {
+        "model": {"name": "m", "source": {"kind": "factory", "factory": "pkg.models:build", "kwargs": {}}},
+        "settings": {"max_batch_size": 32, "verify": {"enabled": True, "seed": 7, "tolerances": None},
+                     "op_mappings": {"pkg.attention": "generative_recommenders.ops.pytorch.x"}, "dump_dir": None},
+        "ranges": {"max_batch_size": 8, "lengths": lengths, "narrowed": [{"dim": "batch", "from": 32, "to": 8}]},
+        "parity": {"skipped": True},
+    }
+    ints = {f"int_{i}": i for i in range(80)}  # observe_values' int maxima of a large model
+    report = PassReport([PassRecord(index=1, name="observe_values", status="ok", stats={"int_maxima": ints})])
+    record = pass_record("m", report, {}, None, [], {}, checked=False)
+    add_export_context(record, manifest, tmp_path, tmp_path / "pkg", written=False)
+    assert record.settings["max_batch_size"] == "8 (asked 32, narrowed at export)"
+    assert record.ranges["max batch size"] == "8"
+    assert record.settings["verify"] == "enabled: true, seed: 7, tolerances: none"
+    assert record.settings["op_mappings"] == "pkg.attention: generative_recommenders.ops.pytorch.x"
+    assert record.model["source"] == "kind: factory, factory: pkg.models:build, kwargs: none"
+    whole = ", ".join(f"int_{i}: {i}" for i in range(80))
+    assert record.passes[0].stats["int_maxima"] == whole and record.passes[0].stat_entries["int_maxima"] == 80
+    page = render.render(record, tmp_path)
+    assert f'<details class="stat" data-stat="int_maxima"><summary>int_maxima (80 entries)</summary>{whole}</details>' in page
+    assert "…" not in page.split('id="passes"')[1].split("</table>")[0]  # nothing cut
+    assert "{&#34;" not in page and '{"' not in page  # no JSON
 
 
 class _ScaleDenseOutputs:
@@ -362,17 +397,21 @@ def test_op_mapping_rows_say_what_became_of_each_source_and_whose_table_it_was()
         "kept": {"custom::op": 4},
     }
     rows = [(r.source, r.target, r.count, r.origin, r.kind, r.reason) for r in op_mapping_rows(stats)]
+    # A foreign function and the lowering of the op it became are one row: source → ours → target.
+    lowered = f"{ours_op} → hstu_export.ops.reference:x (for aten)"
     assert rows == [
-        (gr, "hstu_export::hstu_mha, then mapped for aten", 3, "generative-recommenders", "function", ""),
-        ("my.attention", "hstu_export::hstu_mha, then mapped for aten", 1, "generative-recommenders", "function",
-         f"declared like {gr}"),
+        (gr, lowered, 3, "generative-recommenders", "function", ""),
+        ("my.attention", lowered, 1, "generative-recommenders", "function", f"declared like {gr}"),
         (gr, "kept as a call", 0, "generative-recommenders", "function",
          "attn_scale (a per-position scale) has no equivalent"),
-        (ours_op, "hstu_export.ops.reference:x", 2, "ours", "op", ""),
         (fbgemm_op, "y", 5, "fbgemm", "op", ""),
         ("custom::op", "kept", 4, "none (no table has it)", "op",
          "no mapping for aten, kept by --allow-unmapped: its library is loaded at serve time"),
     ]
+    # Calls of our op that no foreign function made keep a row of their own, with their count.
+    more = op_mapping_rows({**stats, "mapped": {f"{ours_op} -> hstu_export.ops.reference:x": 6}})
+    assert [(r.source, r.target, r.count) for r in more if r.kind == "op"][:1] == [
+        (ours_op, "hstu_export.ops.reference:x", 2)]
     # A package's statistics are untrusted: anything malformed is left out, not an error.
     assert op_mapping_rows({"mapped": ["not", "a dict"], "foreign": {"f (lib)": "three"}}) == [
         op_mapping_rows({"foreign": {"f (lib)": 0}})[0]]
@@ -409,8 +448,10 @@ def test_inspect_prints_the_pass_table(
 
     record = RunRecord.read(out)
     assert record.kind == "inspect" and record.model["bundle"] == str(tiny_bundle)
-    assert record.settings["skip_passes"] == '["eliminate_dead_code"]' and "backend" not in record.settings
-    assert record.ranges["max batch size"].isdigit() and any("…" in v for v in record.ranges.values())
+    assert record.settings["skip_passes"] == "eliminate_dead_code" and "backend" not in record.settings
+    # Inspect compiles nothing: the batch size its probes used is the default, and says so.
+    assert record.ranges["max batch size"].startswith("32 (the default")
+    assert any("…" in v for v in record.ranges.values())
     assert record.checked_each_pass and all(p.max_rel_error is not None and p.max_rel_error <= 1e-5
                                             for p in record.passes)
     assert not record.parity.verified and "verifies nothing" in record.parity.note

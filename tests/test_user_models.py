@@ -5,6 +5,7 @@ KeyedTensor, dict and tensor arguments. No model here knows about hstu-export.""
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import types
 from pathlib import Path
@@ -400,7 +401,8 @@ def foreign_library(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPa
     ("tzrec.ops._pytorch.pt_hstu_attention", tzrec_pytorch_hstu_mha),
 ], indirect=True, ids=["generative_recommenders", "torcheasyrec"])
 @pytest.mark.parametrize("scale", ["batch", "fixed:40"])
-def test_foreign_attention_is_mapped_by_name(foreign_library: str, scale: str, tmp_path: Path) -> None:
+def test_foreign_attention_is_mapped_by_name(foreign_library: str, scale: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
     model = dlrm_hstu.build_ranker()
     path = hstu_export.save_bundle(model, tmp_path / "m.pt", example_inputs=dlrm_hstu.example_inputs(3, seed=0),
                                    factory="user_models.dlrm_hstu:build_ranker", ranges=RANGES_A)
@@ -410,6 +412,15 @@ def test_foreign_attention_is_mapped_by_name(foreign_library: str, scale: str, t
     foreign = {p["name"]: p for p in result.manifest["passes"]}["map_ops"]["stats"]["foreign"]
     assert sum(count for name, count in foreign.items() if name.startswith(foreign_library)) == 2
     assert result.parity["passed"] and result.parity["worst"]["rel_l2"] <= 1e-5
+    # The CLI's summary names the function whole (wrapped, not cut), with what it became, in one line.
+    from hstu_export.cli import _print_summary
+
+    capsys.readouterr()
+    _print_summary(result.manifest, result.path)
+    shown = capsys.readouterr().out
+    assert "…" not in shown
+    assert (f"{foreign_library}→hstu_export::hstu_mha→hstu_export.ops.reference:hstu_mha_reference(foraten),2×"
+            in re.sub(r"\s+", "", shown))
     if scale != "batch":
         # With a fixed scale, a user's scores no longer depend on who else is in the batch.
         predictor = hstu_export.load(result.path)

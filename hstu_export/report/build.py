@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
     from hstu_export.passes.record import PassReport
 
 NO_TABLE = "none (no table has it)"
-STAT_TEXT_LIMIT = 300  # characters of one statistic in the pass table
 # The settings inspect reads (the others — backend, device, verification — only steer an export).
 INSPECT_SETTINGS = ("op_target", "leaf_modules", "opaque_functions", "op_mappings", "attention_scale", "lengths",
                     "imports", "passes", "skip_passes", "check_each_pass", "dump_dir")
@@ -44,7 +42,9 @@ def pass_record(title: str, report: PassReport, pictures: dict[int, PassPictures
             index=r.index, name=r.name, status=r.status, note=r.note, time_ms=r.time_s * 1000,
             nodes_before=r.nodes_before, nodes_after=r.nodes_after, parameters=r.parameters_after,
             parameter_bytes=r.parameter_bytes_after, max_rel_error=r.max_rel_error,
-            stats={k: _short(v) for k, v in r.stats.items()}, files=list(r.files), pictures=pictures.get(r.index),
+            stats={k: readable(v) for k, v in r.stats.items()},
+            stat_entries={k: len(v) for k, v in r.stats.items() if isinstance(v, (dict, list))},
+            files=list(r.files), pictures=pictures.get(r.index),
         ))  # fmt: skip
     record.checked_each_pass = checked
     if boundary is not None:
@@ -62,7 +62,9 @@ def pass_record(title: str, report: PassReport, pictures: dict[int, PassPictures
 
 
 def op_mapping_rows(stats: dict[str, Any]) -> list[OpMappingRow]:
-    """map_ops's statistics as a table: source → target, count and whose mapping table it came from."""
+    """map_ops's statistics as a table: source → target, count and whose mapping table it came from. A
+    foreign function and the lowering of the op it became are one row (source → our op → target); an op
+    row stays for the calls of that op that no foreign function made."""
     from hstu_export.ops.mappings import fbgemm, function_mappings, ours
 
     def origin_of(op: str) -> str:
@@ -73,6 +75,13 @@ def op_mapping_rows(stats: dict[str, Any]) -> list[OpMappingRow]:
         functions = function_mappings()
     except ImportError:  # a table that fails to import must not cost the report
         functions = {}
+    # How each op was lowered, and how many of its calls are left to show on their own.
+    lowered: dict[str, list[Any]] = {}
+    for key, count in _dict(stats.get("mapped")).items():
+        source, _, into = str(key).partition(" -> ")
+        lowered[source] = [into, _int(count)]
+    for key, count in _dict(stats.get("kept")).items():
+        lowered.setdefault(str(key), ["kept", _int(count)])
     rows: list[OpMappingRow] = []
     for key, count in _dict(stats.get("foreign")).items():
         name, _, library = str(key).partition(" (")
@@ -80,22 +89,27 @@ def op_mapping_rows(stats: dict[str, Any]) -> list[OpMappingRow]:
         like = like.removesuffix(")")
         mapping = functions.get(name) or functions.get(like)
         # Descriptions read "HSTU attention → hstu_export::hstu_mha": the op after the arrow.
-        into = (mapping.description.rpartition("→ ")[2] if mapping is not None and mapping.description
-                else "our ops (hstu_export::*)")
-        rows.append(OpMappingRow(name, f"{into}, then mapped for {target}" if target else into, _int(count),
-                                 origin, "function", f"declared like {like}" if like else ""))
+        ours_op = mapping.description.rpartition("→ ")[2] if mapping is not None and mapping.description else ""
+        became = ours_op or "our ops (hstu_export::*)"
+        if ours_op in lowered:
+            into, left = lowered[ours_op]
+            became = f"{ours_op} → {into}" + (f" (for {target})" if target and into != "kept" else "")
+            lowered[ours_op][1] = max(left - _int(count), 0)
+        rows.append(OpMappingRow(name, became, _int(count), origin, "function", f"declared like {like}" if like else ""))
     for name, reason in _dict(stats.get("foreign_kept")).items():
         mapping = functions.get(str(name))
         rows.append(OpMappingRow(str(name), "kept as a call", 0, mapping.library if mapping else "user", "function",
                                  str(reason)))
-    for key, count in _dict(stats.get("mapped")).items():
+    for key in _dict(stats.get("mapped")):
         source, _, into = str(key).partition(" -> ")
-        rows.append(OpMappingRow(source, into, _int(count), origin_of(source), "op"))
-    for key, count in _dict(stats.get("kept")).items():
+        if lowered[source][1]:
+            rows.append(OpMappingRow(source, into, lowered[source][1], origin_of(source), "op"))
+    for key in _dict(stats.get("kept")):
         origin = origin_of(str(key))
         reason = (f"the table keeps it for {target}" if origin != NO_TABLE else
                   f"no mapping for {target}, kept by --allow-unmapped") + ": its library is loaded at serve time"
-        rows.append(OpMappingRow(str(key), "kept", _int(count), origin, "op", reason))
+        if lowered[str(key)][1]:
+            rows.append(OpMappingRow(str(key), "kept", lowered[str(key)][1], origin, "op", reason))
     return rows
 
 
@@ -111,7 +125,9 @@ def add_inspect_context(record: RunRecord, model: dict[str, Any], settings: dict
     states them (``ExportRanges.to_json()``); nothing is verified."""
     record.kind = KIND_INSPECT
     record.ranges = ranges_text(ranges) if ranges else {}
-    record.model = {k: _text(v) for k, v in model.items() if v}
+    if record.ranges:
+        record.ranges["max batch size"] += " (the default: inspect compiles nothing; export's --max-batch-size sets it)"
+    record.model = {k: readable(v) for k, v in model.items() if v}
     record.target = {"op target": op_target, "backend": "none (inspect compiles nothing)"}
     record.settings = settings_text({k: settings[k] for k in INSPECT_SETTINGS if k in settings})
     record.parity = ParityRecord(note="inspect compiles and verifies nothing: `hstu-export MODEL` verifies the "
@@ -125,7 +141,7 @@ def add_export_context(record: RunRecord, manifest: dict[str, Any], package_dir:
     record.kind = KIND_EXPORT
     model = _dict(manifest.get("model"))
     record.title = str(model.get("name") or record.title)
-    record.model = {k: _text(v) for k, v in (("name", model.get("name")), ("source", model.get("source")),
+    record.model = {k: readable(v) for k, v in (("name", model.get("name")), ("source", model.get("source")),
                                             ("bundle", model.get("bundle")), ("bundle sha256", model.get("bundle_sha256")))
                     if v}
     backend = _dict(manifest.get("backend"))
@@ -136,8 +152,8 @@ def add_export_context(record: RunRecord, manifest: dict[str, Any], package_dir:
                                              ("dtype", manifest.get("dtype")), ("op target", manifest.get("op_target")),
                                              ("package", out if written else f"{out}: not written, the "
                                               "package failed verification")) if v}
-    record.settings = settings_text(_dict(manifest.get("settings")))
     ranges = _dict(manifest.get("ranges"))
+    record.settings = exported_settings(_dict(manifest.get("settings")), ranges)
     record.ranges = ranges_text(_dict(ranges.get("lengths")), _dict(ranges.get("dims")))
     record.parity = parity_record(_dict(manifest.get("parity")))
     record.timings = {str(k): float(v) for k, v in _dict(manifest.get("timings")).items() if isinstance(v, (int, float))}
@@ -183,28 +199,33 @@ def settings_text(settings: dict[str, Any]) -> dict[str, str]:
     for key, value in settings.items():
         if value in (None, "", [], {}, ()):
             continue
-        shown[str(key)] = _text(value)
+        shown[str(key)] = readable(value)
     return shown
 
 
-def _text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, default=str)
+def exported_settings(settings: dict[str, Any], ranges: dict[str, Any]) -> dict[str, str]:
+    """The settings an export ran with, as text, with the package's own ranges where export settled them
+    (a bound the compiled program refused is narrowed: ``ranges.narrowed``)."""
+    shown = settings_text(settings)
+    exported = ranges.get("max_batch_size")
+    if isinstance(exported, int) and not isinstance(exported, bool):
+        asked = settings.get("max_batch_size")
+        shown["max_batch_size"] = str(exported) + (f" (asked {asked}, narrowed at export)"
+                                                   if asked not in (None, exported) else "")
+    return shown
 
 
-def _readable(value: Any, nested: bool = False) -> str:
-    """``a: 1, b: 2`` for a dict, ``x, y`` for a list (in parentheses when nested), else ``str``."""
-    if isinstance(value, (dict, list)):
-        items = [f"{k}: {_readable(v, True)}" for k, v in value.items()] if isinstance(value, dict) \
-            else [_readable(v, True) for v in value]
+def readable(value: Any, nested: bool = False) -> str:
+    """Plain data as text a person reads, whole: ``a: 1, b: (c: 2)`` for a dict, ``x, y`` for a list (in
+    parentheses when nested), ``true``/``false``, ``none`` for nothing, else ``str``."""
+    if isinstance(value, (dict, list, tuple)):
+        items = [f"{k}: {readable(v, True)}" for k, v in value.items()] if isinstance(value, dict) \
+            else [readable(v, True) for v in value]
         text = ", ".join(items) or "none"
         return f"({text})" if nested and items else text
-    return str(value)
-
-
-def _short(value: Any) -> str:
-    """A statistic as text a person reads, shortened to ``STAT_TEXT_LIMIT`` characters."""
-    text = _readable(value)
-    return text if len(text) <= STAT_TEXT_LIMIT else text[:STAT_TEXT_LIMIT - 1] + "…"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "none" if value is None else str(value)
 
 
 def _dict(value: Any) -> dict[str, Any]:

@@ -58,7 +58,8 @@ class PassRow:
     parameters: int
     parameter_bytes: int
     max_rel_error: float | None
-    stats: dict[str, str] = field(default_factory=dict)  # readable values, long ones shortened
+    stats: dict[str, str] = field(default_factory=dict)  # readable values, whole
+    stat_entries: dict[str, int] = field(default_factory=dict)  # how many entries a dict or list statistic has
     files: list[str] = field(default_factory=list)
     pictures: PassPictures | None = None
 

@@ -13,6 +13,7 @@ from hstu_export.report.record import RunRecord
 REPORT_NAME = "report.html"
 TEMPLATE = "report.html.j2"
 INLINE_DIFF_LIMIT = 64 * 1024  # larger diffs are linked, not inlined (a page must open fast)
+LONG_STAT = 200  # characters: a longer pass statistic is shown whole, folded under its name
 
 
 def human_bytes(n: float) -> str:
@@ -56,7 +57,7 @@ def render(record: RunRecord, directory: Path) -> str:
         if path is not None and path.is_file() and path.stat().st_size <= INLINE_DIFF_LIMIT:
             diffs[row.index] = diff_markup(path.read_text())
     template = _environment().get_template(TEMPLATE)
-    return template.render(record=record, diffs=diffs, legend=LEGEND)
+    return template.render(record=record, diffs=diffs, legend=LEGEND, long_stat=LONG_STAT)
 
 
 def write(record: RunRecord, directory: Path) -> Path:
