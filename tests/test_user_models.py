@@ -508,6 +508,15 @@ def test_model_limits_are_found_where_models_keep_them() -> None:
         (300, "the positional table _positional_encoder._position_embeddings_weight, 300 rows"),
         (4096, "TzrecLike._model_config.max_seq_len")]
 
+    class ScriptWrapper(nn.Module):  # the flat serving entry TorchEasyRec wraps its models in
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = TzrecLike()
+
+    assert [x.source for x in sequence_limits(ScriptWrapper())] == [
+        "the positional table model._positional_encoder._position_embeddings_weight, 300 rows",
+        "ScriptWrapper.model._model_config.max_seq_len"]
+
 
 @pytest.mark.parametrize("foreign_library", [
     ("generative_recommenders.ops.pytorch.pt_hstu_attention", gr_pytorch_hstu_mha),

@@ -46,10 +46,14 @@ def sequence_limits(model: nn.Module) -> list[Limit]:
     """Limits on the longest sequence the model's attention may see, smallest first."""
     name = type(model).__name__
     limits = []
-    for attribute in CONFIG_ATTRIBUTES:
-        value = _int(getattr(getattr(model, attribute, None), "max_seq_len", None))
-        if value is not None:
-            limits.append(Limit(value, f"{name}.{attribute}.max_seq_len"))
+    seen: set[int] = set()  # a configuration its submodules share counts once, where it is found first
+    for path, module in model.named_modules():  # a serving wrapper keeps the model (and its config) inside
+        for attribute in CONFIG_ATTRIBUTES:
+            config = module.__dict__.get(attribute)
+            value = _int(getattr(config, "max_seq_len", None))
+            if value is not None and id(config) not in seen:
+                seen.add(id(config))
+                limits.append(Limit(value, ".".join([name, *([path] if path else []), attribute, "max_seq_len"])))
     for path, parameter in model.named_parameters():
         if POSITION_TABLE_WORD in path.rpartition(".")[2].lower() and parameter.dim() == 2:
             limits.append(Limit(int(parameter.shape[0]), f"the positional table {path}, {parameter.shape[0]:,} rows"))
