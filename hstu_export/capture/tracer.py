@@ -12,6 +12,7 @@ into a dict of named tensors, so ``gm(**graph_inputs)`` computes ``flatten_outpu
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import operator
 from collections.abc import Iterable, Sequence
@@ -54,7 +55,7 @@ from hstu_export.package.schema import (
     record_class,
 )
 from hstu_export.sources.hints import model_hints, resolve_callable
-from hstu_export.sources.outputs import output_items
+from hstu_export.sources.outputs import named_fields, output_items
 
 # Modules holding embedding tables: the sparse side of the split. Their forward takes a
 # KeyedJaggedTensor and runs data-dependent lookups, so they are also leaves of the trace.
@@ -252,6 +253,7 @@ def trace(
         raise TraceError(f"cannot trace {type(model).__name__}: still failing after keeping "
                          f"{len(opaque)} functions opaque ({', '.join(o.name for o in opaque[-3:])}, ...)")
     _restore_module_state(model, state)
+    _built_outputs_as_fields(graph)
     if example_batch is not None:
         _expand_container_outputs(tracer.root, graph, _graph_inputs(schema, example_batch))
     graph = _flat_outputs(graph)
@@ -391,6 +393,38 @@ def _graph_inputs(schema: InputSchema | None, batch: dict[str, Tensor]) -> dict[
     return schema.to_graph_inputs(batch) if schema is not None else dict(batch)
 
 
+def _built_outputs_as_fields(graph: torch.fx.Graph) -> None:
+    """A namedtuple or dataclass the model returns is traced as a call of its class: its fields become a
+    dict in the output, so they are named as the eager model's fields are (:mod:`hstu_export.sources.outputs`),
+    and the call (nothing else uses it) goes."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    built: list[torch.fx.Node] = []
+
+    def fields_of(x: Any) -> Any:
+        if isinstance(x, torch.fx.Node) and x.op == "call_function" and isinstance(x.target, type):
+            cls = x.target
+            if issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple):
+                values = {**dict(zip(cls._fields, x.args)), **x.kwargs}
+            elif dataclasses.is_dataclass(cls):
+                values = {**dict(zip([f.name for f in dataclasses.fields(cls)], x.args)), **x.kwargs}
+            else:
+                return x
+            built.append(x)
+            return {k: fields_of(v) for k, v in values.items()}
+        if (named := named_fields(x)) is not None:
+            return {k: fields_of(v) for k, v in named}
+        if isinstance(x, dict):
+            return {k: fields_of(v) for k, v in x.items()}
+        if isinstance(x, (tuple, list)):
+            return type(x)(fields_of(v) for v in x)
+        return x
+
+    output.args = (fields_of(output.args[0]),)
+    for node in built:  # outermost first: each then has no user left
+        if not node.users:
+            graph.erase_node(node)
+
+
 def _expand_container_outputs(root: nn.Module, graph: torch.fx.Graph, inputs: dict[str, Tensor]) -> None:
     """An output node whose value is a container at run time (what an opaque leaf or call returned)
     is replaced by getitem nodes of its elements, so outputs are named as the eager model's are."""
@@ -405,6 +439,9 @@ def _expand_container_outputs(root: nn.Module, graph: torch.fx.Graph, inputs: di
 
     def expand(structure: Any, runtime: Any) -> Any:
         if isinstance(structure, torch.fx.Node):
+            if (named := named_fields(runtime)) is not None:  # an opaque call returned a namedtuple or dataclass
+                with graph.inserting_before(output):
+                    return {k: expand(graph.call_function(getattr, (structure, k)), v) for k, v in named}
             if isinstance(runtime, dict):
                 with graph.inserting_before(output):
                     return {k: expand(graph.call_function(operator.getitem, (structure, k)), v) for k, v in runtime.items()}
