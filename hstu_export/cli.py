@@ -242,6 +242,13 @@ def _stage_progress(quiet: bool) -> Any:
               help="Also write a Triton Inference Server model repository for the package here (docs/SERVING.md).")
 @click.option("--graphs-in-package", is_flag=True,
               help="With --dump-graphs: also copy the dumps into the package (graphs/), checksummed.")
+@click.option("--output-names", multiple=True, metavar="OUTPUT=NAME[,OUTPUT=NAME...]",
+              help="Name the model's outputs in the package (e.g. output_0=user_embeddings,output_1=item_embeddings: "
+                   "tuple positions, or any name the package would otherwise give). Repeatable.")
+@click.option("--score-outputs", multiple=True, metavar="NAME[,NAME...]",
+              help="The outputs that are per-candidate scores [default: the model's tasks, else those with one value "
+                   "per candidate]: quantized packages hold them to the quantization tolerances and rank them per "
+                   "user, the other outputs to a relative error (docs/QUANTIZATION.md). Repeatable.")
 @_capture_options
 @click.option("--skip-pass", multiple=True, help="Pass to leave out (repeatable).")
 @click.option("--passes", default=None, help="Comma-separated pass list to run instead of the default.")
@@ -277,7 +284,8 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
                    max_seq_len: int | None, max_candidates: int | None, op_target: str | None,
                    allow_unmapped: bool, workspace: str | None, min_block_size: int,
                    torch_executed_op: tuple[str, ...], dryrun: bool, out: str | None, dump_graphs: str | None,
-                   serving_repo: str | None, graphs_in_package: bool, leaf_module: tuple[str, ...], opaque_function: tuple[str, ...], map_function: tuple[str, ...],
+                   serving_repo: str | None, graphs_in_package: bool, output_names: tuple[str, ...],
+                   score_outputs: tuple[str, ...], leaf_module: tuple[str, ...], opaque_function: tuple[str, ...], map_function: tuple[str, ...],
                    attention_scale: str, max_length: tuple[str, ...], skip_pass: tuple[str, ...],
                    passes: str | None, check_each_pass: bool, force: bool, kv_cache: bool, kv_page_size: int,
                    kv_splits: int, aoti_option: tuple[str, ...], no_verify: bool, reference_device: str | None,
@@ -295,7 +303,13 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
     from pathlib import Path
 
     from hstu_export.exporter import export
-    from hstu_export.settings import ExportSettings, VerifySettings, parse_size
+    from hstu_export.settings import (
+        ExportSettings,
+        VerifySettings,
+        parse_output_names,
+        parse_score_outputs,
+        parse_size,
+    )
 
     settings = ExportSettings(
         backend=backend, device=device, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
@@ -305,6 +319,7 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
         passes=tuple(p.strip() for p in passes.split(",") if p.strip()) if passes else None,
         skip_passes=tuple(skip_pass), leaf_modules=tuple(leaf_module), check_each_pass=check_each_pass,
         dump_dir=Path(dump_graphs) if dump_graphs else None, graphs_in_package=graphs_in_package,
+        output_names=parse_output_names(output_names), score_outputs=parse_score_outputs(score_outputs),
         opaque_functions=tuple(opaque_function),
         op_mappings=_parse_mappings(map_function), attention_scale=attention_scale,
         lengths=_parse_lengths(max_length), imports=tuple(imports),

@@ -215,6 +215,7 @@ class Captured:
     reference: Callable[[dict[str, Tensor]], dict[str, Tensor]]  # the user's model on a flat request
     summary: dict[str, Any]  # opaque calls and leaf modules, for the manifest and the report
     quantized_tables: list[dict[str, Any]] = field(default_factory=list)  # quantize_embeddings' records
+    output_plan: Any = None  # OutputPlan: the package's outputs, taken from the model's
 
 
 def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, timings: dict[str, float] | None = None,
@@ -254,6 +255,10 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
         gm = trace(eager, example, leaf_modules=settings.leaf_modules, schema=schema,
                    opaque_functions=[*settings.opaque_functions, *imported_functions(list(functions))])
         _check_attention_scale(settings, gm, functions)
+        # The package's output names (renamed, one per task) from here on, in the graph and the reference.
+        plan = _output_plan(eager, reference, example, schema, ranges, settings, hints)
+        plan.apply_to_graph(gm)
+        reference = plan.wrap(reference)
     with _timed(timings, progress, "passes"), torch.no_grad(), running_model(device, "while the passes ran its graph"):
         ctx = PassContext(
             example_inputs=schema.to_graph_inputs(example), model=eager, schema=schema, op_target=op_target,
@@ -276,7 +281,24 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
         result = _moved(result, settings.torch_device, settings.torch_dtype)
         example = _to_device(example, settings.torch_device)
     summary = {"opaque_calls": gm.meta.get("opaque_calls", []), "leaf_modules": gm.meta.get("leaf_modules", [])}
-    return Captured(result, schema, ranges, example, reference, summary, ctx.quantized_tables)
+    return Captured(result, schema, ranges, example, reference, summary, ctx.quantized_tables, plan)
+
+
+def _output_plan(model: nn.Module, reference: Callable[[dict[str, Tensor]], dict[str, Tensor]],
+                 example: dict[str, Tensor], schema: InputSchema, ranges: ExportRanges | None,
+                 settings: ExportSettings, hints: Any) -> Any:
+    """The package's outputs (``hstu_export.sources.output_plan``), from the model's on the example and,
+    when it lists tasks, on a batch of other sizes (which tells the tasks' axis from the candidates')."""
+    from hstu_export.sources.output_plan import model_tasks, plan_outputs
+
+    other = None
+    if ranges is not None and model_tasks(model) is not None:
+        device = next(iter(example.values())).device
+        other = reference(_to_device(export_example_batch(schema, ranges, seed=settings.verify.seed + 7919,
+                                                          unlike=dim_values(schema, ranges, example)), device))
+    return plan_outputs(model, reference(example), other, renames={**hints.output_names, **settings.output_names},
+                        score_outputs=settings.score_outputs, declared_kinds=hints.output_kinds,
+                        reserved=tuple(dict.fromkeys([*(f.name for f in schema.features), *schema.graph_names])))
 
 
 def _moved(result: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -351,6 +373,9 @@ def export(
         captured = capture(bundle, settings, op_target, timings=timings, progress=progress, extra_passes=extra_passes)
     result, schema, ranges, example = captured.result, captured.schema, captured.ranges, captured.example
     _check_sequence_length(result, schema, ranges, settings, bundle.model)
+    if settings.kv_cache and not captured.output_plan.keeps_model_names:
+        raise ConfigError("--kv-cache serves the model's outputs under the model's own names: export without "
+                          "--output-names (or the model's output_names hints)")
     assert ranges is not None  # capture() raises without ranges when need_ranges
     if result.sparse is None or result.dense is None or result.boundary is None:
         raise ConfigError("exporting needs the split_sparse_dense pass; do not skip it")
@@ -363,6 +388,7 @@ def export(
         return ExportResult(out, {}, timings, dryrun_report=report)
     with running_model(device, "while its split graphs ran"):
         output_shapes = _output_shapes(result, schema, ranges, inputs, settings)
+    outputs = captured.output_plan.describe(output_shapes, inputs.example_outputs)
     with staging_dir(out) as staged:
         # Again, after the long capture: something else may have filled the disk meanwhile.
         check_free_space(out, weight_bytes)
@@ -406,6 +432,7 @@ def export(
             "dense_input_names": inputs.dense_input_names,
             "dense_passthrough_inputs": [n for n in inputs.dense_input_names if n in graph_names],
             "output_names": inputs.output_names,
+            "outputs": outputs,
             "artifacts": describe_artifacts(backend.name, artifacts.files, inputs, feature_dims(schema, ranges),
                                             {f.graph_name: f.name for f in schema.features}, output_shapes),
             "op_library_files": op_library_files(artifacts.op_libraries),
@@ -427,7 +454,7 @@ def export(
                     running_model(settings.reference_torch_device, "as verification's reference"):
                 ranges = _settle_ranges(staged, manifest, schema, ranges, settings)
                 parity = _verify(staged, captured.reference, schema, ranges, settings, op_target,
-                                 captured.quantized_tables, output_shapes)
+                                 captured.quantized_tables, output_shapes, {o["name"]: o["kind"] for o in outputs})
             manifest["parity"] = parity
             if not parity["passed"]:
                 if result.report_path is not None:  # the report shows where it failed
@@ -552,10 +579,12 @@ class NarrowedRangeWarning(UserWarning):
 
 
 def _verify(root: Path, reference: Any, schema: InputSchema, ranges: ExportRanges, settings: ExportSettings,
-            op_target: str, quantized_tables: list[dict[str, Any]], output_shapes: dict[str, list[int | str]]
-            ) -> dict[str, Any]:
-    """Parity against the user's fp32 model; with quantized tables, at the coarsest mode's tolerances and
-    with each user's candidate ranking compared (Kendall tau, ``hstu_export.verification.rank_agreement``)."""
+            op_target: str, quantized_tables: list[dict[str, Any]], output_shapes: dict[str, list[int | str]],
+            kinds: dict[str, str]) -> dict[str, Any]:
+    """Parity against the user's fp32 model; with quantized tables, the scores (``kinds``) at the coarsest
+    mode's tolerances with each user's candidate ranking compared (Kendall tau,
+    ``hstu_export.verification.rank_agreement``), the other outputs at a relative L2 error only."""
+    from hstu_export.package.manifest import SCORE_KINDS
     from hstu_export.runtimes.predictor import load
     from hstu_export.verification import rank_agreement
 
@@ -566,10 +595,14 @@ def _verify(root: Path, reference: Any, schema: InputSchema, ranges: ExportRange
     if not any(m != "none" for m in modes):
         parity = check_parity(predictor, reference, batches, tolerances)
     else:
-        def taus(batch: dict[str, Tensor], exported: dict[str, Tensor], eager: dict[str, Tensor]) -> dict[str, Any]:
-            return {"rank_agreement": rank_agreement.per_user_tau(exported, eager, batch, output_shapes)}
+        scores = {name: dims for name, dims in output_shapes.items() if kinds.get(name) in SCORE_KINDS}
+        held = settings.relative_tolerances(op_target, modes)
 
-        parity = check_parity(predictor, reference, batches, tolerances, per_batch=taus)
+        def taus(batch: dict[str, Tensor], exported: dict[str, Tensor], eager: dict[str, Tensor]) -> dict[str, Any]:
+            return {"rank_agreement": rank_agreement.per_user_tau(exported, eager, batch, scores)}
+
+        parity = check_parity(predictor, reference, batches, tolerances, per_batch=taus,
+                              output_tolerances={name: held for name in kinds if name not in scores})
         parity["rank_agreement"] = rank_agreement.summarize(parity["batches"])
     if "kv_cache" in predictor.manifest:
         from hstu_export.kv_export import verify_kv_cache

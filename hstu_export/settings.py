@@ -200,6 +200,43 @@ def parse_length_range(text: str) -> tuple[str, tuple[int | None, int]]:
     return name.strip(), (lo, hi)
 
 
+def parse_output_names(items: str | tuple[str, ...] | list[str] | dict[str, str] | None) -> dict[str, str]:
+    """``output_0=user_embeddings,output_1=item_embeddings`` (one string or several; or a dict) -> {the
+    model's output: the package's name} (``--output-names``). The names are checked against the model, and
+    for what the runtimes can carry, at export (``hstu_export.sources.output_plan``)."""
+    if items is None:
+        return {}
+    if isinstance(items, dict):
+        pairs = list(items.items())
+    else:
+        pairs = []
+        for text in [items] if isinstance(items, str) else list(items):
+            for part in str(text).split(","):
+                if not part.strip():
+                    continue
+                old, sep, new = part.partition("=")
+                if not sep or not old.strip():
+                    raise ConfigError(f"--output-names {part.strip()!r}: use MODEL_OUTPUT=NAME "
+                                      "(e.g. output_0=user_embeddings,output_1=item_embeddings)")
+                pairs.append((old.strip(), new.strip()))
+    renames: dict[str, str] = {}
+    for old, new in pairs:
+        if not isinstance(old, str) or not isinstance(new, str):
+            raise ConfigError(f"--output-names {old!r}={new!r}: names are strings")
+        if old in renames and renames[old] != new:
+            raise ConfigError(f"--output-names {old}: renamed twice ({renames[old]!r} and {new!r})")
+        renames[old] = new
+    return renames
+
+
+def parse_score_outputs(items: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    """``ctr,cvr`` (one string or several) -> ("ctr", "cvr") (``--score-outputs``)."""
+    if items is None:
+        return ()
+    texts = [items] if isinstance(items, str) else list(items)
+    return tuple(dict.fromkeys(part.strip() for text in texts for part in str(text).split(",") if part.strip()))
+
+
 # Embedding-table quantization (--quantize-embeddings): the storage modes of torchrec's quantized
 # inference modules, coarsest last. "none" keeps a table in fp32.
 QUANTIZATION_MODES = ("none", "fp16", "int8", "int4")
@@ -210,6 +247,10 @@ QUANTIZED_TOLERANCES = {
     "int8": {"rel_l2": 2e-2, "max_abs": 1e-2},
     "int4": {"rel_l2": 1e-1, "max_abs": 5e-2},
 }
+# The outputs of a quantized package that are not scores (embeddings...) are held to relative L2 error only:
+# a few times the rounding error quantization itself leaves in a table row (docs/QUANTIZATION.md, "Outputs
+# other than scores").
+QUANTIZED_RELATIVE_L2 = {"fp16": 2e-3, "int8": 3e-2, "int4": 5e-1}
 
 
 def parse_quantization_mode(text: str, what: str = "--quantize-embeddings") -> str:
@@ -298,6 +339,10 @@ class ExportSettings:
     graphs_in_package: bool = False  # copy the graph dumps into the package (graphs/)
     verify: VerifySettings = field(default_factory=VerifySettings)
     quantization: EmbeddingQuantization = field(default_factory=EmbeddingQuantization)
+    # The package's names for the model's outputs (--output-names output_0=user_embeddings,...), and the
+    # outputs that are per-candidate scores (--score-outputs): hstu_export.sources.output_plan.
+    output_names: dict[str, str] = field(default_factory=dict)
+    score_outputs: tuple[str, ...] = ()
     force: bool = False
     kv_cache: bool = False  # also export the delta program for KV-cached serving (hstu_export.kv_export)
     kv_page_size: int = 64  # tokens per cache page the delta program reads (a power of two >= 16)
@@ -327,6 +372,8 @@ class ExportSettings:
             if not (isinstance(bounds, tuple | list) and len(bounds) == 2 and all(
                     v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in bounds)):
                 raise ConfigError(f"--max-length {feature}: expected (MIN or None, MAX) in whole numbers, got {bounds!r}")
+        self.output_names = parse_output_names(self.output_names)
+        self.score_outputs = parse_score_outputs(self.score_outputs)
         if self.op_target is not None:
             self.op_target = {"rtp": "aten"}.get(self.op_target, self.op_target)
             if self.op_target not in ("triton", "aten", "fbgemm"):
@@ -388,6 +435,21 @@ class ExportSettings:
         if self.verify.atol is not None:
             base["max_abs"] = self.verify.atol
         return base
+
+    def relative_tolerances(self, op_target: str | None, quantized_modes: list[str]) -> dict[str, float]:
+        """Verification tolerances of a quantized package's outputs that are not scores: relative L2 only
+        (``QUANTIZED_RELATIVE_L2`` of the coarsest mode, or the dtype's where looser); ``--rtol``/``--atol``
+        and ``VerifySettings.tolerances`` hold as given."""
+        if self.verify.tolerances:
+            return self.tolerances(op_target)
+        used = [m for m in quantized_modes if m != "none"]
+        base = self.tolerances(op_target)
+        held = {"rel_l2": max([base["rel_l2"], *(QUANTIZED_RELATIVE_L2[m] for m in used)])}
+        if self.verify.rtol is not None:
+            held["rel_l2"] = self.verify.rtol
+        if self.verify.atol is not None:
+            held["max_abs"] = self.verify.atol
+        return held
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

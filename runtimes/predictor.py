@@ -43,6 +43,8 @@ class Predictor:
         self.input_schema: InputSchema = checked.input_schema
         self.max_batch_size: int = checked.ranges.max_batch_size
         self.output_names: list[str] = list(checked.output_names)
+        # score, probability, embedding or other per output (empty: a package that records no kinds)
+        self.output_kinds: dict[str, str] = dict(checked.output_kinds)
         self._feature_names = frozenset(self.input_schema.names)
         self._runner = runner
 

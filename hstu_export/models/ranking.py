@@ -21,6 +21,7 @@ from hstu_export.capture.graph_functions import build_kjt, per_user_as_jagged, s
 from hstu_export.models.config import HSTUConfig
 from hstu_export.models.transducer import HSTUTransducer
 from hstu_export.package.schema import FeatureSpec, InputSchema
+from hstu_export.sources.hints import ExportHints
 
 HISTORY_LENGTHS = "uih_lengths"
 CANDIDATE_LENGTHS = "candidate_lengths"
@@ -125,6 +126,10 @@ class HstuRankingModel(nn.Module):
 
     def input_schema(self) -> InputSchema:
         return ranking_input_schema(self.config)
+
+    def hstu_export_hints(self) -> ExportHints:
+        # Every task head ends in a sigmoid: its output is a probability per candidate.
+        return ExportHints(output_kinds={name: "probability" for name in self.config.task_names})
 
     def forward(self, features: Dict[str, Tensor]) -> Dict[str, Tensor]:  # noqa: UP006
         emb = self.sparse_arch(features)

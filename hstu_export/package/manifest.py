@@ -45,6 +45,10 @@ OP_TARGETS = ("triton", "aten", "fbgemm")
 DEVICE_TYPES = ("cpu", "cuda")
 # What an artifact file is (manifest artifacts.<role>.format).
 ARTIFACT_FORMATS = ("torchscript", "aoti", "onnx", "torch_tensorrt")
+# What an output is (manifest outputs[i].kind): a per-candidate score ranked by, one in [0, 1], a vector
+# per row, anything else. Scores are what quantized packages are held to and ranked by (docs/QUANTIZATION.md).
+OUTPUT_KINDS = ("score", "probability", "embedding", "other")
+SCORE_KINDS = ("score", "probability")
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -123,6 +127,8 @@ class Manifest(BackendFields):
     # Per role of backend.files: file, format, inputs/outputs in positional order (docs/PACKAGE.md).
     artifacts: dict[str, dict[str, Any]]
     raw: dict[str, Any] = field(repr=False, compare=False)
+    # Each output's kind (manifest outputs); empty for packages written before kinds were recorded.
+    output_kinds: dict[str, str] = field(default_factory=dict)
 
     @property
     def torch_version(self) -> str:
@@ -317,6 +323,7 @@ def _parse(data: Any) -> Manifest:
     for key, read in _OPTIONAL_TOP.items():
         _optional(top, key, "", read)
     _optional(top, "kv_cache", "", lambda v, n: _kv_cache(v, files))
+    kinds = _optional(top, "outputs", "", lambda v, n: _output_kinds(v, n, names["output_names"])) or {}
     return Manifest(
         format_version=_integer(get("format_version"), "format_version", minimum=1),
         op_namespace=_string(get("op_namespace"), "op_namespace"),
@@ -338,7 +345,27 @@ def _parse(data: Any) -> Manifest:
         model_bundle=_optional(model, "bundle", "model", _optional_string),
         artifacts=_check_artifact_io(_artifacts(get("artifacts"), backend, schema), schema, names["output_names"]),
         raw=top,
+        output_kinds=kinds,
     )
+
+
+def _output_kinds(value: Any, name: str, output_names: tuple[str, ...]) -> dict[str, str]:
+    """``outputs``: one entry per output, in ``output_names``' order, with its kind and the model output it
+    is taken from (whole, or one ``index`` along ``dim``)."""
+    entries = _array(value, name)
+    kinds: dict[str, str] = {}
+    for i, entry in enumerate(entries):
+        where = _child(name, i)
+        entry = _object(entry, where)
+        kinds[_string(_get(entry, "name", where), _child(where, "name"))] = _string(
+            _get(entry, "kind", where), _child(where, "kind"), OUTPUT_KINDS)
+        _string(_get(entry, "model_output", where), _child(where, "model_output"))
+        _optional(entry, "kind_from", where, _string)
+        for key in ("dim", "index"):
+            _optional(entry, key, where, lambda v, n: _integer(v, n, minimum=0))
+    if tuple(kinds) != output_names or len(entries) != len(output_names):
+        raise _FieldError(name, f"names {list(kinds)}, not the package's outputs {list(output_names)} in their order")
+    return kinds
 
 
 def _check_artifact_io(artifacts: dict[str, dict[str, Any]], schema: InputSchema,

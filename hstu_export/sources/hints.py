@@ -10,8 +10,10 @@ A model (the root module) may define ``hstu_export_hints`` as an attribute or a 
 ``leaf_modules`` are added to ``--leaf-module``; ``opaque_functions`` (callables or qualified names
 ``module.function``) are recorded as single calls while tracing; ``mappings`` adds entries to the
 foreign-operator table (``{"my_pkg.ops.my_attention": "fn:my_pkg.export:my_attention_as_hstu"}``, see
-``hstu_export/ops/mappings``); ``ranges`` states lengths ranges (``{"uih_features": (1, 256)}``).
-Command-line options add to the hints; they never remove one.
+``hstu_export/ops/mappings``); ``ranges`` states lengths ranges (``{"uih_features": (1, 256)}``);
+``output_names`` renames outputs (``{"output_0": "user_embeddings"}``) and ``output_kinds`` says what they
+are (``{"ctr": "probability"}``: score, probability, embedding or other; see
+:mod:`hstu_export.sources.output_plan`). Command-line options add to the hints; they never remove one.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class ExportHints:
     opaque_functions: tuple[Any, ...] = ()
     mappings: dict[str, str] = field(default_factory=dict)
     ranges: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
+    output_names: dict[str, str] = field(default_factory=dict)
+    output_kinds: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))

@@ -24,6 +24,7 @@ def _eager_for_package(predictor: Any, model_path: str | None, allow_pickle: boo
     from hstu_export.errors import ConfigError
     from hstu_export.settings import TORCH_DTYPES
     from hstu_export.sources.bundle import load_bundle
+    from hstu_export.sources.output_plan import OutputPlan
     from hstu_export.sources.outputs import call_model
 
     if model_path is not None and not Path(model_path).exists():
@@ -39,7 +40,9 @@ def _eager_for_package(predictor: Any, model_path: str | None, allow_pickle: boo
     device = torch.device(where) if where else predictor.device
     dtype = torch.float32 if where else TORCH_DTYPES[predictor.manifest["dtype"]]
     model = bundle.model.to(device=device, dtype=dtype).eval()
-    return bundle, lambda batch: call_model(model, bundle.input_schema, {k: v.to(device) for k, v in batch.items()})
+    plan = OutputPlan.from_manifest(predictor.manifest)  # named (renamed, one per task) as the package's
+    return bundle, lambda batch: call_model(model, bundle.input_schema, {k: v.to(device) for k, v in batch.items()},
+                                            plan)
 
 
 def _manifest_ranges(manifest: dict[str, Any]) -> ExportRanges:
@@ -63,23 +66,28 @@ def verify_package(package: Any, model_path: str | None, *, num_random: int = 4,
     batches = verification_batches(predictor.input_schema, _manifest_ranges(predictor.manifest), seed, num_random)
     tolerances = dict(predictor.manifest.get("parity", {}).get("tolerances")
                       or DEFAULT_TOLERANCES[predictor.manifest["dtype"]])
-    if rtol is not None:
-        tolerances["rel_l2"] = rtol
-    if atol is not None:
-        tolerances["max_abs"] = atol
+    # Outputs the export held to tolerances of their own (a quantized package's embeddings), unless told.
+    own = {name: dict(tol) for name, tol in (predictor.manifest.get("parity", {}).get("output_tolerances") or {}).items()}
+    for tol in (tolerances, *own.values()):
+        if rtol is not None:
+            tol["rel_l2"] = rtol
+        if atol is not None:
+            tol["max_abs"] = atol
     per_batch = None
     quantized = "embedding_quantization" in predictor.manifest
-    if quantized:  # each user's candidate ranking against the fp32 model, as at export
+    if quantized:  # each user's candidate ranking against the fp32 model, as at export: of its scores
+        from hstu_export.package.manifest import SCORE_KINDS
         from hstu_export.verification import rank_agreement
 
         dims = rank_agreement.output_dims_from_manifest(predictor.manifest)
+        kinds = predictor.output_kinds  # empty: an older package, whose kinds are not recorded
+        dims = {name: d for name, d in dims.items() if not kinds or kinds.get(name) in SCORE_KINDS}
 
         def per_batch(batch: dict[str, Tensor], exported: dict[str, Tensor], ref: dict[str, Tensor]) -> dict[str, Any]:
             return {"rank_agreement": rank_agreement.per_user_tau(exported, ref, batch, dims)}
 
     with torch.no_grad():
-        report = check_parity(predictor, eager,
-                              batches, tolerances, per_batch=per_batch)
+        report = check_parity(predictor, eager, batches, tolerances, per_batch=per_batch, output_tolerances=own)
     if quantized:
         report["rank_agreement"] = rank_agreement.summarize(report["batches"])
     if "kv_cache" in predictor.manifest:  # its delta program, served through the package's cache as at export
