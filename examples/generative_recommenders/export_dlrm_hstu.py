@@ -2,7 +2,7 @@
 """Export generative-recommenders' DlrmHSTU with hstu-export, unedited, and check it against the model.
 
     GR_SRC=/path/to/generative-recommenders python examples/generative_recommenders/export_dlrm_hstu.py \
-        --out out/gr [--backend aoti torchscript onnx]
+        --out out/gr [--backend aoti torchscript onnx] [--quantize-embeddings int8]
 
 The user code is gr_ranker.py (factory + example inputs) and the few lines of main() below that save a
 bundle and export it. It is not run in CI: generative-recommenders is not on the package index.
@@ -23,6 +23,7 @@ import gr_ranker
 import torch
 
 import hstu_export
+from hstu_export.sources.output_plan import OutputPlan
 from hstu_export.sources.outputs import call_model
 
 
@@ -31,6 +32,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("out/gr"))
     parser.add_argument("--backend", nargs="+", default=["aoti", "torchscript", "onnx"])
     parser.add_argument("--attention-scale", default="batch")
+    parser.add_argument("--quantize-embeddings", default="none", choices=["none", "fp16", "int8", "int4"])
     args = parser.parse_args()
 
     # --- user code: a bundle naming the factory, with the lengths the serving requests may have ---
@@ -41,8 +43,11 @@ def main() -> int:
         ranges={"uih_features.video_id": (1, 40), "uih_features.user_id": (1, 1), "candidates_features": (1, 8)})
     results = {}
     for backend in args.backend:
+        # DlrmHSTU returns a tuple: its tasks' predictions are named for the tasks it lists, the embeddings here.
         settings = hstu_export.ExportSettings(backend=backend, max_batch_size=8, force=True,
-                                              attention_scale=args.attention_scale)
+                                              attention_scale=args.attention_scale,
+                                              output_names={"output_0": "user_embeddings", "output_1": "item_embeddings"},
+                                              quantization=args.quantize_embeddings)
         start = time.perf_counter()
         try:
             result = hstu_export.export(bundle, args.out / f"dlrm_hstu.{backend}", settings)
@@ -54,6 +59,10 @@ def main() -> int:
         passes = {p["name"]: p["stats"] for p in result.manifest["passes"]}
         results[backend] = {
             "ok": True, "seconds": round(time.perf_counter() - start, 1), "parity": result.parity["worst"],
+            "outputs": {o["name"]: o["kind"] for o in result.manifest["outputs"]},
+            "worst_per_output": worst_per_output(result.parity),
+            "tolerances": {"scores": result.parity["tolerances"], **result.parity.get("output_tolerances", {})},
+            "rank_agreement": result.parity.get("rank_agreement"),
             "batches": [(r["batch"], r["batch_size"]) for r in result.parity["batches"]],
             "boundary": passes["mark_sparse_dense"].get("automatic_marks"),
             "mapped": passes["map_ops"].get("foreign"), "not_mapped": passes["map_ops"].get("foreign_kept"),
@@ -69,6 +78,16 @@ def main() -> int:
     return 0 if all(r["ok"] for r in results.values()) else 1
 
 
+def worst_per_output(parity: dict) -> dict[str, dict[str, float]]:
+    """The largest errors of each output over the verification batches."""
+    worst: dict[str, dict[str, float]] = {}
+    for row in parity["batches"]:
+        for name, errors in row["errors"].items():
+            for key, value in errors.items():
+                worst.setdefault(name, {})[key] = max(worst.get(name, {}).get(key, 0.0), value)
+    return worst
+
+
 def serve_corners(package: Path, model: torch.nn.Module) -> dict[str, float]:
     """The package against ``DlrmHSTU.forward`` on single-user requests at the ranges' minima: the worst
     absolute difference per request (history items, candidates)."""
@@ -79,7 +98,7 @@ def serve_corners(package: Path, model: torch.nn.Module) -> dict[str, float]:
                                               gr_ranker.example_inputs([history], [candidates], seed=history),
                                               None, model)
         with torch.no_grad():
-            expected = call_model(model, predictor.input_schema, request)
+            expected = call_model(model, predictor.input_schema, request, OutputPlan.from_manifest(predictor.manifest))
         got = predictor(request)
         worst[f"1 user, {history} history, {candidates} candidates"] = max(
             float((got[k] - expected[k]).abs().max()) for k in expected)
