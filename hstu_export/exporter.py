@@ -266,7 +266,7 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
             check_each_pass=settings.check_each_pass,
             probe_inputs=[schema.to_graph_inputs(_to_device(p, device)) for p in probes],
             attention_scale=settings.attention_scale, op_mappings=op_mappings, ranges=ranges,
-            quantization=settings.quantization,
+            quantization=settings.quantization, export_dtype=settings.dtype,
             reference=lambda graph_batch: reference({f.name: graph_batch[f.graph_name] for f in schema.features}),
         )
         names = list(settings.passes) if settings.passes else None

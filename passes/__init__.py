@@ -39,6 +39,8 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("map_ops", "map_ops:MapOps"),
     # Sibling MLPs on one input (multi-task heads) as one product per layer; their old modules go with DCE.
     PassSpec("fuse_parallel_mlps", "fuse_parallel_mlps:FuseParallelMlps"),
+    # Reduced-precision exports: a layer's floating inputs take its parameters' dtype, as autocast would.
+    PassSpec("follow_parameter_dtypes", "follow_parameter_dtypes:FollowParameterDtypes"),
     PassSpec("eliminate_dead_code", "eliminate_dead_code:EliminateDeadCode"),
     # Last: the quantized tables call fbgemm lookups no pass above should rewrite (a no-op unless asked).
     PassSpec("quantize_embeddings", "quantize_embeddings:QuantizeEmbeddings"),

@@ -46,6 +46,7 @@ class PassContext:
     # The user's model on graph inputs -> flat named outputs (check_each_pass's eager reference).
     reference: Any = None
     quantization: Any = None  # quantize_embeddings: an EmbeddingQuantization (None: tables stay as they are)
+    export_dtype: str = "float32"  # the dtype the graphs are compiled in (follow_parameter_dtypes)
     # Written while passes run.
     boundary: BoundarySchema | None = None  # set by split_sparse_dense
     current_graph: str = ""  # submodule path of the graph a pass is running on ("" = top)

@@ -17,6 +17,7 @@ from user_models import dlrm_hstu, gr_style
 import hstu_export
 from hstu_export import ExportSettings, VerifySettings
 from hstu_export.errors import ConfigError, HstuExportError
+from hstu_export.passes import PASSES
 from hstu_export.sources.outputs import call_model
 from hstu_export.sources.schema_inference import flatten_example
 from hstu_export.verification.packages import verify_package
@@ -84,3 +85,25 @@ def test_reference_on_the_cpu_in_fp32_exports_and_verifies(fp32_only, bundle, tm
 def test_only_the_cpu_is_a_reference_device() -> None:
     with pytest.raises(ConfigError, match="--reference-device 'cuda': only cpu is supported"):
         ExportSettings(reference_device="cuda")
+
+
+def test_layers_fed_the_tables_fp32_rows_take_their_weights_dtype_in_a_bf16_export(tmp_path) -> None:
+    """A model written for autocast hands its layers the tables' fp32 rows; in a bfloat16 export
+    follow_parameter_dtypes casts them where autocast would, and the package verifies."""
+    bundle = hstu_export.save_bundle(
+        gr_style.build_autocast_ranker(), tmp_path / "model.pt", example_inputs=gr_style.example_inputs([5, 3], [2, 1]),
+        factory="user_models.gr_style:build_autocast_ranker", ranges=gr_style.RANGES)
+    without = [p.name for p in PASSES if p.name != "follow_parameter_dtypes"]
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        hstu_export.export(bundle, tmp_path / "refused", settings(reference_device="cpu", passes=without))
+    assert not (tmp_path / "refused").exists()
+
+    result = hstu_export.export(bundle, tmp_path / "pkg", settings(reference_device="cpu"))
+    assert result.parity["passed"]
+    stats = next(p["stats"] for p in result.manifest["passes"] if p["name"] == "follow_parameter_dtypes")
+    # The three input projections and both task heads' first layers.
+    assert stats["casts"] >= 5
+    predictor = hstu_export.load(result.path)
+    request = flatten_example(predictor.input_schema, gr_style.example_inputs([2], [1], seed=3), None,
+                              hstu_export.load_bundle(bundle).model)
+    assert all(score.dtype == torch.bfloat16 for score in predictor(request).values())

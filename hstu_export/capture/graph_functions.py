@@ -153,6 +153,14 @@ def check_ranges(values: list[Tensor], lows: list[int], highs: list[int], rows: 
     return values
 
 
+def to_dtype_of(value: Tensor, like: Tensor) -> Tensor:
+    """A floating ``value`` in ``like``'s dtype (the cast autocast makes before a layer;
+    passes/follow_parameter_dtypes.py); any other tensor as it is."""
+    if value.is_floating_point() and value.dtype != like.dtype:
+        return value.to(like.dtype)
+    return value
+
+
 def per_user_as_jagged(value: Tensor) -> Tensor:
     """Per-user ids ``[B]`` as jagged values with length 1 each: ``[B]`` -> lengths ``[B]`` of ones."""
     return torch.ones_like(value)
@@ -171,6 +179,7 @@ WRAPPED_FUNCTIONS: tuple[Callable[..., object], ...] = (
     check_at_most,
     check_lengths_at_most,
     check_ranges,
+    to_dtype_of,
 )
 
 for _fn in WRAPPED_FUNCTIONS:

@@ -52,8 +52,10 @@ def take_last(values: Tensor, offsets: Tensor, counts: Tensor, total: int) -> Te
 
 
 class GrStyleRanker(nn.Module):
-    def __init__(self, dim: int = 16, heads: int = 2, layers: int = 2) -> None:
+    def __init__(self, dim: int = 16, heads: int = 2, layers: int = 2, cast_to_layers: bool = True) -> None:
         super().__init__()
+        # False: the embeddings reach the layers in the tables' dtype, as in a model trained under autocast.
+        self.cast_to_layers = cast_to_layers
         self.embedding_collection = EmbeddingCollection(
             tables=[
                 EmbeddingConfig(name="item", embedding_dim=dim, num_embeddings=ITEMS,
@@ -84,7 +86,7 @@ class GrStyleRanker(nn.Module):
         total_candidates = int(num_candidates.sum().item())
 
         # The tables look up in their own dtype; the dense layers may run in another (a bf16 export).
-        dtype = self.contextual_proj.weight.dtype
+        dtype = self.contextual_proj.weight.dtype if self.cast_to_layers else embeddings["user_id"].values().dtype
         contextual = self.contextual_proj(embeddings["user_id"].values().to(dtype))
         history = self.history_proj(torch.cat([embeddings["uih_item_id"].values(),
                                                embeddings["uih_action"].values()], dim=-1).to(dtype))
@@ -102,14 +104,20 @@ class GrStyleRanker(nn.Module):
         return {task: torch.sigmoid(head(pair).squeeze(-1)) for task, head in self.heads.items()}
 
 
-def build_ranker(dim: int = 16, heads: int = 2, layers: int = 2, seed: int = 0) -> GrStyleRanker:
+def build_ranker(dim: int = 16, heads: int = 2, layers: int = 2, seed: int = 0,
+                 cast_to_layers: bool = True) -> GrStyleRanker:
     """The factory a bundle names: ``user_models.gr_style:build_ranker``."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = GrStyleRanker(dim, heads, layers)
+        model = GrStyleRanker(dim, heads, layers, cast_to_layers)
         for table in model.embedding_collection.embeddings.values():
             nn.init.normal_(table.weight, std=0.1)
     return model.eval()
+
+
+def build_autocast_ranker() -> GrStyleRanker:
+    """``user_models.gr_style:build_autocast_ranker``: the layers take the tables' fp32 rows as they come."""
+    return build_ranker(cast_to_layers=False)
 
 
 def example_inputs(history: list[int], candidates: list[int], seed: int = 0) -> tuple[KeyedJaggedTensor, ...]:
