@@ -6,8 +6,10 @@ weights are bf16 once the model is exported with ``--dtype bf16``, and ``linear`
 casts such inputs down when it runs; this pass does it in the graph: before every call of a module with
 floating parameters (``Linear``, ``LayerNorm``, a user's norm layer kept as a leaf) and every product or norm
 that takes a parameter (``addmm``, ``linear``, ``matmul``, ``layer_norm``, ...), each floating input is cast to
-that parameter's dtype (``to_dtype_of``, a no-op where they already match). Everything else keeps the dtype
-the model's code gives it, as under autocast.
+that parameter's dtype (``to_dtype_of``, a no-op where they already match). The jagged concatenations
+(``concat_2D_jagged`` after map_ops), which join rows of one dtype only, take their floating inputs in the
+export dtype: a table's fp32 rows beside a layer's bf16 output. Everything else keeps the dtype the model's
+code gives it, as under autocast.
 
 Runs only when the export dtype is not fp32 (``ctx.export_dtype``): an fp32 export is traced and compiled
 in fp32 throughout.
@@ -21,7 +23,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from hstu_export.capture.graph_functions import to_dtype_of
+from hstu_export.capture.graph_functions import to_dtype_of, to_floating_dtype
+from hstu_export.settings import TORCH_DTYPES
 
 if TYPE_CHECKING:
     from hstu_export.passes.context import PassContext
@@ -68,6 +71,19 @@ def _weighted(node: torch.fx.Node) -> bool:
     return node.op == "call_method" and node.target in WEIGHTED_METHODS
 
 
+def _cast_input(gm: torch.fx.GraphModule, node: torch.fx.Node, value: torch.fx.Node, cast: Any, to: Any) -> None:
+    """``node`` takes ``cast(value, to)`` in place of ``value``."""
+    with gm.graph.inserting_before(node):
+        cast_node = gm.graph.call_function(cast, (value, to))
+    cast_node.meta.update({k: v for k, v in value.meta.items() if k in ("value_kind", "example_shape", "max_shape")})
+    node.replace_input_with(value, cast_node)
+
+
+def _joins_rows(node: torch.fx.Node) -> bool:
+    """A mapped jagged concatenation (any op target's variant)."""
+    return node.op == "call_function" and "concat_2D_jagged" in str(node.target)
+
+
 class FollowParameterDtypes:
     name = "follow_parameter_dtypes"
 
@@ -75,7 +91,13 @@ class FollowParameterDtypes:
         if ctx.export_dtype in ("float32", "fp32"):
             return gm
         casts = 0
+        export_dtype = TORCH_DTYPES[ctx.export_dtype]
         for node in list(gm.graph.nodes):
+            if _joins_rows(node):
+                for value in dict.fromkeys(a for a in node.args if _maybe_floating(a)):
+                    _cast_input(gm, node, value, to_floating_dtype, export_dtype)
+                    casts += 1
+                continue
             if not _weighted(node):
                 continue
             parameter = _parameter_of(gm, node)
@@ -88,11 +110,7 @@ class FollowParameterDtypes:
             with gm.graph.inserting_before(node):
                 weight = gm.graph.get_attr(parameter)
             for value in dict.fromkeys(inputs):
-                with gm.graph.inserting_before(node):
-                    cast = gm.graph.call_function(to_dtype_of, (value, weight))
-                cast.meta.update({k: v for k, v in value.meta.items() if k in ("value_kind", "example_shape",
-                                                                               "max_shape")})
-                node.replace_input_with(value, cast)
+                _cast_input(gm, node, value, to_dtype_of, weight)
                 casts += 1
         ctx.add_stat("casts", casts)
         return gm

@@ -457,6 +457,24 @@ def test_export_keeps_the_op() -> None:
     assert "hstu_export.hstu_mha_triton.default" in targets
 
 
+def test_export_takes_an_attention_scale_read_from_the_data() -> None:
+    """generative-recommenders scales attention by the batch's longest sequence, read with ``.item()``: the op
+    takes that unbacked size as it is (the kernel divides by it; no host float of a symbol)."""
+    import hstu_export.ops._triton  # noqa: F401
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, offsets, num_targets):
+            longest = (offsets[1:] - offsets[:-1]).max().item()
+            torch._check(longest >= 1)
+            return torch.ops.hstu_export.hstu_mha_triton(q, k, v, offsets, 64, longest, 0.25, True, num_targets, 0, 0)
+
+    L, H, D = 20, 2, 16
+    args = (torch.randn(L, H, D), torch.randn(L, H, D), torch.randn(L, H, D), _offsets([8, 12]), torch.tensor([2, 3]))
+    ep = torch.export.export(Attention(), args)
+    attention = next(n for n in ep.graph.nodes if str(n.target) == "hstu_export.hstu_mha_triton.default")
+    assert isinstance(attention.args[5], torch.fx.Node)  # the scale stays a value of the graph, not a constant
+
+
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # torch.empty -> NaN

@@ -35,7 +35,7 @@ def compile_attention(
         "Q": ptr, "K": ptr, "V": ptr, "Out": ptr, "seq_offsets": "*i64", "num_targets": "*i64",
         "stride_qm": "i32", "stride_qh": "i32", "stride_kn": "i32", "stride_kh": "i32",
         "stride_vn": "i32", "stride_vh": "i32", "stride_om": "i32", "stride_oh": "i32", "o_col0": "i32",
-        "alpha": "fp32", "inv_scale": "fp32", "contextual_seq_len": "i32", "max_attn_len": "i32",
+        "alpha": "fp32", "scaling_seqlen": "i32", "contextual_seq_len": "i32", "max_attn_len": "i32",
         "delta_size": "i32", "H": "i32",
     }  # fmt: skip
     constexprs = dict(

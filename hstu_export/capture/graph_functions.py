@@ -161,6 +161,13 @@ def to_dtype_of(value: Tensor, like: Tensor) -> Tensor:
     return value
 
 
+def to_floating_dtype(value: Tensor, dtype: torch.dtype) -> Tensor:
+    """A floating ``value`` in ``dtype``; any other tensor as it is (follow_parameter_dtypes, at joins)."""
+    if value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    return value
+
+
 def per_user_as_jagged(value: Tensor) -> Tensor:
     """Per-user ids ``[B]`` as jagged values with length 1 each: ``[B]`` -> lengths ``[B]`` of ones."""
     return torch.ones_like(value)
@@ -180,6 +187,7 @@ WRAPPED_FUNCTIONS: tuple[Callable[..., object], ...] = (
     check_lengths_at_most,
     check_ranges,
     to_dtype_of,
+    to_floating_dtype,
 )
 
 for _fn in WRAPPED_FUNCTIONS:

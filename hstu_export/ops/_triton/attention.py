@@ -133,7 +133,7 @@ def _hstu_attn_fwd(
     stride_oh,
     o_col0,
     alpha,
-    inv_scale,
+    scaling_seqlen,
     contextual_seq_len,
     max_attn_len,
     delta_size,
@@ -153,7 +153,9 @@ def _hstu_attn_fwd(
 ):
     # Inductor passes Python floats as fp64 scalars; keep every product in fp32.
     alpha = tl.cast(alpha, tl.float32)
-    inv_scale = tl.cast(inv_scale, tl.float32)
+    # The scale's length is an integer argument (it may be a size read from the data, which the tracers
+    # carry as a symbol), divided here rather than on the host.
+    inv_scale = 1.0 / tl.cast(scaling_seqlen, tl.float32)
     pid_m = tl.program_id(0)
     num_m = tl.num_programs(0)
     pid_bh = tl.program_id(1)
@@ -363,7 +365,7 @@ def _launch_attention(
         DV,  # head h starts at column out_col0 + h * Dv
         out_col0,
         float(alpha),
-        1.0 / float(scaling_seqlen),
+        scaling_seqlen,
         contextual_seq_len,
         max_attn_len,
         delta_size,
