@@ -22,6 +22,8 @@ Steps (each writes into ``--work``, so later steps can run in another call on th
   after warm-up, and the same calls back to back. Tokens are history plus candidate tokens (contextual
   tokens not counted), the same for both models.
 
+- ``profile``: each dense half's GPU kernels on the same workload, by total time (torch.profiler).
+
 Writes ``gr_dlrmv3.json`` into ``--out``.
 """
 
@@ -110,7 +112,21 @@ def step_export(work: Path, device: str, small: bool) -> dict[str, Any]:
     start = time.perf_counter()
     hstu_export.export(bundle, work / "gr_timed.aoti", settings(device, ranges, False, reference_device="cpu"))
     out["gr_export_seconds"] = round(time.perf_counter() - start, 1)
-    # The timed package against the verified one, on small requests both take.
+    if (work / "gr_small.aoti").is_dir():  # the timed package against the verified one, on requests both take
+        out["gr_timed_vs_verified"] = compare_with_verified(work, bundle, ranges)
+    zoo_model = build_preset("tiny" if small else "dlrmv3", seed=0)
+    schema = zoo_model.input_schema()
+    zoo_bundle = hstu_export.save_bundle(zoo_model, work / "zoo.pt", hstu_export.generate_batch(schema, 3, seed=1))
+    start = time.perf_counter()
+    zoo_settings = settings(device, ranges, False, lengths={"uih_lengths": (1, ranges["history"]),
+                                                            "candidate_lengths": (1, ranges["candidates"])})
+    hstu_export.export(zoo_bundle, work / "zoo.aoti", zoo_settings)
+    out["zoo_export_seconds"] = round(time.perf_counter() - start, 1)
+    return out
+
+
+def compare_with_verified(work: Path, bundle: Path, ranges: dict[str, int]) -> dict[str, dict[str, float]]:
+    """The timed package (bf16 on CUDA) against the verified fp32 one, per output: bf16's own error."""
     timed, verified = hstu_export.load(work / "gr_timed.aoti"), hstu_export.load(work / "gr_small.aoti")
     model = hstu_export.load_bundle(bundle).model
     worst: dict[str, dict[str, float]] = {}
@@ -124,17 +140,7 @@ def step_export(work: Path, device: str, small: bool) -> dict[str, Any]:
             seen = worst.setdefault(k, {"max_abs": 0.0, "rel_l2": 0.0})
             seen["max_abs"] = max(seen["max_abs"], float((got - want).abs().max()))
             seen["rel_l2"] = max(seen["rel_l2"], float((got - want).norm() / want.norm().clamp_min(1e-12)))
-    # The timed package (bf16 on CUDA) against the verified fp32 one, per output: bf16's own error.
-    out["gr_timed_vs_verified"] = worst
-    zoo_model = build_preset("tiny" if small else "dlrmv3", seed=0)
-    schema = zoo_model.input_schema()
-    zoo_bundle = hstu_export.save_bundle(zoo_model, work / "zoo.pt", hstu_export.generate_batch(schema, 3, seed=1))
-    start = time.perf_counter()
-    zoo_settings = settings(device, ranges, False, lengths={"uih_lengths": (1, ranges["history"]),
-                                                            "candidate_lengths": (1, ranges["candidates"])})
-    hstu_export.export(zoo_bundle, work / "zoo.aoti", zoo_settings)
-    out["zoo_export_seconds"] = round(time.perf_counter() - start, 1)
-    return out
+    return worst
 
 
 def workload(small: bool, seed: int = 2026) -> tuple[list[int], list[int]]:
@@ -206,11 +212,41 @@ def step_time(work: Path, small: bool, iters: int, warmup: int) -> dict[str, Any
     return out
 
 
+def step_profile(work: Path, small: bool, iters: int = 5) -> dict[str, Any]:
+    """Where each dense half's time goes: the GPU kernels of ``iters`` calls, by total time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    history, candidates = workload(small)
+    gr = hstu_export.load(work / "gr_timed.aoti")
+    model = hstu_export.load_bundle(work / "gr_timed.pt").model
+    requests = {
+        "gr": (gr, flatten_example(gr.input_schema, gr_ranker.example_inputs(history, candidates, seed=5), None, model)),
+        "zoo": (hstu_export.load(work / "zoo.aoti"), None),
+    }
+    zoo = requests["zoo"][0]
+    requests["zoo"] = (zoo, hstu_export.generate_batch(zoo.input_schema, len(history), seed=5,
+                                                        lengths={"uih_lengths": history, "candidate_lengths": candidates}))
+    cuda = torch.cuda.is_available()
+    out: dict[str, Any] = {}
+    for name, (predictor, request) in requests.items():
+        dense_timer(predictor, request, 2, 2)  # warm
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            dense_timer(predictor, request, iters, 0)
+        rows = []
+        for event in prof.key_averages():
+            total = event.device_time_total if cuda else event.self_cpu_time_total
+            if total > 0:
+                rows.append({"kernel": event.key[:160], "calls": event.count, "ms_per_request": total / 1e3 / (2 * iters)})
+        rows.sort(key=lambda r: -r["ms_per_request"])
+        out[name] = {"kernels_ms_per_request": round(sum(r["ms_per_request"] for r in rows), 3), "top": rows[:25]}
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=None, help="where packages are kept between steps [--out]")
-    parser.add_argument("--steps", nargs="+", default=["verify", "export", "time"], choices=["verify", "export", "time"])
+    parser.add_argument("--steps", nargs="+", default=["verify", "export", "time"], choices=["verify", "export", "time", "profile"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="small shapes and sizes (a dry run)")
     parser.add_argument("--iters", type=int, default=30)
@@ -232,8 +268,10 @@ def main() -> int:
                 results[step] = step_verify(work, args.device, args.small)
             elif step == "export":
                 results[step] = step_export(work, args.device, args.small)
-            else:
+            elif step == "time":
                 results[step] = step_time(work, args.small, args.iters, args.warmup)
+            else:
+                results[step] = step_profile(work, args.small)
         except Exception as exc:
             results[step] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]}
             code = 1
