@@ -16,12 +16,12 @@ Steps (each writes into ``--work``, so later steps can run in another call on th
   every corner against ``DlrmHSTU.forward`` on the CPU in fp32 (the compiled CUDA program, exactly).
 - ``export``: exported in bf16 with the timed workload's ranges, unverified (its corners on the CPU would
   take hours), then compared with the verified fp32 package on small requests (the same model, other
-  ranges and dtype: the difference is bf16's); the zoo's dlrmv3 exported with the same ranges.
-- ``time``: both packages' dense halves on the same workload: 32 users, history lengths uniform over
+  ranges and dtype: the difference is bf16's); again without the ``fuse_stu_gate`` pass; the zoo's dlrmv3
+  exported with the same ranges.
+- ``time``: the packages' dense halves on the same workload: 32 users, history lengths uniform over
   [1, 2047] (mean about 1024), 2048 candidates each, bf16; median of ``--iters`` synced calls (CUDA events)
   after warm-up, and the same calls back to back. Tokens are history plus candidate tokens (contextual
   tokens not counted), the same for both models.
-
 - ``profile``: each dense half's GPU kernels on the same workload, by total time (torch.profiler).
 
 Writes ``gr_dlrmv3.json`` into ``--out``.
@@ -114,6 +114,11 @@ def step_export(work: Path, device: str, small: bool) -> dict[str, Any]:
     out["gr_export_seconds"] = round(time.perf_counter() - start, 1)
     if (work / "gr_small.aoti").is_dir():  # the timed package against the verified one, on requests both take
         out["gr_timed_vs_verified"] = compare_with_verified(work, bundle, ranges)
+    # The same model without fuse_stu_gate: its layers' gate as Inductor compiles the model's own code.
+    start = time.perf_counter()
+    hstu_export.export(bundle, work / "gr_unfused.aoti", settings(device, ranges, False, reference_device="cpu",
+                                                                  skip_passes=("fuse_stu_gate",)))
+    out["gr_unfused_export_seconds"] = round(time.perf_counter() - start, 1)
     zoo_model = build_preset("tiny" if small else "dlrmv3", seed=0)
     schema = zoo_model.input_schema()
     zoo_bundle = hstu_export.save_bundle(zoo_model, work / "zoo.pt", hstu_export.generate_batch(schema, 3, seed=1))
@@ -199,16 +204,19 @@ def step_time(work: Path, small: bool, iters: int, warmup: int) -> dict[str, Any
                                              lengths={"uih_lengths": history, "candidate_lengths": candidates})
     out: dict[str, Any] = {"users": len(history), "history_tokens": sum(history), "candidate_tokens": sum(candidates),
                            "longest_history": max(history), "iters": iters}
-    # Alternated twice, so that neither package always runs first on a warmer GPU.
+    sides = [("zoo", zoo, zoo_request), ("gr", gr, gr_request)]
+    if (work / "gr_unfused.aoti").is_dir():
+        sides.append(("gr_unfused", hstu_export.load(work / "gr_unfused.aoti"), gr_request))
+    # Alternated twice, so that no package always runs first on a warmer GPU.
     for _ in range(2):
-        for name, predictor, request in (("zoo", zoo, zoo_request), ("gr", gr, gr_request)):
+        for name, predictor, request in sides:
             timing = dense_timer(predictor, request, iters, warmup)
             out.setdefault(name, []).append(timing)
-    for name in ("zoo", "gr"):
+    for name, _, _ in sides:
         best = min(out[name], key=lambda t: t["ms"])
         out[f"{name}_ms"] = best["ms"]
         out[f"{name}_mtokens_per_s"] = tokens / best["ms"] / 1e3
-    out["gr_vs_zoo_tokens_per_s"] = out["gr_mtokens_per_s"] / out["zoo_mtokens_per_s"]
+        out[f"{name}_vs_zoo_tokens_per_s"] = out[f"{name}_mtokens_per_s"] / out["zoo_mtokens_per_s"]
     return out
 
 

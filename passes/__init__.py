@@ -37,6 +37,8 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("remove_boundary_marks", "remove_boundary_marks:RemoveBoundaryMarks"),
     # Operator mapping (reads ctx.op_target and ctx.allow_unmapped); runs on both halves after the split.
     PassSpec("map_ops", "map_ops:MapOps"),
+    # An HSTU layer's attention and output gate, written out by the model, as our gated op (triton target).
+    PassSpec("fuse_stu_gate", "fuse_stu_gate:FuseStuGate"),
     # Sibling MLPs on one input (multi-task heads) as one product per layer; their old modules go with DCE.
     PassSpec("fuse_parallel_mlps", "fuse_parallel_mlps:FuseParallelMlps"),
     # Reduced-precision exports: a layer's floating inputs take its parameters' dtype, as autocast would.
