@@ -17,14 +17,14 @@ from hstu_export.passes.manager import PipelineResult, run_passes
 GR_ATTENTION = "generative_recommenders.ops.pytorch.pt_hstu_attention.pytorch_hstu_mha"
 
 
-def pipeline(op_target: str, skip: tuple[str, ...] = ()) -> tuple[PipelineResult, dict[str, torch.Tensor], object]:
+def pipeline(op_target: str, skip: tuple[str, ...] = ()) -> tuple[PipelineResult, dict[str, torch.Tensor]]:
     model = dlrm_hstu.build_ranker()
     schema, flat = _flat(model, dlrm_hstu.example_inputs(3, seed=0))
     mappings = {USER_ATTENTION: GR_ATTENTION}
     gm = trace(model, flat, schema=schema, opaque_functions=imported_functions(list(function_mappings(mappings))))
     ctx = PassContext(example_inputs=schema.to_graph_inputs(flat), schema=schema, op_mappings=mappings,
                       op_target=op_target)
-    return run_passes(gm, ctx, skip=skip), schema.to_graph_inputs(flat), model
+    return run_passes(gm, ctx, skip=skip), schema.to_graph_inputs(flat)
 
 
 def calls(result: PipelineResult) -> list[str]:
@@ -47,8 +47,8 @@ def on_the_cpu(result: PipelineResult) -> PipelineResult:
 
 def test_the_users_layers_become_the_gated_op() -> None:
     pytest.importorskip("triton")
-    result, _, _ = pipeline("triton")
-    unfused, _, _ = pipeline("triton", skip=("fuse_stu_gate",))
+    result, _ = pipeline("triton")
+    unfused, _ = pipeline("triton", skip=("fuse_stu_gate",))
     assert result.report["fuse_stu_gate"].stats["fused"] == 2
     targets, before = calls(result), calls(unfused)
     assert targets.count("hstu_export.hstu_mha_gated_triton.default") == 2
@@ -60,8 +60,8 @@ def test_the_users_layers_become_the_gated_op() -> None:
 
 def test_the_fused_graph_computes_what_the_model_does() -> None:
     pytest.importorskip("triton")
-    fused, batch, model = pipeline("triton")
-    unfused, _, _ = pipeline("triton", skip=("fuse_stu_gate",))
+    fused, batch = pipeline("triton")
+    unfused, _ = pipeline("triton", skip=("fuse_stu_gate",))
     assert "hstu_export.hstu_mha_triton.default" in calls(unfused)
     with torch.no_grad():
         got, plain = on_the_cpu(fused).run(batch), on_the_cpu(unfused).run(batch)
@@ -70,6 +70,6 @@ def test_the_fused_graph_computes_what_the_model_does() -> None:
 
 
 def test_other_targets_are_left_as_traced() -> None:
-    result, _, _ = pipeline("aten")
+    result, _ = pipeline("aten")
     assert result.report["fuse_stu_gate"].stats == {}
     assert not [t for t in calls(result) if "gated" in t]
