@@ -22,6 +22,9 @@ Steps (each writes into ``--work``, so later steps can run in another call on th
   [1, 2047] (mean about 1024), 2048 candidates each, bf16; median of ``--iters`` synced calls (CUDA events)
   after warm-up, and the same calls back to back. Tokens are history plus candidate tokens (contextual
   tokens not counted), the same for both models.
+- ``tzrec``: the TorchEasyRec-style test model (``tests/user_models/tzrec_style.py``, its ``Batch`` in) at the
+  same dims, verified in fp32 at the small ranges against its own forward on the CPU, then exported in bf16
+  for the timed ranges; ``time`` times it too when it is there.
 - ``profile``: each dense half's GPU kernels on the same workload, by total time (torch.profiler).
 
 Writes ``gr_dlrmv3.json`` into ``--out``.
@@ -44,10 +47,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples" / "generative_recommenders"))
+sys.path.insert(0, str(ROOT / "tests"))  # user_models: the TorchEasyRec-style test model
 if os.environ.get("GR_SRC"):
     sys.path.insert(0, os.environ["GR_SRC"])
 
 import gr_ranker  # noqa: E402  (after the paths)
+from user_models import tzrec_style  # noqa: E402
 
 import hstu_export  # noqa: E402
 from hstu_export import ExportSettings, VerifySettings  # noqa: E402
@@ -77,6 +82,44 @@ def gr_bundle(work: Path, small: bool, ranges: dict[str, int], name: str) -> Pat
         factory="gr_ranker:build_ranker", factory_kwargs=shape(small),
         ranges={"uih_features.video_id": (1, ranges["history"]), "uih_features.user_id": (1, 1),
                 "candidates_features": (1, ranges["candidates"])})
+
+
+GR_ATTENTION = "generative_recommenders.ops.pytorch.pt_hstu_attention.pytorch_hstu_mha"
+
+
+def tzrec_bundle(work: Path, small: bool, ranges: dict[str, int], name: str) -> Path:
+    """tests/user_models/tzrec_style.py (a ``Batch`` dataclass in, TorchEasyRec's layout) at the same dims."""
+    kwargs = {key: shape(small)[key] for key in ("dim", "heads", "layers")}
+    return hstu_export.save_bundle(
+        tzrec_style.build_ranker(**kwargs), work / f"{name}.pt",
+        example_inputs=(tzrec_style.example_batch([5, 3, 7], [3, 1, 2]),),
+        factory="user_models.tzrec_style:build_ranker", factory_kwargs=kwargs,
+        ranges={"batch.sparse_features.uih": (1, ranges["history"]),
+                "batch.sparse_features.candidate": (1, ranges["candidates"])})
+
+
+def tzrec_settings(device: str, ranges: dict[str, int], verify: bool, dtype: str | None = None) -> ExportSettings:
+    return settings(device, ranges, verify, dtype, reference_device="cpu",
+                    op_mappings={tzrec_style.ATTENTION: GR_ATTENTION})
+
+
+def step_tzrec(work: Path, device: str, small: bool) -> dict[str, Any]:
+    """The TorchEasyRec-style model: verified in fp32 at the small ranges, then exported for the timed ones."""
+    bundle = tzrec_bundle(work, small, VERIFIED, "tzrec_small")
+    start = time.perf_counter()
+    result = hstu_export.export(bundle, work / "tzrec_small.aoti", tzrec_settings(device, VERIFIED, True, "float32"))
+    parity = result.parity
+    out: dict[str, Any] = {
+        "verify_seconds": round(time.perf_counter() - start, 1), "passed": parity["passed"], "worst": parity["worst"],
+        "batches": len(parity["batches"]),
+        "fused": next(p["stats"] for p in result.manifest["passes"] if p["name"] == "fuse_stu_gate")}
+    start = time.perf_counter()
+    hstu_export.export(tzrec_bundle(work, small, sizes(small), "tzrec_timed"), work / "tzrec_timed.aoti",
+                       tzrec_settings(device, sizes(small), False))
+    out["export_seconds"] = round(time.perf_counter() - start, 1)
+    if not (work / "zoo.aoti").is_dir():
+        out["zoo_export_seconds"] = export_zoo(work, device, small)
+    return out
 
 
 def settings(device: str, ranges: dict[str, int], verify: bool, dtype: str | None = None,
@@ -119,6 +162,13 @@ def step_export(work: Path, device: str, small: bool) -> dict[str, Any]:
     hstu_export.export(bundle, work / "gr_unfused.aoti", settings(device, ranges, False, reference_device="cpu",
                                                                   skip_passes=("fuse_stu_gate",)))
     out["gr_unfused_export_seconds"] = round(time.perf_counter() - start, 1)
+    out["zoo_export_seconds"] = export_zoo(work, device, small)
+    return out
+
+
+def export_zoo(work: Path, device: str, small: bool) -> float:
+    """The zoo's dlrmv3 package (the baseline) with the timed ranges; seconds taken."""
+    ranges = sizes(small)
     zoo_model = build_preset("tiny" if small else "dlrmv3", seed=0)
     schema = zoo_model.input_schema()
     zoo_bundle = hstu_export.save_bundle(zoo_model, work / "zoo.pt", hstu_export.generate_batch(schema, 3, seed=1))
@@ -126,8 +176,7 @@ def step_export(work: Path, device: str, small: bool) -> dict[str, Any]:
     zoo_settings = settings(device, ranges, False, lengths={"uih_lengths": (1, ranges["history"]),
                                                             "candidate_lengths": (1, ranges["candidates"])})
     hstu_export.export(zoo_bundle, work / "zoo.aoti", zoo_settings)
-    out["zoo_export_seconds"] = round(time.perf_counter() - start, 1)
-    return out
+    return round(time.perf_counter() - start, 1)
 
 
 def compare_with_verified(work: Path, bundle: Path, ranges: dict[str, int]) -> dict[str, dict[str, float]]:
@@ -196,17 +245,25 @@ def dense_timer(predictor: Any, request: dict[str, torch.Tensor], iters: int, wa
 def step_time(work: Path, small: bool, iters: int, warmup: int) -> dict[str, Any]:
     history, candidates = workload(small)
     tokens = sum(history) + sum(candidates)
-    gr = hstu_export.load(work / "gr_timed.aoti")
-    model = hstu_export.load_bundle(work / "gr_timed.pt").model
-    gr_request = flatten_example(gr.input_schema, gr_ranker.example_inputs(history, candidates, seed=5), None, model)
     zoo = hstu_export.load(work / "zoo.aoti")
     zoo_request = hstu_export.generate_batch(zoo.input_schema, len(history), seed=5,
                                              lengths={"uih_lengths": history, "candidate_lengths": candidates})
     out: dict[str, Any] = {"users": len(history), "history_tokens": sum(history), "candidate_tokens": sum(candidates),
                            "longest_history": max(history), "iters": iters}
-    sides = [("zoo", zoo, zoo_request), ("gr", gr, gr_request)]
-    if (work / "gr_unfused.aoti").is_dir():
-        sides.append(("gr_unfused", hstu_export.load(work / "gr_unfused.aoti"), gr_request))
+    sides = [("zoo", zoo, zoo_request)]
+    if (work / "gr_timed.aoti").is_dir():
+        gr = hstu_export.load(work / "gr_timed.aoti")
+        model = hstu_export.load_bundle(work / "gr_timed.pt").model
+        gr_request = flatten_example(gr.input_schema, gr_ranker.example_inputs(history, candidates, seed=5), None,
+                                     model)
+        sides.append(("gr", gr, gr_request))
+        if (work / "gr_unfused.aoti").is_dir():
+            sides.append(("gr_unfused", hstu_export.load(work / "gr_unfused.aoti"), gr_request))
+    if (work / "tzrec_timed.aoti").is_dir():
+        tzrec = hstu_export.load(work / "tzrec_timed.aoti")
+        tzrec_model = hstu_export.load_bundle(work / "tzrec_timed.pt").model
+        sides.append(("tzrec", tzrec, flatten_example(
+            tzrec.input_schema, (tzrec_style.example_batch(history, candidates, seed=5),), None, tzrec_model)))
     # Alternated twice, so that no package always runs first on a warmer GPU.
     for _ in range(2):
         for name, predictor, request in sides:
@@ -254,7 +311,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=None, help="where packages are kept between steps [--out]")
-    parser.add_argument("--steps", nargs="+", default=["verify", "export", "time"], choices=["verify", "export", "time", "profile"])
+    parser.add_argument("--steps", nargs="+", default=["verify", "export", "time"], choices=["verify", "export", "tzrec", "time", "profile"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="small shapes and sizes (a dry run)")
     parser.add_argument("--iters", type=int, default=30)
@@ -276,6 +333,8 @@ def main() -> int:
                 results[step] = step_verify(work, args.device, args.small)
             elif step == "export":
                 results[step] = step_export(work, args.device, args.small)
+            elif step == "tzrec":
+                results[step] = step_tzrec(work, args.device, args.small)
             elif step == "time":
                 results[step] = step_time(work, args.small, args.iters, args.warmup)
             else:

@@ -475,6 +475,37 @@ def test_export_takes_an_attention_scale_read_from_the_data() -> None:
     assert isinstance(attention.args[5], torch.fx.Node)  # the scale stays a value of the graph, not a constant
 
 
+def test_padding_to_a_length_read_from_the_data_needs_no_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model padding its rows to its own ``lengths.max().item()`` (tests/user_models/dlrm_hstu.py does): when
+    AOTInductor compiles the op, that length is an unbacked symbol, and the launch grid is computed without a
+    guard on it (a Python ``max`` would ask whether it is below one and fail the compile)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from hstu_export.ops._triton import jagged
+
+    grids = []
+    monkeypatch.setattr(jagged, "wrap_triton", lambda kernel: _Launcher(grids))
+    env, real = ShapeEnv(), (torch.randn(20, 8), _offsets([8, 12]))
+    with FakeTensorMode(shape_env=env) as mode:
+        values, offsets = (mode.from_tensor(t) for t in real)
+        longest = env.create_unbacked_symint()
+        out = jagged.jagged_to_padded_dense_triton._init_fn(values, offsets, longest, 0.0)
+    assert tuple(out.shape) == (2, longest, 8)
+    assert isinstance(grids[0][0], torch.SymInt) and grids[0][1:] == (2, 1)
+
+
+class _Launcher:
+    """Stands in for ``wrap_triton(kernel)``: records each launch's grid."""
+
+    def __init__(self, grids: list) -> None:
+        self.grids = grids
+
+    def __getitem__(self, grid: tuple) -> Any:
+        self.grids.append(grid)
+        return lambda *args, **kwargs: None
+
+
 if __name__ == "__main__":
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # torch.empty -> NaN

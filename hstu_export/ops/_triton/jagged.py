@@ -174,7 +174,8 @@ def jagged_to_padded_dense_triton(
     out = torch.empty((B, max_len, D), dtype=values.dtype, device=values.device)
     cfg = _config(values)
     block_d = _block_d(D, cfg)
-    grid = (max(triton.cdiv(max_len, cfg.block_rows), 1), B, triton.cdiv(D, block_d))
+    # sym_max: max_len may be a size read from the data (the model's own .max().item()), a symbol when traced.
+    grid = (torch.sym_max(triton.cdiv(max_len, cfg.block_rows), 1), B, triton.cdiv(D, block_d))
     wrap_triton(_jagged_to_padded_dense_kernel)[grid](
         values, offsets, out, values.shape[0], max_len, D, values.stride(0), float(padding_value),
         BLOCK_ROWS=cfg.block_rows, BLOCK_D=block_d, num_warps=cfg.num_warps,
@@ -196,7 +197,7 @@ def dense_to_jagged_triton(dense: torch.Tensor, offsets: torch.Tensor, total_len
     out = torch.empty((L, D), dtype=dense.dtype, device=dense.device)
     cfg = _config(dense)
     block_d = _block_d(D, cfg)
-    grid = (max(triton.cdiv(N, cfg.block_rows), 1), B, triton.cdiv(D, block_d))
+    grid = (torch.sym_max(triton.cdiv(N, cfg.block_rows), 1), B, triton.cdiv(D, block_d))
     wrap_triton(_dense_to_jagged_kernel)[grid](
         dense, offsets, out, L, N, D, dense.stride(0), dense.stride(1),
         BLOCK_ROWS=cfg.block_rows, BLOCK_D=block_d, num_warps=cfg.num_warps,
@@ -258,7 +259,7 @@ def _launch_concat_split(
     total, D = joined.shape
     cfg = _config(joined)
     block_d = _block_d(D, cfg)
-    grid = (max(triton.cdiv(total, cfg.block_rows), 1), triton.cdiv(D, block_d))
+    grid = (torch.sym_max(triton.cdiv(total, cfg.block_rows), 1), triton.cdiv(D, block_d))
     wrap_triton(_concat_split_2d_jagged_kernel)[grid](
         joined, left, right, offsets_left, offsets_right, B, total, left.shape[0], right.shape[0], D,
         joined.stride(0), left.stride(0), right.stride(0),
