@@ -18,7 +18,7 @@ eliminate_dead_code.
 Matched exactly as above, looking through dtype casts between the steps (``.to``, ``.float``, the casts
 follow_parameter_dtypes inserts): generative-recommenders computes the gate in fp32 and rounds the concat
 once, ours rounds SiLU(u) and LN(a) before their product, within the dtype's tolerance. Anything else (a
-group norm, another concat order, a gate read elsewhere) stays as traced. Runs for the ``triton`` op target:
+group norm, another concat order, a value inside the block read elsewhere) stays as traced. Runs for the ``triton`` op target:
 the gated op's reason is its kernels, and with ``aten`` the attention is already plain ops.
 """
 
@@ -110,9 +110,33 @@ def _layer_norm(gm: torch.fx.GraphModule, node: Any) -> tuple[Any, Any, Any, Any
     if node.op != "call_function" or node.target not in (F.layer_norm, torch.layer_norm):
         return None
     weight, bias, eps = _arg(node, 2, "weight"), _arg(node, 3, "bias"), _arg(node, 4, "eps", 1e-5)
-    if weight is None or bias is None or not isinstance(eps, float):
+    shape = _arg(node, 1, "normalized_shape")
+    if weight is None or bias is None or not isinstance(eps, float) or not isinstance(shape, (list, tuple)) \
+            or len(shape) != 1:
         return None
     return node.args[0], weight, bias, eps
+
+
+def _reads_metadata(node: torch.fx.Node) -> bool:
+    if node.op == "call_function" and node.target is getattr:
+        return node.args[1] in ("shape", "dtype", "device", "ndim")
+    return node.op == "call_method" and node.target in ("size", "dim")
+
+
+def _read_only_by(node: torch.fx.Node, readers: set[torch.fx.Node]) -> bool:
+    """Whether every user of ``node``, looking through casts, is one of ``readers`` or reads only its metadata
+    (``.shape``, ``.dtype``, ``.size()``: resolved when the graph is compiled, they compute nothing)."""
+    pending, seen = [node], set()
+    while pending:
+        for user in pending.pop().users:
+            if user in readers or user in seen or _reads_metadata(user):
+                continue
+            if _through_casts(user) is not user:  # a cast: its own users count
+                seen.add(user)
+                pending.append(user)
+            else:
+                return False
+    return True
 
 
 def _split_sizes(split: torch.fx.Node) -> list[int] | None:
@@ -145,8 +169,14 @@ def _match(gm: torch.fx.GraphModule, cat: torch.fx.Node) -> dict[str, Any] | Non
     left, right = (_through_casts(a) for a in product.args[:2])
     if left is not u and right is not u:
         return None
-    norm = _layer_norm(gm, right if left is u else left)
+    norm_node = right if left is u else left
+    norm = _layer_norm(gm, norm_node)
     if norm is None or _through_casts(norm[0]) is not flat:
+        return None
+    # Nothing else reads the block's inside (it would keep the unfused attention alive beside the gated op).
+    if not (_read_only_by(attention, {flat}) and _read_only_by(flat, {norm_node, cat})
+            and _read_only_by(u, {product, cat}) and _read_only_by(norm_node, {product})
+            and _read_only_by(product, {cat})):
         return None
     q, k, v = (_heads_view(attention.args[i]) for i in range(3))
     if u_part is None or q is None or k is None or v is None:

@@ -73,3 +73,24 @@ def test_other_targets_are_left_as_traced() -> None:
     result, _ = pipeline("aten")
     assert result.report["fuse_stu_gate"].stats == {}
     assert not [t for t in calls(result) if "gated" in t]
+
+
+def test_a_layer_that_reads_its_attention_elsewhere_is_left_as_traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention's output also feeds something outside the gate: fusing would compute the attention twice,
+    so the layer stays as the model wrote it."""
+    pytest.importorskip("triton")
+
+    def forward(self, x, offsets, max_seq_len, num_targets):  # type: ignore[no-untyped-def]
+        u, v, q, k = torch.split(self.uvqk(self.norm(x)), self.heads * self.head_dim, dim=-1)
+        u = torch.nn.functional.silu(u)
+        shape = (-1, self.heads, self.head_dim)
+        a = dlrm_hstu.jagged_hstu_attention(max_seq_len=max_seq_len, alpha=0.5, q=q.reshape(shape),
+                                            k=k.reshape(shape), v=v.reshape(shape), seq_offsets=offsets,
+                                            num_targets=num_targets)
+        a = a.reshape(x.size(0), -1)
+        return x + self.out(torch.cat([u, a, u * self.out_norm(a)], dim=-1)) + a.mean(dim=-1, keepdim=True)
+
+    monkeypatch.setattr(dlrm_hstu.STULayer, "forward", forward)
+    result, _ = pipeline("triton")
+    assert result.report["fuse_stu_gate"].stats["fused"] == 0
+    assert calls(result).count("hstu_export.hstu_mha_triton.default") == 2
