@@ -13,7 +13,8 @@ target.
 
 Steps (each writes into ``--work``, so later steps can run in another call on the same machine):
 - ``verify``: exported in fp32 with small ranges (4 users, 64 history items, 16 candidates) and verified on
-  every corner against ``DlrmHSTU.forward`` on the CPU in fp32 (the compiled CUDA program, exactly).
+  every corner against ``DlrmHSTU.forward`` on the CPU in fp32 (the compiled CUDA program, to the TF32
+  tolerance: our Triton attention's fp32 products run in TF32).
 - ``export``: exported in bf16 with the timed workload's ranges, unverified (its corners on the CPU would
   take hours), then compared with the verified fp32 package on small requests (the same model, other
   ranges and dtype: the difference is bf16's); again without the ``fuse_stu_gate`` pass; the zoo's dlrmv3
