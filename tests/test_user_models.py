@@ -216,6 +216,9 @@ def test_describe_lists_pooled_and_quantized_tables(tmp_path: Path, capsys: pyte
     # Lengths ranges say whose they are: stated when the bundle was saved, so --max-length may widen them.
     tags = next(line.split() for line in out.splitlines() if line.startswith("sparse_features.item_tags.lengths"))
     assert tags[3:5] == ["1..6", "(stated)"]
+    # A contextual key keeps the one value per user it had in the example; that range was not stated.
+    user = next(line.split() for line in out.splitlines() if line.startswith("sparse_features.user_id.lengths"))
+    assert user[3:7] == ["1..1", "(one", "per", "user)"]
     assert cli_main(["describe", str(path), "--quantize-embeddings", "int8"]) == 0
     assert "int8" in capsys.readouterr().out
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from hstu_export.package.schema import ONE_PER_USER
 from hstu_export.settings import EmbeddingQuantization
 from hstu_export.sources.bundle import ModelBundle
 
@@ -96,10 +97,16 @@ def _kind_text(f: Any) -> str:
 
 def _range_text(f: Any, stated: bool) -> str:
     """``lo..hi``; a lengths range says whose it is: stated when the bundle was saved (a default --max-length
-    may widen) or the model's own limit (its input schema)."""
+    may widen), the model's own limit (its input schema), or one value per user as the example had it (a
+    contextual key, which a range stated on its argument does not widen)."""
     if f.min_value is None and f.max_value is None:
         return ""
     lo = "" if f.min_value is None else f.min_value
     hi = "not stated" if f.max_value is None and f.kind == "lengths" else ("" if f.max_value is None else f.max_value)
-    whose = (" (stated)" if stated else " (model limit)") if f.kind == "lengths" and f.max_value is not None else ""
+    if f.kind != "lengths" or f.max_value is None:
+        whose = ""
+    elif f.semantic == ONE_PER_USER and f.min_value == f.max_value == 1:
+        whose = " (one per user)"  # inferred from the example; a range on its argument leaves it so
+    else:
+        whose = " (stated)" if stated else " (model limit)"
     return f"{lo}..{hi}{whose}"
