@@ -214,13 +214,20 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         page_size: int = 64,
+        row_width: int = 0,
+        row_dtype: torch.dtype | None = None,
     ) -> None:
         if (isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 16
                 or page_size & (page_size - 1)):
             raise ConfigError(f"KV cache page size must be a power of two >= 16 (a key block of the attention kernel "
                               f"never straddles a page), got {page_size!r}")
         self.page_size = page_size = int(page_size)
-        self.page_bytes = page_bytes(num_layers, num_heads, attention_dim, linear_dim, page_size, dtype)
+        # A derived delta program also keeps each cached token's frontier row (``row_width`` values of
+        # ``row_dtype``: hstu_export.kv_derive), to tell whether the cached K/V still hold.
+        row_dtype = row_dtype or dtype
+        row_item = torch.empty(0, dtype=row_dtype).element_size()
+        self.page_bytes = page_bytes(num_layers, num_heads, attention_dim, linear_dim, page_size, dtype) + (
+            page_size * row_width * row_item)
         item = torch.empty(0, dtype=dtype).element_size()
         budget_bytes = budget_in_bytes(budget_bytes)
         self.num_pages = budget_bytes // self.page_bytes - 1  # users' pages; then the scratch page
@@ -244,6 +251,7 @@ class PagedKVCache:
                                  device=device)  # fmt: skip
             self.v = torch.zeros(num_layers, self.num_pages + 1, page_size, num_heads, linear_dim, dtype=dtype,
                                  device=device)  # fmt: skip
+            self.x = torch.zeros(self.num_pages + 1, page_size, row_width, dtype=row_dtype, device=device)
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"cannot allocate a KV cache of {format_bytes(needed)} ({needed} bytes) on {device}: "
@@ -257,7 +265,7 @@ class PagedKVCache:
 
     @property
     def bytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.x))
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -327,7 +335,7 @@ class PagedKVCache:
             entry.pages.extend(self._free.pop() for _ in range(max(missing, 0)))
             return list(entry.pages)
 
-    def commit(self, user: Hashable, length: int, record: EntryRecord) -> None:
+    def commit(self, user: Hashable, length: int, record: EntryRecord | None) -> None:
         """Records what the user's pages hold now (after the K/V were written)."""
         with self._lock:
             entry = self._entries[user]

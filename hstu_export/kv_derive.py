@@ -1,0 +1,476 @@
+"""The KV delta program derived from a model's traced dense half, for any HSTU model (docs/KV_CACHE.md,
+"Derived delta programs").
+
+The dense graph is read along its token axis: the rows of the jagged sequence every attention runs over.
+Walking back from each attention's q, k and v, a node is
+
+- *row-local*: a projection, norm, activation, elementwise op, cast, or a reshape or split that keeps the
+  first axis; row ``i`` of its output depends on row ``i`` of its inputs only;
+- the *attention* (``hstu_export::hstu_mha`` after map_ops, whichever library it came from);
+- *row-mixing*: anything else that makes token rows (jagged concatenations, gathers, position and time
+  encodings). Those nodes are the *frontier*: the rows the layers start from.
+
+The layers are the row-local nodes and attentions reached from the frontier. Because the attention is
+causal and a history row never attends to a candidate, a row's K/V in every layer depends only on the
+frontier rows up to it. So the delta program
+
+1. runs everything up to the frontier on the whole request (gathers and additions, cheap),
+2. compares each user's cached prefix of frontier rows with the rows stored when it was cached: a user
+   whose prefix differs in any bit is *stale* (the program says so and the caller recomputes it; stale
+   K/V are never served),
+3. runs the layers on the rows past each user's cached prefix only, each attention reading the cached
+   K/V from the pages and storing the new rows' K/V (and frontier rows) there,
+4. puts the layers' rows back in their places (cached rows zero) for whatever reads them after the last
+   layer: the heads, which read the candidates' rows, never cached.
+
+With nothing cached it is the whole model. What the cache may reuse is derived too: a row is reusable
+exactly when its frontier row is unchanged, which covers whatever the model computes its tokens from
+(ids, timestamps against the query time, positions counted from either end, contextual tokens).
+
+A model is not cacheable when an attention is not causal, divides by a length read from the batch
+(generative-recommenders' default: export with ``--attention-scale fixed:N``), or when the layers read a
+value of the whole batch or mix rows between layers; :func:`derive_delta` refuses it naming the node.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.fx.operator_schemas import normalize_function
+
+from hstu_export.errors import ConfigError
+from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offsets
+
+# The attention every mapped model calls (map_ops' generic op, before its lowering to a target).
+ATTENTION = "hstu_export.hstu_mha.default"
+
+ROW_LOCAL_MODULES = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.SiLU, nn.ReLU, nn.GELU, nn.Sigmoid, nn.Tanh,
+                     nn.Dropout, nn.Identity)  # fmt: skip
+ELEMENTWISE = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, torch.add, torch.sub, torch.mul,
+    torch.div, torch.neg, torch.sigmoid, torch.tanh, torch.relu, torch.exp, torch.rsqrt, torch.sqrt, torch.square,
+    torch.where, torch.clamp, F.silu, F.relu, F.gelu, F.dropout, F.linear, F.layer_norm, F.rms_norm, F.normalize,
+}  # fmt: skip
+ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "neg", "sigmoid", "tanh", "relu", "exp", "rsqrt", "sqrt",
+                       "clamp", "to", "float", "half", "bfloat16", "type", "contiguous", "clone", "type_as"}
+SHAPE_METHODS = {"view", "reshape", "flatten", "unsqueeze", "squeeze", "split", "chunk"}
+METADATA_METHODS = {"size", "dim"}
+
+
+@dataclass
+class DerivedDelta:
+    """What :func:`derive_delta` makes: ``program`` (the dense inputs, then ``kv_cached [B]``,
+    ``kv_k_pages`` / ``kv_v_pages [layers, pages, page, H, D]``, ``kv_x_pages [pages, page, row_width]``
+    and ``kv_page_table [B, width]``; returns the dense half's outputs and ``kv_stale [B]``) and
+    ``counts`` (the dense inputs it reads -> ``(seq_lengths [B], num_targets [B])``, what the cache sizes a
+    user's pages by before the call)."""
+
+    program: torch.fx.GraphModule
+    counts: torch.fx.GraphModule
+    num_layers: int
+    num_heads: int
+    attention_dim: int
+    linear_dim: int
+    row_width: int
+    row_dtype: torch.dtype
+    max_seq_len: int
+    frontier: list[str]
+    layer_nodes: int
+
+    def layout(self) -> dict[str, Any]:
+        return {"num_layers": self.num_layers, "num_heads": self.num_heads, "attention_dim": self.attention_dim,
+                "linear_dim": self.linear_dim, "row_width": self.row_width,
+                "row_dtype": str(self.row_dtype).removeprefix("torch."), "max_seq_len": self.max_seq_len}
+
+
+class _Recorder(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.values: dict[torch.fx.Node, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        self.values[n] = out
+        return out
+
+
+def _nodes_in(value: Any) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(value, lambda n: found.append(n) or n)
+    return found
+
+
+def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+class _Analysis:
+    """The token-axis reading of one dense graph on one example (its values give every node's shape)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, values: dict[torch.fx.Node, Any]) -> None:
+        self.gm, self.values = gm, values
+        self.attentions = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == ATTENTION]
+        if not self.attentions:
+            raise ConfigError("--kv-cache: the dense half has no HSTU attention hstu-export knows (map_ops found none "
+                              "to map); only models whose attention is mapped can be cached")
+        self.args = [self._bind(a) for a in self.attentions]
+        self.rows = int(values[self.args[0]["q"]].shape[0])
+        self.region: set[torch.fx.Node] = set()
+        self.frontier: list[torch.fx.Node] = []
+
+    def _bind(self, node: torch.fx.Node) -> dict[str, Any]:
+        bound = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        return dict(bound.kwargs)
+
+    def rowish(self, n: Any) -> bool:
+        if not isinstance(n, torch.fx.Node):
+            return False
+        v = self.values.get(n)
+        if isinstance(v, Tensor):
+            return v.dim() > 0 and v.shape[0] == self.rows
+        if isinstance(v, (tuple, list)) and v:
+            return all(isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == self.rows for t in v)
+        return False
+
+    def _dim(self, node: torch.fx.Node, dim: Any) -> int | None:
+        first = next((a for a in node.all_input_nodes if self.rowish(a)), None)
+        v = self.values.get(first)
+        ndim = v.dim() if isinstance(v, Tensor) else v[0].dim()
+        return dim % max(ndim, 1) if isinstance(dim, int) else None
+
+    def row_local(self, n: torch.fx.Node) -> bool:
+        """Whether row i of ``n`` depends on row i of its inputs only (shapes from the example)."""
+        if not self.rowish(n):
+            return False
+        if n.op == "call_module":
+            return isinstance(self.gm.get_submodule(str(n.target)), ROW_LOCAL_MODULES)
+        if n.op == "call_function" and n.target is operator.getitem:
+            source, index = n.args
+            if isinstance(self.values.get(source), (tuple, list)):
+                return isinstance(index, int)
+            entries = index if isinstance(index, tuple) else (index,)
+            return (len(entries) > 1 and entries[0] in (slice(None), Ellipsis)
+                    and not _nodes_in(entries))  # fmt: skip
+        if n.op == "call_function" and n.target in (torch.cat, torch.concat):
+            return self._dim(n, n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)) not in (0, None)
+        if n.op == "call_function" and n.target in (torch.split, torch.chunk):
+            return self._dim(n, n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)) not in (0, None)
+        if n.op == "call_function" and n.target in (torch.flatten, torch.reshape):
+            return True  # the first axis keeps its size (rowish): each row stays itself
+        if n.op == "call_function":
+            return n.target in ELEMENTWISE
+        if n.op == "call_method" and n.target in ELEMENTWISE_METHODS:
+            return True
+        if n.op == "call_method" and n.target in ("view", "reshape"):
+            return True
+        if n.op == "call_method" and n.target in ("flatten",):
+            start = n.kwargs.get("start_dim", n.args[1] if len(n.args) > 1 else 0)
+            return self._dim(n, start) not in (0, None)
+        if n.op == "call_method" and n.target in ("unsqueeze", "squeeze", "split", "chunk"):
+            dim = n.kwargs.get("dim", n.args[2] if n.target in ("split", "chunk") and len(n.args) > 2 else
+                               n.args[1] if n.target in ("unsqueeze", "squeeze") and len(n.args) > 1 else 0)
+            if n.target in ("unsqueeze", "squeeze"):
+                return True  # the output keeps the rows (rowish), so the first axis was not touched
+            return self._dim(n, dim) not in (0, None)
+        return False
+
+    def walk(self) -> None:
+        """Region (row-local nodes and attentions) and frontier, from the attentions backward, then forward
+        over whatever row-local work follows them."""
+        frontier: set[torch.fx.Node] = set()
+
+        def visit(n: torch.fx.Node) -> None:
+            stack = [n]
+            while stack:
+                m = stack.pop()
+                if m in self.region or m in frontier:
+                    continue
+                if m in self.attentions:
+                    self.region.add(m)
+                    bound = self.args[self.attentions.index(m)]
+                    stack.extend(bound[name] for name in ("q", "k", "v"))
+                elif self.row_local(m):
+                    self.region.add(m)
+                    stack.extend(a for a in m.all_input_nodes if self.rowish(a))
+                else:
+                    frontier.add(m)
+
+        for a in self.attentions:
+            visit(a)
+        for n in self.gm.graph.nodes:  # topological: what the layers' rows feed, row by row
+            if n in self.region or n in frontier or n.op == "output":
+                continue
+            if any(a in self.region for a in n.all_input_nodes) and (n in self.attentions or self.row_local(n)):
+                for a in n.all_input_nodes:
+                    if self.rowish(a) and a not in self.region:
+                        visit(a)
+                self.region.add(n)
+        self.frontier = [n for n in self.gm.graph.nodes if n in frontier]
+
+    def check(self) -> None:
+        """The conditions under which cached K/V are exact; a refusal names the node."""
+        first = self.args[0]
+        for node, bound in zip(self.attentions, self.args, strict=True):
+            where = f"attention {node.name}"
+            if bound.get("causal") is not True:
+                raise ConfigError(f"--kv-cache: {where} is not causal; a cached token's K/V would depend on later tokens")
+            if isinstance(bound.get("scaling_seqlen"), torch.fx.Node):
+                raise ConfigError(f"--kv-cache: {where} divides by a length read from the batch ({bound['scaling_seqlen'].name}), "
+                                  f"so a user's rows depend on who else is in it; export with --attention-scale fixed:N")
+            for name in ("contextual_seq_len", "max_attn_len", "max_seq_len", "alpha"):
+                if isinstance(bound.get(name), torch.fx.Node):
+                    raise ConfigError(f"--kv-cache: {where} takes its {name} from the batch ({bound[name].name})")
+            for name in ("seq_offsets", "num_targets", "contextual_seq_len", "max_attn_len"):
+                if bound.get(name) is not first.get(name):
+                    raise ConfigError(f"--kv-cache: attentions {self.attentions[0].name} and {node.name} run over "
+                                      f"different sequences ({name}); the cache holds one sequence a user")
+        region_ancestors = _ancestors(self.frontier) & self.region
+        if region_ancestors:
+            mixed = next(f for f in self.frontier if _ancestors([f]) & self.region)
+            raise ConfigError(f"--kv-cache: {mixed.name} ({_what(mixed)}) mixes token rows between the layers; the "
+                              f"delta program can run only row-local work and the attention there")
+        for f in self.frontier:
+            v = self.values[f]
+            if not isinstance(v, Tensor) or not v.is_floating_point():
+                raise ConfigError(f"--kv-cache: the layers start from {f.name} ({_what(f)}), which is not a tensor of "
+                                  f"floating rows; only floating token rows can be compared with the cached ones")
+        for n in self.region:
+            if n in self.attentions:
+                continue
+            for a in n.all_input_nodes:
+                if a in self.region or a in self.frontier or self.rowish(a):
+                    continue
+                if not self._static(a):
+                    raise ConfigError(f"--kv-cache: {n.name} ({_what(n)}) in the layers reads {a.name}, a value "
+                                      f"computed from the whole batch; a cached row must depend on its own tokens only")
+
+    def _static(self, n: torch.fx.Node) -> bool:
+        """A value that is the same for every request of one shape: parameters, constants, shape reads."""
+        stack, seen = [n], set()
+        while stack:
+            m = stack.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if m.op == "get_attr":
+                continue
+            if m.op == "call_method" and m.target in METADATA_METHODS:
+                continue
+            if m.op == "call_function" and m.target is getattr and m.args[1] in ("shape", "dtype", "device", "ndim"):
+                continue
+            if m.op == "placeholder" or m in self.region:
+                return False
+            if isinstance(self.values.get(m), Tensor) and m.op != "get_attr" and any(
+                    a.op == "placeholder" for a in _ancestors([m])):
+                return False
+            stack.extend(m.all_input_nodes)
+        return True
+
+
+def _what(n: torch.fx.Node) -> str:
+    return str(n.target) if n.op != "call_function" else getattr(n.target, "__name__", str(n.target))
+
+
+# ---- what the derived program calls --------------------------------------------------------------------
+
+
+def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, frontier: list[Tensor],
+               x_pages: Tensor, page_table: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One delta call's row bookkeeping: ``(new_rows, q_offsets, seq_lens, num_targets, stale)``.
+
+    ``cached[b]`` tokens of user b are taken as cached (a count beyond its non-target tokens is 0). Its
+    frontier rows before that are compared with ``x_pages`` (stale: any bit differs); its new non-target
+    frontier rows are stored there (others to the scratch page, the pool's last). ``new_rows`` indexes the
+    rows past each cached prefix, in order."""
+    offsets = seq_offsets.to(torch.int64)
+    lengths = offsets[1:] - offsets[:-1]
+    targets = torch.zeros_like(lengths) if num_targets is None else num_targets.to(torch.int64)
+    stored = lengths - targets
+    cached = cached.to(torch.int64)
+    cached = torch.where((cached >= 0) & (cached <= stored), cached, 0)
+    q_offsets = lengths_to_offsets(lengths - cached)
+    total = frontier[0].shape[0]
+    user, pos = jagged_positions_by_search(offsets, total)
+    x = torch.cat([f.reshape(total, -1).to(x_pages.dtype) for f in frontier], dim=1)
+    page_size, width, scratch = x_pages.shape[1], page_table.shape[1], x_pages.shape[0] - 1
+    col = pos // page_size
+    page = page_table.to(torch.int64)[user, col.clamp(0, max(width - 1, 0))].clamp(0, scratch)
+    slot = pos % page_size
+    before = cached[user]
+    differs = ((x_pages[page, slot] != x).any(dim=1) & (pos < before) & (col < width)).to(torch.int64)
+    stale = torch.zeros_like(lengths).index_add(0, user, differs) > 0
+    keep = (pos >= before) & (pos < stored[user]) & (col < width)
+    x_pages.index_put_((torch.where(keep, page, scratch), slot), x)
+    new_total = int(q_offsets[-1].item())
+    torch._check(new_total >= 0)
+    torch._check(new_total <= total)
+    q_user, q_step = jagged_positions_by_search(q_offsets, new_total)
+    new_rows = (offsets[:-1] + cached)[q_user] + q_step
+    return new_rows, q_offsets, lengths, targets, stale
+
+
+def rows_back(new: Tensor, new_rows: Tensor, like: Tensor, fill: float) -> Tensor:
+    """The layers' rows of the new tokens put back among all the request's rows (the others ``fill``)."""
+    full = new.new_full((like.shape[0], *new.shape[1:]), fill)
+    return full.index_copy(0, new_rows, new)
+
+
+def paged_attention_reference(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k_pool: Tensor, v_pool: Tensor,
+                              layer: int, page_table: Tensor, seq_lens: Tensor, num_targets: Tensor,
+                              scaling_seqlen: int, alpha: float, contextual_seq_len: int, max_attn_len: int,
+                              max_seq_len: int) -> Tensor:  # fmt: skip
+    from hstu_export.ops.paged import paged_hstu_mha_store_reference
+
+    return paged_hstu_mha_store_reference(
+        q, k, v, q_offsets, k_pool, v_pool, layer, page_table, seq_lens, num_targets, scaling_seqlen, alpha,
+        contextual_seq_len, max_attn_len, max_seq_len=max_seq_len, max_query_len=max_seq_len)
+
+
+def paged_attention_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k_pool: Tensor, v_pool: Tensor,
+                           layer: int, page_table: Tensor, seq_lens: Tensor, num_targets: Tensor,
+                           scaling_seqlen: int, alpha: float, contextual_seq_len: int, max_attn_len: int,
+                           max_seq_len: int) -> Tensor:  # fmt: skip
+    import hstu_export.ops._triton  # noqa: F401  (registers hstu_export::paged_hstu_mha_store_triton)
+
+    return torch.ops.hstu_export.paged_hstu_mha_store_triton(
+        q, k, v, q_offsets, k_pool, v_pool, layer, page_table, seq_lens, num_targets, scaling_seqlen, alpha,
+        contextual_seq_len, max_attn_len, max_seq_len, max_seq_len, 0)
+
+
+# ---- the derivation ------------------------------------------------------------------------------------
+
+
+DELTA_INPUTS = ("kv_cached", "kv_k_pages", "kv_v_pages", "kv_x_pages", "kv_page_table")
+
+
+def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_target: str = "aten",
+                 fill: float = 0.0) -> DerivedDelta:  # fmt: skip
+    """The delta program of a dense graph whose attentions are ``hstu_export::hstu_mha`` nodes (map_ops'
+    generic op), read on ``example`` (the dense inputs by placeholder name). ``op_target`` picks the paged
+    attention (``triton``: our kernel; else plain aten); ``fill`` is what the rows of cached tokens read
+    after the last layer (a check may pass NaN: no output may read them). Raises ConfigError naming why a
+    model cannot be cached."""
+    recorder = _Recorder(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    with torch.no_grad():
+        recorder.run(*[example[n.target] for n in placeholders])
+    analysis = _Analysis(gm, recorder.values)
+    analysis.walk()
+    analysis.check()
+    region, frontier, attentions = analysis.region, analysis.frontier, analysis.attentions
+    bound0 = analysis.args[0]
+    shapes = [(tuple(recorder.values[b["k"]].shape), tuple(recorder.values[b["v"]].shape)) for b in analysis.args]
+    if len({s for s in shapes}) != 1:
+        raise ConfigError(f"--kv-cache: the layers' attentions differ in shape ({sorted(set(shapes))}); one pool holds "
+                          f"every layer's K/V")
+    (_, heads, dqk), (_, _, dv) = shapes[0]
+    row_dtypes = {recorder.values[f].dtype for f in frontier}
+    row_dtype = torch.float32 if len(row_dtypes) > 1 else row_dtypes.pop()
+    row_width = sum(recorder.values[f][0].numel() for f in frontier)
+    seq_offsets, num_targets = bound0["seq_offsets"], bound0.get("num_targets")
+
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, Any] = {}   # original node -> its value in the delta graph (whole rows)
+    rows: dict[torch.fx.Node, Any] = {}  # region / frontier node -> its new rows in the delta graph
+    backs: dict[torch.fx.Node, torch.fx.Node] = {}
+    for p in placeholders:
+        env[p] = graph.placeholder(p.target)
+        env[p].meta = dict(p.meta)
+    extra = {name: graph.placeholder(name) for name in DELTA_INPUTS}
+    early = _ancestors([*frontier, *_nodes_in((seq_offsets, num_targets))]) - set(placeholders)
+    ordered = [n for n in gm.graph.nodes if n in early] + [n for n in gm.graph.nodes if n not in early]
+    book: dict[str, torch.fx.Node] = {}
+    attention = paged_attention_triton if op_target == "triton" else paged_attention_reference
+
+    def whole(n: torch.fx.Node) -> Any:
+        if n in region:  # a region value read outside the layers: its rows put back
+            if n not in backs:
+                backs[n] = graph.call_function(rows_back, (rows[n], book["new_rows"], env[frontier[0]], fill))
+            return backs[n]
+        return env[n]
+
+    def bookkeeping() -> None:
+        out = graph.call_function(delta_rows, (env[seq_offsets], env[num_targets] if num_targets is not None else None,
+                                               extra["kv_cached"], [env[f] for f in frontier], extra["kv_x_pages"],
+                                               extra["kv_page_table"]))
+        for i, name in enumerate(("new_rows", "q_offsets", "seq_lens", "num_targets", "stale")):
+            book[name] = graph.call_function(operator.getitem, (out, i))
+        for f in frontier:
+            rows[f] = graph.call_function(torch.index_select, (env[f], 0, book["new_rows"]))
+
+    size_of_rows = analysis.rows
+    for n in ordered:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n in region and not book:
+            bookkeeping()
+        if n in attentions:
+            b = analysis.args[attentions.index(n)]
+            rows[n] = graph.call_function(attention, (
+                rows[b["q"]], rows[b["k"]], rows[b["v"]], book["q_offsets"], extra["kv_k_pages"],
+                extra["kv_v_pages"], attentions.index(n), extra["kv_page_table"], book["seq_lens"],
+                book["num_targets"], b["scaling_seqlen"], b["alpha"], b.get("contextual_seq_len", 0),
+                b.get("max_attn_len", 0), b["max_seq_len"]))
+        elif n in region:
+            first_row = next(a for a in n.all_input_nodes if a in rows)
+
+            def arg(a: torch.fx.Node, n: torch.fx.Node = n, first_row: torch.fx.Node = first_row) -> Any:
+                if a in rows:
+                    return rows[a]
+                value = recorder.values.get(a)
+                if isinstance(value, int) and not isinstance(value, bool) and value == size_of_rows:
+                    return graph.call_method("size", (rows[first_row], 0))  # the row count: the new rows'
+                return env[a]
+
+            rows[n] = graph.node_copy(n, arg)
+        else:
+            env[n] = graph.node_copy(n, whole)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    (result,) = output.args
+    if not isinstance(result, dict):
+        raise ConfigError("--kv-cache: the dense half returns no named outputs")
+    mapped = torch.fx.node.map_arg(result, whole)
+    graph.output({**mapped, "kv_stale": book["stale"]})
+    program = torch.fx.GraphModule(gm, graph)
+    program.graph.eliminate_dead_code()
+    program.recompile()
+    return DerivedDelta(
+        program=program, counts=_counts_program(gm, seq_offsets, num_targets),
+        num_layers=len(attentions), num_heads=heads, attention_dim=dqk, linear_dim=dv, row_width=row_width,
+        row_dtype=row_dtype, max_seq_len=int(bound0["max_seq_len"]), frontier=[f.name for f in frontier],
+        layer_nodes=len(region))  # fmt: skip
+
+
+def sequence_counts(seq_offsets: Tensor, num_targets: Tensor | None) -> tuple[Tensor, Tensor]:
+    offsets = seq_offsets.to(torch.int64)
+    lengths = offsets[1:] - offsets[:-1]
+    return lengths, torch.zeros_like(lengths) if num_targets is None else num_targets.to(torch.int64)
+
+
+def _counts_program(gm: torch.fx.GraphModule, seq_offsets: torch.fx.Node, num_targets: Any) -> torch.fx.GraphModule:
+    """The slice of ``gm`` that computes the attentions' sequence offsets and target counts."""
+    needed = _ancestors(_nodes_in((seq_offsets, num_targets)))
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, Any] = {}
+    for n in gm.graph.nodes:
+        if n in needed:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(graph.call_function(sequence_counts, (env[seq_offsets],
+                                                       env[num_targets] if num_targets is not None else None)))
+    counts = torch.fx.GraphModule(gm, graph)
+    counts.recompile()
+    return counts

@@ -1,0 +1,135 @@
+"""KV-cached serving through a delta program derived from the model's graph (:mod:`hstu_export.kv_derive`),
+for any HSTU model whose attention hstu-export maps.
+
+Per request: the runner computes the dense half's inputs and each user's sequence length and target count;
+each user is given its cached token count (its entry's, when it is no longer than the user's non-target
+tokens now) and pages for all its non-target tokens; the delta program runs, storing the new K/V and
+frontier rows, and says which users' cached prefix no longer matches (*stale*). Those users are run again
+from scratch, in one more call for the whole batch, so a stale K/V is never served. Counters and pages
+are :class:`~hstu_export.serving.kv_cache.PagedKVCache`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from hstu_export.errors import RequestError
+from hstu_export.serving.kv_cache import CacheFull, PagedKVCache, user_keys
+
+__all__ = ["DerivedCachedRanker", "DerivedRunner", "EagerDerived"]
+
+
+class DerivedRunner(Protocol):
+    """What runs a derived delta program: over the traced graphs (:class:`EagerDerived`) or a package's."""
+
+    layout: dict[str, Any]
+    device: torch.device
+    dtype: torch.dtype
+
+    def dense_inputs(self, request: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The dense half's inputs for a request (validated; its sparse half run)."""
+
+    def counts(self, dense: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """(sequence length, target count) per user, as the model's attentions see them."""
+
+    def delta(self, dense: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor, x_pages: Tensor,
+              page_table: Tensor) -> dict[str, Tensor]:
+        """The delta program: the outputs and ``kv_stale``."""
+
+
+class EagerDerived:
+    """A :class:`DerivedRunner` over graphs in this process: ``dense_inputs`` (a request -> the dense half's
+    inputs) and a :class:`~hstu_export.kv_derive.DerivedDelta`."""
+
+    def __init__(self, dense_inputs: Any, derived: Any, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        self._dense_inputs, self._derived = dense_inputs, derived
+        self.layout = derived.layout()
+        self.dtype, self.device = dtype, torch.device(device)
+        self._count_inputs = [n.target for n in derived.counts.graph.nodes if n.op == "placeholder"]
+
+    def dense_inputs(self, request: dict[str, Tensor]) -> dict[str, Tensor]:
+        with torch.no_grad():
+            return self._dense_inputs(request)
+
+    def counts(self, dense: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        with torch.no_grad():
+            return self._derived.counts(**{name: dense[name] for name in self._count_inputs})
+
+    def delta(self, dense: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor, x_pages: Tensor,
+              page_table: Tensor) -> dict[str, Tensor]:
+        with torch.no_grad():
+            return self._derived.program(**dense, kv_cached=cached, kv_k_pages=k_pages, kv_v_pages=v_pages,
+                                         kv_x_pages=x_pages, kv_page_table=page_table)
+
+
+class DerivedCachedRanker:
+    """``ranker(request, user_ids)`` returns what the model returns on ``request``, computing each user's
+    layers only past its cached prefix (the users' frontier rows prove the prefix unchanged)."""
+
+    def __init__(self, runner: DerivedRunner, *, budget_bytes: int | str, page_size: int = 64) -> None:
+        self.runner = runner
+        layout = runner.layout
+        self.cache = PagedKVCache(layout["num_layers"], layout["num_heads"], layout["attention_dim"],
+                                  layout["linear_dim"], budget_bytes=budget_bytes, dtype=runner.dtype,
+                                  device=runner.device, page_size=page_size, row_width=layout["row_width"],
+                                  row_dtype=getattr(torch, layout["row_dtype"]))  # fmt: skip
+
+    def __call__(self, request: dict[str, Tensor], user_ids: Sequence[Hashable] | Tensor) -> dict[str, Tensor]:
+        ids = user_keys(user_ids)
+        dense = self.runner.dense_inputs(request)
+        lengths, targets = self.runner.counts(dense)
+        stored = (lengths - targets).cpu().tolist()
+        batch = len(stored)
+        if len(ids) != batch:
+            raise RequestError(f"{len(ids)} user ids for a batch of {batch} users")
+        seen: dict[Hashable, int] = {}
+        for user in ids:
+            seen[user] = seen.get(user, 0) + 1
+        cache = self.cache
+        with cache.using(ids):
+            cached = [0] * batch
+            tables: list[list[int]] = [[] for _ in range(batch)]
+            kept = [False] * batch  # stored after this request
+            for b, user in enumerate(ids):
+                if seen[user] > 1:  # the same user twice in one batch: served, not stored
+                    continue
+                entry = cache.entry(user)
+                reuse = entry.length if entry is not None and 0 < entry.length <= stored[b] else 0
+                cache.count("misses" if entry is None or entry.length == 0 else "hits" if reuse else "stale")
+                try:
+                    tables[b] = cache.reserve(user, stored[b], reuse)
+                except CacheFull:
+                    continue
+                cached[b], kept[b] = reuse, True
+            if not all(kept):
+                cache.count("bypassed", kept.count(False))
+            outputs = self._run(dense, cached, tables)
+            stale = outputs.pop("kv_stale").cpu().tolist()
+            again = [b for b in range(batch) if stale[b] and cached[b]]
+            if again:  # their frontier rows changed: recompute them from nothing
+                cache.count("hits", -len(again))
+                cache.count("stale", len(again))
+                for b in again:
+                    cached[b] = 0
+                    tables[b] = cache.reserve(ids[b], stored[b], 0)
+                outputs = self._run(dense, cached, tables)
+                outputs.pop("kv_stale")
+            for b, user in enumerate(ids):
+                if kept[b]:
+                    cache.commit(user, stored[b], None)
+            return outputs
+
+    def _run(self, dense: dict[str, Tensor], cached: list[int], tables: list[list[int]]) -> dict[str, Tensor]:
+        cache = self.cache
+        width = max(1, *(len(t) for t in tables))
+        table = np.full((len(tables), width), cache.scratch_page, dtype=np.int32)
+        for b, pages in enumerate(tables):
+            table[b, :len(pages)] = pages
+        return self.runner.delta(dense, torch.tensor(cached, dtype=torch.int64, device=self.runner.device),
+                                 cache.k, cache.v, cache.x, torch.from_numpy(table).to(self.runner.device))

@@ -1,0 +1,184 @@
+"""The KV delta program derived from a user's traced graph (hstu_export/kv_derive.py) and served through the
+paged cache (serving/kv_derived.py): cached answers equal the model's on every request of a scripted
+sequence, hits are served from the cache, changed prefixes are found stale, and models that cannot be
+cached are refused naming why."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from test_fuse_stu_gate import GR_ATTENTION, on_the_cpu
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from user_models import dlrm_hstu, gr_style
+
+from hstu_export.capture import trace
+from hstu_export.errors import ConfigError
+from hstu_export.kv_derive import derive_delta
+from hstu_export.ops.mappings import function_mappings, imported_functions
+from hstu_export.passes.context import PassContext
+from hstu_export.passes.manager import run_passes
+from hstu_export.serving.kv_derived import DerivedCachedRanker, EagerDerived
+from hstu_export.sources.schema_inference import flatten_example, infer_schema
+
+pytest.importorskip("triton")  # the graph is derived at the triton target, whose ops keep the attention a node
+
+User = dict[str, list[int]]
+
+
+class Setup:
+    """A user model traced and split as an export does it, the attention kept as our op (its CPU kernel)."""
+
+    def __init__(self, model: torch.nn.Module, example: tuple, keys: tuple[list[str], list[str]], ranges: dict,
+                 attention_scale: str = "fixed:64") -> None:
+        self.model, self.keys = model.eval(), keys
+        self.schema = infer_schema(model, example, ranges=ranges)
+        flat = flatten_example(self.schema, example, None, model)
+        mappings = {gr_style.ATTENTION: GR_ATTENTION}
+        gm = trace(model, flat, schema=self.schema,
+                   opaque_functions=imported_functions(list(function_mappings(mappings))))
+        ctx = PassContext(example_inputs=self.schema.to_graph_inputs(flat), schema=self.schema, op_mappings=mappings,
+                          op_target="triton", attention_scale=attention_scale)
+        self.result = on_the_cpu(run_passes(gm, ctx, skip=("fuse_stu_gate",)))
+        self.example = self.dense_inputs(flat)
+
+    def dense_inputs(self, flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        batch, boundary = self.schema.to_graph_inputs(flat), self.result.boundary
+        sparse = self.result.sparse(**{t.name: batch[t.name] for t in boundary.sparse_inputs})
+        return {t.name: sparse[t.name] if t.source == "sparse" else batch[t.name] for t in boundary.dense_inputs}
+
+    def request(self, users: list[User]) -> dict[str, torch.Tensor]:
+        kjts = [KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=torch.cat([torch.tensor(u[k], dtype=torch.int64) for k in keys for u in users]),
+            lengths=torch.tensor([len(u[k]) for k in keys for u in users])) for keys in self.keys]
+        return flatten_example(self.schema, tuple(kjts), None, self.model)
+
+    def full(self, request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            return self.result.dense(**self.dense_inputs(request))
+
+
+def dlrm_setup(**kwargs: Any) -> Setup:
+    return Setup(dlrm_hstu.build_ranker(), dlrm_hstu.example_inputs(3, seed=0),
+                 (dlrm_hstu.UIH_KEYS, dlrm_hstu.CANDIDATE_KEYS),
+                 {"uih_features": (1, 12), "candidates_features": (1, 5)}, **kwargs)
+
+
+def gr_setup(**kwargs: Any) -> Setup:
+    return Setup(gr_style.build_ranker(), gr_style.example_inputs([10, 5, 7], [3, 1, 2]),
+                 (gr_style.UIH_KEYS, gr_style.CANDIDATE_KEYS), gr_style.RANGES, **kwargs)
+
+
+def dlrm_user(seed: int, history: int, candidates: int) -> User:
+    g = torch.Generator().manual_seed(seed)
+    return {"uih_item_id": torch.randint(0, 500, (history,), generator=g).tolist(),
+            "uih_action": torch.randint(0, 8, (history,), generator=g).tolist(),
+            "uih_time": sorted((1_700_000_000 + torch.randint(0, 10**6, (history,), generator=g)).tolist()),
+            "cand_item_id": torch.randint(0, 500, (candidates,), generator=g).tolist(),
+            "cand_category": torch.randint(0, 20, (candidates,), generator=g).tolist()}
+
+
+def gr_user(seed: int, history: int, candidates: int) -> User:
+    g = torch.Generator().manual_seed(seed)
+    return {"user_id": [seed % gr_style.USERS],
+            "uih_item_id": torch.randint(0, gr_style.ITEMS, (history,), generator=g).tolist(),
+            "uih_action": torch.randint(0, gr_style.ACTIONS, (history,), generator=g).tolist(),
+            "cand_item_id": torch.randint(0, gr_style.ITEMS, (candidates,), generator=g).tolist()}
+
+
+def new_candidates(user: User, seed: int, keys: list[str], count: int = 2) -> User:
+    g = torch.Generator().manual_seed(seed)
+    return {**user, **{k: torch.randint(0, 8, (count,), generator=g).tolist() for k in keys}}
+
+
+def grown(user: User, uih_keys: list[str]) -> User:
+    return {**user, **{k: user[k] + ([user[k][-1] + 1] if k != "user_id" else []) for k in uih_keys if k != "user_id"}}
+
+
+def serve(setup: Setup, script: list[tuple[list[int], list[User]]]) -> tuple[DerivedCachedRanker, list[float]]:
+    """Serves each (user ids, users) request through the derived cache; the worst difference per request
+    from the full model on the same request."""
+    ranker = DerivedCachedRanker(EagerDerived(setup.dense_inputs, derive_delta(setup.result.dense, setup.example)),
+                                 budget_bytes="4MiB", page_size=16)
+    worst = []
+    for ids, users in script:
+        request = setup.request(users)
+        got, want = ranker(request, ids), setup.full(request)
+        assert set(got) == set(want)
+        worst.append(max(float((got[k] - want[k]).abs().max()) for k in want))
+    return ranker, worst
+
+
+@pytest.mark.parametrize("make, user", [(dlrm_setup, dlrm_user), (gr_setup, gr_user)], ids=["dlrm_hstu", "gr_style"])
+def test_cached_answers_equal_the_model_on_every_request(make: Callable[..., Setup],
+                                                         user: Callable[..., User]) -> None:
+    setup = make()
+    uih_keys, cand_keys = setup.keys
+    a, b, c, d = (user(s, h, n) for s, h, n in ((1, 8, 3), (2, 4, 1), (3, 9, 3), (4, 6, 2)))
+    script = [
+        ([1, 2, 3], [a, b, c]),                                            # prefill
+        ([3, 1, 2], [c, a, b]),                                            # the same users, reordered: hits
+        ([1, 2, 3], [new_candidates(a, 5, cand_keys), new_candidates(b, 6, cand_keys, 4), c]),  # new candidates
+        ([1, 4], [grown(a, uih_keys), d]),                                 # a grown history, a new user
+        ([2, 2], [b, b]),                                                  # the same user twice: not stored
+    ]
+    ranker, worst = serve(setup, script)
+    assert max(worst) < 1e-5, worst
+    stats = ranker.cache.stats()
+    assert stats["hits"] >= 6 and stats["misses"] == 4 and stats["bypassed"] == 2, stats
+
+
+def test_a_hit_computes_only_the_new_rows_and_a_changed_prefix_is_stale() -> None:
+    """gr_style's time-free tokens: a user whose history is unchanged is a hit; changing one of its cached
+    tokens is found by the frontier rows (stale, recomputed, still exact)."""
+    setup = gr_setup()
+    a = gr_user(1, 8, 2)
+    changed = {**a, "uih_item_id": [a["uih_item_id"][0] + 1, *a["uih_item_id"][1:]]}
+    derived = derive_delta(setup.result.dense, setup.example)
+    rows: list[int] = []  # the rows each call's first projection computes (the module is the model's own)
+    derived.program.get_submodule("layers.0.uvqk").register_forward_hook(lambda m, args, out: rows.append(out.shape[0]))
+    ranker = DerivedCachedRanker(EagerDerived(setup.dense_inputs, derived), budget_bytes="4MiB", page_size=16)
+    for request in ([a], [a], [changed]):
+        want = setup.full(setup.request(request))
+        rows.pop()
+        got = ranker(setup.request(request), [7])
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    # 1 contextual + 8 history + 2 candidates; a hit computes the candidates only; the changed history is first
+    # run as a hit, found stale by that call, and run again from nothing.
+    assert rows == [11, 2, 2, 11]
+    assert {k: ranker.cache.stats()[k] for k in ("hits", "misses", "stale")} == {"hits": 1, "misses": 1, "stale": 1}
+
+
+def test_outputs_never_read_the_rows_of_cached_tokens() -> None:
+    """The rows the layers leave for cached tokens are NaN here: a hit's outputs are still the model's."""
+    setup = gr_setup()
+    derived = derive_delta(setup.result.dense, setup.example, fill=float("nan"))
+    ranker = DerivedCachedRanker(EagerDerived(setup.dense_inputs, derived), budget_bytes="4MiB", page_size=16)
+    request = setup.request([gr_user(1, 8, 2), gr_user(2, 3, 1)])
+    ranker(request, [1, 2])
+    got, want = ranker(request, [1, 2]), setup.full(request)
+    assert ranker.cache.stats()["hits"] == 2
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_an_attention_scaled_by_the_batch_is_refused() -> None:
+    setup = gr_setup(attention_scale="batch")
+    with pytest.raises(ConfigError, match="--attention-scale fixed:N"):
+        derive_delta(setup.result.dense, setup.example)
+
+
+def test_layers_that_read_a_value_of_the_batch_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer that scales its rows by the batch's mean reads other users' tokens: not cacheable."""
+    original = dlrm_hstu.STULayer.forward
+
+    def forward(self: dlrm_hstu.STULayer, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return original(self, x * x.mean(), *args, **kwargs)
+
+    monkeypatch.setattr(dlrm_hstu.STULayer, "forward", forward)
+    setup = dlrm_setup()
+    with pytest.raises(ConfigError, match="computed from the whole batch|mixes token rows"):
+        derive_delta(setup.result.dense, setup.example)
