@@ -355,16 +355,12 @@ def export(
     if settings.kv_cache:
         from hstu_export.kv_export import check_kv_cache
 
-        check_kv_cache(None, backend.name)
+        check_kv_cache(backend.name)
 
     with _timed(timings, progress, "load"):
         bundle = (model if isinstance(model, ModelBundle)
                   else load_bundle(model, allow_pickle=allow_pickle, imports=settings.imports))
 
-    if settings.kv_cache:
-        from hstu_export.kv_export import check_kv_cache
-
-        check_kv_cache(bundle.model, backend.name)
     weight_bytes = _refuse_what_the_machine_cannot_hold(bundle, settings, out)
     _check_quantization(bundle, settings)
     op_target = settings.op_target or backend.default_op_target(device)
@@ -396,12 +392,23 @@ def export(
             artifacts = backend.compile(inputs, staged)
         _check_op_libraries(artifacts.op_libraries)
         kv_section = None
-        if settings.kv_cache:
+        if settings.kv_cache and _is_zoo_ranker(bundle.model):
             from hstu_export.kv_export import compile_kv_delta
 
             with _timed(timings, progress, "kv-cache program"), torch.no_grad():
                 kv_model = copy.deepcopy(bundle.model).to(device=device, dtype=settings.torch_dtype).eval()
                 kv_section = compile_kv_delta(kv_model, ranges, settings, op_target, staged, inputs.output_names)
+        elif settings.kv_cache:
+            from hstu_export.kv_derived_export import compile_derived_delta
+
+            with _timed(timings, progress, "kv-cache program"), torch.no_grad():
+                # The pipeline again with each attention one node (our Triton op, read back as the generic
+                # op): the derivation reads the layers around it, then lowers the program to op_target.
+                again = _replace(settings, dump_dir=None,
+                                            skip_passes=(*settings.skip_passes, "fuse_stu_gate"))
+                derivation = capture(bundle, again, "triton")
+                with running_model(device, "while its delta program was derived"):
+                    kv_section = compile_derived_delta(derivation.result, inputs, settings, op_target, staged)
         if result.report_path is not None and settings.graphs_in_package:
             # Asked for: the graph dumps travel inside the package (graphs/report.html).
             shutil.copytree(result.report_path.parent, staged / "graphs")
@@ -604,7 +611,11 @@ def _verify(root: Path, reference: Any, schema: InputSchema, ranges: ExportRange
         parity = check_parity(predictor, reference, batches, tolerances, per_batch=taus,
                               output_tolerances={name: held for name in kinds if name not in scores})
         parity["rank_agreement"] = rank_agreement.summarize(parity["batches"])
-    if "kv_cache" in predictor.manifest:
+    if predictor.manifest.get("kv_cache", {}).get("kind") == "derived":
+        from hstu_export.kv_derived_export import verify_derived_kv_cache
+
+        parity["kv_cache"] = verify_derived_kv_cache(predictor, reference, tolerances, settings.verify.seed)
+    elif "kv_cache" in predictor.manifest:
         from hstu_export.kv_export import verify_kv_cache
 
         parity["kv_cache"] = verify_kv_cache(predictor, reference, tolerances, settings.verify.seed)
@@ -710,6 +721,19 @@ def _output_shapes(result: Any, schema: InputSchema, ranges: ExportRanges, input
         raise ExportError(f"the split graphs failed on a second example batch ({second}): "
                           f"{lines[0] if lines else type(exc).__name__}") from exc
     return name_dims(inputs.example_outputs, first, second_outputs, second)
+
+
+def _is_zoo_ranker(model: nn.Module) -> bool:
+    """The zoo's ranking model, whose delta program models/cached.py writes by hand."""
+    from hstu_export.models.ranking import HstuRankingModel
+
+    return isinstance(model, HstuRankingModel)
+
+
+def _replace(settings: ExportSettings, **changes: Any) -> ExportSettings:
+    import dataclasses
+
+    return dataclasses.replace(settings, **changes)
 
 
 def _compile_inputs(result: Any, example: dict[str, Tensor], schema: InputSchema, ranges: ExportRanges,

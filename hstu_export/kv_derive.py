@@ -82,6 +82,7 @@ class DerivedDelta:
     max_seq_len: int
     frontier: list[str]
     layer_nodes: int
+    target_inputs: list[str]  # the dense inputs the target counts are computed from (the candidates' lengths)
 
     def layout(self) -> dict[str, Any]:
         return {"num_layers": self.num_layers, "num_heads": self.num_heads, "attention_dim": self.attention_dim,
@@ -315,7 +316,7 @@ def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, 
     stale = torch.zeros_like(lengths).index_add(0, user, differs) > 0
     keep = (pos >= before) & (pos < stored[user]) & (col < width)
     x_pages.index_put_((torch.where(keep, page, scratch), slot), x)
-    new_total = int(q_offsets[-1].item())
+    new_total = q_offsets[-1].item()  # a size read from the data (unbacked in an exported program)
     torch._check(new_total >= 0)
     torch._check(new_total <= total)
     q_user, q_step = jagged_positions_by_search(q_offsets, new_total)
@@ -452,7 +453,8 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         program=program, counts=_counts_program(gm, seq_offsets, num_targets),
         num_layers=len(attentions), num_heads=heads, attention_dim=dqk, linear_dim=dv, row_width=row_width,
         row_dtype=row_dtype, max_seq_len=int(bound0["max_seq_len"]), frontier=[f.name for f in frontier],
-        layer_nodes=len(region))  # fmt: skip
+        layer_nodes=len(region),
+        target_inputs=[str(n.target) for n in _ancestors(_nodes_in(num_targets)) if n.op == "placeholder"])  # fmt: skip
 
 
 def sequence_counts(seq_offsets: Tensor, num_targets: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -474,3 +476,17 @@ def _counts_program(gm: torch.fx.GraphModule, seq_offsets: torch.fx.Node, num_ta
     counts = torch.fx.GraphModule(gm, graph)
     counts.recompile()
     return counts
+
+
+def generic_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Our Triton ops in ``gm`` (and its submodules) back to the generic ops of the same schema (map_ops'
+    ``triton`` target keeps the attention one node; the derived program is lowered to its own target
+    afterwards)."""
+    for module in (m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)):
+        for node in module.graph.nodes:
+            parts = str(node.target).split(".")  # hstu_export.<op>_triton[.default]
+            if node.op == "call_function" and parts[0] == "hstu_export" and parts[1].endswith("_triton"):
+                packet = getattr(torch.ops.hstu_export, parts[1].removesuffix("_triton"))
+                node.target = packet.default if parts[2:] == ["default"] else packet
+        module.recompile()
+    return gm

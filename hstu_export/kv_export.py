@@ -67,16 +67,11 @@ def delta_inductor_options(device: torch.device, user: dict[str, Any]) -> dict[s
     return {**(DELTA_INDUCTOR_OPTIONS if device.type == "cuda" else {}), **user}
 
 
-def check_kv_cache(model: Any, backend: str) -> None:
-    """Refuse ``--kv-cache`` where it cannot be built, before any work (``model`` None: the bundle is not
-    loaded yet, check the backend only)."""
+def check_kv_cache(backend: str) -> None:
+    """Refuse ``--kv-cache`` where it cannot be built, before any work. Whether a model other than the zoo's
+    can be cached is found when its delta program is derived (hstu_export/kv_derive.py)."""
     if backend != "aoti":
         raise ConfigError(f"--kv-cache builds an AOTInductor delta program; use --backend aoti (not {backend})")
-    if model is not None and not isinstance(model, HstuRankingModel):
-        raise ConfigError(
-            f"--kv-cache: the delta program is written for hstu-export's HstuRankingModel, and this model is a "
-            f"{type(model).__name__}; export it without --kv-cache (KV-cached serving of other models is not built yet)"
-        )
 
 
 def kv_bounds(model: HstuRankingModel, ranges: Any) -> tuple[int, int]:

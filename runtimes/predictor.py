@@ -142,6 +142,9 @@ class Predictor:
         from hstu_export.runtimes.kv_delta import PackageDelta
         from hstu_export.serving.kv_cache import CachedRanker, page_bytes
 
+        section = self.manifest.get("kv_cache")
+        if section is not None and section.get("kind") == "derived":  # a delta program derived from the graph
+            return self._derived_kv_cache(budget_bytes, max_time_drift, cuda_graphs)
         runner = PackageDelta(self, cuda_graphs=cuda_graphs)
         if budget_bytes is None:
             layout = runner.layout
@@ -151,6 +154,27 @@ class Predictor:
                                               layout.linear_dim, runner.page_size, layout.dtype)
         return CachedRanker(runner, budget_bytes=budget_bytes, page_size=runner.page_size,
                             max_time_drift=max_time_drift)
+
+    def _derived_kv_cache(self, budget_bytes: int | None, max_time_drift: int, cuda_graphs: bool | None) -> Any:
+        from hstu_export.errors import ConfigError
+        from hstu_export.runtimes.kv_derived import PackageDerived
+        from hstu_export.serving.kv_cache import page_bytes
+        from hstu_export.serving.kv_derived import DerivedCachedRanker
+
+        if max_time_drift:
+            raise ConfigError("max_time_drift applies to the zoo model's delta program; a derived one reuses a "
+                              "user's tokens only while the rows its layers start from are unchanged")
+        if cuda_graphs:
+            raise ConfigError("CUDA graphs are not built for a derived delta program yet; use cuda_graphs=None")
+        runner = PackageDerived(self)
+        if budget_bytes is None:
+            layout, size = runner.layout, runner.page_size
+            pages = self.max_batch_size * -(-layout["max_seq_len"] // size) + 1  # and the scratch page
+            row_item = torch.empty(0, dtype=getattr(torch, layout["row_dtype"])).element_size()
+            budget_bytes = pages * (page_bytes(layout["num_layers"], layout["num_heads"], layout["attention_dim"],
+                                               layout["linear_dim"], size, runner.dtype)
+                                    + size * layout["row_width"] * row_item)
+        return DerivedCachedRanker(runner, budget_bytes=budget_bytes, page_size=runner.page_size)
 
     @property
     def split(self) -> SplitRunner | None:

@@ -188,10 +188,11 @@ def test_kv_cache_refuses_what_it_cannot_build(tmp_path, capsys) -> None:  # typ
         def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
             return {"y": x * 2}
 
-    from hstu_export.kv_export import check_kv_cache
+    # A model with no attention we know has nothing to cache: its delta program cannot be derived.
+    from hstu_export.kv_derive import derive_delta
 
-    with pytest.raises(ConfigError, match="HstuRankingModel"):
-        check_kv_cache(NotTheZoo(), "aoti")
+    with pytest.raises(ConfigError, match="no HSTU attention"):
+        derive_delta(torch.fx.symbolic_trace(NotTheZoo()), {"x": torch.ones(3)})
 
 
 def test_aoti_options_reach_both_compiles_and_bad_ones_are_refused(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]

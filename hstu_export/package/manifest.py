@@ -395,6 +395,10 @@ def _kv_cache(value: Any, files: dict[str, str]) -> dict[str, Any]:
     """The ``--kv-cache`` section: the delta program's file (listed in ``files``), its page size and bounds,
     and the layout of the cache it reads (docs/PACKAGE.md)."""
     section = _object(value, "kv_cache")
+    kind = _get(section, "kind", "kv_cache", required=False)
+    if kind is not _MISSING:
+        _string(kind, "kv_cache.kind", ("derived",))
+        return _derived_kv_cache(section, files)
     program = _relpath(_get(section, "program", "kv_cache"), "kv_cache.program")
     if program not in files:
         raise _FieldError("kv_cache.program", f"{program!r} is not listed in files (every artifact has a sha256 there)")
@@ -418,6 +422,28 @@ def _kv_cache(value: Any, files: dict[str, str]) -> dict[str, Any]:
         _integer(_get(layout, key, "kv_cache.layout"), f"kv_cache.layout.{key}", minimum=1)
     _number(_get(layout, "time_bucket_base", "kv_cache.layout"), "kv_cache.layout.time_bucket_base", minimum=0)
     _strings(_get(layout, "contextual_features", "kv_cache.layout"), "kv_cache.layout.contextual_features")
+    return section
+
+
+def _derived_kv_cache(section: dict[str, Any], files: dict[str, str]) -> dict[str, Any]:
+    """A delta program derived from the model's graph (``kind: derived``, hstu_export/kv_derive.py): the
+    program and the counts program (both listed in ``files``), their inputs, and the pages' layout."""
+    for key in ("program", "counts"):
+        path = _relpath(_get(section, key, "kv_cache"), f"kv_cache.{key}")
+        if path not in files:
+            raise _FieldError(f"kv_cache.{key}", f"{path!r} is not listed in files (every artifact has a sha256 there)")
+    for key in ("inputs", "counts_inputs", "outputs"):
+        _strings(_get(section, key, "kv_cache"), f"kv_cache.{key}", nonempty=True)
+    _strings(_get(section, "target_inputs", "kv_cache"), "kv_cache.target_inputs")
+    page = _integer(_get(section, "page_size", "kv_cache"), "kv_cache.page_size", minimum=16)
+    if page & (page - 1):
+        raise _FieldError("kv_cache.page_size", f"expected a power of two, got {page}")
+    _integer(_get(section, "max_seq_len", "kv_cache"), "kv_cache.max_seq_len", minimum=1)
+    _optional(section, "inductor_options", "kv_cache", _object)
+    layout = _object(_get(section, "layout", "kv_cache"), "kv_cache.layout")
+    for key in ("num_layers", "num_heads", "attention_dim", "linear_dim", "row_width", "max_seq_len"):
+        _integer(_get(layout, key, "kv_cache.layout"), f"kv_cache.layout.{key}", minimum=1)
+    _string(_get(layout, "row_dtype", "kv_cache.layout"), "kv_cache.layout.row_dtype", ("float32", "bfloat16", "float16"))
     return section
 
 

@@ -58,9 +58,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def graph_name(name: str) -> str:
-    """The graph-input (Python identifier) spelling of a request feature name."""
-    out = re.sub(r"\W", "_", name.replace(".", "__"))
-    return out if out[:1].isalpha() or out[:1] == "_" else f"f_{out}"
+    """The graph-input (Python identifier) spelling of a request feature name: one FX keeps as it is (FX
+    lowercases placeholder names and strips a dunder name's underscores; TorchEasyRec's data group is
+    ``__BASE__``)."""
+    out = re.sub(r"\W", "_", name.replace(".", "__")).lower()
+    dunder = out.startswith("__") and out.endswith("__")
+    return out if out[:1].isalpha() or (out[:1] == "_" and not dunder) else f"f_{out}"
 
 
 def kjt_feature_names(argument: str, key: str, weighted: bool = False) -> tuple[str, ...]:

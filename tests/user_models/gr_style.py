@@ -52,8 +52,12 @@ def take_last(values: Tensor, offsets: Tensor, counts: Tensor, total: int) -> Te
 
 
 class GrStyleRanker(nn.Module):
-    def __init__(self, dim: int = 16, heads: int = 2, layers: int = 2, cast_to_layers: bool = True) -> None:
+    def __init__(self, dim: int = 16, heads: int = 2, layers: int = 2, cast_to_layers: bool = True,
+                 attention_len: int | None = None) -> None:
         super().__init__()
+        # The length the attention pads to and divides by: None, the batch's longest sequence (as
+        # generative-recommenders does); a number, the same for every batch (what a KV cache needs).
+        self.attention_len = attention_len
         # False: the embeddings reach the layers in the tables' dtype, as in a model trained under autocast.
         self.cast_to_layers = cast_to_layers
         self.embedding_collection = EmbeddingCollection(
@@ -96,7 +100,7 @@ class GrStyleRanker(nn.Module):
         total = int(contextual_lengths.sum().item()) + num_uih + total_candidates
         x = jagged_concat([contextual, history, candidates], [contextual_lengths, uih_lengths, num_candidates], total)
         offsets = F.pad(torch.cumsum(lengths, 0), (1, 0))
-        max_seq_len = int(lengths.max().item())
+        max_seq_len = self.attention_len or int(lengths.max().item())
         for layer in self.layers:
             x = layer(x, offsets, max_seq_len, num_candidates)
         user = take_last(x, offsets, num_candidates, total_candidates)
@@ -105,11 +109,11 @@ class GrStyleRanker(nn.Module):
 
 
 def build_ranker(dim: int = 16, heads: int = 2, layers: int = 2, seed: int = 0,
-                 cast_to_layers: bool = True) -> GrStyleRanker:
+                 cast_to_layers: bool = True, attention_len: int | None = None) -> GrStyleRanker:
     """The factory a bundle names: ``user_models.gr_style:build_ranker``."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = GrStyleRanker(dim, heads, layers, cast_to_layers)
+        model = GrStyleRanker(dim, heads, layers, cast_to_layers, attention_len)
         for table in model.embedding_collection.embeddings.values():
             nn.init.normal_(table.weight, std=0.1)
     return model.eval()
@@ -118,6 +122,12 @@ def build_ranker(dim: int = 16, heads: int = 2, layers: int = 2, seed: int = 0,
 def build_autocast_ranker() -> GrStyleRanker:
     """``user_models.gr_style:build_autocast_ranker``: the layers take the tables' fp32 rows as they come."""
     return build_ranker(cast_to_layers=False)
+
+
+def build_cacheable_ranker() -> GrStyleRanker:
+    """``user_models.gr_style:build_cacheable_ranker``: the attention divides by a fixed length, the longest
+    sequence ``RANGES`` allow (1 contextual token, 12 history items, 5 candidates)."""
+    return build_ranker(attention_len=ATTENTION_LEN)
 
 
 def example_inputs(history: list[int], candidates: list[int], seed: int = 0) -> tuple[KeyedJaggedTensor, ...]:
@@ -140,3 +150,4 @@ def example_inputs(history: list[int], candidates: list[int], seed: int = 0) -> 
 ATTENTION = "user_models.dlrm_hstu.jagged_hstu_attention"
 GR_ATTENTION = "generative_recommenders.ops.pytorch.pt_hstu_attention.pytorch_hstu_mha"
 RANGES = {"uih_features.uih_item_id": (1, 12), "uih_features.user_id": (1, 1), "candidates_features": (1, 5)}
+ATTENTION_LEN = 18

@@ -689,8 +689,14 @@ std::shared_ptr<const Package> Package::open(const std::string& path, const Opti
   }
 
   if (const Value* kv = manifest.find("kv_cache"); kv != nullptr && !kv->is_null()) {
+    const Value* kind = kv->find("kind");
     if (impl->backend != "aoti") {
       impl->kv_problem = path + " has a KV-cache section but is a " + impl->backend + " package; re-export it with --backend aoti";
+    } else if (kind != nullptr && !kind->is_null()) {
+      // A delta program derived from a user's graph (hstu_export/kv_derive.py): Python serves it.
+      impl->kv_problem = path + ": its KV-cache delta program is derived from the model's graph (kv_cache.kind " +
+                         fields.string(*kv, "kind", "kv_cache") + "), which the C++ runtime does not serve yet; serve "
+                         "it from Python (predictor.kv_cache) or without a cache";
     } else {
       try {
         impl->kv = read_kv_section(fields, manifest, *kv, listed, *impl);

@@ -1,0 +1,185 @@
+"""``--kv-cache`` for models other than the zoo's: the delta program derived from the traced dense half
+(:mod:`hstu_export.kv_derive`), compiled with AOTInductor into the package beside the no-cache programs,
+and its verification by scripted requests served through the package's cache (docs/KV_CACHE.md)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hstu_export.errors import ConfigError, ExportError
+from hstu_export.kv_derive import DELTA_INPUTS, derive_delta, generic_ops
+from hstu_export.runtimes.base import DimSpec, torch_dynamic_shapes
+
+KV_DELTA_FILE = "kv/delta.pt2"
+KV_COUNTS_FILE = "kv/counts.pt2"
+DERIVED = "derived"
+
+
+def page_table_width_bound(max_seq_len: int, page_size: int) -> int:
+    """The widest page table the program accepts: a whole sequence's pages, and at least 64."""
+    return max(-(-max_seq_len // page_size), 64)
+
+
+def compile_derived_delta(result: Any, inputs: Any, settings: Any, op_target: str, out_dir: Path) -> dict[str, Any]:
+    """Derive the delta program from ``result`` (the pipeline run again at the ``triton`` target without
+    fusions, so that each attention is one node), lower it to ``op_target``, export and compile it into
+    ``out_dir``; returns the manifest's ``kv_cache`` section. ``inputs``: the no-cache export's
+    CompileInputs (its dense inputs, example and dynamic dims are the delta program's too)."""
+    from hstu_export.capture.opaque import export_builtins
+    from hstu_export.passes.context import PassContext
+    from hstu_export.passes.map_ops import MapOps
+    from hstu_export.runtimes.graph_io import export_ready, plain_first_line
+    from hstu_export.runtimes.unbacked_ranges import unbacked_ranges_hold_at_one
+
+    start = time.perf_counter()
+    dense = generic_ops(result.dense)
+    names = [n.target for n in dense.graph.nodes if n.op == "placeholder"]
+    if names != inputs.dense_input_names:
+        raise ExportError(f"--kv-cache: the dense half traced again takes {names}, not {inputs.dense_input_names}")
+    example = dict(inputs.example_dense_inputs)
+    derived = derive_delta(dense, example, op_target=op_target)
+    program = MapOps().run(derived.program, PassContext(example_inputs={}, op_target=op_target))
+    program.recompile()
+    page_size, device = settings.kv_page_size, settings.torch_device
+    width_bound = page_table_width_bound(derived.max_seq_len, page_size)
+    batch = _batch_dim(derived.counts, inputs)
+    users = example[next(n.target for n in derived.counts.graph.nodes if n.op == "placeholder")].shape[0]
+    width, pages = 2, 2 * users + 1
+    kv_example = {
+        "kv_cached": torch.zeros(users, dtype=torch.int64, device=device),
+        "kv_k_pages": torch.zeros(derived.num_layers, pages, page_size, derived.num_heads, derived.attention_dim,
+                                  dtype=settings.torch_dtype, device=device),
+        "kv_v_pages": torch.zeros(derived.num_layers, pages, page_size, derived.num_heads, derived.linear_dim,
+                                  dtype=settings.torch_dtype, device=device),
+        "kv_x_pages": torch.zeros(pages, page_size, derived.row_width, dtype=derived.row_dtype, device=device),
+        "kv_page_table": torch.arange(users * width, dtype=torch.int32, device=device).reshape(users, width),
+    }
+    pages_dim = DimSpec("kv_pages", 2, 2**31 - 1)
+    dims = {**inputs.dense_dynamic_dims, "kv_cached": {0: batch}, "kv_k_pages": {1: pages_dim},
+            "kv_v_pages": {1: pages_dim}, "kv_x_pages": {0: pages_dim},
+            "kv_page_table": {0: batch, 1: DimSpec("kv_page_table_width", 1, width_bound)}}
+    all_names = [*names, *DELTA_INPUTS]
+    kwargs = {**example, **kv_example}
+    try:
+        with torch.no_grad(), export_builtins(set(inputs.user_packages)), unbacked_ranges_hold_at_one():
+            exported = torch.export.export(export_ready(program), args=(), kwargs=kwargs, strict=False,
+                                           dynamic_shapes=torch_dynamic_shapes(all_names, dims))
+            counts_names = [n.target for n in derived.counts.graph.nodes if n.op == "placeholder"]
+            counts = torch.export.export(derived.counts, args=(), kwargs={n: example[n] for n in counts_names},
+                                         dynamic_shapes=torch_dynamic_shapes(counts_names, dims), strict=False)
+    except Exception as exc:
+        raise ExportError(f"torch.export of the derived KV-cache delta program failed: {plain_first_line(exc)}") from exc
+    (out_dir / KV_DELTA_FILE).parent.mkdir(parents=True, exist_ok=True)
+    options = dict(settings.aoti_options)
+    try:
+        with unbacked_ranges_hold_at_one():
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / KV_DELTA_FILE),
+                                                     inductor_configs=dict(options))
+        torch.export.save(counts, out_dir / KV_COUNTS_FILE)
+    except Exception as exc:
+        raise ExportError(f"AOTInductor compilation of the derived KV-cache delta program failed: "
+                          f"{plain_first_line(exc)}") from exc
+    with torch.no_grad():
+        returned = list(program(**kwargs))  # the compiled program returns its outputs in this order
+    return {
+        "kind": DERIVED,
+        "program": KV_DELTA_FILE,
+        "counts": KV_COUNTS_FILE,
+        "inputs": all_names,
+        "counts_inputs": counts_names,
+        "outputs": returned,
+        "page_size": page_size,
+        "max_seq_len": derived.max_seq_len,
+        "layout": derived.layout(),
+        "frontier": derived.frontier,
+        "target_inputs": derived.target_inputs,
+        "layer_nodes": derived.layer_nodes,
+        "inductor_options": options,
+        "compile_seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def _batch_dim(counts: torch.fx.GraphModule, inputs: Any) -> DimSpec:
+    """The batch's dynamic dim: dim 0 of a per-user input the sequence counts are computed from."""
+    for node in counts.graph.nodes:
+        spec = inputs.dense_dynamic_dims.get(node.target, {}).get(0) if node.op == "placeholder" else None
+        example = inputs.example_dense_inputs.get(node.target)
+        if spec is not None and example is not None and example.dim() == 1 and spec.scale == 1 and not spec.offset:
+            return spec
+    raise ConfigError("--kv-cache: the attentions' sequence lengths are not computed from per-user lengths of the "
+                      "request; the cache cannot tell each user's tokens")
+
+
+# -- verification ---------------------------------------------------------------------------------------
+
+
+def verification_requests(schema: Any, target_inputs: list[str], max_batch: int, seed: int,
+                          ) -> list[tuple[str, list[Hashable], dict[str, Tensor]]]:  # fmt: skip
+    """(what it checks, user ids, request) in serving order, within the package's ranges: a prefill; the
+    same users reordered (every one a hit); their histories with new candidates (the lengths the target
+    counts come from, ``target_inputs``, and the features that share or follow them, drawn again); new
+    content under known ids (stale, or a hit where the rows the layers start from did not change); a new
+    user beside a cached one."""
+    from hstu_export.verification.batch import generate_batch
+
+    n = max(1, min(3, max_batch))
+    first = generate_batch(schema, n, seed=seed)
+    order = list(reversed(range(n)))
+    candidates = {f.name for f in schema.lengths_features() if f.graph_name in target_inputs}
+    candidates |= {f.name for f in schema.lengths_features() if schema.canonical_lengths(f.name) in candidates}
+    kept = {f.name: first[f.name] for f in schema.lengths_features() if f.name not in candidates and not f.same_as}
+    again = generate_batch(schema, n, seed=seed + 2, lengths=kept)
+    ids = [f"verify-user-{i}" for i in range(n)]
+    steps = [
+        ("prefill (every user a miss)", ids, first),
+        ("the same users reordered (hits)", [ids[i] for i in order],
+         {name: _users(schema, first, order, name) for name in first}),
+    ]
+    if candidates:
+        steps.append(("the same histories with new candidates", ids,
+                      {f.name: (again if f.name in candidates or f.jagged_by in candidates else first)[f.name]
+                       for f in schema.features}))
+    steps.append(("new content under the same ids", ids, generate_batch(schema, n, seed=seed + 1)))
+    if n > 1:
+        newcomer = generate_batch(schema, 1, seed=seed + 3)
+        steps.append(("a new user with a cached one", ["verify-user-new", ids[0]],
+                      {name: torch.cat([newcomer[name], _users(schema, first, [0], name)]) for name in first}))
+    return steps
+
+
+def _users(schema: Any, batch: dict[str, Tensor], order: list[int], name: str) -> Tensor:
+    """Feature ``name`` of ``batch`` for the users ``order`` (rows of a jagged feature follow its lengths)."""
+    f = schema.get(name)
+    value = batch[name]
+    if f.kind != "jagged":
+        return value[order]
+    lengths = batch[f.jagged_by].to(torch.int64)
+    starts = torch.cumsum(lengths, 0) - lengths
+    parts = [value[int(starts[i]):int(starts[i] + lengths[i])] for i in order]
+    return torch.cat(parts) if parts else value[:0]
+
+
+def verify_derived_kv_cache(predictor: Any, reference: Callable[[dict[str, Tensor]], dict[str, Tensor]],
+                            tolerances: dict[str, float], seed: int) -> dict[str, Any]:
+    """Serve :func:`verification_requests` through the package's cache, in order, each answer compared with
+    ``reference`` (the user's model on the whole request): ``check_parity``'s record plus the cache's
+    counters; it fails when no request was served from the cache."""
+    from hstu_export.verification.parity import check_parity
+
+    section = predictor.manifest["kv_cache"]
+    ranker = predictor.kv_cache()
+    steps = verification_requests(predictor.input_schema, section["target_inputs"], predictor.max_batch_size, seed)
+    users_of = {what: ids for what, ids, _ in steps}
+    current: list[str] = []
+    report = check_parity(lambda batch: ranker(batch, users_of[current[-1]]), reference,
+                          [(what, batch) for what, _, batch in steps], tolerances, on_batch=current.append)
+    report["cache"] = ranker.cache.stats()
+    if report["cache"]["hits"] == 0:
+        report["passed"] = False  # nothing was served from the cache: the delta path went unchecked
+    return report

@@ -1,0 +1,70 @@
+"""A package's derived KV-cache delta program (``kv/delta.pt2`` and ``kv/counts.pt2``, written by
+``--kv-cache`` for a model other than the zoo's: hstu_export/kv_derive.py), run for
+:class:`hstu_export.serving.kv_derived.DerivedCachedRanker`: ``predictor.kv_cache(budget_bytes=...)``.
+
+A request goes through the package's own sparse half as it does without the cache; the counts program
+gives each user's sequence length and target count; the delta program gets the dense half's inputs and
+the cache's pages, page table and cached counts, and returns the outputs and which users were stale."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hstu_export.errors import HstuExportError, PackageError
+from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
+from hstu_export.settings import TORCH_DTYPES
+
+
+class PackageDerived:
+    """A :class:`~hstu_export.serving.kv_derived.DerivedRunner` over a loaded package (``Predictor``)."""
+
+    def __init__(self, predictor: Any) -> None:
+        from hstu_export.package.manifest import resolve_inside
+        from hstu_export.runtimes.aoti import _load_pt2
+
+        section = predictor.manifest["kv_cache"]
+        split = predictor.split
+        if split is None:
+            raise PackageError(f"{predictor.root}: KV-cached serving needs the sparse and dense halves apart")
+        self.layout: dict[str, Any] = dict(section["layout"])
+        self.page_size: int = section["page_size"]
+        self.device: torch.device = predictor.device
+        self.dtype: torch.dtype = TORCH_DTYPES[predictor.manifest["dtype"]]
+        self._predictor, self._split = predictor, split
+        self._inputs = list(section["inputs"])
+        self._counts_inputs = list(section["counts_inputs"])
+        self._outputs = list(section["outputs"])
+        try:
+            self._program = _load_pt2(resolve_inside(predictor.root, section["program"], "kv_cache.program"))
+            counts = torch.export.load(resolve_inside(predictor.root, section["counts"], "kv_cache.counts"))
+            self._counts = counts.module()
+        except HstuExportError:
+            raise
+        except Exception as exc:
+            raise PackageError(f"{predictor.root}: the KV-cache programs could not be loaded: "
+                               f"{plain_first_line(exc)}") from exc
+
+    def dense_inputs(self, request: dict[str, Tensor]) -> dict[str, Tensor]:
+        features = self._predictor.check_request(request)
+        graph = {f.graph_name: features[f.name].to(self.device) for f in self._predictor.input_schema.features}
+        return self._split.dense_inputs(graph)
+
+    def counts(self, dense: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        with torch.no_grad():
+            return self._counts(**{name: dense[name] for name in self._counts_inputs})
+
+    def delta(self, dense: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor, x_pages: Tensor,
+              page_table: Tensor) -> dict[str, Tensor]:
+        values = {**dense, "kv_cached": cached, "kv_k_pages": k_pages, "kv_v_pages": v_pages, "kv_x_pages": x_pages,
+                  "kv_page_table": page_table}
+        try:
+            with torch.no_grad():
+                return as_output_dict(self._program(**{name: values[name] for name in self._inputs}), self._outputs)
+        except HstuExportError:
+            raise
+        except Exception as exc:  # the request passed check_request: the program or the runtime failed
+            raise PackageError(f"{self._predictor.root}: running the KV-cache delta program failed: "
+                               f"{plain_first_line(exc)}") from exc
