@@ -378,6 +378,17 @@ def export(
 
     with running_model(device, "while its split graphs ran"):
         inputs = _compile_inputs(result, schema.to_graph_inputs(example), schema, ranges, settings)
+    derived = None
+    if settings.kv_cache and not _is_zoo_ranker(bundle.model):
+        from hstu_export.kv_derived_export import derive_for_export
+
+        with _timed(timings, progress, "kv-cache derivation"), torch.no_grad():
+            # The pipeline again with each attention one node (our Triton op, read back as the generic op):
+            # the derivation reads the layers around it, then lowers the program to op_target.
+            again = capture(bundle, _replace(settings, dump_dir=None, skip_passes=(*settings.skip_passes, "fuse_stu_gate")),
+                            "triton")
+            with running_model(device, "while its delta program was derived"):
+                derived = derive_for_export(again.result, inputs, op_target)
     if settings.dryrun:
         with _timed(timings, progress, "compile"), torch.no_grad():
             report = backend.dryrun(inputs)
@@ -398,17 +409,12 @@ def export(
             with _timed(timings, progress, "kv-cache program"), torch.no_grad():
                 kv_model = copy.deepcopy(bundle.model).to(device=device, dtype=settings.torch_dtype).eval()
                 kv_section = compile_kv_delta(kv_model, ranges, settings, op_target, staged, inputs.output_names)
-        elif settings.kv_cache:
+        elif derived is not None:
             from hstu_export.kv_derived_export import compile_derived_delta
 
-            with _timed(timings, progress, "kv-cache program"), torch.no_grad():
-                # The pipeline again with each attention one node (our Triton op, read back as the generic
-                # op): the derivation reads the layers around it, then lowers the program to op_target.
-                again = _replace(settings, dump_dir=None,
-                                            skip_passes=(*settings.skip_passes, "fuse_stu_gate"))
-                derivation = capture(bundle, again, "triton")
-                with running_model(device, "while its delta program was derived"):
-                    kv_section = compile_derived_delta(derivation.result, inputs, settings, op_target, staged)
+            with _timed(timings, progress, "kv-cache program"), torch.no_grad(), \
+                    running_model(device, "while its delta program was compiled"):
+                kv_section = compile_derived_delta(derived, inputs, settings, staged)
         if result.report_path is not None and settings.graphs_in_package:
             # Asked for: the graph dumps travel inside the package (graphs/report.html).
             shutil.copytree(result.report_path.parent, staged / "graphs")

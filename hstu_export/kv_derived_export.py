@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, ExportError
-from hstu_export.kv_derive import DELTA_INPUTS, derive_delta, generic_ops
+from hstu_export.kv_derive import DELTA_INPUTS, DerivedDelta, derive_delta, generic_ops
 from hstu_export.runtimes.base import DimSpec, torch_dynamic_shapes
 
 KV_DELTA_FILE = "kv/delta.pt2"
@@ -26,26 +26,34 @@ def page_table_width_bound(max_seq_len: int, page_size: int) -> int:
     return max(-(-max_seq_len // page_size), 64)
 
 
-def compile_derived_delta(result: Any, inputs: Any, settings: Any, op_target: str, out_dir: Path) -> dict[str, Any]:
-    """Derive the delta program from ``result`` (the pipeline run again at the ``triton`` target without
-    fusions, so that each attention is one node), lower it to ``op_target``, export and compile it into
-    ``out_dir``; returns the manifest's ``kv_cache`` section. ``inputs``: the no-cache export's
-    CompileInputs (its dense inputs, example and dynamic dims are the delta program's too)."""
-    from hstu_export.capture.opaque import export_builtins
+def derive_for_export(result: Any, inputs: Any, op_target: str) -> DerivedDelta:
+    """The delta program of ``result`` (the pipeline run again at the ``triton`` target without fusions, so
+    that each attention is one node), lowered to ``op_target``; ConfigError when the model cannot be
+    cached. ``inputs``: the no-cache export's CompileInputs (whose dense inputs, example and dynamic dims
+    are the delta program's too). Runs before anything is compiled, so that a refusal comes at once."""
     from hstu_export.passes.context import PassContext
     from hstu_export.passes.map_ops import MapOps
-    from hstu_export.runtimes.graph_io import export_ready, plain_first_line
-    from hstu_export.runtimes.unbacked_ranges import unbacked_ranges_hold_at_one
 
-    start = time.perf_counter()
     dense = generic_ops(result.dense)
     names = [n.target for n in dense.graph.nodes if n.op == "placeholder"]
     if names != inputs.dense_input_names:
         raise ExportError(f"--kv-cache: the dense half traced again takes {names}, not {inputs.dense_input_names}")
-    example = dict(inputs.example_dense_inputs)
-    derived = derive_delta(dense, example, op_target=op_target)
-    program = MapOps().run(derived.program, PassContext(example_inputs={}, op_target=op_target))
-    program.recompile()
+    derived = derive_delta(dense, dict(inputs.example_dense_inputs), op_target=op_target)
+    derived.program = MapOps().run(derived.program, PassContext(example_inputs={}, op_target=op_target))
+    derived.program.recompile()
+    return derived
+
+
+def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out_dir: Path) -> dict[str, Any]:
+    """Export and compile ``derived`` (:func:`derive_for_export`) into ``out_dir`` (the package being built);
+    returns the manifest's ``kv_cache`` section."""
+    from hstu_export.capture.opaque import export_builtins
+    from hstu_export.runtimes.graph_io import export_ready, plain_first_line
+    from hstu_export.runtimes.unbacked_ranges import unbacked_ranges_hold_at_one
+
+    start = time.perf_counter()
+    program, example = derived.program, dict(inputs.example_dense_inputs)
+    names = list(inputs.dense_input_names)
     page_size, device = settings.kv_page_size, settings.torch_device
     width_bound = page_table_width_bound(derived.max_seq_len, page_size)
     batch = _batch_dim(derived.counts, inputs)

@@ -6,6 +6,7 @@ cached are refused naming why."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -182,3 +183,66 @@ def test_layers_that_read_a_value_of_the_batch_are_refused(monkeypatch: pytest.M
     setup = dlrm_setup()
     with pytest.raises(ConfigError, match="computed from the whole batch|mixes token rows"):
         derive_delta(setup.result.dense, setup.example)
+
+
+# ---- through an export --------------------------------------------------------------------------------
+
+
+def _cacheable_bundle(path: Path, build: str = "build_cacheable_ranker") -> Path:
+    import hstu_export
+
+    model = getattr(gr_style, build)()
+    return hstu_export.save_bundle(model, path, example_inputs=gr_style.example_inputs([10, 5, 7], [3, 1, 2]),
+                                   factory=f"user_models.gr_style:{build}", ranges=gr_style.RANGES)
+
+
+def test_a_model_whose_attention_scale_follows_the_batch_is_refused_before_compiling(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from hstu_export.cli import main as cli_main
+
+    bundle = _cacheable_bundle(tmp_path / "gr.pt", build="build_ranker")
+    out = tmp_path / "out"
+    assert cli_main([str(bundle), "--kv-cache", "--map-function", f"{gr_style.ATTENTION}={GR_ATTENTION}",
+                     "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --kv-cache: attention ") and "--attention-scale fixed:N" in err[-1]
+    assert "compile" not in "".join(err)  # refused before the programs were compiled
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_it(tmp_path: Path) -> None:
+    """gr_style with a fixed attention length: exported with --kv-cache (aoti, CPU), verified through its
+    cache at export, then served: every answer equals the package's without the cache, hits included."""
+    import hstu_export
+
+    bundle = _cacheable_bundle(tmp_path / "grc.pt")
+    result = hstu_export.export(bundle, tmp_path / "pkg", hstu_export.ExportSettings(
+        backend="aoti", kv_cache=True, max_batch_size=4, op_mappings={gr_style.ATTENTION: GR_ATTENTION}))
+    section, parity = result.manifest["kv_cache"], result.parity["kv_cache"]
+    assert section["kind"] == "derived" and section["layout"]["num_layers"] == 2
+    assert section["target_inputs"] == ["candidates_features__cand_item_id__lengths"]
+    assert parity["passed"] and parity["cache"]["hits"] >= 3 and parity["cache"]["stale"] >= 1
+
+    predictor = hstu_export.load(result.path)
+    ranker = predictor.kv_cache()
+    schema, model = predictor.input_schema, gr_style.build_cacheable_ranker()
+
+    def request(users: list[User]) -> dict[str, torch.Tensor]:
+        kjts = [KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=torch.cat([torch.tensor(u[k], dtype=torch.int64) for k in keys for u in users]),
+            lengths=torch.tensor([len(u[k]) for k in keys for u in users])) for keys in (gr_style.UIH_KEYS,
+                                                                                           gr_style.CANDIDATE_KEYS)]
+        return flatten_example(schema, tuple(kjts), None, model)
+
+    a, b = gr_user(1, 8, 3), gr_user(2, 4, 1)
+    script = [([1, 2], [a, b]), ([2, 1], [b, a]), ([1, 2], [new_candidates(a, 5, ["cand_item_id"]), b]),
+              ([1], [grown(a, gr_style.UIH_KEYS)])]
+    for ids, users in script:
+        batch = request(users)
+        got, want = ranker(batch, ids), predictor(batch)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+    stats = ranker.cache.stats()
+    # The contextual token sees the whole history: the grown history is stale, the rest hit.
+    assert (stats["misses"], stats["hits"], stats["stale"]) == (2, 4, 1), stats
