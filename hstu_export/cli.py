@@ -255,7 +255,8 @@ def _stage_progress(quiet: bool) -> Any:
 @click.option("--check-each-pass", is_flag=True, help="Compare the graph with eager after every pass.")
 @click.option("--force", is_flag=True, help="Replace an existing package directory.")
 @click.option("--kv-cache", is_flag=True,
-              help="Also export the delta program for KV-cached serving, verified against the model (docs/KV_CACHE.md).")
+              help="Also export the delta program for KV-cached serving, verified against the model: the zoo's own, "
+                   "or one derived from the model's graph (docs/KV_CACHE.md).")
 @click.option("--kv-page-size", type=int, default=64, show_default=True,
               help="With --kv-cache: tokens per cache page (a power of two >= 16; larger pages mean fewer page-table "
                    "reads in the attention kernel, smaller ones less unused room per user).")
