@@ -14,6 +14,8 @@ import pytest
 import torch
 from manifests import rewrite_manifest
 from torch import Tensor, nn
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from user_models import pooled, tzrec_style
 
@@ -23,7 +25,7 @@ from hstu_export.capture import trace
 from hstu_export.capture.graph_functions import build_jt, build_kt
 from hstu_export.errors import ConfigError, PackageError
 from hstu_export.exporter import export_ranges
-from hstu_export.package.schema import ONE_PER_USER, ArgumentSpec, InputSchema
+from hstu_export.package.schema import ONE_PER_USER, ArgumentSpec, InputSchema, graph_name
 from hstu_export.package.tensor_dir import load_tensors, save_tensors
 from hstu_export.sources.outputs import call_model
 from hstu_export.sources.schema_inference import flatten_example, infer_schema
@@ -106,6 +108,35 @@ def test_nondefault_fields_are_rebuilt_as_they_were() -> None:
     rebuilt = schema.assemble(flatten_example(schema, (batch,), None, model))[1]["batch"]
     assert (rebuilt.tile_size, rebuilt.dummy) == (3, True)
     assert InputSchema.from_json(schema.to_json()) == schema  # the manifest's form reads back the same
+
+
+class BaseGroupRanker(nn.Module):
+    """Every id feature in one KeyedJaggedTensor of the data group ``__BASE__``, as TorchEasyRec's data parser
+    hands them to its models, with a key in camel case."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ec = EmbeddingCollection(tables=[EmbeddingConfig(name="item", embedding_dim=4, num_embeddings=10,
+                                                              feature_names=["itemId"])], device=torch.device("cpu"))
+
+    def forward(self, batch: tzrec_style.Batch) -> dict[str, Tensor]:
+        return {"score": self.ec(batch.sparse_features["__BASE__"])["itemId"].values().sum(-1)}
+
+
+def test_request_names_in_capitals_trace() -> None:
+    # FX lowercases placeholder names and strips a dunder name's underscores: graph names must be ones it keeps.
+    model = BaseGroupRanker().eval()
+    ids = KeyedJaggedTensor.from_lengths_sync(["itemId"], torch.tensor([1, 2, 3, 9]), torch.tensor([3, 1]))
+    batch = tzrec_style.Batch(sparse_features={"__BASE__": ids})
+    schema = infer_schema(model, (batch,), ranges={"batch.sparse_features.__BASE__": (1, 4)})
+    request = flatten_example(schema, (batch,), None, model)
+    gm = trace(model, request, schema=schema)
+    assert schema.graph_names == ["batch__sparse_features____base____itemid__lengths",
+                                  "batch__sparse_features____base____itemid__values"]
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == schema.graph_names
+    assert graph_name("__BASE__") == "f___base__"
+    with torch.no_grad():
+        _assert_same(gm(**schema.to_graph_inputs(request)), model(batch))
 
 
 def test_traced_batch_model_equals_the_model() -> None:
