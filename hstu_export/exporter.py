@@ -369,8 +369,8 @@ def export(
         captured = capture(bundle, settings, op_target, timings=timings, progress=progress, extra_passes=extra_passes)
     result, schema, ranges, example = captured.result, captured.schema, captured.ranges, captured.example
     _check_sequence_length(result, schema, ranges, settings, bundle.model)
-    if settings.kv_cache and not captured.output_plan.keeps_model_names:
-        raise ConfigError("--kv-cache serves the model's outputs under the model's own names: export without "
+    if settings.kv_cache and _is_zoo_ranker(bundle.model) and not captured.output_plan.keeps_model_names:
+        raise ConfigError("--kv-cache serves the zoo model's outputs under the model's own names: export without "
                           "--output-names (or the model's output_names hints)")
     assert ranges is not None  # capture() raises without ranges when need_ranges
     if result.sparse is None or result.dense is None or result.boundary is None:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx.operator_schemas import normalize_function
 
-from hstu_export.errors import ConfigError
+from hstu_export.errors import ConfigError, ExportError
 from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offsets
 
 # The attention every mapped model calls (map_ops' generic op, before its lowering to a target).
@@ -130,6 +130,16 @@ class _Analysis:
                               "to map); only models whose attention is mapped can be cached")
         self.args = [self._bind(a) for a in self.attentions]
         self.rows = int(values[self.args[0]["q"]].shape[0])
+        # Token rows come from the request: a parameter or constant whose first axis happens to be as long is not.
+        self.from_request = {n for n in gm.graph.nodes if n.op == "placeholder"}
+        for n in gm.graph.nodes:
+            if any(a in self.from_request for a in n.all_input_nodes):
+                self.from_request.add(n)
+        q, k, v = (values[self.args[0][name]] for name in ("q", "k", "v"))
+        if self.rows in {*q.shape[1:], *k.shape[1:], *v.shape[1:]}:
+            raise ExportError(f"--kv-cache: the export example has {self.rows} token rows, as many as a head count or "
+                              f"width of the attention ({tuple(q.shape)}); rows could not be told apart. Export with "
+                              f"other ranges (the example's lengths follow them)")
         self.region: set[torch.fx.Node] = set()
         self.frontier: list[torch.fx.Node] = []
 
@@ -138,7 +148,7 @@ class _Analysis:
         return dict(bound.kwargs)
 
     def rowish(self, n: Any) -> bool:
-        if not isinstance(n, torch.fx.Node):
+        if not isinstance(n, torch.fx.Node) or n not in self.from_request:
             return False
         v = self.values.get(n)
         if isinstance(v, Tensor):
@@ -170,6 +180,13 @@ class _Analysis:
             return self._dim(n, n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)) not in (0, None)
         if n.op == "call_function" and n.target in (torch.split, torch.chunk):
             return self._dim(n, n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)) not in (0, None)
+        if n.op == "call_function" and n.target in (torch.addmm, torch.mm, torch.matmul, operator.matmul):
+            # A product with the rows on the left and weights on the right (addmm's bias broadcast or per row).
+            operands = [a for a in n.args if isinstance(a, torch.fx.Node)]
+            left, right = operands[-2:] if len(operands) >= 2 else (None, None)
+            weights = self.values.get(right)
+            return (self.rowish(left) and not self.rowish(right) and isinstance(weights, Tensor)
+                    and weights.dim() <= 2)
         if n.op == "call_function" and n.target in (torch.flatten, torch.reshape):
             return True  # the first axis keeps its size (rowish): each row stays itself
         if n.op == "call_function":
@@ -260,26 +277,26 @@ class _Analysis:
                                       f"computed from the whole batch; a cached row must depend on its own tokens only")
 
     def _static(self, n: torch.fx.Node) -> bool:
-        """A value that is the same for every request of one shape: parameters, constants, shape reads."""
-        stack, seen = [n], set()
-        while stack:
-            m = stack.pop()
-            if m in seen:
-                continue
-            seen.add(m)
-            if m.op == "get_attr":
-                continue
-            if m.op == "call_method" and m.target in METADATA_METHODS:
-                continue
-            if m.op == "call_function" and m.target is getattr and m.args[1] in ("shape", "dtype", "device", "ndim"):
-                continue
-            if m.op == "placeholder" or m in self.region:
-                return False
-            if isinstance(self.values.get(m), Tensor) and m.op != "get_attr" and any(
-                    a.op == "placeholder" for a in _ancestors([m])):
-                return False
-            stack.extend(m.all_input_nodes)
-        return True
+        """A value that is the same for every request of one shape: parameters, constants, shape and dtype
+        reads, and what is computed from those alone."""
+        memo: dict[torch.fx.Node, bool] = {}
+
+        def static(m: torch.fx.Node) -> bool:
+            if m not in memo:
+                if m.op == "get_attr":
+                    memo[m] = True
+                elif m.op == "call_method" and m.target in METADATA_METHODS:
+                    memo[m] = True
+                elif m.op == "call_function" and m.target is getattr and m.args[1] in ("shape", "dtype", "device",
+                                                                                          "ndim"):
+                    memo[m] = True
+                elif m.op == "placeholder" or m in self.region:
+                    memo[m] = False
+                else:
+                    memo[m] = all(static(a) for a in m.all_input_nodes)
+            return memo[m]
+
+        return static(n)
 
 
 def _what(n: torch.fx.Node) -> str:

@@ -195,7 +195,7 @@ def test_cli_refuses_bad_names_in_one_line(tuple_bundle: Path, tmp_path: Path, c
 
 
 def test_kv_cache_keeps_the_models_names(tiny_zoo_bundle: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="--kv-cache serves the model's outputs under the model's own names"):
+    with pytest.raises(ConfigError, match="--kv-cache serves the zoo model's outputs under the model's own names"):
         hstu_export.export(tiny_zoo_bundle, tmp_path / "pkg", ExportSettings(kv_cache=True, max_batch_size=2,
                                                                              output_names={"ctr": "click"}))
 

@@ -1,0 +1,237 @@
+"""KV-cached serving of generative-recommenders' ``DlrmHSTU`` through its derived delta program, beside the zoo's
+dlrmv3 through its own, on the "same history, new candidates" workload, timed in the same run.
+
+    GR_SRC=/path/to/generative-recommenders PYTHONPATH=$PWD python benchmarks/gpu_kv_derived.py --out $OUT
+    GR_SRC=... python benchmarks/gpu_kv_derived.py --out /tmp/kvd --small --device cpu   # a dry run on a CPU
+
+- Packages: ``examples/generative_recommenders/gr_ranker.py`` at DLRMv3's dense shape (5 layers of d512, 4 heads
+  of 128), exported with ``--kv-cache --attention-scale fixed:N`` (N: the longest sequence the ranges allow),
+  traced on the CPU in fp32 (``--reference-device cpu``; its eager code needs fbgemm's CUDA ops, which the GPU
+  machine lacks); the zoo's dlrmv3 with ``--kv-cache``. Both bf16, CUDA, the same ranges, unverified at export
+  (the corners on the CPU would take hours); checked here instead.
+- Workload: per user a history of 4096 items, all cached by a first request, then a request with the same
+  history and 256 new candidates (re-ranking: the case generative-recommenders' positions, counted from the end
+  of the history, leave exact), at 1, 8 and 32 users.
+- Check: the cached answer against the same package without the cache on the second request (rel. L2).
+- Timed (median of CUDA-event-timed calls after warm-up): each package's no-cache dense half on the second
+  request, and its cached dense half on it (the delta program alone on a filled cache; the zoo's also replayed
+  from its CUDA graph, as served). The ratio per model, and the GR ratio over the zoo's.
+
+Writes ``kv_derived.json`` into ``--out`` after every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples" / "generative_recommenders"))
+if os.environ.get("GR_SRC"):
+    sys.path.insert(0, os.environ["GR_SRC"])
+
+import gr_ranker  # noqa: E402  (after the paths)
+
+import hstu_export  # noqa: E402
+from hstu_export import ExportSettings, VerifySettings  # noqa: E402
+from hstu_export.models import build_preset  # noqa: E402
+from hstu_export.sources.schema_inference import flatten_example  # noqa: E402
+
+DLRMV3 = {"dim": 512, "heads": 4, "layers": 5, "head_dim": 128, "preprocessor_dim": 256, "max_seq_len": 8192,
+          "max_candidates": 2048}
+SMALL = {"dim": 64, "heads": 2, "layers": 2, "head_dim": 32, "preprocessor_dim": 32, "max_seq_len": 512,
+         "max_candidates": 64}
+GR_CONTEXTUAL = 2  # gr_ranker's contextual features: user_id, user_active_degree
+
+
+def workload(small: bool) -> dict[str, Any]:
+    return ({"history": 32, "candidates": 8, "users": [1, 2, 4]} if small
+            else {"history": 4096, "candidates": 256, "users": [1, 8, 32]})
+
+
+def settings(device: str, w: dict[str, Any], **kwargs: Any) -> ExportSettings:
+    return ExportSettings(backend="aoti", device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                          max_batch_size=max(w["users"]), force=True, kv_cache=True,
+                          verify=VerifySettings(enabled=False), **kwargs)
+
+
+def export_gr(work: Path, device: str, small: bool) -> float:
+    w, shape = workload(small), SMALL if small else DLRMV3
+    bundle = hstu_export.save_bundle(
+        gr_ranker.build_ranker(**shape), work / "gr.pt", example_inputs=gr_ranker.example_inputs([5, 3, 7], [3, 1, 2]),
+        factory="gr_ranker:build_ranker", factory_kwargs=shape,
+        ranges={"uih_features.video_id": (1, w["history"]), "uih_features.user_id": (1, 1),
+                "candidates_features": (1, w["candidates"])})
+    longest = w["history"] + w["candidates"] + GR_CONTEXTUAL
+    start = time.perf_counter()
+    hstu_export.export(bundle, work / "gr.aoti", settings(device, w, reference_device="cpu",
+                                                          attention_scale=f"fixed:{longest}"))
+    return round(time.perf_counter() - start, 1)
+
+
+def export_zoo(work: Path, device: str, small: bool) -> float:
+    w = workload(small)
+    model = build_preset("tiny" if small else "dlrmv3", seed=0)
+    bundle = hstu_export.save_bundle(model, work / "zoo.pt", hstu_export.generate_batch(model.input_schema(), 3, seed=1))
+    start = time.perf_counter()
+    hstu_export.export(bundle, work / "zoo.aoti", settings(device, w, lengths={
+        "uih_lengths": (1, w["history"]), "candidate_lengths": (1, w["candidates"])}))
+    return round(time.perf_counter() - start, 1)
+
+
+def gr_requests(package: Any, users: int, w: dict[str, Any]) -> tuple[dict, dict]:
+    """(first, second): the same histories; the second's candidates drawn again."""
+    model = hstu_export.load_bundle(package.root.parent / "gr.pt").model
+    history, candidates = [w["history"]] * users, [w["candidates"]] * users
+    first = flatten_example(package.input_schema, gr_ranker.example_inputs(history, candidates, seed=5), None, model)
+    other = flatten_example(package.input_schema, gr_ranker.example_inputs(history, candidates, seed=6), None, model)
+    return first, {k: other[k] if k.startswith("candidates_features.") else v for k, v in first.items()}
+
+
+def zoo_requests(package: Any, users: int, w: dict[str, Any]) -> tuple[dict, dict]:
+    lengths = {"uih_lengths": [w["history"]] * users, "candidate_lengths": [w["candidates"]] * users}
+    first = hstu_export.generate_batch(package.input_schema, users, seed=5, lengths=lengths)
+    other = hstu_export.generate_batch(package.input_schema, users, seed=6, lengths=lengths)
+    return first, {k: other[k] if k.startswith("candidate") else v for k, v in first.items()}
+
+
+def bench(fn: Any, iters: int, warmup: int = 5) -> float:
+    cuda = torch.cuda.is_available()
+    with torch.no_grad():
+        for _ in range(warmup):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        samples = []
+        for _ in range(iters):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end))
+            else:
+                t = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(samples)
+
+
+def rel_l2(got: dict, want: dict) -> float:
+    return max(float((got[k].float() - want[k].float()).norm() / want[k].float().norm().clamp_min(1e-12)) for k in want)
+
+
+def time_gr(package: Any, users: int, w: dict[str, Any], iters: int) -> dict[str, Any]:
+    first, second = gr_requests(package, users, w)
+    ranker = package.kv_cache()
+    ids = list(range(users))
+    ranker(first, ids)
+    got = ranker(second, ids)  # a hit: the candidates only
+    row: dict[str, Any] = {"stats": ranker.cache.stats(), "rel_l2_cached_vs_package": rel_l2(got, package(second))}
+    runner = ranker.runner
+    dense = runner.dense_inputs(second)
+    lengths, targets = runner.counts(dense)
+    cached = (lengths - targets).to(torch.int64)
+    width = max(len(ranker.cache.entry(u).pages) for u in ids)
+    table = torch.tensor([ranker.cache.entry(u).pages + [ranker.cache.scratch_page] * (width - len(ranker.cache.entry(u).pages))
+                          for u in ids], dtype=torch.int32, device=package.device)
+    c = ranker.cache
+    row["no_cache_ms"] = bench(lambda: package.split.dense(**dense), iters)
+    row["cached_ms"] = bench(lambda: runner.delta(dense, cached.to(package.device), c.k, c.v, c.x, table), iters)
+    row["ratio"] = row["no_cache_ms"] / row["cached_ms"]
+    return row
+
+
+def time_zoo(package: Any, users: int, w: dict[str, Any], iters: int) -> dict[str, Any]:
+    first, second = zoo_requests(package, users, w)
+    ranker = package.kv_cache()
+    ids = list(range(users))
+    ranker(first, ids)
+    got = ranker(second, ids)
+    row: dict[str, Any] = {"stats": ranker.cache.stats(), "rel_l2_cached_vs_package": rel_l2(got, package(second))}
+    runner = ranker.runner
+    features = package.check_request(second)
+    graph = {f.graph_name: features[f.name].to(package.device) for f in package.input_schema.features}
+    dense = package.split.dense_inputs(graph)
+    table = torch.tensor([ranker.cache.entry(u).pages for u in ids], dtype=torch.int32, device=package.device)
+    cached = torch.full((users,), w["history"], dtype=torch.int64)
+    delta = {**second, "uih_lengths": torch.zeros_like(second["uih_lengths"])}
+    for key in ("uih_item_ids", "uih_action_ids", "uih_timestamps"):
+        delta[key] = second[key][:0]
+    inputs = runner.program_inputs(delta, cached, ranker.cache.k, ranker.cache.v, table)
+    row["no_cache_ms"] = bench(lambda: package.split.dense(**dense), iters)
+    row["cached_ms"] = bench(lambda: runner.run_program(inputs, bucketed=False), iters)
+    if runner.graphs is not None:
+        row["cached_served_ms"] = bench(lambda: runner.run_program(inputs), iters)
+    row["ratio"] = row["no_cache_ms"] / row["cached_ms"]
+    if "cached_served_ms" in row:
+        row["ratio_served"] = row["no_cache_ms"] / row["cached_served_ms"]
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--reuse", action="store_true", help="keep packages already in --work")
+    args = parser.parse_args()
+    work = args.work or args.out
+    work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"machine": {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+        "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")},
+        "workload": workload(args.small)}
+
+    def save() -> None:
+        (args.out / "kv_derived.json").write_text(json.dumps(result, indent=2, default=str))
+
+    for name, step in (("zoo_export_seconds", lambda: export_zoo(work, args.device, args.small)),
+                       ("gr_export_seconds", lambda: export_gr(work, args.device, args.small))):
+        if args.reuse and (work / f"{name.split('_')[0]}.aoti").is_dir():
+            continue
+        try:
+            result[name] = step()
+        except Exception as exc:
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "trace": traceback.format_exc()[-3000:]}
+        save()
+    w = workload(args.small)
+    for name, timer in (("zoo", time_zoo), ("gr", time_gr)):
+        if not (work / f"{name}.aoti").is_dir():
+            continue
+        package = hstu_export.load(work / f"{name}.aoti")
+        for users in w["users"]:
+            try:
+                result.setdefault(name, {})[str(users)] = timer(package, users, w, args.iters)
+            except Exception as exc:
+                result.setdefault(name, {})[str(users)] = {"error": f"{type(exc).__name__}: {exc}"[:2000],
+                                                           "trace": traceback.format_exc()[-3000:]}
+            save()
+    for users in map(str, w["users"]):
+        zoo, gr = result.get("zoo", {}).get(users, {}), result.get("gr", {}).get(users, {})
+        if "ratio" in zoo and "ratio" in gr:
+            result.setdefault("gr_ratio_over_zoo", {})[users] = {
+                "vs_zoo_program": gr["ratio"] / zoo["ratio"],
+                "vs_zoo_served": gr["ratio"] / zoo.get("ratio_served", zoo["ratio"])}
+    save()
+    print(json.dumps({k: result.get(k) for k in ("gr_ratio_over_zoo", "zoo_export_seconds", "gr_export_seconds")},
+                     default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
