@@ -23,6 +23,7 @@ Writes ``kv_derived.json`` into ``--out`` after every step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -44,7 +45,8 @@ import gr_ranker  # noqa: E402  (after the paths)
 
 import hstu_export  # noqa: E402
 from hstu_export import ExportSettings, VerifySettings  # noqa: E402
-from hstu_export.models import build_preset  # noqa: E402
+from hstu_export.models.config import preset_config  # noqa: E402
+from hstu_export.models.ranking import HstuRankingModel  # noqa: E402
 from hstu_export.sources.schema_inference import flatten_example  # noqa: E402
 
 DLRMV3 = {"dim": 512, "heads": 4, "layers": 5, "head_dim": 128, "preprocessor_dim": 256, "max_seq_len": 8192,
@@ -81,7 +83,10 @@ def export_gr(work: Path, device: str, small: bool) -> float:
 
 def export_zoo(work: Path, device: str, small: bool) -> float:
     w = workload(small)
-    model = build_preset("tiny" if small else "dlrmv3", seed=0)
+    config = dataclasses.replace(preset_config("tiny" if small else "dlrmv3"), max_history_len=w["history"],
+                                 max_num_candidates=w["candidates"])
+    torch.manual_seed(0)
+    model = HstuRankingModel(config).eval()
     bundle = hstu_export.save_bundle(model, work / "zoo.pt", hstu_export.generate_batch(model.input_schema(), 3, seed=1))
     start = time.perf_counter()
     hstu_export.export(bundle, work / "zoo.aoti", settings(device, w, lengths={
@@ -150,7 +155,34 @@ def time_gr(package: Any, users: int, w: dict[str, Any], iters: int) -> dict[str
     row["no_cache_ms"] = bench(lambda: package.split.dense(**dense), iters)
     row["cached_ms"] = bench(lambda: runner.delta(dense, cached.to(package.device), c.k, c.v, c.x, table), iters)
     row["ratio"] = row["no_cache_ms"] / row["cached_ms"]
+    if PROFILE:
+        row["profile_cached"] = kernels(lambda: runner.delta(dense, cached.to(package.device), c.k, c.v, c.x, table))
+        row["profile_no_cache"] = kernels(lambda: package.split.dense(**dense))
     return row
+
+
+PROFILE = False
+
+
+def kernels(fn: Any, calls: int = 5, top: int = 25) -> dict[str, Any]:
+    """GPU kernels of ``calls`` calls by total time (torch.profiler), per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3 / calls
+    rows = [(e.key, e.device_time_total / calls, e.count / calls) for e in prof.key_averages()
+            if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    rows.sort(key=lambda r: -r[1])
+    return {"wall_ms_per_call": wall, "gpu_us_per_call": sum(r[1] for r in rows),
+            "kernels_per_call": sum(r[2] for r in rows),
+            "top": [{"name": k[:120], "us": round(us, 1), "count": n} for k, us, n in rows[:top]]}
 
 
 def time_zoo(package: Any, users: int, w: dict[str, Any], iters: int) -> dict[str, Any]:
@@ -188,7 +220,11 @@ def main() -> int:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--reuse", action="store_true", help="keep packages already in --work")
+    parser.add_argument("--only", nargs="+", default=["zoo", "gr"], choices=["zoo", "gr"])
+    parser.add_argument("--profile", action="store_true", help="also the GPU kernels of the GR package's calls")
     args = parser.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     work = args.work or args.out
     work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -202,7 +238,7 @@ def main() -> int:
 
     for name, step in (("zoo_export_seconds", lambda: export_zoo(work, args.device, args.small)),
                        ("gr_export_seconds", lambda: export_gr(work, args.device, args.small))):
-        if args.reuse and (work / f"{name.split('_')[0]}.aoti").is_dir():
+        if name.split("_")[0] not in args.only or (args.reuse and (work / f"{name.split('_')[0]}.aoti").is_dir()):
             continue
         try:
             result[name] = step()

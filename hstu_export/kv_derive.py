@@ -335,7 +335,6 @@ def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, 
     x_pages.index_put_((torch.where(keep, page, scratch), slot), x)
     new_total = q_offsets[-1].item()  # a size read from the data (unbacked in an exported program)
     torch._check(new_total >= 0)
-    torch._check(new_total <= total)
     q_user, q_step = jagged_positions_by_search(q_offsets, new_total)
     new_rows = (offsets[:-1] + cached)[q_user] + q_step
     return new_rows, q_offsets, lengths, targets, stale
