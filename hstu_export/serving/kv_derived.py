@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hstu_export.errors import RequestError
+from hstu_export.errors import ConfigError, RequestError
 from hstu_export.serving.kv_cache import CacheFull, PagedKVCache, user_keys
 
 __all__ = ["DerivedCachedRanker", "DerivedRunner", "EagerDerived"]
@@ -73,6 +73,10 @@ class DerivedCachedRanker:
     layers only past its cached prefix (the users' frontier rows prove the prefix unchanged)."""
 
     def __init__(self, runner: DerivedRunner, *, budget_bytes: int | str, page_size: int = 64) -> None:
+        fixed = getattr(runner, "page_size", None)  # an exported program reads pages of one size
+        if fixed is not None and fixed != page_size:
+            raise ConfigError(f"the delta program reads pages of {fixed} tokens; use page_size={fixed} "
+                              f"(or export again with --kv-page-size {page_size})")
         self.runner = runner
         layout = runner.layout
         self.cache = PagedKVCache(layout["num_layers"], layout["num_heads"], layout["attention_dim"],
