@@ -246,3 +246,15 @@ def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_
     stats = ranker.cache.stats()
     # The contextual token sees the whole history: the grown history is stale, the rest hit.
     assert (stats["misses"], stats["hits"], stats["stale"]) == (2, 4, 1), stats
+
+
+def test_a_page_size_other_than_the_programs_is_refused() -> None:
+    class Exported:  # a runner whose program was exported for pages of 64 tokens
+        def __init__(self) -> None:
+            self.page_size, self.device, self.dtype = 64, torch.device("cpu"), torch.float32
+            self.layout = {"num_layers": 1, "num_heads": 1, "attention_dim": 8, "linear_dim": 8, "row_width": 8,
+                           "row_dtype": "float32"}
+
+    with pytest.raises(ConfigError, match="reads pages of 64 tokens; use page_size=64"):
+        DerivedCachedRanker(Exported(), budget_bytes="1MiB", page_size=16)  # type: ignore[arg-type]
+    assert DerivedCachedRanker(Exported(), budget_bytes="1MiB", page_size=64).cache.page_size == 64  # type: ignore[arg-type]
