@@ -14,16 +14,12 @@ from torch import Tensor
 
 from hstu_export.errors import ConfigError, ExportError
 from hstu_export.kv_derive import DELTA_INPUTS, DerivedDelta, derive_delta, generic_ops
+from hstu_export.kv_export import page_table_width_bound
 from hstu_export.runtimes.base import DimSpec, torch_dynamic_shapes
 
 KV_DELTA_FILE = "kv/delta.pt2"
 KV_COUNTS_FILE = "kv/counts.pt2"
 DERIVED = "derived"
-
-
-def page_table_width_bound(max_seq_len: int, page_size: int) -> int:
-    """The widest page table the program accepts: a whole sequence's pages, and at least 64."""
-    return max(-(-max_seq_len // page_size), 64)
 
 
 def derive_for_export(result: Any, inputs: Any, op_target: str) -> DerivedDelta:
