@@ -330,13 +330,18 @@ def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, 
     slot = pos % page_size
     before = cached[user]
     differs = ((x_pages[page, slot] != x).any(dim=1) & (pos < before) & (col < width)).to(torch.int64)
-    stale = torch.zeros_like(lengths).index_add(0, user, differs) > 0
-    keep = (pos >= before) & (pos < stored[user]) & (col < width)
-    x_pages.index_put_((torch.where(keep, page, scratch), slot), x)
+    # per user: any differing row, as a difference of running counts at the user's bounds (a scatter-add by
+    # user lowers to a sort on CUDA); the bounds clamped so that no gather can leave the counts
+    running = torch.cat([differs.new_zeros(1), differs.cumsum(0)])
+    bounds = offsets.clamp(0, total)
+    stale = (running[bounds[1:]] - running[bounds[:-1]]) > 0
     new_total = q_offsets[-1].item()  # a size read from the data (unbacked in an exported program)
     torch._check(new_total >= 0)
     q_user, q_step = jagged_positions_by_search(q_offsets, new_total)
     new_rows = (offsets[:-1] + cached)[q_user] + q_step
+    at = new_rows.clamp(0, max(total - 1, 0))
+    keep = (pos[at] < stored[q_user]) & (col[at] < width)  # the new rows of the history, not the candidates'
+    x_pages.index_put_((torch.where(keep, page[at], scratch), slot[at]), x[at])
     return new_rows, q_offsets, lengths, targets, stale
 
 

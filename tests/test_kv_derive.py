@@ -17,7 +17,7 @@ from user_models import dlrm_hstu, gr_style
 
 from hstu_export.capture import trace
 from hstu_export.errors import ConfigError
-from hstu_export.kv_derive import derive_delta
+from hstu_export.kv_derive import delta_rows, derive_delta
 from hstu_export.ops.mappings import function_mappings, imported_functions
 from hstu_export.passes.context import PassContext
 from hstu_export.passes.manager import run_passes
@@ -151,6 +151,26 @@ def test_a_hit_computes_only_the_new_rows_and_a_changed_prefix_is_stale() -> Non
     # run as a hit, found stale by that call, and run again from nothing.
     assert rows == [11, 2, 2, 11]
     assert {k: ranker.cache.stats()[k] for k in ("hits", "misses", "stale")} == {"hits": 1, "misses": 1, "stale": 1}
+
+
+def test_stale_is_found_per_user_from_its_own_rows() -> None:
+    """delta_rows on three users whose rows sit side by side: one changed cached row marks only its user
+    stale; a user with nothing cached, or a change past its cached prefix, is not stale."""
+    lengths = torch.tensor([5, 4, 6])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    rows = torch.arange(15, dtype=torch.float32).reshape(15, 1).repeat(1, 3)
+    page_size, width = 4, 2
+    pages = torch.zeros(3 * width + 1, page_size, 3)
+    table = torch.arange(3 * width, dtype=torch.int32).reshape(3, width)
+    first = delta_rows(offsets, None, torch.zeros(3, dtype=torch.int64), [rows], pages, table)
+    assert not first[4].any() and first[0].tolist() == list(range(15))
+    cached = torch.tensor([4, 3, 0])
+    for row, want in ((6, [False, True, False]), (2, [True, False, False]), (4, [False, False, False]),
+                      (12, [False, False, False])):
+        changed = rows.clone()
+        changed[row, 1] += 1  # user 0's rows 0-4, user 1's 5-8, user 2's 9-14
+        stale = delta_rows(offsets, None, cached, [changed], pages.clone(), table)[4]
+        assert stale.tolist() == want, (row, stale)
 
 
 def test_outputs_never_read_the_rows_of_cached_tokens() -> None:
