@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_fuse_stu_gate import GR_ATTENTION, on_the_cpu
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-from user_models import dlrm_hstu, gr_style
+from user_models import dlrm_hstu, gr_style, tzrec_style
 
 from hstu_export.capture import trace
 from hstu_export.errors import ConfigError
@@ -129,6 +129,38 @@ def test_cached_answers_equal_the_model_on_every_request(make: Callable[..., Set
     assert max(worst) < 1e-5, worst
     stats = ranker.cache.stats()
     assert stats["hits"] >= 6 and stats["misses"] == 4 and stats["bypassed"] == 2, stats
+
+
+def test_a_torcheasyrec_style_model_is_served_through_its_derived_program() -> None:
+    """tzrec_style (forward on a Batch dataclass; contextual tokens from pooled ids and dense features before
+    the history) with a fixed attention length: the same batch again is all hits, new candidates for the same
+    histories hit too, new histories of the same lengths are found stale; every answer is the model's."""
+    import dataclasses
+
+    model = tzrec_style.build_ranker()
+    lengths = ([5, 3, 7], [2, 1, 3])
+    setup = Setup(model, (tzrec_style.example_batch(*lengths),), ([], []), tzrec_style.RANGES)
+
+    def request(seed: int, candidate_seed: int | None = None) -> dict[str, torch.Tensor]:
+        batch = tzrec_style.example_batch(*lengths, seed=seed)
+        if candidate_seed is not None:
+            other = tzrec_style.example_batch(*lengths, seed=candidate_seed)
+            batch = dataclasses.replace(batch, sparse_features={**batch.sparse_features,
+                                                                "candidate": other.sparse_features["candidate"]})
+        return flatten_example(setup.schema, (batch,), None, model)
+
+    ranker = DerivedCachedRanker(EagerDerived(setup.dense_inputs, derive_delta(setup.result.dense, setup.example)),
+                                 budget_bytes="4MiB", page_size=16)
+    seen = []
+    for batch, stats in ((request(0), (3, 0, 0)), (request(0), (3, 3, 0)), (request(0, candidate_seed=5), (3, 6, 0)),
+                         (request(1), (3, 6, 3))):
+        got, want = ranker(batch, [1, 2, 3]), setup.full(batch)
+        assert set(got) == set(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+        c = ranker.cache.stats()
+        seen.append((c["misses"], c["hits"], c["stale"]))
+        assert seen[-1] == stats, seen
 
 
 def test_a_hit_computes_only_the_new_rows_and_a_changed_prefix_is_stale() -> None:
