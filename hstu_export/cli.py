@@ -387,6 +387,8 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
             w = checked["worst"]
             line += (f"; served {len(checked['batches'])} requests through its cache ({checked['cache']['hits']} hits): "
                      f"worst rel. L2 {w['rel_l2']:.2e}, max abs {w['max_abs']:.2e}")
+            for what in checked.get("not_checked", []):
+                line += f"; not checked: {escape(what)}"
         table.add_row("kv cache", line)
     for name, ra in parity.get("rank_agreement", {}).items():
         table.add_row("rank agreement", f"{escape(name)}: {_rank_agreement(ra)}")

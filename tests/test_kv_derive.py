@@ -310,3 +310,18 @@ def test_a_page_size_other_than_the_programs_is_refused() -> None:
     with pytest.raises(ConfigError, match="reads pages of 64 tokens; use page_size=64"):
         DerivedCachedRanker(Exported(), budget_bytes="1MiB", page_size=16)  # type: ignore[arg-type]
     assert DerivedCachedRanker(Exported(), budget_bytes="1MiB", page_size=64).cache.page_size == 64  # type: ignore[arg-type]
+
+
+def test_verification_requests_check_new_candidates_only_where_targets_are_counted() -> None:
+    from hstu_export.kv_derived_export import NEW_CANDIDATES, verification_requests
+
+    schema = gr_setup().schema
+    with_targets = verification_requests(schema, ["candidates_features__cand_item_id__lengths"], 4, seed=0)
+    without = verification_requests(schema, [], 4, seed=0)
+    assert [what for what, _, _ in with_targets if what not in {w for w, _, _ in without}] == [NEW_CANDIDATES]
+    _, _, first = with_targets[0]
+    _, _, fresh = next(step for step in with_targets if step[0] == NEW_CANDIDATES)
+    for name in ("uih_features.uih_item_id.values", "uih_features.uih_item_id.lengths"):
+        assert torch.equal(fresh[name], first[name])  # the same histories
+    assert not torch.equal(fresh["candidates_features.cand_item_id.values"],
+                           first["candidates_features.cand_item_id.values"])
