@@ -311,9 +311,9 @@ def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, 
     """One delta call's row bookkeeping: ``(new_rows, q_offsets, seq_lens, num_targets, stale)``.
 
     ``cached[b]`` tokens of user b are taken as cached (a count beyond its non-target tokens is 0). Its
-    frontier rows before that are compared with ``x_pages`` (stale: any bit differs); its new non-target
-    frontier rows are stored there (others to the scratch page, the pool's last). ``new_rows`` indexes the
-    rows past each cached prefix, in order."""
+    frontier rows before that are compared with ``x_pages`` (stale: a row differs beyond its rounding,
+    :func:`row_tolerance`); its new non-target frontier rows are stored there (others to the scratch page,
+    the pool's last). ``new_rows`` indexes the rows past each cached prefix, in order."""
     offsets = seq_offsets.to(torch.int64)
     lengths = offsets[1:] - offsets[:-1]
     targets = torch.zeros_like(lengths) if num_targets is None else num_targets.to(torch.int64)
@@ -329,7 +329,7 @@ def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, 
     page = page_table.to(torch.int64)[user, col.clamp(0, max(width - 1, 0))].clamp(0, scratch)
     slot = pos % page_size
     before = cached[user]
-    differs = ((x_pages[page, slot] != x).any(dim=1) & (pos < before) & (col < width)).to(torch.int64)
+    differs = (_rows_differ(x_pages[page, slot], x) & (pos < before) & (col < width)).to(torch.int64)
     # per user: any differing row, as a difference of running counts at the user's bounds (a scatter-add by
     # user lowers to a sort on CUDA); the bounds clamped so that no gather can leave the counts
     running = torch.cat([differs.new_zeros(1), differs.cumsum(0)])
@@ -343,6 +343,20 @@ def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, 
     keep = (pos[at] < stored[q_user]) & (col[at] < width)  # the new rows of the history, not the candidates'
     x_pages.index_put_((torch.where(keep, page[at], scratch), slot[at]), x[at])
     return new_rows, q_offsets, lengths, targets, stale
+
+
+def row_tolerance(dtype: torch.dtype) -> float:
+    """How far a frontier row may be from its cached copy, relative to the row's largest value, and still be
+    the same row: the rounding of the same values computed in another order (a matrix product over a batch of
+    another shape or with the row elsewhere in it gives other bits, never other values)."""
+    return max(4 * torch.finfo(dtype).eps, 1e-5)
+
+
+def _rows_differ(cached: Tensor, rows: Tensor) -> Tensor:
+    """Per row: whether ``rows`` differs from ``cached`` beyond :func:`row_tolerance` (NaN differs)."""
+    current = rows.to(torch.float32)
+    bound = row_tolerance(rows.dtype) * current.abs().amax(dim=1, keepdim=True)
+    return ~((cached.to(torch.float32) - current).abs() <= bound).all(dim=1)
 
 
 def rows_back(new: Tensor, new_rows: Tensor, like: Tensor, fill: float) -> Tensor:

@@ -18,7 +18,7 @@ from hstu_export.kv_export import page_table_width_bound
 from hstu_export.runtimes.base import DimSpec, torch_dynamic_shapes
 
 KV_DELTA_FILE = "kv/delta.pt2"
-KV_COUNTS_FILE = "kv/counts.pt2"
+KV_COUNTS_FILE = "kv/counts.pt2"  # AOTInductor, as the delta program: C++ loads both
 DERIVED = "derived"
 NEW_CANDIDATES = "the same histories with new candidates"
 
@@ -70,7 +70,8 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
             "kv_v_pages": {1: pages_dim}, "kv_x_pages": {0: pages_dim},
             "kv_page_table": {0: batch, 1: DimSpec("kv_page_table_width", 1, width_bound)}}
     all_names = [*names, *DELTA_INPUTS]
-    kwargs = {**example, **kv_example}
+    # In the manifest's order: a caller without names (the C++ runtime) passes the inputs in that order.
+    kwargs = {name: {**example, **kv_example}[name] for name in all_names}
     try:
         with torch.no_grad(), export_builtins(set(inputs.user_packages)), unbacked_ranges_hold_at_one():
             exported = torch.export.export(export_ready(program), args=(), kwargs=kwargs, strict=False,
@@ -86,7 +87,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
         with unbacked_ranges_hold_at_one():
             torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / KV_DELTA_FILE),
                                                      inductor_configs=dict(options))
-        torch.export.save(counts, out_dir / KV_COUNTS_FILE)
+            torch._inductor.aoti_compile_and_package(counts, package_path=str(out_dir / KV_COUNTS_FILE))
     except Exception as exc:
         raise ExportError(f"AOTInductor compilation of the derived KV-cache delta program failed: "
                           f"{plain_first_line(exc)}") from exc
@@ -95,7 +96,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
     return {
         "kind": DERIVED,
         "program": KV_DELTA_FILE,
-        "counts": KV_COUNTS_FILE,
+        "counts_program": KV_COUNTS_FILE,
         "inputs": all_names,
         "counts_inputs": counts_names,
         "outputs": returned,

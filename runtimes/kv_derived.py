@@ -39,8 +39,8 @@ class PackageDerived:
         self._outputs = list(section["outputs"])
         try:
             self._program = _load_pt2(resolve_inside(predictor.root, section["program"], "kv_cache.program"))
-            counts = torch.export.load(resolve_inside(predictor.root, section["counts"], "kv_cache.counts"))
-            self._counts = counts.module()
+            self._counts = _load_pt2(resolve_inside(predictor.root, section["counts_program"],
+                                                    "kv_cache.counts_program"))
         except HstuExportError:
             raise
         except Exception as exc:
@@ -54,7 +54,8 @@ class PackageDerived:
 
     def counts(self, dense: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         with torch.no_grad():
-            return self._counts(**{name: dense[name] for name in self._counts_inputs})
+            lengths, targets = self._counts(**{name: dense[name] for name in self._counts_inputs})
+        return lengths, targets
 
     def delta(self, dense: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor, x_pages: Tensor,
               page_table: Tensor) -> dict[str, Tensor]:

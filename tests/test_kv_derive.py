@@ -17,7 +17,7 @@ from user_models import dlrm_hstu, gr_style, tzrec_style
 
 from hstu_export.capture import trace
 from hstu_export.errors import ConfigError
-from hstu_export.kv_derive import delta_rows, derive_delta
+from hstu_export.kv_derive import delta_rows, derive_delta, row_tolerance
 from hstu_export.ops.mappings import function_mappings, imported_functions
 from hstu_export.passes.context import PassContext
 from hstu_export.passes.manager import run_passes
@@ -187,7 +187,8 @@ def test_a_hit_computes_only_the_new_rows_and_a_changed_prefix_is_stale() -> Non
 
 def test_stale_is_found_per_user_from_its_own_rows() -> None:
     """delta_rows on three users whose rows sit side by side: one changed cached row marks only its user
-    stale; a user with nothing cached, or a change past its cached prefix, is not stale."""
+    stale; a user with nothing cached, a change past its cached prefix, or a change within the rounding of the
+    row (the same row computed in another order) is not stale; NaN is."""
     lengths = torch.tensor([5, 4, 6])
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     rows = torch.arange(15, dtype=torch.float32).reshape(15, 1).repeat(1, 3)
@@ -197,10 +198,12 @@ def test_stale_is_found_per_user_from_its_own_rows() -> None:
     first = delta_rows(offsets, None, torch.zeros(3, dtype=torch.int64), [rows], pages, table)
     assert not first[4].any() and first[0].tolist() == list(range(15))
     cached = torch.tensor([4, 3, 0])
-    for row, want in ((6, [False, True, False]), (2, [True, False, False]), (4, [False, False, False]),
-                      (12, [False, False, False])):
+    rounding = row_tolerance(torch.float32) * 6 / 2  # row 6's largest value is 6
+    for row, by, want in ((6, 1.0, [False, True, False]), (2, 1.0, [True, False, False]), (4, 1.0, [False, False, False]),
+                          (12, 1.0, [False, False, False]), (6, rounding, [False, False, False]),
+                          (6, 3 * rounding, [False, True, False]), (1, float("nan"), [True, False, False])):
         changed = rows.clone()
-        changed[row, 1] += 1  # user 0's rows 0-4, user 1's 5-8, user 2's 9-14
+        changed[row, 1] += by  # user 0's rows 0-4, user 1's 5-8, user 2's 9-14
         stale = delta_rows(offsets, None, cached, [changed], pages.clone(), table)[4]
         assert stale.tolist() == want, (row, stale)
 
@@ -262,42 +265,90 @@ def test_a_model_whose_attention_scale_follows_the_batch_is_refused_before_compi
     assert not out.exists()
 
 
-@pytest.mark.slow
-def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_it(tmp_path: Path) -> None:
-    """gr_style with a fixed attention length: exported with --kv-cache (aoti, CPU), verified through its
-    cache at export, then served: every answer equals the package's without the cache, hits included."""
+@pytest.fixture(scope="module")
+def derived_package(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """gr_style with a fixed attention length exported with --kv-cache (aoti, CPU), verified through its
+    cache at export: the ExportResult."""
     import hstu_export
 
-    bundle = _cacheable_bundle(tmp_path / "grc.pt")
-    result = hstu_export.export(bundle, tmp_path / "pkg", hstu_export.ExportSettings(
+    work = tmp_path_factory.mktemp("derived")
+    bundle = _cacheable_bundle(work / "grc.pt")
+    return hstu_export.export(bundle, work / "pkg", hstu_export.ExportSettings(
         backend="aoti", kv_cache=True, max_batch_size=4, op_mappings={gr_style.ATTENTION: GR_ATTENTION}))
-    section, parity = result.manifest["kv_cache"], result.parity["kv_cache"]
+
+
+def _script() -> list[tuple[list[int], list[User]]]:
+    """(user ids, users) in serving order: a prefill, hits reordered, new candidates, a grown history (a hit:
+    gr_style's rows before the layers do not change when items follow), the same user twice, a new user
+    beside a cached one."""
+    a, b, c = gr_user(1, 8, 3), gr_user(2, 4, 1), gr_user(3, 6, 2)
+    return [([1, 2], [a, b]), ([2, 1], [b, a]), ([1, 2], [new_candidates(a, 5, ["cand_item_id"]), b]),
+            ([1], [grown(a, gr_style.UIH_KEYS)]), ([2, 2], [b, b]), ([3, 2], [c, b])]
+
+
+def _package_request(predictor: Any, users: list[User]) -> dict[str, torch.Tensor]:
+    kjts = [KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=torch.cat([torch.tensor(u[k], dtype=torch.int64) for k in keys for u in users]),
+        lengths=torch.tensor([len(u[k]) for k in keys for u in users]))
+        for keys in (gr_style.UIH_KEYS, gr_style.CANDIDATE_KEYS)]
+    return flatten_example(predictor.input_schema, tuple(kjts), None, gr_style.build_cacheable_ranker())
+
+
+@pytest.mark.slow
+def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_it(derived_package: Any) -> None:
+    """Every answer served through the package's cache equals the package's without the cache."""
+    import hstu_export
+
+    section, parity = derived_package.manifest["kv_cache"], derived_package.parity["kv_cache"]
     assert section["kind"] == "derived" and section["layout"]["num_layers"] == 2
     assert section["target_inputs"] == ["candidates_features__cand_item_id__lengths"]
     assert parity["passed"] and parity["cache"]["hits"] >= 3 and parity["cache"]["stale"] >= 1
+    assert "not_checked" not in parity
 
-    predictor = hstu_export.load(result.path)
+    predictor = hstu_export.load(derived_package.path)
     ranker = predictor.kv_cache()
-    schema, model = predictor.input_schema, gr_style.build_cacheable_ranker()
-
-    def request(users: list[User]) -> dict[str, torch.Tensor]:
-        kjts = [KeyedJaggedTensor.from_lengths_sync(
-            keys=keys, values=torch.cat([torch.tensor(u[k], dtype=torch.int64) for k in keys for u in users]),
-            lengths=torch.tensor([len(u[k]) for k in keys for u in users])) for keys in (gr_style.UIH_KEYS,
-                                                                                           gr_style.CANDIDATE_KEYS)]
-        return flatten_example(schema, tuple(kjts), None, model)
-
-    a, b = gr_user(1, 8, 3), gr_user(2, 4, 1)
-    script = [([1, 2], [a, b]), ([2, 1], [b, a]), ([1, 2], [new_candidates(a, 5, ["cand_item_id"]), b]),
-              ([1], [grown(a, gr_style.UIH_KEYS)])]
-    for ids, users in script:
-        batch = request(users)
+    for ids, users in _script():
+        batch = _package_request(predictor, users)
         got, want = ranker(batch, ids), predictor(batch)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
     stats = ranker.cache.stats()
-    # The contextual token sees the whole history: the grown history is stale, the rest hit.
-    assert (stats["misses"], stats["hits"], stats["stale"]) == (2, 4, 1), stats
+    # User 2 twice in a batch is served without being stored; nothing is stale (the batches differ in shape
+    # and order from request to request, which changes the rows' bits but not their values).
+    assert (stats["misses"], stats["hits"], stats["stale"], stats["bypassed"]) == (3, 6, 0, 2), stats
+
+
+@pytest.mark.slow
+def test_the_cpp_runtime_serves_a_derived_program_as_python_bit_for_bit(derived_package: Any, cpp_runtime: Any,
+                                                                        tmp_path: Path) -> None:  # fmt: skip
+    """hstu-export-run --kv-cache on the derived package: the same answers as Python's cache bit for bit, and
+    the same counters."""
+    import re
+
+    import hstu_export
+    from hstu_export.package.tensor_dir import load_tensors, save_tensors
+
+    predictor = hstu_export.load(derived_package.path)
+    ranker = predictor.kv_cache()
+    args: list[object] = [derived_package.path]
+    expected = []
+    for k, (ids, users) in enumerate(_script()):
+        batch = _package_request(predictor, users)
+        expected.append(ranker(batch, ids))
+        args.append(save_tensors(batch, tmp_path / f"request{k}"))
+    for ids, _ in _script():
+        args += ["--user-ids", ",".join(map(str, ids))]
+    done = cpp_runtime.run(*args, "--kv-cache", "auto", "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    for k, want in enumerate(expected):
+        got = load_tensors(tmp_path / "out" / str(k + 1))
+        assert set(got) == set(want)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (k, name)
+    stats = ranker.cache.stats()
+    found = re.findall(r"kv cache: (\d+) hits, (\d+) misses, (\d+) stale, (\d+) evictions, (\d+) bypassed", done.stdout)
+    assert found and tuple(map(int, found[-1])) == tuple(stats[k] for k in ("hits", "misses", "stale", "evictions",
+                                                                             "bypassed")), done.stdout
 
 
 def test_a_page_size_other_than_the_programs_is_refused() -> None:

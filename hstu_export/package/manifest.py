@@ -427,8 +427,12 @@ def _kv_cache(value: Any, files: dict[str, str]) -> dict[str, Any]:
 
 def _derived_kv_cache(section: dict[str, Any], files: dict[str, str]) -> dict[str, Any]:
     """A delta program derived from the model's graph (``kind: derived``, hstu_export/kv_derive.py): the
-    program and the counts program (both listed in ``files``), their inputs, and the pages' layout."""
-    for key in ("program", "counts"):
+    program and the counts program (both AOTInductor packages listed in ``files``), their inputs, and the
+    pages' layout."""
+    if "counts_program" not in section and "counts" in section:
+        raise _FieldError("kv_cache.counts", "is a torch.export counts program of an older hstu-export; re-export the "
+                                             "model with --kv-cache")
+    for key in ("program", "counts_program"):
         path = _relpath(_get(section, key, "kv_cache"), f"kv_cache.{key}")
         if path not in files:
             raise _FieldError(f"kv_cache.{key}", f"{path!r} is not listed in files (every artifact has a sha256 there)")

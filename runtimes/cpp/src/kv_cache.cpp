@@ -209,7 +209,15 @@ struct CachedRanker::Impl {
   KVCacheStats counts;
   std::array<std::mutex, kStripes> stripes;
 
+  // A derived delta program (kv_cache.kind "derived"): set instead of the zoo program's fields above; kv holds
+  // its page size and layout, and x each cached token's frontier row (hstu_export/serving/kv_derived.py).
+  std::optional<detail::DerivedKVSection> derived;
+  std::unique_ptr<detail::AotiProgram> counts_program;
+  at::Tensor x;
+
   NamedTensors run(const Tensors& request, const std::vector<int64_t>& users, int64_t batch, detail::PhaseClock& clock);
+  NamedTensors run_derived(const Tensors& request, const std::vector<int64_t>& users, int64_t batch,
+                           detail::PhaseClock& clock);
   std::vector<at::Tensor> run_program(const detail::ProgramInputs& inputs) const {
     std::vector<at::Tensor> ordered;
     for (const auto& name : kv.inputs) ordered.push_back(inputs.at(name));
@@ -265,9 +273,90 @@ class UsingUsers {
 CachedRanker::CachedRanker(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CachedRanker::~CachedRanker() = default;
 
+namespace {
+
+// On the host, checked before allocating: the allocator may grant more than there is (Linux overcommits
+// memory), and the process is then killed while the pages are zeroed. On a GPU its allocator refuses.
+void refuse_beyond_host_memory(int64_t budget, int64_t needed, const c10::Device& device) {
+  if (auto memory = host_memory(); memory && !device.is_cuda() && needed > memory->first) {
+    throw Error("KV cache budget of " + format_bytes(static_cast<double>(budget)) + " (" + std::to_string(budget) +
+                " bytes) is more than the memory available on " + device.str() + ": " +
+                format_bytes(static_cast<double>(memory->first)) + " free of " +
+                format_bytes(static_cast<double>(memory->second)) + "; lower the budget");
+  }
+}
+
+// A derived delta program's cache (hstu_export/serving/kv_derived.py's DerivedCachedRanker, the same pages
+// and bookkeeping): K/V pages and each cached token's frontier row; no CUDA graphs.
+std::unique_ptr<CachedRanker::Impl> open_derived(const Package::Impl& pkg, const KVCacheOptions& options) {
+  const detail::DerivedKVSection& d = *pkg.derived_kv;
+  if (options.max_time_drift != 0) {
+    throw Error("max_time_drift applies to the zoo model's delta program; a derived one reuses a user's tokens only "
+                "while the rows its layers start from are unchanged");
+  }
+  if (options.graphs == KVGraphs::kOn || options.graphs == KVGraphs::kBuckets) {
+    throw Error("CUDA graphs and shape buckets are not built for a derived delta program; serve it without them");
+  }
+  auto impl = std::make_unique<CachedRanker::Impl>();
+  impl->derived = d;
+  detail::KVSection& kv = impl->kv;  // what the shared bookkeeping reads
+  kv.program_file = d.program_file;
+  kv.inputs = d.inputs;
+  kv.outputs = d.outputs;
+  kv.page_size = d.page_size;
+  kv.max_seq_len = d.max_seq_len;
+  kv.num_layers = d.num_layers;
+  kv.num_heads = d.num_heads;
+  kv.attention_dim = d.attention_dim;
+  kv.linear_dim = d.linear_dim;
+  kv.dtype = d.dtype;
+  int64_t item = static_cast<int64_t>(c10::elementSize(d.dtype));
+  int64_t row_item = static_cast<int64_t>(c10::elementSize(d.row_dtype));
+  int64_t page_bytes = d.num_layers * d.page_size * d.num_heads * (d.attention_dim + d.linear_dim) * item +
+                       d.page_size * d.row_width * row_item;
+  int64_t budget = options.budget_bytes;
+  if (budget == 0) budget = (pkg.max_batch_size * ((d.max_seq_len + d.page_size - 1) / d.page_size) + 1) * page_bytes;
+  impl->num_pages = budget / page_bytes - 1;
+  if (budget < 0 || impl->num_pages < 1) {
+    throw Error("KV cache budget of " + std::to_string(budget) + " bytes holds no page for users (" +
+                std::to_string(page_bytes) + " bytes each, and one more for the scratch page); raise the budget");
+  }
+  refuse_beyond_host_memory(budget, (impl->num_pages + 1) * page_bytes, pkg.device);
+  auto pages = at::TensorOptions().dtype(d.dtype).device(pkg.device);
+  try {
+    impl->k = at::zeros({d.num_layers, impl->num_pages + 1, d.page_size, d.num_heads, d.attention_dim}, pages);
+    impl->v = at::zeros({d.num_layers, impl->num_pages + 1, d.page_size, d.num_heads, d.linear_dim}, pages);
+    impl->x = at::zeros({impl->num_pages + 1, d.page_size, d.row_width}, pages.dtype(d.row_dtype));
+  } catch (const std::exception& exc) {
+    throw Error("cannot allocate a KV cache of " + std::to_string(budget) + " bytes on " + pkg.device.str() + ": " +
+                detail::error_text(exc) + "; lower the budget");
+  }
+  impl->scratch = impl->num_pages;
+  for (int64_t page = impl->num_pages - 1; page >= 0; --page) impl->free_pages.push_back(page);
+  impl->counts.pages = impl->num_pages;
+  auto load = [&](const std::filesystem::path& path, const std::string& file) {
+    try {
+      return std::make_unique<detail::AotiProgram>(path.string(), pkg.device, pkg.concurrency);
+    } catch (const std::exception& exc) {
+      throw PackageError(pkg.root + ": AOTInductor could not load " + file + ": " + detail::error_text(exc));
+    }
+  };
+  impl->program = load(d.program, d.program_file);
+  impl->counts_program = load(d.counts, d.counts_file);
+  return impl;
+}
+
+}  // namespace
+
 std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> package, const KVCacheOptions& options) {
   if (!package) throw Error("CachedRanker::open needs an open package");
   const Package::Impl& pkg = *package->impl_;
+  if (pkg.derived_kv) {
+    auto impl = open_derived(pkg, options);
+    impl->package = package;
+    impl->pkg = &pkg;
+    return std::shared_ptr<CachedRanker>(new CachedRanker(std::move(impl)));
+  }
   if (!pkg.kv) {
     if (!pkg.kv_problem.empty()) throw PackageError(pkg.kv_problem);
     throw PackageError(pkg.root + " has no KV-cache delta program; export it with --kv-cache");
@@ -293,15 +382,7 @@ std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> 
     throw Error("KV cache budget of " + std::to_string(budget) + " bytes holds no page for users (" +
                 std::to_string(page_bytes) + " bytes each, and one more for the scratch page); raise the budget");
   }
-  // On the host, checked before allocating: the allocator may grant more than there is (Linux overcommits
-  // memory), and the process is then killed while the pages are zeroed. On a GPU its allocator refuses.
-  int64_t needed = (impl->num_pages + 1) * page_bytes;
-  if (auto memory = host_memory(); memory && !pkg.device.is_cuda() && needed > memory->first) {
-    throw Error("KV cache budget of " + format_bytes(static_cast<double>(budget)) + " (" + std::to_string(budget) +
-                " bytes) is more than the memory available on " + pkg.device.str() + ": " +
-                format_bytes(static_cast<double>(memory->first)) + " free of " +
-                format_bytes(static_cast<double>(memory->second)) + "; lower the budget");
-  }
+  refuse_beyond_host_memory(budget, (impl->num_pages + 1) * page_bytes, pkg.device);
   auto pages = at::TensorOptions().dtype(kv.dtype).device(pkg.device);
   try {
     impl->k = at::zeros({kv.num_layers, impl->num_pages + 1, kv.page_size, kv.num_heads, kv.attention_dim}, pages);
@@ -357,7 +438,7 @@ KVCacheStats CachedRanker::stats() const {
 }
 
 int64_t CachedRanker::bytes() const {
-  return static_cast<int64_t>(impl_->k.nbytes() + impl_->v.nbytes());
+  return static_cast<int64_t>(impl_->k.nbytes() + impl_->v.nbytes() + (impl_->x.defined() ? impl_->x.nbytes() : 0));
 }
 
 int64_t CachedRanker::page_size() const { return impl_->kv.page_size; }
@@ -372,7 +453,8 @@ NamedTensors CachedRanker::run(const Tensors& request, const std::vector<int64_t
   }
   c10::InferenceMode guard;
   try {
-    NamedTensors out = impl_->run(request, user_ids, batch, clock);
+    NamedTensors out = impl_->derived ? impl_->run_derived(request, user_ids, batch, clock)
+                                      : impl_->run(request, user_ids, batch, clock);
     clock.lap(&PhaseTimes::after_dense_ms);
     return out;
   } catch (const Error&) {
@@ -652,6 +734,134 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
   NamedTensors out;
   for (const auto& name : pkg->output_names) {
     size_t index = std::find(kv.outputs.begin(), kv.outputs.end(), name) - kv.outputs.begin();
+    out.emplace_back(name, outputs.at(index));
+  }
+  return out;
+}
+
+// Python's DerivedCachedRanker step for step: each user's cached count (its entry's, when no longer than its
+// non-target tokens now) and pages for all those tokens; the program stores the new K/V and frontier rows and
+// says which users' cached prefix no longer matches; those are run again from nothing, in one more call.
+NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::vector<int64_t>& users, int64_t batch,
+                                             detail::PhaseClock& clock) {
+  const detail::DerivedKVSection& d = *derived;
+  clock.begin_part();
+  Tensors on_device = pkg->plain(request);
+  clock.end_part(&PhaseTimes::to_device_ms);
+  clock.begin_part();
+  NamedTensors boundary = pkg->sparse_outputs(on_device);
+  clock.end_part(&PhaseTimes::sparse_ms);
+  std::map<std::string, at::Tensor> dense;  // the dense half's inputs by name
+  for (const auto& spec : pkg->artifacts.at("dense").inputs) {
+    if (!spec.feature.empty()) {
+      dense[spec.name] = on_device.at(spec.feature);
+      continue;
+    }
+    auto it = std::find_if(boundary.begin(), boundary.end(), [&](const auto& item) { return item.first == spec.name; });
+    dense[spec.name] = it->second.contiguous();
+  }
+  std::vector<at::Tensor> count_inputs;
+  for (const auto& name : d.counts_inputs) count_inputs.push_back(dense.at(name));
+  std::vector<at::Tensor> counted = counts_program->run(count_inputs);
+  if (counted.size() != 2 || counted[0].numel() != batch || counted[1].numel() != batch) {
+    throw Error(d.counts_file + " did not return a sequence length and a target count for each of the " +
+                std::to_string(batch) + " users");
+  }
+  HostInts lengths(counted[0]), targets(counted[1]);
+  std::vector<int64_t> stored(batch);
+  for (int64_t b = 0; b < batch; ++b) stored[b] = lengths.data[b] - targets.data[b];
+  std::unordered_map<int64_t, int> seen;
+  for (int64_t user : users) seen[user] += 1;
+
+  UsingUsers in_use(*this, users);
+  std::vector<int64_t> cached(batch, 0);
+  std::vector<std::vector<int64_t>> tables(batch);
+  std::vector<bool> kept(batch, false);
+  int64_t bypassed = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (seen[users[b]] > 1) {  // the same user twice in one batch: served, not stored
+      bypassed += 1;
+      continue;
+    }
+    bool found = false;
+    int64_t length = 0;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (auto it = entries.find(users[b]); it != entries.end()) {
+        recency.splice(recency.end(), recency, it->second.order);  // most recently used
+        found = true;
+        length = it->second.length;
+      }
+    }
+    int64_t reuse = found && length > 0 && length <= stored[b] ? length : 0;
+    count(!found || length == 0 ? &KVCacheStats::misses : reuse > 0 ? &KVCacheStats::hits : &KVCacheStats::stale);
+    try {
+      tables[b] = reserve(users[b], stored[b], reuse);
+    } catch (const CacheFull&) {
+      bypassed += 1;
+      continue;
+    }
+    cached[b] = reuse;
+    kept[b] = true;
+  }
+  if (bypassed > 0) count(&KVCacheStats::bypassed, bypassed);
+
+  const c10::Device device = pkg->device;
+  auto call = [&]() {
+    int64_t width = 1;
+    for (const auto& row : tables) width = std::max<int64_t>(width, static_cast<int64_t>(row.size()));
+    at::Tensor table = at::full({batch, width}, scratch, at::kInt);  // the rest of a row: the scratch page
+    for (int64_t b = 0; b < batch; ++b) {
+      auto* row = table.data_ptr<int32_t>() + b * width;
+      for (size_t i = 0; i < tables[b].size(); ++i) row[i] = static_cast<int32_t>(tables[b][i]);
+    }
+    std::vector<at::Tensor> ordered;
+    for (const auto& name : d.inputs) {
+      if (name == "kv_cached") {
+        ordered.push_back(at::tensor(cached, at::kLong).to(device));
+      } else if (name == "kv_k_pages") {
+        ordered.push_back(k);
+      } else if (name == "kv_v_pages") {
+        ordered.push_back(v);
+      } else if (name == "kv_x_pages") {
+        ordered.push_back(x);
+      } else if (name == "kv_page_table") {
+        ordered.push_back(table.to(device));
+      } else {
+        ordered.push_back(dense.at(name));
+      }
+    }
+    std::vector<at::Tensor> outputs = program->run(ordered);
+    if (outputs.size() != d.outputs.size()) {
+      throw Error(d.program_file + " returned " + std::to_string(outputs.size()) + " outputs, the manifest names " +
+                  std::to_string(d.outputs.size()));
+    }
+    return outputs;
+  };
+  clock.lap(&PhaseTimes::before_dense_ms);
+  std::vector<at::Tensor> outputs = call();
+  HostInts stale(outputs.back());  // kv_stale, per user
+  std::vector<int64_t> again;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (stale.data[b] != 0 && cached[b] > 0) again.push_back(b);
+  }
+  if (!again.empty()) {  // their frontier rows changed: recomputed from nothing
+    count(&KVCacheStats::hits, -static_cast<int64_t>(again.size()));
+    count(&KVCacheStats::stale, static_cast<int64_t>(again.size()));
+    for (int64_t b : again) {
+      cached[b] = 0;
+      tables[b] = reserve(users[b], stored[b], 0);
+    }
+    outputs = call();
+  }
+  clock.split(&PhaseTimes::dense_launch_ms);
+  clock.lap(&PhaseTimes::dense_ms);
+  for (int64_t b = 0; b < batch; ++b) {
+    if (kept[b]) commit(users[b], stored[b], nullptr);
+  }
+  NamedTensors out;
+  for (const auto& name : pkg->output_names) {
+    size_t index = std::find(d.outputs.begin(), d.outputs.end(), name) - d.outputs.begin();
     out.emplace_back(name, outputs.at(index));
   }
   return out;

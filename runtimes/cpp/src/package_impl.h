@@ -91,6 +91,27 @@ struct KVSection {
   bool fits_counts = false;
 };
 
+// A delta program derived from the model's graph (kv_cache.kind "derived": hstu_export/kv_derive.py) and its
+// counts program, both AOTInductor packages inside the package.
+struct DerivedKVSection {
+  std::string program_file;
+  std::filesystem::path program;
+  std::string counts_file;
+  std::filesystem::path counts;
+  std::vector<std::string> inputs;         // the dense half's inputs, then the cache's (kv_*)
+  std::vector<std::string> counts_inputs;  // dense inputs -> (sequence length, target count) per user
+  std::vector<std::string> outputs;        // the package's outputs, then kv_stale
+  int64_t page_size = 0;
+  int64_t max_seq_len = 0;
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  int64_t attention_dim = 0;
+  int64_t linear_dim = 0;
+  int64_t row_width = 0;  // each cached token's frontier row
+  at::ScalarType row_dtype = at::kFloat;
+  at::ScalarType dtype = at::kFloat;  // the package's dtype: the K/V pages'
+};
+
 // Times a run's phases into a PhaseTimes (nothing without one): synchronises the device on construction
 // and at every lap, and adds the time since the last mark to a field.
 class PhaseClock {
@@ -129,6 +150,7 @@ struct Package::Impl {
   // The KV-cache section when the package has one and it reads well; else kv_problem says why not (a
   // package whose cache section this runtime cannot use still serves requests without a cache).
   std::optional<detail::KVSection> kv;
+  std::optional<detail::DerivedKVSection> derived_kv;
   std::string kv_problem;
 
   Tensors plain(const Tensors& request) const;

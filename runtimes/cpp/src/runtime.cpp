@@ -475,6 +475,80 @@ detail::KVSection read_kv_section(const Fields& fields, const Value& manifest, c
   return out;
 }
 
+// kv_cache of kind "derived" (hstu_export/kv_derived_export.py): the delta and counts programs, their inputs
+// (each a dense input of the package or one the cache makes), and the pages' layout.
+detail::DerivedKVSection read_derived_kv_section(const Fields& fields, const Value& manifest, const Value& kv,
+                                                 const std::map<std::string, fs::path>& listed,
+                                                 const Package::Impl& impl) {
+  detail::DerivedKVSection out;
+  const std::string where = "kv_cache";
+  if (kv.find("counts_program") == nullptr && kv.find("counts") != nullptr) {
+    fields.fail(where + ".counts", "is a torch.export counts program of an older hstu-export; re-export the model with --kv-cache");
+  }
+  auto listed_file = [&](const std::string& key, std::string* file) {
+    *file = fields.string(kv, key, where);
+    if (!listed.count(*file)) fields.fail(where + "." + key, "names a file that files does not list");
+    return listed.at(*file);
+  };
+  out.program = listed_file("program", &out.program_file);
+  out.counts = listed_file("counts_program", &out.counts_file);
+  out.inputs = fields.strings(fields.member(kv, "inputs", where), where + ".inputs");
+  out.counts_inputs = fields.strings(fields.member(kv, "counts_inputs", where), where + ".counts_inputs");
+  out.outputs = fields.strings(fields.member(kv, "outputs", where), where + ".outputs");
+  auto positive = [&](const Value& object, const std::string& key, const std::string& at) {
+    int64_t value = fields.integer(fields.member(object, key, at), Fields::join(at, key));
+    if (value < 1) fields.fail(Fields::join(at, key), "is below 1");
+    return value;
+  };
+  out.page_size = positive(kv, "page_size", where);
+  if (out.page_size < 16 || (out.page_size & (out.page_size - 1)) != 0) {
+    fields.fail(where + ".page_size", "is not a power of two of at least 16");
+  }
+  const Value& layout = fields.member(kv, "layout", where);
+  const std::string at = where + ".layout";
+  out.max_seq_len = positive(layout, "max_seq_len", at);
+  out.num_layers = positive(layout, "num_layers", at);
+  out.num_heads = positive(layout, "num_heads", at);
+  out.attention_dim = positive(layout, "attention_dim", at);
+  out.linear_dim = positive(layout, "linear_dim", at);
+  out.row_width = positive(layout, "row_width", at);
+  std::string row_dtype = fields.string(layout, "row_dtype", at);
+  auto row_type = scalar_type(row_dtype);
+  if (!row_type || !at::isFloatingType(*row_type)) fields.fail(at + ".row_dtype", "is " + in_quotes(row_dtype) + ", not a floating dtype");
+  out.row_dtype = *row_type;
+  std::string dtype = fields.string(manifest, "dtype", "");
+  auto type = scalar_type(dtype);
+  if (!type || !at::isFloatingType(*type)) fields.fail("dtype", "is " + in_quotes(dtype) + ", not a floating dtype");
+  out.dtype = *type;
+
+  const auto& dense = impl.artifacts.at("dense").inputs;
+  auto is_dense = [&](const std::string& name) {
+    return std::any_of(dense.begin(), dense.end(), [&](const TensorSpec& s) { return s.name == name; });
+  };
+  const std::set<std::string> made = {"kv_cached", "kv_k_pages", "kv_v_pages", "kv_x_pages", "kv_page_table"};
+  for (const auto& name : out.inputs) {
+    if (!is_dense(name) && !made.count(name)) {
+      fields.fail(where + ".inputs", "takes " + in_quotes(name) + ", which is neither a dense input nor a cache input");
+    }
+  }
+  for (const auto& name : made) {
+    if (std::find(out.inputs.begin(), out.inputs.end(), name) == out.inputs.end()) {
+      fields.fail(where + ".inputs", "lacks " + in_quotes(name) + "; another hstu-export wrote it: re-export with --kv-cache");
+    }
+  }
+  for (const auto& name : out.counts_inputs) {
+    if (!is_dense(name)) fields.fail(where + ".counts_inputs", "takes " + in_quotes(name) + ", which is not a dense input");
+  }
+  std::vector<std::string> answers(out.outputs);
+  if (answers.empty() || answers.back() != "kv_stale") fields.fail(where + ".outputs", "does not end with kv_stale");
+  answers.pop_back();
+  std::vector<std::string> names(impl.output_names);
+  std::sort(answers.begin(), answers.end());
+  std::sort(names.begin(), names.end());
+  if (answers != names) fields.fail(where + ".outputs", "is not the package's outputs [" + joined(impl.output_names) + "] and kv_stale");
+  return out;
+}
+
 }  // namespace
 
 Package::Package(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -693,10 +767,14 @@ std::shared_ptr<const Package> Package::open(const std::string& path, const Opti
     if (impl->backend != "aoti") {
       impl->kv_problem = path + " has a KV-cache section but is a " + impl->backend + " package; re-export it with --backend aoti";
     } else if (kind != nullptr && !kind->is_null()) {
-      // A delta program derived from a user's graph (hstu_export/kv_derive.py): Python serves it.
-      impl->kv_problem = path + ": its KV-cache delta program is derived from the model's graph (kv_cache.kind " +
-                         fields.string(*kv, "kind", "kv_cache") + "), which the C++ runtime does not serve yet; serve "
-                         "it from Python (predictor.kv_cache) or without a cache";
+      // A delta program derived from a user's graph (hstu_export/kv_derive.py).
+      try {
+        std::string name = fields.string(*kv, "kind", "kv_cache");
+        if (name != "derived") fields.fail("kv_cache.kind", "is " + in_quotes(name) + "; this runtime knows \"derived\"");
+        impl->derived_kv = read_derived_kv_section(fields, manifest, *kv, listed, *impl);
+      } catch (const PackageError& exc) {
+        impl->kv_problem = exc.what();
+      }
     } else {
       try {
         impl->kv = read_kv_section(fields, manifest, *kv, listed, *impl);

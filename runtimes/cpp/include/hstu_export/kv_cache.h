@@ -10,8 +10,10 @@
 // Only each user's tokens past its cached prefix are computed. An entry is reused only when that is
 // exact: the request's contextual ids and history start with the cached ones (with contextual features:
 // the history is unchanged) and every cached token keeps its timestamp bucket at the request's query
-// time; otherwise the user is recomputed (a prefill). Pages are allocated once, on the package's device;
-// whole users are evicted, least recently used first, never while a request uses them. run() may be
+// time; otherwise the user is recomputed (a prefill). A package whose delta program was derived from the
+// model's graph (kv_cache.kind "derived", any model but the zoo's) is served the same way, reuse decided by
+// the program itself: it compares each user's cached rows and reports the stale users, which are run again
+// from nothing. Pages are allocated once, on the package's device; whole users are evicted, least recently used first, never while a request uses them. run() may be
 // called from many threads: requests for the same user are serialised, others run at once.
 #pragma once
 
