@@ -155,6 +155,20 @@ def time_gr(package: Any, users: int, w: dict[str, Any], iters: int) -> dict[str
     row["no_cache_ms"] = bench(lambda: package.split.dense(**dense), iters)
     row["cached_ms"] = bench(lambda: runner.delta(dense, cached.to(package.device), c.k, c.v, c.x, table), iters)
     row["ratio"] = row["no_cache_ms"] / row["cached_ms"]
+    # The whole request from Python, as served (sparse half, counts, bookkeeping, delta program), against the
+    # package without the cache.
+    row["request_no_cache_ms"] = bench(lambda: package(second), iters)
+    row["request_cached_ms"] = bench(lambda: ranker(second, ids), iters)
+    row["request_ratio"] = row["request_no_cache_ms"] / row["request_cached_ms"]
+    # The same histories with half as many candidates: a batch of another shape, whose rows before the layers
+    # come out in other bits; still hits.
+    before = ranker.cache.stats()
+    drawn = gr_requests(package, users, {**w, "candidates": max(1, w["candidates"] // 2)})[1]
+    fewer = {k: drawn[k] if k.startswith("candidates_features.") else v for k, v in first.items()}
+    got = ranker(fewer, ids)
+    after = ranker.cache.stats()
+    row["other_shape"] = {"hits": after["hits"] - before["hits"], "stale": after["stale"] - before["stale"],
+                          "rel_l2_cached_vs_package": rel_l2(got, package(fewer))}
     if PROFILE:
         row["profile_cached"] = kernels(lambda: runner.delta(dense, cached.to(package.device), c.k, c.v, c.x, table))
         row["profile_no_cache"] = kernels(lambda: package.split.dense(**dense))

@@ -37,6 +37,8 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("remove_boundary_marks", "remove_boundary_marks:RemoveBoundaryMarks"),
     # Operator mapping (reads ctx.op_target and ctx.allow_unmapped); runs on both halves after the split.
     PassSpec("map_ops", "map_ops:MapOps"),
+    # The length checks map_ops records beside foreign jagged ops: read from the device once, at the end.
+    PassSpec("defer_length_checks", "defer_length_checks:DeferLengthChecks"),
     # An HSTU layer's attention and output gate, written out by the model, as our gated op (triton target).
     PassSpec("fuse_stu_gate", "fuse_stu_gate:FuseStuGate"),
     # Sibling MLPs on one input (multi-task heads) as one product per layer; their old modules go with DCE.

@@ -464,3 +464,38 @@ def test_offsets_and_ints_cross_the_boundary() -> None:
         other = {"lengths": lengths, "ids": torch.randint(0, 10, (int(lengths.sum()),)),
                  "weight": torch.rand(int(lengths.sum()))}
         torch.testing.assert_close(result.run(other)["score"], model(other)["score"], rtol=0, atol=0)
+
+
+def _two_length_checks() -> torch.fx.GraphModule:
+    """A graph as map_ops leaves one beside foreign jagged ops: two sequences' offsets checked against the
+    bounds the foreign ops would cut them to, then used."""
+    from hstu_export.capture.graph_functions import check_lengths_at_most
+
+    graph = torch.fx.Graph()
+    a, b, x = graph.placeholder("a_offsets"), graph.placeholder("b_offsets"), graph.placeholder("x")
+    a = graph.call_function(check_lengths_at_most, (a, 4))
+    b = graph.call_function(check_lengths_at_most, (b,), {"bound": 3})
+    total = graph.call_function(torch.add, (graph.call_function(torch.sum, (a,)), graph.call_function(torch.sum, (b,))))
+    graph.output({"y": graph.call_function(torch.mul, (x, total))})
+    return torch.fx.GraphModule(nn.Module(), graph)
+
+
+def test_length_checks_are_read_from_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hstu_export.capture.graph_functions import check_lengths_at_most, check_no_length_beyond
+
+    reads = []
+    item = Tensor.item
+    monkeypatch.setattr(Tensor, "item", lambda self: reads.append(1) or item(self))
+    inputs = {"a_offsets": torch.tensor([0, 4, 6]), "b_offsets": torch.tensor([0, 3, 3]), "x": torch.randn(5)}
+    gm = _two_length_checks()
+    want = gm(**inputs)["y"]
+    assert len(reads) == 2  # one read per check
+    result = run_passes(gm, PassContext(example_inputs=inputs), passes=["defer_length_checks", "eliminate_dead_code"])
+    targets = [n.target for n in result.graph.graph.nodes if n.op == "call_function"]
+    assert check_lengths_at_most not in targets and targets.count(check_no_length_beyond) == 1
+    assert result.report["defer_length_checks"].stats["deferred_checks"] == 2
+    reads.clear()
+    assert torch.equal(result.graph(**inputs)["y"], want) and len(reads) == 1
+    for too_long in ({"a_offsets": torch.tensor([0, 5, 6])}, {"b_offsets": torch.tensor([0, 1, 5])}):
+        with pytest.raises(RuntimeError, match="longer than the bound the model's own op would cut it to"):
+            result.graph(**{**inputs, **too_long})

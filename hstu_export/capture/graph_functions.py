@@ -106,6 +106,28 @@ def check_lengths_at_most(offsets: Tensor, bound: int) -> Tensor:
     return offsets
 
 
+def length_beyond(offsets: Tensor, bound: int) -> Tensor:
+    """``check_lengths_at_most``'s condition left on the device: a 0-d int64 tensor, 1 when a sequence
+    ``offsets`` delimit is longer than ``bound`` (passes/defer_length_checks.py)."""
+    return ((offsets[1:] - offsets[:-1]) > bound).any().to(torch.int64)
+
+
+@torch.jit.unused
+def _check_none_beyond(beyond: int) -> None:
+    torch._check(beyond == 0, lambda: "a sequence is longer than the bound the model's own op would cut it to")
+
+
+@has_side_effect
+def check_no_length_beyond(flags: list[Tensor]) -> None:
+    """Fails when any of ``flags`` (:func:`length_beyond`) is set: the length checks of a graph read back
+    from the device at once (a runtime assertion in exported programs)."""
+    beyond = torch.stack(flags).sum()
+    if torch.jit.is_scripting():
+        assert int(beyond.item()) == 0, "a sequence is longer than the bound the model's own op would cut it to"
+    else:
+        _check_none_beyond(beyond.item())
+
+
 @torch.jit.unused
 def _check_range_eager(value: Tensor, low: int, high: int, rows: int, what: str) -> None:
     torch._check(value.size(0) <= rows, lambda: f"{what} has {value.size(0)} rows, beyond the exported {rows}")
@@ -185,6 +207,8 @@ WRAPPED_FUNCTIONS: tuple[Callable[..., object], ...] = (
     tensor_to_int,
     check_at_most,
     check_lengths_at_most,
+    length_beyond,
+    check_no_length_beyond,
     check_ranges,
     to_dtype_of,
     to_floating_dtype,
