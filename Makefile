@@ -11,6 +11,12 @@ FBGEMM   := $(if $(HAS_NVIDIA_GPU),fbgemm-gpu==1.8.0,fbgemm-gpu-cpu==1.8.0)
 PINNED   := torch==2.13.0 $(FBGEMM) triton==3.7.1 tensordict torchmetrics==1.0.3 tqdm pyre-extensions
 RUNTIME  := numpy onnx onnxruntime onnxscript click rich jinja2 model-signing==1.1.1 pyopenssl
 DEV      := pytest pytest-timeout hypothesis ruff jsonschema
+# The serving tests run a real Triton Inference Server: the tritonserver nvidia-pytriton bundles (its binary
+# only), called with tritonclient's HTTP and gRPC clients. Both are installed with --no-deps (below);
+# TRITON_CLIENT_DEPS are tritonclient[http,grpc]'s dependencies less its pins protobuf<7 and ml-dtypes<=0.5.4,
+# which would downgrade the versions onnx brings (its clients work with them: tests/test_triton_server.py).
+TRITON   := nvidia-pytriton==0.7.0 tritonclient==2.73.0
+TRITON_CLIENT_DEPS := 'grpcio>=1.81.1' 'geventhttpclient>=2.3.3' 'greenlet<3.4' python-rapidjson
 
 DEMO_DIR ?= out/demo
 
@@ -42,11 +48,11 @@ $(STAMP): pyproject.toml Makefile
 	@$(MAKE) --no-print-directory system-tools
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(PINNED) $(RUNTIME) $(DEV)
+	$(BIN)/python -m pip install -q $(PINNED) $(RUNTIME) $(DEV) $(TRITON_CLIENT_DEPS)
 	$(BIN)/python -m pip install -q --no-deps torchrec==1.8.0
-	# The tests parse serving configs with tritonclient's model_config protobuf only (protobuf is here via
-	# onnx); --no-deps keeps its client pins (ml-dtypes<=0.5.4) from downgrading onnx's.
-	$(BIN)/python -m pip install -q --no-deps tritonclient==2.73.0
+	# --no-deps: tritonclient's pins would downgrade protobuf and ml-dtypes; pytriton's Python API (not used
+	# here) pins numpy<2.
+	$(BIN)/python -m pip install -q --no-deps $(TRITON)
 	# Dependencies are all in place above; --no-deps keeps pip from pulling the CUDA fbgemm-gpu via torchrec.
 	$(BIN)/python -m pip install -q --no-deps -e '.[dev]'
 	touch $@
