@@ -1,6 +1,7 @@
 """Serving in a server: micro-batching requests into package calls, and the Triton Inference Server model
 repository (config checked with Triton's own model_config protobuf; model.py run against a stand-in of the
-Python-backend API it uses). Triton Inference Server itself is not run here."""
+Python-backend API it uses, down to a bad request in a batch). tests/test_triton_server.py runs the
+repository in a real Triton Inference Server."""
 
 from __future__ import annotations
 

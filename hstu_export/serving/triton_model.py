@@ -8,8 +8,8 @@ package's maximum batch size allows (``hstu_export.serving.batching``), and each
 ``[1, m, *trailing]``, or its own error. Tensors cross by DLPack, so GPU tensors are not copied.
 
 Needs, in the Python environment Triton runs this file with: hstu-export and the torch the package was
-exported with (and fbgemm-gpu / torchrec when the package names them). Triton Inference Server itself
-was not run in hstu-export's CI.
+exported with (and fbgemm-gpu / torchrec when the package names them). CI runs it in a real server on CPU
+(tests/test_triton_server.py; docs/SERVING.md says how the backend's Python finds that environment).
 """
 
 from __future__ import annotations

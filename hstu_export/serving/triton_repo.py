@@ -10,7 +10,8 @@
       NAME/1/package/         the package, unchanged (its checksums still hold)
 
 Written for Triton Inference Server 2.73.0's model configuration (the release of tritonclient 2.73.0,
-whose model_config protobuf the tests parse the config with); the server itself was not run here.
+whose model_config protobuf the tests parse the config with). CI serves a repository with a real server,
+the tritonserver nvidia-pytriton 0.7.0 bundles (Triton 2.51.0, CPU): tests/test_triton_server.py.
 """
 
 from __future__ import annotations
