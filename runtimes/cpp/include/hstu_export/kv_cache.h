@@ -13,8 +13,9 @@
 // time; otherwise the user is recomputed (a prefill). A package whose delta program was derived from the
 // model's graph (kv_cache.kind "derived", any model but the zoo's) is served the same way, reuse decided by
 // the program itself: it compares each user's cached rows and reports the stale users, which are run again
-// from nothing. Pages are allocated once, on the package's device; whole users are evicted, least recently used first, never while a request uses them. run() may be
-// called from many threads: requests for the same user are serialised, others run at once.
+// from nothing. Pages are allocated once, on the package's device; whole users are evicted, least recently
+// used first, never while a request uses them. run() may be called from many threads: requests for the same
+// user are serialised, others run at once.
 #pragma once
 
 #include <cstdint>
