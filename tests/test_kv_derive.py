@@ -376,3 +376,32 @@ def test_verification_requests_check_new_candidates_only_where_targets_are_count
         assert torch.equal(fresh[name], first[name])  # the same histories
     assert not torch.equal(fresh["candidates_features.cand_item_id.values"],
                            first["candidates_features.cand_item_id.values"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("edit, message", [
+    (lambda kv: kv.update(counts=kv.pop("counts_program")), "torch.export counts program of an older hstu-export"),
+    (lambda kv: kv["inputs"].remove("kv_x_pages"), "lacks 'kv_x_pages'"),
+    (lambda kv: kv["outputs"].remove("kv_stale"), "does not end with kv_stale"),
+    (lambda kv: kv["layout"].update(row_dtype="int64"), "'kv_cache.layout.row_dtype' is 'int64'"),
+], ids=["old-counts", "no-x-pages", "no-stale", "row-dtype"])
+def test_the_cpp_runtime_refuses_a_damaged_derived_section_in_one_line(derived_package: Any, cpp_runtime: Any,
+                                                                       tmp_path: Path, edit: Any, message: str) -> None:  # fmt: skip
+    """--kv-cache refused in one line naming the field; the package still serves requests without a cache."""
+    import shutil
+
+    from manifests import rewrite_manifest
+
+    import hstu_export
+    from hstu_export.package.tensor_dir import save_tensors
+
+    package = tmp_path / "pkg"
+    shutil.copytree(derived_package.path, package)
+    rewrite_manifest(package, lambda m: edit(m["kv_cache"]))
+    ids, users = _script()[0]
+    request = save_tensors(_package_request(hstu_export.load(derived_package.path), users), tmp_path / "request")
+    done = cpp_runtime.run(package, request, "--kv-cache", "auto", "--user-ids", ",".join(map(str, ids)))
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("hstu-export-run: error: ") and message in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1
+    assert cpp_runtime.run(package, request, "-q").returncode == 0
