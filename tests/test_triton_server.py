@@ -156,16 +156,19 @@ def _calls_that_explain(answers: Sequence[Answer], requests: Sequence[dict[str, 
     return sorted(calls)
 
 
-def _statistics(server: TritonServer, inferences: int = 0) -> dict[str, Any]:
-    """The model's statistics once they count ``inferences`` (Triton records an execution after its answers
-    have gone out, so a client can hold every answer before the statistics count them)."""
+def _statistics(server: TritonServer, inferences: int | None = None) -> dict[str, Any]:
+    """The model's statistics once they count ``inferences``, or (None) once they stop changing: Triton
+    records an execution after its answers have gone out, so a client can hold every answer first."""
     deadline = time.monotonic() + 30
     with httpclient.InferenceServerClient(server.http_url) as client:
-        while True:
-            stats = client.get_inference_statistics(MODEL)["model_stats"][0]
-            if int(stats["inference_count"]) >= inferences or time.monotonic() > deadline:
+        stats = client.get_inference_statistics(MODEL)["model_stats"][0]
+        while time.monotonic() < deadline:
+            if inferences is not None and int(stats["inference_count"]) >= inferences:
                 break
-            time.sleep(0.05)
+            time.sleep(0.1)
+            previous, stats = stats, client.get_inference_statistics(MODEL)["model_stats"][0]
+            if inferences is None and stats == previous:
+                break
     batches = {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats.get("batch_stats", [])}
     return {"inference_count": int(stats["inference_count"]), "execution_count": int(stats["execution_count"]),
             "batches": batches}
