@@ -92,3 +92,17 @@ def kv_package(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     result = export(bundle, work / "pkg", ExportSettings(max_batch_size=4, kv_cache=True, kv_page_size=PAGE))
     return name, work / "pkg", result.manifest
 
+
+
+@pytest.fixture(scope="session")
+def tiny_serving_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package the serving tests serve (tests/test_serving_repo.py, tests/test_triton_server.py): the tiny
+    preset on TorchScript, at most 4 users a call. Read only."""
+    from hstu_export import ExportSettings, VerifySettings, export, generate_batch, save_bundle
+    from hstu_export.models import build_preset
+
+    root = tmp_path_factory.mktemp("serving")
+    model = build_preset("tiny", seed=5)
+    bundle = save_bundle(model, root / "tiny.pt", generate_batch(model.input_schema(), 4, seed=6))
+    settings = ExportSettings(backend="torchscript", max_batch_size=4, verify=VerifySettings(num_random_batches=1))
+    return export(bundle, root / "ranker.torchscript", settings).path

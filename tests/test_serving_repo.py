@@ -16,10 +16,9 @@ import torch
 from google.protobuf import text_format
 
 import hstu_export
-from hstu_export import ExportSettings, VerifySettings, generate_batch, save_bundle
+from hstu_export import generate_batch
 from hstu_export.cli import main as cli_main
 from hstu_export.errors import ConfigError, RequestError
-from hstu_export.models import build_preset
 from hstu_export.serving.batching import BatchingPredictor, OutputRows, output_rows, plan_groups
 from hstu_export.serving.triton_repo import ServingRepoSettings, write_serving_repo
 
@@ -27,12 +26,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("serving")
-    model = build_preset("tiny", seed=5)
-    bundle = save_bundle(model, root / "tiny.pt", generate_batch(model.input_schema(), 4, seed=6))
-    settings = ExportSettings(backend="torchscript", max_batch_size=4, verify=VerifySettings(num_random_batches=1))
-    return hstu_export.export(bundle, root / "ranker.torchscript", settings).path
+def package(tiny_serving_package: Path) -> Path:
+    return tiny_serving_package
 
 
 @pytest.fixture(scope="module")

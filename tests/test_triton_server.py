@@ -21,9 +21,8 @@ from triton_server import TritonServer, python_library_dir
 from tritonclient.utils import InferenceServerException
 
 import hstu_export
-from hstu_export import ExportSettings, VerifySettings, generate_batch, save_bundle
+from hstu_export import generate_batch
 from hstu_export.cli import main as cli_main
-from hstu_export.models import build_preset
 
 pytestmark = pytest.mark.slow
 
@@ -33,13 +32,8 @@ Answer = dict[str, Tensor] | InferenceServerException
 
 
 @pytest.fixture(scope="module")
-def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # The package tests/test_serving_repo.py serves: the tiny preset on TorchScript, at most 4 users a call.
-    root = tmp_path_factory.mktemp("triton-package")
-    model = build_preset("tiny", seed=5)
-    bundle = save_bundle(model, root / "tiny.pt", generate_batch(model.input_schema(), 4, seed=6))
-    settings = ExportSettings(backend="torchscript", max_batch_size=4, verify=VerifySettings(num_random_batches=1))
-    return hstu_export.export(bundle, root / "ranker.torchscript", settings).path
+def package(tiny_serving_package: Path) -> Path:
+    return tiny_serving_package
 
 
 @pytest.fixture(scope="module")
