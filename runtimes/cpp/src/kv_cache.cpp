@@ -286,6 +286,38 @@ void refuse_beyond_host_memory(int64_t budget, int64_t needed, const c10::Device
   }
 }
 
+// The pages of `impl->kv`'s layout within `options.budget_bytes` (0: room for max_batch_size users at the
+// longest sequence): K and V of page_size tokens in every layer, and with `row_width` each token's frontier
+// row of `row_dtype` (a derived program's); one page of the budget is the scratch page, the rest are free.
+void allocate_pages(CachedRanker::Impl& impl, const Package::Impl& pkg, const KVCacheOptions& options,
+                    int64_t row_width = 0, at::ScalarType row_dtype = at::kFloat) {
+  const detail::KVSection& kv = impl.kv;
+  int64_t item = static_cast<int64_t>(c10::elementSize(kv.dtype));
+  int64_t row_item = static_cast<int64_t>(c10::elementSize(row_dtype));
+  int64_t page_bytes = kv.num_layers * kv.page_size * kv.num_heads * (kv.attention_dim + kv.linear_dim) * item +
+                       kv.page_size * row_width * row_item;
+  int64_t budget = options.budget_bytes;
+  if (budget == 0) budget = (pkg.max_batch_size * ((kv.max_seq_len + kv.page_size - 1) / kv.page_size) + 1) * page_bytes;
+  impl.num_pages = budget / page_bytes - 1;
+  if (budget < 0 || impl.num_pages < 1) {
+    throw Error("KV cache budget of " + std::to_string(budget) + " bytes holds no page for users (" +
+                std::to_string(page_bytes) + " bytes each, and one more for the scratch page); raise the budget");
+  }
+  refuse_beyond_host_memory(budget, (impl.num_pages + 1) * page_bytes, pkg.device);
+  auto pages = at::TensorOptions().dtype(kv.dtype).device(pkg.device);
+  try {
+    impl.k = at::zeros({kv.num_layers, impl.num_pages + 1, kv.page_size, kv.num_heads, kv.attention_dim}, pages);
+    impl.v = at::zeros({kv.num_layers, impl.num_pages + 1, kv.page_size, kv.num_heads, kv.linear_dim}, pages);
+    if (row_width > 0) impl.x = at::zeros({impl.num_pages + 1, kv.page_size, row_width}, pages.dtype(row_dtype));
+  } catch (const std::exception& exc) {
+    throw Error("cannot allocate a KV cache of " + std::to_string(budget) + " bytes on " + pkg.device.str() + ": " +
+                detail::error_text(exc) + "; lower the budget");
+  }
+  impl.scratch = impl.num_pages;
+  for (int64_t page = impl.num_pages - 1; page >= 0; --page) impl.free_pages.push_back(page);
+  impl.counts.pages = impl.num_pages;
+}
+
 // A derived delta program's cache (hstu_export/serving/kv_derived.py's DerivedCachedRanker, the same pages
 // and bookkeeping): K/V pages and each cached token's frontier row; no CUDA graphs.
 std::unique_ptr<CachedRanker::Impl> open_derived(const Package::Impl& pkg, const KVCacheOptions& options) {
@@ -310,30 +342,7 @@ std::unique_ptr<CachedRanker::Impl> open_derived(const Package::Impl& pkg, const
   kv.attention_dim = d.attention_dim;
   kv.linear_dim = d.linear_dim;
   kv.dtype = d.dtype;
-  int64_t item = static_cast<int64_t>(c10::elementSize(d.dtype));
-  int64_t row_item = static_cast<int64_t>(c10::elementSize(d.row_dtype));
-  int64_t page_bytes = d.num_layers * d.page_size * d.num_heads * (d.attention_dim + d.linear_dim) * item +
-                       d.page_size * d.row_width * row_item;
-  int64_t budget = options.budget_bytes;
-  if (budget == 0) budget = (pkg.max_batch_size * ((d.max_seq_len + d.page_size - 1) / d.page_size) + 1) * page_bytes;
-  impl->num_pages = budget / page_bytes - 1;
-  if (budget < 0 || impl->num_pages < 1) {
-    throw Error("KV cache budget of " + std::to_string(budget) + " bytes holds no page for users (" +
-                std::to_string(page_bytes) + " bytes each, and one more for the scratch page); raise the budget");
-  }
-  refuse_beyond_host_memory(budget, (impl->num_pages + 1) * page_bytes, pkg.device);
-  auto pages = at::TensorOptions().dtype(d.dtype).device(pkg.device);
-  try {
-    impl->k = at::zeros({d.num_layers, impl->num_pages + 1, d.page_size, d.num_heads, d.attention_dim}, pages);
-    impl->v = at::zeros({d.num_layers, impl->num_pages + 1, d.page_size, d.num_heads, d.linear_dim}, pages);
-    impl->x = at::zeros({impl->num_pages + 1, d.page_size, d.row_width}, pages.dtype(d.row_dtype));
-  } catch (const std::exception& exc) {
-    throw Error("cannot allocate a KV cache of " + std::to_string(budget) + " bytes on " + pkg.device.str() + ": " +
-                detail::error_text(exc) + "; lower the budget");
-  }
-  impl->scratch = impl->num_pages;
-  for (int64_t page = impl->num_pages - 1; page >= 0; --page) impl->free_pages.push_back(page);
-  impl->counts.pages = impl->num_pages;
+  allocate_pages(*impl, pkg, options, d.row_width, d.row_dtype);
   auto load = [&](const std::filesystem::path& path, const std::string& file) {
     try {
       return std::make_unique<detail::AotiProgram>(path.string(), pkg.device, pkg.concurrency);
@@ -372,28 +381,7 @@ std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> 
     if (!spec.feature.empty()) impl->feature_of[spec.name] = spec.feature;
   }
 
-  // Pages: K and V of page_size tokens in every layer; one page of the budget is the scratch page.
-  int64_t item = static_cast<int64_t>(c10::elementSize(kv.dtype));
-  int64_t page_bytes = kv.num_layers * kv.page_size * kv.num_heads * (kv.attention_dim + kv.linear_dim) * item;
-  int64_t budget = options.budget_bytes;
-  if (budget == 0) budget = (pkg.max_batch_size * ((kv.max_seq_len + kv.page_size - 1) / kv.page_size) + 1) * page_bytes;
-  impl->num_pages = budget / page_bytes - 1;
-  if (budget < 0 || impl->num_pages < 1) {
-    throw Error("KV cache budget of " + std::to_string(budget) + " bytes holds no page for users (" +
-                std::to_string(page_bytes) + " bytes each, and one more for the scratch page); raise the budget");
-  }
-  refuse_beyond_host_memory(budget, (impl->num_pages + 1) * page_bytes, pkg.device);
-  auto pages = at::TensorOptions().dtype(kv.dtype).device(pkg.device);
-  try {
-    impl->k = at::zeros({kv.num_layers, impl->num_pages + 1, kv.page_size, kv.num_heads, kv.attention_dim}, pages);
-    impl->v = at::zeros({kv.num_layers, impl->num_pages + 1, kv.page_size, kv.num_heads, kv.linear_dim}, pages);
-  } catch (const std::exception& exc) {
-    throw Error("cannot allocate a KV cache of " + std::to_string(budget) + " bytes on " + pkg.device.str() + ": " +
-                detail::error_text(exc) + "; lower the budget");
-  }
-  impl->scratch = impl->num_pages;
-  for (int64_t page = impl->num_pages - 1; page >= 0; --page) impl->free_pages.push_back(page);
-  impl->counts.pages = impl->num_pages;
+  allocate_pages(*impl, pkg, options);
   impl->edges = bucket_edges(kv.time_bucket_base, kv.num_time_buckets);
   try {
     impl->program = std::make_unique<detail::AotiProgram>(kv.program.string(), pkg.device, pkg.concurrency);

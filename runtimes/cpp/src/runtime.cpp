@@ -382,6 +382,22 @@ void load_op_libraries(const std::vector<std::string>& names, const Options& opt
 // The manifest's kv_cache section, checked against the package it is in: the delta program is a listed
 // file; each of its inputs is a sparse output, a feature fed to the dense program, or one the cache makes;
 // it returns the package's outputs; the request has the features the cache's reuse checks read.
+// object[key], an integer of at least 1.
+int64_t positive_field(const Fields& fields, const Value& object, const std::string& key, const std::string& at) {
+  int64_t value = fields.integer(fields.member(object, key, at), Fields::join(at, key));
+  if (value < 1) fields.fail(Fields::join(at, key), "is below 1");
+  return value;
+}
+
+// A KV-cache section's page_size: a power of two of at least 16 (a key block never straddles a page).
+int64_t page_size_field(const Fields& fields, const Value& kv, const std::string& where) {
+  int64_t page_size = positive_field(fields, kv, "page_size", where);
+  if (page_size < 16 || (page_size & (page_size - 1)) != 0) {
+    fields.fail(where + ".page_size", "is not a power of two of at least 16");
+  }
+  return page_size;
+}
+
 detail::KVSection read_kv_section(const Fields& fields, const Value& manifest, const Value& kv,
                                   const std::map<std::string, fs::path>& listed, const Package::Impl& impl) {
   detail::KVSection out;
@@ -392,14 +408,9 @@ detail::KVSection read_kv_section(const Fields& fields, const Value& manifest, c
   out.inputs = fields.strings(fields.member(kv, "inputs", where), where + ".inputs");
   out.outputs = fields.strings(fields.member(kv, "outputs", where), where + ".outputs");
   auto positive = [&](const Value& object, const std::string& key, const std::string& at) {
-    int64_t value = fields.integer(fields.member(object, key, at), Fields::join(at, key));
-    if (value < 1) fields.fail(Fields::join(at, key), "is below 1");
-    return value;
+    return positive_field(fields, object, key, at);
   };
-  out.page_size = positive(kv, "page_size", where);
-  if (out.page_size < 16 || (out.page_size & (out.page_size - 1)) != 0) {
-    fields.fail(where + ".page_size", "is not a power of two of at least 16");
-  }
+  out.page_size = page_size_field(fields, kv, where);
   out.max_seq_len = positive(kv, "max_seq_len", where);
   const Value& layout = fields.member(kv, "layout", where);
   const std::string at = where + ".layout";
@@ -496,14 +507,9 @@ detail::DerivedKVSection read_derived_kv_section(const Fields& fields, const Val
   out.counts_inputs = fields.strings(fields.member(kv, "counts_inputs", where), where + ".counts_inputs");
   out.outputs = fields.strings(fields.member(kv, "outputs", where), where + ".outputs");
   auto positive = [&](const Value& object, const std::string& key, const std::string& at) {
-    int64_t value = fields.integer(fields.member(object, key, at), Fields::join(at, key));
-    if (value < 1) fields.fail(Fields::join(at, key), "is below 1");
-    return value;
+    return positive_field(fields, object, key, at);
   };
-  out.page_size = positive(kv, "page_size", where);
-  if (out.page_size < 16 || (out.page_size & (out.page_size - 1)) != 0) {
-    fields.fail(where + ".page_size", "is not a power of two of at least 16");
-  }
+  out.page_size = page_size_field(fields, kv, where);
   const Value& layout = fields.member(kv, "layout", where);
   const std::string at = where + ".layout";
   out.max_seq_len = positive(layout, "max_seq_len", at);
