@@ -1,0 +1,280 @@
+"""One package served from several devices: a replica per device, each with its own request queue, a
+worker thread that batches what is queued into as few package calls as the exported maximum batch size
+allows, and, when asked, its own KV cache.
+
+    with ReplicaSet("model.aoti", ["cuda:0", "cuda:1"], kv_cache_bytes="40GiB") as replicas:
+        answer = replicas.submit(request, user_ids=[17]).result()
+
+Routing: with a KV cache a request goes to the replica its first user belongs to (a stable function of
+the id), so a returning user reaches the cache that holds its rows; a request of several users is cached
+whole on that replica. Without a cache it goes to the replica with the fewest users waiting. Every
+replica loads the package's tables onto its own device (they are part of the package's sparse artifact).
+
+A bad request fails alone: requests are validated before they are batched, and when a batched call fails
+(a value beyond the exported range found inside the program) its requests run again one by one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Hashable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hstu_export.errors import ConfigError, HstuExportError, RequestError
+from hstu_export.serving.batching import BatchingPredictor, batch_size, combine, split_outputs
+from hstu_export.serving.kv_cache import user_keys
+
+__all__ = ["Replica", "ReplicaSet", "replica_of"]
+
+_STOP = object()
+
+
+def replica_of(user: Hashable, count: int) -> int:
+    """The replica that serves ``user`` among ``count``: the same in every process (no salted hash)."""
+    if isinstance(user, int):
+        return user % count
+    return zlib.crc32(repr(user).encode()) % count
+
+
+@dataclass
+class _Item:
+    request: Mapping[str, Tensor]
+    users: int
+    user_ids: list[Hashable] | None
+    future: Future = field(default_factory=Future)
+
+
+class Replica:
+    """The package loaded on one device, served by one worker thread."""
+
+    def __init__(self, path: str | Path, device: torch.device, *, kv_cache_bytes: int | str | None,
+                 max_batch_users: int | None, max_queue_delay_ms: float, host_outputs: bool) -> None:
+        import hstu_export
+
+        self.device = device
+        guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with guard:
+            predictor = hstu_export.load(path)
+            if predictor.device.type != device.type:
+                raise ConfigError(f"{path} is a {predictor.device.type} package; it cannot be served on {device}")
+            self.ranker = predictor.kv_cache(kv_cache_bytes) if kv_cache_bytes is not None else None
+        self.predictor = predictor
+        self.batcher = BatchingPredictor(predictor)
+        self.max_users = min(max_batch_users or predictor.max_batch_size, predictor.max_batch_size)
+        self.delay = max_queue_delay_ms / 1e3
+        self.host_outputs = host_outputs
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.waiting_users = 0  # users queued, for routing (read without the lock: a hint)
+        self._lock = threading.Lock()
+        self._counts = {"requests": 0, "users": 0, "calls": 0, "errors": 0}
+        self.busy_seconds = 0.0
+        self._held: _Item | None = None
+        self._thread = threading.Thread(target=self._serve, name=f"replica-{device}", daemon=True)
+        self._thread.start()
+
+    def put(self, item: _Item) -> None:
+        with self._lock:
+            self.waiting_users += item.users
+        self.queue.put(item)
+
+    def stop(self) -> None:
+        self.queue.put(_STOP)
+        self._thread.join()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = {"device": str(self.device), **self._counts,
+                                   "busy_seconds": round(self.busy_seconds, 6)}
+        if self.ranker is not None:
+            out["kv_cache"] = self.ranker.cache.stats()
+        return out
+
+    def _serve(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            start = time.perf_counter()
+            self._run(batch)
+            with self._lock:
+                self.busy_seconds += time.perf_counter() - start
+                self.waiting_users -= sum(item.users for item in batch)
+
+    def _next_batch(self) -> list[_Item] | None:
+        """The oldest waiting requests whose users fit one call; waits up to the queue delay for more."""
+        first = self._held if self._held is not None else self.queue.get()
+        self._held = None
+        if first is _STOP:
+            return None
+        batch, users = [first], first.users
+        deadline = time.perf_counter() + self.delay
+        while users < self.max_users:
+            try:
+                left = deadline - time.perf_counter()
+                item = self.queue.get(timeout=left) if left > 0 else self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is _STOP or users + item.users > self.max_users:
+                self._held = item  # starts the next batch (or stops the worker after this one)
+                break
+            batch.append(item)
+            users += item.users
+        return batch
+
+    def _run(self, batch: list[_Item]) -> None:
+        results = self._call([item.request for item in batch], [item.user_ids for item in batch])
+        if len(batch) > 1 and any(isinstance(r, HstuExportError) for r in results):
+            # One bad request may have failed the call of the others: each runs alone.
+            results = [self._call([item.request], [item.user_ids])[0] for item in batch]
+        with self._lock:
+            self._counts["calls"] += 1
+            self._counts["requests"] += len(batch)
+            self._counts["users"] += sum(item.users for item in batch)
+            self._counts["errors"] += sum(isinstance(r, HstuExportError) for r in results)
+        for item, result in zip(batch, results):
+            if isinstance(result, HstuExportError):
+                item.future.set_exception(result)
+            else:
+                item.future.set_result(result)
+
+    def _call(self, requests: list[Mapping[str, Tensor]],
+              user_ids: list[list[Hashable] | None]) -> list[dict[str, Tensor] | HstuExportError]:
+        if self.ranker is None:
+            results = self.batcher(requests)
+        else:
+            results = self._call_cached(requests, user_ids)
+        if self.host_outputs:
+            results = [r if isinstance(r, HstuExportError) else {k: v.cpu() for k, v in r.items()} for r in results]
+        return results
+
+    def _call_cached(self, requests: list[Mapping[str, Tensor]],
+                     user_ids: list[list[Hashable] | None]) -> list[dict[str, Tensor] | HstuExportError]:
+        assert self.ranker is not None
+        results: list[dict[str, Tensor] | HstuExportError] = [RequestError("not run")] * len(requests)
+        valid: list[int] = []
+        schema = self.predictor.input_schema
+        for index, request in enumerate(requests):
+            try:
+                schema.validate(dict(request), self.max_users)
+                valid.append(index)
+            except HstuExportError as exc:
+                results[index] = exc
+        if not valid:
+            return results
+        members = [requests[i] for i in valid]
+        ids = [user for i in valid for user in (user_ids[i] or [])]
+        try:
+            outputs = self.ranker(combine(members, schema.names), ids)
+            shares = split_outputs(outputs, members, self.batcher.rows or {})
+        except HstuExportError as exc:
+            shares = [exc] * len(valid)
+        for i, share in zip(valid, shares):
+            results[i] = share
+        return results
+
+
+class ReplicaSet:
+    """The package at ``path`` served on each of ``devices`` (``"cuda:0"``, ``"cpu"``, ...; a device named
+    twice gets two replicas). ``kv_cache_bytes``: a KV cache of that size per replica (the package must be
+    exported with ``--kv-cache``), and requests then name their users. ``max_batch_users``: most users per
+    call (default and ceiling: the package's maximum batch size). ``max_queue_delay_ms``: how long a worker
+    holding fewer users than that waits for more before it calls. ``host_outputs``: answers are moved to the
+    host (as a server sends them), else left on the replica's device."""
+
+    def __init__(self, path: str | Path, devices: Sequence[str | torch.device], *,
+                 kv_cache_bytes: int | str | None = None, max_batch_users: int | None = None,
+                 max_queue_delay_ms: float = 0.0, host_outputs: bool = True) -> None:
+        if not devices:
+            raise ConfigError("ReplicaSet needs at least one device")
+        if max_queue_delay_ms < 0:
+            raise ConfigError(f"max_queue_delay_ms must be 0 or more, got {max_queue_delay_ms}")
+        parsed = [_device(d) for d in devices]
+        self.replicas: list[Replica] = []
+        try:
+            for device in parsed:
+                self.replicas.append(Replica(path, device, kv_cache_bytes=kv_cache_bytes,
+                                             max_batch_users=max_batch_users,
+                                             max_queue_delay_ms=max_queue_delay_ms, host_outputs=host_outputs))
+        except BaseException:
+            self.close()
+            raise
+        self.cached = kv_cache_bytes is not None
+        self.schema = self.replicas[0].predictor.input_schema
+
+    def submit(self, request: Mapping[str, Tensor], user_ids: Sequence[Hashable] | Tensor | None = None) -> Future:
+        """Queues ``request``; the future holds its outputs, or the HstuExportError that refused it."""
+        try:
+            users = self._users(request)
+            ids = None
+            if self.cached:
+                if user_ids is None:
+                    raise RequestError("this ReplicaSet serves through a KV cache: pass user_ids, one per user")
+                ids = user_keys(user_ids)
+                if len(ids) != users:
+                    raise RequestError(f"{len(ids)} user ids for a request of {users} users")
+        except HstuExportError as exc:
+            refused: Future = Future()
+            refused.set_exception(exc)
+            return refused
+        item = _Item(request, users, ids)
+        if ids is not None:
+            target = self.replicas[replica_of(ids[0], len(self.replicas))]
+        else:
+            target = min(self.replicas, key=lambda r: r.waiting_users)
+        target.put(item)
+        return item.future
+
+    def __call__(self, request: Mapping[str, Tensor],
+                 user_ids: Sequence[Hashable] | Tensor | None = None) -> dict[str, Tensor]:
+        return self.submit(request, user_ids).result()
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [replica.stats() for replica in self.replicas]
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
+        self.replicas = []
+
+    def __enter__(self) -> ReplicaSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _users(self, request: Mapping[str, Tensor]) -> int:
+        if not isinstance(request, Mapping):
+            raise RequestError(f"a request is a dict of named tensors, got {type(request).__name__}")
+        try:
+            return batch_size(self.schema.features, request)
+        except (KeyError, StopIteration, AttributeError, IndexError):
+            return 1  # validation on the replica names what is wrong
+
+
+def _device(value: str | torch.device) -> torch.device:
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"not a device: {value!r} ({exc})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{device} asked for, but this machine has no usable CUDA device")
+        index = 0 if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"{device} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        device = torch.device("cuda", index)
+    elif device.type != "cpu":
+        raise ConfigError(f"replicas run on cpu or cuda devices, got {device}")
+    return device
