@@ -1,0 +1,340 @@
+"""A DLRMv3-style Server-scenario load test: Poisson arrivals, one user per query, swept up to the highest
+rate whose p99 latency stays within the bound.
+
+    PYTHONPATH=$PWD python benchmarks/serving_load.py --out $OUT [--gpus 1 2] [--cache off on]
+    PYTHONPATH=$PWD python benchmarks/serving_load.py --out /tmp/load --small      # CPU, tiny: checks it runs
+
+The package: the zoo's dlrmv3 preset (5 layers, D=512, 4 heads of 128), exported here with --kv-cache on
+AOTInductor, bf16, max batch --max-batch (or --package PKG). Served through
+``hstu_export.serving.replicas.ReplicaSet``: one replica per GPU, each a worker thread that runs whatever
+queries wait (up to the batch) in one call; with the cache, a user always reaches the GPU caching it.
+Not through a Triton server: the GPU machine has none installed (docs/SERVING.md).
+
+Queries: one user each, 2048 candidates, a history drawn as the DLRMv3 reference's synthetic streaming data
+builds one (generative-recommenders, dlrm_v3/streaming_synthetic_data.py): the base timestamp's segment plus
+one segment per later timestamp the user was sampled at (probability 0.7, inference timestamps 90-99), each
+segment Gaussian with a standard deviation of a quarter of its mean, at least a third of it. The segment mean
+is scaled so that histories average --mean-history (1024: the dlrmv3 workload of docs/PERF.md), cut to the
+package's longest. With the cache, queries come from a pool of returning users: each return adds one new
+segment (about mean/67 items) and moves the query time --return-seconds later; a share --new-users of
+queries are users seen for the first time (misses by construction). The cache reuses a user's rows while its
+time buckets hold for --max-time-drift seconds (CachedRanker's max_time_drift).
+
+Per configuration (GPUs x cache): a closed-loop saturation estimate, then open-loop windows of --seconds at
+rising shares of it; reported per rate: achieved queries/s, p50/p99 latency (from the scheduled arrival to
+the answer on the host, queueing included), the workers' busy share and the GPUs' utilisation (NVML, when
+readable), the cache's hits/misses/stale/evictions in the window. Writes serving_load.json after every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import hstu_export
+from hstu_export.models.config import preset_config
+from hstu_export.models.ranking import HstuRankingModel
+from hstu_export.serving.replicas import ReplicaSet
+
+P99_BOUND_MS = 80.0
+SAMPLED = 0.7  # the reference's user_sampling_ratio
+TIMESTAMPS = range(90, 100)  # its inference timestamps (train_ratio 0.9 of 100)
+MEAN_SEGMENTS = 1 + SAMPLED * statistics.mean(TIMESTAMPS)
+NOW = 1_750_000_000
+
+
+class Histories:
+    """Users' histories in the shape of the reference's synthetic data, scaled to ``mean`` items."""
+
+    def __init__(self, mean: float, longest: int, items: int, actions: int, seed: int) -> None:
+        self.segment = mean / MEAN_SEGMENTS
+        self.longest, self.items, self.actions = longest, items, actions
+        self.rng = np.random.default_rng(seed)
+
+    def segment_length(self) -> int:
+        return max(round(float(self.rng.normal(self.segment, self.segment / 4))), math.ceil(self.segment / 3))
+
+    def length(self) -> int:
+        segments = 1 + self.rng.binomial(int(self.rng.choice(TIMESTAMPS)), SAMPLED)
+        return min(sum(self.segment_length() for _ in range(segments)), self.longest)
+
+    def events(self, count: int, now: int, span: int) -> np.ndarray:
+        """``count`` events (item, action, timestamp) in the ``span`` seconds before ``now``, oldest first."""
+        times = np.sort(now - self.rng.integers(1, span, count))
+        return np.stack([self.rng.integers(0, self.items, count), self.rng.integers(0, self.actions, count), times])
+
+
+@dataclasses.dataclass
+class User:
+    uid: int
+    events: np.ndarray  # [3, n]: item ids, action ids, timestamps
+    now: int
+
+
+class Workload:
+    def __init__(self, args: argparse.Namespace, cfg: Any) -> None:
+        self.args, self.cfg = args, cfg
+        self.hist = Histories(args.mean_history, cfg.max_history_len, cfg.item_vocab_size, cfg.action_vocab_size,
+                              args.seed)
+        self.next_uid = 0
+
+    def new_user(self) -> User:
+        self.next_uid += 1
+        return User(self.next_uid, self.hist.events(self.hist.length(), NOW, 90 * 86400), NOW)
+
+    def returning(self, user: User) -> User:
+        """The user a --return-seconds later, with one more segment of history (a fresh user when the
+        history would outgrow the package)."""
+        now = user.now + self.args.return_seconds
+        grown = self.hist.events(self.hist.segment_length(), now, self.args.return_seconds + 1)
+        events = np.concatenate([user.events, grown], axis=1)
+        if events.shape[1] > self.cfg.max_history_len:
+            return self.new_user()
+        return User(user.uid, events, now)
+
+    def request(self, user: User) -> dict[str, torch.Tensor]:
+        rng = self.hist.rng
+        n, c = user.events.shape[1], self.args.candidates
+        ev = torch.from_numpy(user.events)
+        return {"uih_lengths": torch.tensor([n]), "candidate_lengths": torch.tensor([c]),
+                "uih_item_ids": ev[0].clone(), "uih_action_ids": ev[1].clone(), "uih_timestamps": ev[2].clone(),
+                "candidate_item_ids": torch.from_numpy(rng.integers(0, self.cfg.item_vocab_size, c)),
+                "query_time": torch.tensor([user.now + 1])}
+
+    def queries(self, count: int, pool: list[User] | None) -> list[tuple[dict[str, torch.Tensor], int]]:
+        """``count`` queries: fresh users, or (``pool``) returning users of the pool, a --new-users share
+        replaced by first-time users. The pool is updated in place."""
+        out = []
+        for _ in range(count):
+            if pool is None:
+                user = self.new_user()
+            else:
+                k = int(self.hist.rng.integers(0, len(pool)))
+                fresh = self.hist.rng.random() < self.args.new_users
+                pool[k] = user = self.new_user() if fresh else self.returning(pool[k])
+            out.append((self.request(user), user.uid))
+        return out
+
+
+class Utilisation:
+    """GPU utilisation sampled through NVML (torch.cuda.utilization) while a window runs; None if unreadable."""
+
+    def __init__(self, devices: list[int]) -> None:
+        self.devices, self.samples = devices, {d: [] for d in devices}
+        self._stop = threading.Event()
+        try:
+            for d in devices:
+                torch.cuda.utilization(d)
+            self.readable = True
+        except Exception:  # no NVML binding in this environment
+            self.readable = False
+
+    def __enter__(self) -> Utilisation:
+        if self.readable:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            for d in self.devices:
+                self.samples[d].append(torch.cuda.utilization(d))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    def mean(self) -> list[float] | None:
+        if not self.readable:
+            return None
+        return [round(statistics.mean(s), 1) if s else None for s in self.samples.values()]
+
+
+def run_window(replicas: ReplicaSet, queries: list, rate: float, cached: bool, gpus: list[int]) -> dict[str, Any]:
+    """Sends ``queries`` at Poisson arrivals of ``rate`` per second; latency from each scheduled arrival."""
+    rng = np.random.default_rng(len(queries))
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, len(queries)))
+    done = [math.nan] * len(queries)
+    failed = [0]
+    before = replicas.stats()
+
+    def finisher(i: int):  # type: ignore[no-untyped-def]
+        def finish(future) -> None:  # type: ignore[no-untyped-def]
+            done[i] = time.perf_counter()
+            if future.exception() is not None:
+                failed[0] += 1
+        return finish
+
+    futures = []
+    with Utilisation(gpus) as util:
+        start = time.perf_counter()
+        i = 0
+        while i < len(queries):
+            now = time.perf_counter() - start
+            while i < len(queries) and arrivals[i] <= now:
+                request, uid = queries[i]
+                future = replicas.submit(request, [uid] if cached else None)
+                future.add_done_callback(finisher(i))
+                futures.append(future)
+                i += 1
+            if i < len(queries):
+                time.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
+        for future in futures:
+            future.exception()  # waits
+        elapsed = max(done) - start
+    latency = np.sort((np.array(done) - start - arrivals) * 1e3)
+    after = replicas.stats()
+    row: dict[str, Any] = {
+        "offered_qps": round(rate, 1), "queries": len(queries), "achieved_qps": round(len(queries) / elapsed, 1),
+        "p50_ms": round(float(np.percentile(latency, 50)), 2), "p99_ms": round(float(np.percentile(latency, 99)), 2),
+        "failed": failed[0], "gpu_utilisation_pct": util.mean(),
+        "worker_busy": [round((a["busy_seconds"] - b["busy_seconds"]) / elapsed, 3) for a, b in zip(after, before)],
+        "users_per_call": [round((a["users"] - b["users"]) / max(1, a["calls"] - b["calls"]), 1)
+                           for a, b in zip(after, before)],
+    }
+    if cached:
+        keys = ("hits", "misses", "stale", "evictions", "bypassed")
+        row["kv"] = {k: sum(a["kv_cache"][k] - b["kv_cache"][k] for a, b in zip(after, before)) for k in keys}
+        served = sum(row["kv"][k] for k in ("hits", "misses", "stale", "bypassed"))
+        row["kv"]["hit_share"] = round(row["kv"]["hits"] / max(1, served), 3)
+    return row
+
+
+def saturation(replicas: ReplicaSet, queries: list, cached: bool) -> float:
+    """Queries/s with every query queued at once (closed loop, the batches full)."""
+    start = time.perf_counter()
+    futures = [replicas.submit(r, [u] if cached else None) for r, u in queries]
+    for future in futures:
+        future.result()
+    return len(queries) / (time.perf_counter() - start)
+
+
+def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str], cached: bool) -> dict[str, Any]:
+    work = Workload(args, cfg)
+    gpus = [torch.device(d).index or 0 for d in devices] if devices[0].startswith("cuda") else []
+    out: dict[str, Any] = {"devices": devices, "cache": cached, "rates": []}
+    kv_bytes = args.kv_budget if cached else None
+    with ReplicaSet(package, devices, kv_cache_bytes=kv_bytes, max_batch_users=args.max_batch,
+                    max_queue_delay_ms=args.queue_delay_ms, max_time_drift=args.max_time_drift) as replicas:
+        pool: list | None = None
+        if cached:  # every pool user seen once: the cache filled before anything is timed
+            pool = [work.new_user() for _ in range(args.users)]
+            t = time.perf_counter()
+            saturation(replicas, [(work.request(u), u.uid) for u in pool], cached)
+            out["prefill_seconds"] = round(time.perf_counter() - t, 2)
+        saturation(replicas, work.queries(4 * args.max_batch * len(devices), pool), cached)  # warm-up
+        out["saturation_qps"] = sat = round(saturation(replicas, work.queries(args.saturation_queries * len(devices),
+                                                                               pool), cached), 1)
+        passed = None
+        for share in args.shares:
+            rate = share * sat
+            queries = work.queries(max(50, int(rate * args.seconds)), pool)
+            row = run_window(replicas, queries, rate, cached, gpus)
+            row["share_of_saturation"] = share
+            out["rates"].append(row)
+            print(json.dumps({"devices": len(devices), "cache": cached, **row}), flush=True)
+            if row["p99_ms"] <= P99_BOUND_MS and not row["failed"]:
+                passed = row
+            elif passed is not None:
+                break
+        out["best"] = passed
+        out["best_qps_per_device"] = round(passed["achieved_qps"] / len(devices), 1) if passed else None
+        out["replicas"] = replicas.stats()
+    return out
+
+
+def export_package(args: argparse.Namespace, cfg: Any, device: str) -> tuple[Path, float]:
+    torch.manual_seed(0)
+    model = HstuRankingModel(cfg).eval()
+    root = Path(tempfile.mkdtemp(prefix="load-"))
+    example = hstu_export.generate_batch(model.input_schema(), 2, seed=1)
+    bundle = hstu_export.save_bundle(model, root / "m.pt", example)
+    settings = hstu_export.ExportSettings(
+        backend="aoti", device=device, dtype="bf16" if device == "cuda" else "fp32",
+        op_target="triton" if device == "cuda" else "aten", max_batch_size=args.max_batch, kv_cache=True,
+        kv_page_size=64, verify=hstu_export.VerifySettings(num_random_batches=1))
+    t = time.perf_counter()
+    result = hstu_export.export(bundle, root / "m.aoti", settings)
+    return Path(result.path), time.perf_counter() - t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--package", type=Path, help="serve this dlrmv3 package instead of exporting one")
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="GPU counts to serve on")
+    parser.add_argument("--cache", nargs="+", choices=["off", "on"], default=["off", "on"])
+    parser.add_argument("--max-batch", type=int, default=32, help="users per call (the export's max batch)")
+    parser.add_argument("--queue-delay-ms", type=float, default=2.0, help="a worker's wait for a fuller batch")
+    parser.add_argument("--mean-history", type=float, default=1024)
+    parser.add_argument("--candidates", type=int, default=2048)
+    parser.add_argument("--seconds", type=float, default=4.0, help="length of each open-loop window")
+    parser.add_argument("--shares", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 0.95, 1.0],
+                        help="offered rates, as shares of the closed-loop saturation rate")
+    parser.add_argument("--saturation-queries", type=int, default=512)
+    parser.add_argument("--users", type=int, default=2048, help="returning users' pool (cache on)")
+    parser.add_argument("--new-users", type=float, default=0.05, help="share of first-time users (cache on)")
+    parser.add_argument("--return-seconds", type=int, default=30)
+    parser.add_argument("--max-time-drift", type=int, default=600)
+    parser.add_argument("--kv-budget", default="24GiB", help="KV cache per GPU")
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--small", action="store_true", help="tiny model and workload on CPU: checks the script")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = preset_config("dlrmv3")
+    device = "cuda"
+    if args.small:
+        device = "cpu"
+        cfg = dataclasses.replace(cfg, embedding_dim=32, attention_dim=16, linear_dim=16, num_layers=2,
+                                  max_history_len=256, max_num_candidates=16, item_vocab_size=1000,
+                                  task_hidden_dims=(16,))
+        args.mean_history, args.candidates, args.max_batch = 100, 16, 4
+        args.seconds, args.saturation_queries, args.users, args.kv_budget = 0.5, 16, 16, "64MiB"
+        args.shares, args.gpus = [0.5, 0.9], [1, 2]
+    else:
+        cfg = dataclasses.replace(cfg, max_num_candidates=args.candidates)
+    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                              "gpu_count": torch.cuda.device_count() if device == "cuda" else 0,
+                              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                              "args": {k: str(v) for k, v in vars(args).items()}, "p99_bound_ms": P99_BOUND_MS,
+                              "runs": []}
+
+    def save() -> None:
+        (args.out / "serving_load.json").write_text(json.dumps(report, indent=2))
+
+    package = args.package
+    if package is None:
+        package, seconds = export_package(args, cfg, device)
+        report["export_seconds"] = round(seconds, 1)
+        save()
+    for cache in args.cache:
+        for count in args.gpus:
+            devices = [f"cuda:{i}" for i in range(count)] if device == "cuda" else ["cpu"] * count
+            if device == "cuda" and count > torch.cuda.device_count():
+                report["runs"].append({"devices": devices, "skipped": "not that many GPUs here"})
+                continue
+            try:
+                report["runs"].append(sweep(args, package, cfg, devices, cache == "on"))
+            except Exception as exc:  # recorded; the other configurations still run
+                report["runs"].append({"devices": devices, "cache": cache, "error": f"{type(exc).__name__}: {exc}",
+                                       "traceback": traceback.format_exc()[-3000:]})
+            save()
+            torch.cuda.empty_cache() if device == "cuda" else None
+    print(json.dumps([{k: r.get(k) for k in ("devices", "cache", "saturation_qps", "best_qps_per_device")}
+                      for r in report["runs"]]), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
