@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import statistics
@@ -162,13 +163,44 @@ class Utilisation:
         return [round(statistics.mean(s), 1) if s else None for s in self.samples.values()]
 
 
+class GcPauses:
+    """Python's garbage collections while a window runs (each holds the interpreter lock: every thread waits)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], (time.perf_counter() - self._start) * 1e3))
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+    def summary(self) -> dict[str, Any]:
+        return {"count": len(self.pauses), "total_ms": round(sum(p for _, p in self.pauses), 2),
+                "max_ms": round(max((p for _, p in self.pauses), default=0.0), 2),
+                "full": sum(g == 2 for g, _ in self.pauses)}
+
+
 def run_window(replicas: ReplicaSet, queries: list, rate: float, cached: bool, gpus: list[int]) -> dict[str, Any]:
-    """Sends ``queries`` at Poisson arrivals of ``rate`` per second; latency from each scheduled arrival."""
+    """Sends ``queries`` at Poisson arrivals of ``rate`` per second; latency from each scheduled arrival.
+    The queries were made before: objects that live until the window ends are frozen out of the garbage
+    collector's scans (as a server does after start-up), and the collections that still run are recorded."""
     rng = np.random.default_rng(len(queries))
     arrivals = np.cumsum(rng.exponential(1.0 / rate, len(queries)))
     done = [math.nan] * len(queries)
+    sent = np.zeros(len(queries))
     failed = [0]
     before = replicas.stats()
+    gc.collect()
+    gc.freeze()
 
     def finisher(i: int):  # type: ignore[no-untyped-def]
         def finish(future) -> None:  # type: ignore[no-untyped-def]
@@ -178,13 +210,14 @@ def run_window(replicas: ReplicaSet, queries: list, rate: float, cached: bool, g
         return finish
 
     futures = []
-    with Utilisation(gpus) as util:
+    with Utilisation(gpus) as util, GcPauses() as pauses:
         start = time.perf_counter()
         i = 0
         while i < len(queries):
             now = time.perf_counter() - start
             while i < len(queries) and arrivals[i] <= now:
                 request, uid = queries[i]
+                sent[i] = time.perf_counter() - start
                 future = replicas.submit(request, [uid] if cached else None)
                 future.add_done_callback(finisher(i))
                 futures.append(future)
@@ -194,12 +227,18 @@ def run_window(replicas: ReplicaSet, queries: list, rate: float, cached: bool, g
         for future in futures:
             future.exception()  # waits
         elapsed = max(done) - start
-    latency = np.sort((np.array(done) - start - arrivals) * 1e3)
+    gc.unfreeze()
+    unsorted = (np.array(done) - start - arrivals) * 1e3
+    latency = np.sort(unsorted)
+    lag = (sent - arrivals) * 1e3
     after = replicas.stats()
     row: dict[str, Any] = {
         "offered_qps": round(rate, 1), "queries": len(queries), "achieved_qps": round(len(queries) / elapsed, 1),
         "p50_ms": round(float(np.percentile(latency, 50)), 2), "p99_ms": round(float(np.percentile(latency, 99)), 2),
         "failed": failed[0], "gpu_utilisation_pct": util.mean(),
+        "p99_ms_by_tenth": [round(float(np.percentile(part, 99)), 1) for part in np.array_split(unsorted, 10)],
+        "send_lag_ms": {"p99": round(float(np.percentile(lag, 99)), 2), "max": round(float(lag.max()), 2)},
+        "gc": pauses.summary(),
         "worker_busy": [round((a["busy_seconds"] - b["busy_seconds"]) / elapsed, 3) for a, b in zip(after, before)],
         "users_per_call": [round((a["users"] - b["users"]) / max(1, a["calls"] - b["calls"]), 1)
                            for a, b in zip(after, before)],
@@ -224,10 +263,13 @@ def saturation(replicas: ReplicaSet, queries: list, cached: bool) -> float:
 def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str], cached: bool) -> dict[str, Any]:
     work = Workload(args, cfg)
     gpus = [torch.device(d).index or 0 for d in devices] if devices[0].startswith("cuda") else []
-    out: dict[str, Any] = {"devices": devices, "cache": cached, "rates": []}
+    out: dict[str, Any] = {"devices": devices, "cache": cached, "kv_graphs": args.kv_graphs if cached else None,
+                           "rates": []}
     kv_bytes = args.kv_budget if cached else None
+    graphs = {"auto": None, "on": True, "off": False}[args.kv_graphs]
     with ReplicaSet(package, devices, kv_cache_bytes=kv_bytes, max_batch_users=args.max_batch,
-                    max_queue_delay_ms=args.queue_delay_ms, max_time_drift=args.max_time_drift) as replicas:
+                    max_queue_delay_ms=args.queue_delay_ms, max_time_drift=args.max_time_drift,
+                    kv_cuda_graphs=graphs) as replicas:
         pool: list | None = None
         if cached:  # every pool user seen once: the cache filled before anything is timed
             pool = [work.new_user() for _ in range(args.users)]
@@ -258,7 +300,8 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
 def export_package(args: argparse.Namespace, cfg: Any, device: str) -> tuple[Path, float]:
     torch.manual_seed(0)
     model = HstuRankingModel(cfg).eval()
-    root = Path(tempfile.mkdtemp(prefix="load-"))
+    root = args.keep or Path(tempfile.mkdtemp(prefix="load-"))
+    root.mkdir(parents=True, exist_ok=True)
     example = hstu_export.generate_batch(model.input_schema(), 2, seed=1)
     bundle = hstu_export.save_bundle(model, root / "m.pt", example)
     settings = hstu_export.ExportSettings(
@@ -274,6 +317,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--package", type=Path, help="serve this dlrmv3 package instead of exporting one")
+    parser.add_argument("--keep", type=Path, help="export into this folder (its m.aoti: --package of later runs)")
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="GPU counts to serve on")
     parser.add_argument("--cache", nargs="+", choices=["off", "on"], default=["off", "on"])
     parser.add_argument("--max-batch", type=int, default=32, help="users per call (the export's max batch)")
@@ -288,7 +332,9 @@ def main() -> None:
     parser.add_argument("--new-users", type=float, default=0.05, help="share of first-time users (cache on)")
     parser.add_argument("--return-seconds", type=int, default=30)
     parser.add_argument("--max-time-drift", type=int, default=600)
-    parser.add_argument("--kv-budget", default="24GiB", help="KV cache per GPU")
+    parser.add_argument("--kv-budget", default="40GiB", help="KV cache per GPU")
+    parser.add_argument("--kv-graphs", choices=["auto", "on", "off"], default="off",
+                        help="CUDA graphs of the cached path (auto: the package's default, on for CUDA)")
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--small", action="store_true", help="tiny model and workload on CPU: checks the script")
     args = parser.parse_args()

@@ -58,8 +58,8 @@ class Replica:
     """The package loaded on one device, served by one worker thread."""
 
     def __init__(self, path: str | Path, device: torch.device, *, kv_cache_bytes: int | str | None,
-                 max_time_drift: int, max_batch_users: int | None, max_queue_delay_ms: float,
-                 host_outputs: bool) -> None:
+                 max_time_drift: int, kv_cuda_graphs: bool | None, max_batch_users: int | None,
+                 max_queue_delay_ms: float, host_outputs: bool) -> None:
         import hstu_export
 
         self.device = device
@@ -68,7 +68,8 @@ class Replica:
             predictor = hstu_export.load(path)
             if predictor.device.type != device.type:
                 raise ConfigError(f"{path} is a {predictor.device.type} package; it cannot be served on {device}")
-            self.ranker = (predictor.kv_cache(kv_cache_bytes, max_time_drift=max_time_drift)
+            self.ranker = (predictor.kv_cache(kv_cache_bytes, max_time_drift=max_time_drift,
+                                              cuda_graphs=kv_cuda_graphs)
                            if kv_cache_bytes is not None else None)
         self.predictor = predictor
         self.batcher = BatchingPredictor(predictor)
@@ -190,15 +191,15 @@ class Replica:
 class ReplicaSet:
     """The package at ``path`` served on each of ``devices`` (``"cuda:0"``, ``"cpu"``, ...; a device named
     twice gets two replicas). ``kv_cache_bytes``: a KV cache of that size per replica (the package must be
-    exported with ``--kv-cache``), and requests then name their users; ``max_time_drift`` as
-    :meth:`Predictor.kv_cache` takes it. ``max_batch_users``: most users per
+    exported with ``--kv-cache``), and requests then name their users; ``max_time_drift`` and
+    ``kv_cuda_graphs`` (its ``cuda_graphs``) as :meth:`Predictor.kv_cache` takes them. ``max_batch_users``: most users per
     call (default and ceiling: the package's maximum batch size). ``max_queue_delay_ms``: how long a worker
     holding fewer users than that waits for more before it calls. ``host_outputs``: answers are moved to the
     host (as a server sends them), else left on the replica's device."""
 
     def __init__(self, path: str | Path, devices: Sequence[str | torch.device], *,
                  kv_cache_bytes: int | str | None = None, max_time_drift: int = 0,
-                 max_batch_users: int | None = None, max_queue_delay_ms: float = 0.0,
+                 kv_cuda_graphs: bool | None = None, max_batch_users: int | None = None, max_queue_delay_ms: float = 0.0,
                  host_outputs: bool = True) -> None:
         if not devices:
             raise ConfigError("ReplicaSet needs at least one device")
@@ -209,7 +210,8 @@ class ReplicaSet:
         try:
             for device in parsed:
                 self.replicas.append(Replica(path, device, kv_cache_bytes=kv_cache_bytes,
-                                             max_time_drift=max_time_drift, max_batch_users=max_batch_users,
+                                             max_time_drift=max_time_drift, kv_cuda_graphs=kv_cuda_graphs,
+                                             max_batch_users=max_batch_users,
                                              max_queue_delay_ms=max_queue_delay_ms, host_outputs=host_outputs))
         except BaseException:
             self.close()
