@@ -260,6 +260,34 @@ def saturation(replicas: ReplicaSet, queries: list, cached: bool) -> float:
     return len(queries) / (time.perf_counter() - start)
 
 
+def profile_workers(replicas: ReplicaSet, out: Path) -> Any:
+    """A cProfile of each replica's worker calls (enabled in the worker's own thread); returns a function that
+    writes their statistics, top 40 by cumulative time, under ``out``."""
+    import cProfile
+    import io
+    import pstats
+
+    profiles = []
+    for replica in replicas.replicas:
+        profile = cProfile.Profile()
+        profiles.append(profile)
+
+        def run(batch, profile=profile, inner=replica._run):  # type: ignore[no-untyped-def]
+            profile.enable()
+            try:
+                return inner(batch)
+            finally:
+                profile.disable()
+        replica._run = run  # type: ignore[method-assign]
+
+    def write(tag: str) -> None:
+        for index, profile in enumerate(profiles):
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+            (out / f"profile_{tag}_replica{index}.txt").write_text(text.getvalue())
+    return write
+
+
 def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str], cached: bool) -> dict[str, Any]:
     work = Workload(args, cfg)
     gpus = [torch.device(d).index or 0 for d in devices] if devices[0].startswith("cuda") else []
@@ -277,6 +305,7 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
             saturation(replicas, [(work.request(u), u.uid) for u in pool], cached)
             out["prefill_seconds"] = round(time.perf_counter() - t, 2)
         saturation(replicas, work.queries(4 * args.max_batch * len(devices), pool), cached)  # warm-up
+        write_profiles = profile_workers(replicas, args.out) if args.profile else None
         out["saturation_qps"] = sat = round(saturation(replicas, work.queries(args.saturation_queries * len(devices),
                                                                                pool), cached), 1)
         passed = None
@@ -291,6 +320,8 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
                 passed = row
             elif passed is not None:
                 break
+        if write_profiles is not None:
+            write_profiles(f"{len(devices)}gpu_cache_{'on' if cached else 'off'}")
         out["best"] = passed
         out["best_qps_per_device"] = round(passed["achieved_qps"] / len(devices), 1) if passed else None
         out["replicas"] = replicas.stats()
@@ -336,9 +367,14 @@ def main() -> None:
     parser.add_argument("--kv-graphs", choices=["auto", "on", "off"], default="off",
                         help="CUDA graphs of the cached path (auto: the package's default, on for CUDA)")
     parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--host-threads", type=int, help="torch.set_num_threads for the host's tensor work")
+    parser.add_argument("--profile", action="store_true", help="cProfile the replicas' workers")
+    parser.add_argument("--export-only", action="store_true", help="export (into --keep) and stop")
     parser.add_argument("--small", action="store_true", help="tiny model and workload on CPU: checks the script")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.host_threads:
+        torch.set_num_threads(args.host_threads)
     cfg = preset_config("dlrmv3")
     device = "cuda"
     if args.small:
@@ -354,6 +390,7 @@ def main() -> None:
     report: dict[str, Any] = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                               "gpu_count": torch.cuda.device_count() if device == "cuda" else 0,
                               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                              "host_threads": torch.get_num_threads(),
                               "args": {k: str(v) for k, v in vars(args).items()}, "p99_bound_ms": P99_BOUND_MS,
                               "runs": []}
 
@@ -365,6 +402,8 @@ def main() -> None:
         package, seconds = export_package(args, cfg, device)
         report["export_seconds"] = round(seconds, 1)
         save()
+        if args.export_only:
+            return
     for cache in args.cache:
         for count in args.gpus:
             devices = [f"cuda:{i}" for i in range(count)] if device == "cuda" else ["cpu"] * count
