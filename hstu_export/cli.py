@@ -568,16 +568,35 @@ def run(package: str, batch_path: str, output: str | None, output_dir: str | Non
               help="How long a request may wait for others to batch with, in microseconds.")
 @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
               help="Model instances per device.")
+@click.option("--kv-cache", "kv_cache", metavar="BUDGET", default=None,
+              help="Serve through a KV cache of BUDGET per instance (bytes, or a size such as 512MiB; a package "
+                   "exported with --kv-cache). Each request is one user, named by its correlation id; Triton's "
+                   "sequence batcher sends a user's requests to the instance holding its cache.")
+@click.option("--max-sequences", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="With --kv-cache: users in flight per instance (the sequence batcher's max_candidate_sequences).")
+@click.option("--sequence-idle-us", type=click.IntRange(min=1), default=60_000_000, show_default=True,
+              help="With --kv-cache: a user idle this long (microseconds) gives up its slot and its instance.")
 @click.option("--force", is_flag=True, help="Replace a repository this tool wrote before.")
 @_verbose_option
 def serving_repo(package: str, out_dir: str, name: str | None, max_requests_per_batch: int, max_queue_delay_us: int,
-                 instances: int, force: bool, verbose: bool) -> None:
+                 instances: int, kv_cache: str | None, max_sequences: int, sequence_idle_us: int, force: bool,
+                 verbose: bool) -> None:
     """Write a Triton Inference Server model repository for PACKAGE (Python backend, dynamic batching of
-    ragged requests). docs/SERVING.md says how to run it."""
+    ragged requests; with --kv-cache, the sequence batcher routing each user to its instance's KV cache).
+    docs/SERVING.md says how to run it."""
+    from hstu_export.errors import ConfigError
     from hstu_export.serving.triton_repo import TRITON_SERVER_VERSION, ServingRepoSettings, write_serving_repo
 
+    given = click.get_current_context().get_parameter_source
+    unused = [f"--{n.replace('_', '-')}" for n in ("max_sequences", "sequence_idle_us")
+              if given(n) is not click.core.ParameterSource.DEFAULT]
+    if kv_cache is None and unused:
+        verb = "applies" if len(unused) == 1 else "apply"
+        raise ConfigError(f"{' and '.join(unused)} {verb} to a KV-cached repository only: add --kv-cache BUDGET")
     settings = ServingRepoSettings(name=name, max_requests_per_batch=max_requests_per_batch,
-                                   max_queue_delay_us=max_queue_delay_us, instances=instances)
+                                   max_queue_delay_us=max_queue_delay_us, instances=instances,
+                                   kv_cache_budget=kv_cache, max_sequences=max_sequences,
+                                   sequence_idle_us=sequence_idle_us)
     model_dir = write_serving_repo(package, out_dir, settings, force=force)
     console.print(f"wrote {escape(str(model_dir.parent))}: model {escape(model_dir.name)} for Triton Inference "
                   f"Server {TRITON_SERVER_VERSION}\n  tritonserver --model-repository {escape(str(model_dir.parent))}")

@@ -83,6 +83,43 @@ def test_batched_requests_get_their_own_outputs_and_errors(predictor) -> None:  
             torch.testing.assert_close(result[name], alone[name], rtol=1e-6, atol=1e-7)
 
 
+def test_a_failing_call_runs_its_requests_again_one_by_one(predictor) -> None:  # type: ignore[no-untyped-def]
+    """A request that passes the schema but fails in the call (here: a ranker refusing user 13) fails alone,
+    and with a ranker every call gets its requests' user ids in order."""
+    seen: list[list[object]] = []
+
+    def ranker(batch, user_ids):  # type: ignore[no-untyped-def]
+        seen.append(list(user_ids))
+        if 13 in user_ids:
+            raise RequestError("user 13 is refused")
+        return predictor(batch)
+
+    batcher = BatchingPredictor(predictor, ranker)
+    requests = [generate_batch(predictor.input_schema, b, seed=90 + i) for i, b in enumerate([1, 2, 1, 1])]
+    results = batcher(requests, [[11], [12, 13], ["u"], [14, 15]])
+    assert seen == [[11, 12, 13, "u"], [11], [12, 13], ["u"]]  # the call of four, then each alone
+    assert isinstance(results[1], RequestError) and "user 13" in str(results[1])
+    assert isinstance(results[3], RequestError) and "2 user ids for a request of 1 users" in str(results[3])
+    for request, result in zip(requests[:3:2], results[:3:2]):
+        torch.testing.assert_close(result, predictor(request), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="one list of ids per request"):
+        batcher(requests)
+
+
+def test_kv_cache_repository_needs_a_kv_package_and_a_budget(package: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "repo"
+    assert cli_main(["serving-repo", str(package), "--out", str(out), "--kv-cache", "64MiB"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "exported without --kv-cache" in error and len(error.splitlines()) == 1, error
+    assert cli_main(["serving-repo", str(package), "--out", str(out), "--kv-cache", "lots"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "cannot read size 'lots'" in error and len(error.splitlines()) == 1, error
+    assert cli_main(["serving-repo", str(package), "--out", str(out), "--max-sequences", "8"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "--max-sequences applies to a KV-cached repository only" in error and len(error.splitlines()) == 1, error
+    assert not out.exists()
+
+
 def _model_config_pb2():  # type: ignore[no-untyped-def]
     import tritonclient
 

@@ -11,13 +11,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from torch import Tensor
-from triton_server import TritonServer, python_library_dir
+from triton_server import TritonServer, python_library_dir, request_inputs
 from tritonclient.utils import InferenceServerException
 
 import hstu_export
@@ -57,15 +56,7 @@ def server(package: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ig
 
 def _inputs(client: Any, request: dict[str, Tensor], rows: int = 1,
             datatypes: dict[str, str] | None = None) -> list[Any]:
-    """Every feature as [rows, n] (one package request is one Triton batch element: rows=1)."""
-    inputs = []
-    for name, tensor in request.items():
-        datatype = (datatypes or {}).get(name, "INT64")
-        array = tensor.unsqueeze(0).expand(rows, *tensor.shape).numpy().astype(np.dtype(datatype.lower()))
-        tensor_input = client.InferInput(name, list(array.shape), datatype)
-        tensor_input.set_data_from_numpy(array)
-        inputs.append(tensor_input)
-    return inputs
+    return request_inputs(client, request, rows, datatypes)
 
 
 def _outputs(client: Any) -> list[Any]:

@@ -28,6 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 PYTRITON_VERSION = "0.7.0"
 READY_TIMEOUT_S = 180.0
@@ -96,6 +97,19 @@ class TritonServer:
         text = self.log_path.read_text(errors="replace")
         errors = [line for line in text.splitlines() if re.match(r"E\d{4} ", line)]
         return "error lines:\n" + "\n".join(errors) + f"\n... end of {self.log_path}:\n" + text[-tail:]
+
+    def metrics(self) -> dict[str, dict[frozenset[tuple[str, str]], float]]:
+        """The metrics endpoint's samples (Prometheus text): per metric name, per label set, the value."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        samples: dict[str, dict[frozenset[tuple[str, str]], float]] = {}
+        for line in text.splitlines():
+            found = re.fullmatch(r"([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})? (\S+)", line)
+            if found is None or line.startswith("#"):
+                continue
+            labels = frozenset(re.findall(r'([A-Za-z_][A-Za-z0-9_]*)="([^"]*)"', found[2] or ""))
+            samples.setdefault(found[1], {})[labels] = float(found[3])
+        return samples
 
     def _backends(self, server: Path) -> Path:
         version = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -193,3 +207,19 @@ class TritonServer:
         except ProcessLookupError:
             pass
         self.process.wait(timeout=30)
+
+
+def request_inputs(client: Any, request: dict[str, Any], rows: int = 1,
+                   datatypes: dict[str, str] | None = None) -> list[Any]:
+    """tritonclient inputs (``client``: tritonclient.http or .grpc) for one package request: every feature
+    as [rows, n] (one package request is one Triton batch element: rows=1)."""
+    import numpy as np
+
+    inputs = []
+    for name, tensor in request.items():
+        datatype = (datatypes or {}).get(name, "INT64")
+        array = tensor.unsqueeze(0).expand(rows, *tensor.shape).numpy().astype(np.dtype(datatype.lower()))
+        tensor_input = client.InferInput(name, list(array.shape), datatype)
+        tensor_input.set_data_from_numpy(array)
+        inputs.append(tensor_input)
+    return inputs

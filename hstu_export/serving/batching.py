@@ -12,7 +12,7 @@ package is served one request per call.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,10 +111,16 @@ def split_outputs(outputs: Mapping[str, Tensor], requests: Sequence[Mapping[str,
 
 class BatchingPredictor:
     """Runs many requests with as few package calls as the exported maximum batch size allows; each
-    request gets its own outputs or its own error (a bad request never fails the others)."""
+    request gets its own outputs or its own error (a bad request never fails the others: a call that fails
+    is run again one request at a time).
 
-    def __init__(self, predictor: Any) -> None:
+    With ``ranker`` (``predictor.kv_cache(...)``, a :class:`~hstu_export.serving.kv_cache.CachedRanker`), the
+    calls go through its KV cache: each request then comes with its users' ids (``user_ids``, one list per
+    request, one id per user)."""
+
+    def __init__(self, predictor: Any, ranker: Any | None = None) -> None:
         self.predictor = predictor
+        self.ranker = ranker
         self.schema = predictor.input_schema
         self.max_batch_size: int = predictor.max_batch_size
         self.rows = output_rows(predictor.package_manifest)
@@ -123,27 +129,47 @@ class BatchingPredictor:
     def batches_requests(self) -> bool:
         return self.rows is not None
 
-    def __call__(self, requests: Sequence[Mapping[str, Tensor]]) -> list[dict[str, Tensor] | HstuExportError]:
+    def __call__(self, requests: Sequence[Mapping[str, Tensor]],
+                 user_ids: Sequence[Sequence[Hashable]] | None = None) -> list[dict[str, Tensor] | HstuExportError]:
+        if (self.ranker is None) != (user_ids is None) or (user_ids is not None and len(user_ids) != len(requests)):
+            raise ValueError("user_ids: one list of ids per request with a ranker, none without")
         results: list[dict[str, Tensor] | HstuExportError] = [RequestError("not run")] * len(requests)
         valid: list[int] = []
         sizes: list[int] = []
         for index, request in enumerate(requests):
             try:
-                sizes.append(self.schema.validate(dict(request), self.max_batch_size))
+                size = self.schema.validate(dict(request), self.max_batch_size)
+                if user_ids is not None and len(user_ids[index]) != size:
+                    raise RequestError(f"{len(user_ids[index])} user ids for a request of {size} users")
+                sizes.append(size)
                 valid.append(index)
             except HstuExportError as exc:
                 results[index] = exc
         groups = plan_groups(sizes, self.max_batch_size) if self.rows is not None else [[i] for i in range(len(valid))]
-        names = self.schema.names
         for group in groups:
-            members = [requests[valid[i]] for i in group]
+            members = [valid[i] for i in group]
             try:
-                outputs = self.predictor(combine(members, names))
-                shares = split_outputs(outputs, members, self.rows or {})
+                shares = self._run(requests, members, user_ids)
             except HstuExportError as exc:
-                for i in group:
-                    results[valid[i]] = exc
-                continue
-            for i, share in zip(group, shares):
-                results[valid[i]] = share
+                if len(members) == 1:
+                    results[members[0]] = exc
+                    continue
+                shares = []
+                for member in members:  # alone, so that only the request at fault fails
+                    try:
+                        shares.extend(self._run(requests, [member], user_ids))
+                    except HstuExportError as alone:
+                        shares.append(alone)  # type: ignore[arg-type]
+            for member, share in zip(members, shares):
+                results[member] = share
         return results
+
+    def _run(self, requests: Sequence[Mapping[str, Tensor]], members: list[int],
+             user_ids: Sequence[Sequence[Hashable]] | None) -> list[dict[str, Tensor]]:
+        batch = [requests[i] for i in members]
+        combined = combine(batch, self.schema.names)
+        if user_ids is None:
+            outputs = self.predictor(combined)
+        else:
+            outputs = self.ranker(combined, [user for i in members for user in user_ids[i]])
+        return split_outputs(outputs, batch, self.rows or {})

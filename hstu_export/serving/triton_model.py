@@ -7,6 +7,12 @@ The dynamic batcher hands ``execute`` several requests at once; they run in as f
 package's maximum batch size allows (``hstu_export.serving.batching``), and each gets its own outputs,
 ``[1, m, *trailing]``, or its own error. Tensors cross by DLPack, so GPU tensors are not copied.
 
+With the config parameter ``kv_cache_budget`` (``triton_repo.KV_PARAMETER``; ``serving-repo --kv-cache``),
+each instance serves through its own KV cache (``predictor.kv_cache(budget)``): Triton's sequence batcher
+routes requests by their correlation id, which names the request's one user, so a user's requests reach the
+instance that holds its cache. The cache's counters are Triton metrics (``hstu_kv_cache_*``, labelled by
+model and instance).
+
 Needs, in the Python environment Triton runs this file with: hstu-export and the torch the package was
 exported with (and fbgemm-gpu / torchrec when the package names them). CI runs it in a real server on CPU
 (tests/test_triton_server.py; docs/SERVING.md says how the backend's Python finds that environment).
@@ -25,6 +31,13 @@ from torch.utils import dlpack
 import hstu_export
 from hstu_export.errors import HstuExportError, RequestError
 from hstu_export.serving.batching import BatchingPredictor
+from hstu_export.serving.triton_repo import KV_PARAMETER
+
+# The KV cache's counters (CachedRanker.cache.stats()) as Triton metrics: counters, then gauges.
+KV_COUNTERS = {"hits": "requests' users served from the cache", "misses": "users with nothing cached (prefill)",
+               "stale": "cached users recomputed (the cached entry did not match)", "evictions": "users evicted",
+               "bypassed": "users served without storing (no room, or twice in one batch)"}
+KV_GAUGES = {"users": "users held in the cache", "pages_used": "cache pages in use", "pages": "cache pages"}
 
 
 class TritonPythonModel:
@@ -34,19 +47,44 @@ class TritonPythonModel:
         package = Path(args["model_repository"]) / args["model_version"] / parameters.get("package", "package")
         if args.get("model_instance_kind") == "GPU":
             torch.cuda.set_device(int(args["model_instance_device_id"]))
-        self.batcher = BatchingPredictor(hstu_export.load(package))
+        predictor = hstu_export.load(package)
+        self.ranker = None
+        budget = parameters.get(KV_PARAMETER)
+        if budget:
+            self.ranker = predictor.kv_cache(budget)
+            self.metrics = _KVMetrics(args["model_name"], args["model_instance_name"])
+        self.batcher = BatchingPredictor(predictor, self.ranker)
         self.inputs = [i["name"] for i in config["input"]]
         self.outputs = [o["name"] for o in config["output"]]
+        # The feature whose rows count a request's users (its first lengths or per-user feature).
+        self.users_feature = next(f.name for f in predictor.input_schema.features if f.kind in ("lengths", "per_user"))
+
+    def _user(self, request: Any, features: dict[str, torch.Tensor]) -> int | str:
+        """A KV-cached request's one user: its correlation id (the sequence batcher's; never 0 or empty)."""
+        users = features[self.users_feature].size(0)
+        if users != 1:
+            raise RequestError(f"a request to a KV-cached model holds one user, named by its correlation id; this one "
+                               f"holds {users}: send each user as its own request")
+        return request.correlation_id()
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        batch, responses = [], []
+        batch: list[dict[str, torch.Tensor] | HstuExportError] = []
+        users: list[list[int | str]] = []
+        responses: list[Any] = []
         for request in requests:
             try:
-                batch.append({name: _request_tensor(request, name) for name in self.inputs})
+                features = {name: _request_tensor(request, name) for name in self.inputs}
+                users.append([self._user(request, features)] if self.ranker is not None else [])
+                batch.append(features)
             except HstuExportError as exc:
                 batch.append(exc)
+                users.append([])
         ready = [i for i, item in enumerate(batch) if not isinstance(item, HstuExportError)]
-        results = dict(zip(ready, self.batcher([batch[i] for i in ready])))
+        if self.ranker is None:
+            results = dict(zip(ready, self.batcher([batch[i] for i in ready])))
+        else:
+            results = dict(zip(ready, self.batcher([batch[i] for i in ready], [users[i] for i in ready])))
+            self.metrics.update(self.ranker.cache.stats())
         for index, item in enumerate(batch):
             result = results.get(index, item)
             if isinstance(result, HstuExportError):
@@ -68,3 +106,26 @@ def _request_tensor(request: Any, name: str) -> torch.Tensor:
             f"input {name!r} has shape {list(value.shape)}: send each feature as [1, n, ...] (one request per "
             "Triton batch element)")
     return value[0]
+
+
+class _KVMetrics:
+    """The instance's KV-cache counters and gauges in Triton's metrics (its /metrics endpoint)."""
+
+    def __init__(self, model: str, instance: str) -> None:
+        labels = {"model": model, "instance": instance}
+        self.counted = dict.fromkeys(KV_COUNTERS, 0)
+        # The families are kept: Triton refuses a metric whose family has been deleted.
+        self.families = {name: pb_utils.MetricFamily(name=f"hstu_kv_cache_{name}", description=text, kind=kind)
+                         for kinds, kind in ((KV_COUNTERS, pb_utils.MetricFamily.COUNTER),
+                                             (KV_GAUGES, pb_utils.MetricFamily.GAUGE))
+                         for name, text in kinds.items()}  # fmt: skip
+        self.counters = {name: self.families[name].Metric(labels=labels) for name in KV_COUNTERS}
+        self.gauges = {name: self.families[name].Metric(labels=labels) for name in KV_GAUGES}
+
+    def update(self, stats: dict[str, int]) -> None:
+        for name, metric in self.counters.items():
+            if stats[name] > self.counted[name]:
+                metric.increment(stats[name] - self.counted[name])
+                self.counted[name] = stats[name]
+        for name, metric in self.gauges.items():
+            metric.set(stats[name])

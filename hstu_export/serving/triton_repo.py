@@ -5,7 +5,8 @@
       serving.json            what wrote it, for which package and server (hstu-export's marker)
       README.md               how to start the server and call the model
       NAME/config.pbtxt       Python backend; one input per request feature, one output per package output,
-                              ragged dynamic batching; GPU or CPU instances as the package's device
+                              ragged dynamic batching (with a KV cache: the sequence batcher, the
+                              correlation id naming the user); GPU or CPU instances as the package's device
       NAME/1/model.py         hstu_export/serving/triton_model.py
       NAME/1/package/         the package, unchanged (its checksums still hold)
 
@@ -34,6 +35,7 @@ from hstu_export.package.directory import (
 )
 from hstu_export.package.manifest import Manifest
 from hstu_export.serving.batching import output_rows
+from hstu_export.settings import parse_size
 from hstu_export.version import __version__
 
 TRITON_SERVER_VERSION = "2.73.0"
@@ -49,6 +51,15 @@ class ServingRepoSettings:
     max_requests_per_batch: int = 8  # Triton's max_batch_size: requests the dynamic batcher groups
     max_queue_delay_us: int = 500  # how long a request may wait for others to batch with
     instances: int = 1  # model instances (processes) per device
+    # Serve through a KV cache of this many bytes per instance (a size: "512MiB"); None: no cache. Needs a
+    # package exported with --kv-cache. Requests are then routed by Triton's sequence batcher, the
+    # correlation id naming the request's one user, so that a user's requests reach the instance holding its cache.
+    kv_cache_budget: str | None = None
+    max_sequences: int = 1024  # users in flight per instance (the sequence batcher's max_candidate_sequences)
+    sequence_idle_us: int = 60_000_000  # a user's slot (and its routing to an instance) ends after this idle time
+
+
+KV_PARAMETER = "kv_cache_budget"  # config parameter model.py reads: serve through a KV cache of this budget
 
 
 def model_name(package: Path, settings: ServingRepoSettings) -> str:
@@ -76,7 +87,7 @@ def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings) ->
         f"name: {_quoted(name)}",
         'backend: "python"',
         f"max_batch_size: {settings.max_requests_per_batch}",
-        f"dynamic_batching {{ max_queue_delay_microseconds: {settings.max_queue_delay_us} }}",
+        *_batcher(settings),
         "input [",
     ]
     features = manifest.input_schema.features
@@ -96,15 +107,37 @@ def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings) ->
     kind = "KIND_GPU" if manifest.device.type == "cuda" else "KIND_CPU"
     lines.append(f"instance_group [ {{ kind: {kind} count: {settings.instances} }} ]")
     lines.append('parameters { key: "package" value: { string_value: "package" } }')
+    if settings.kv_cache_budget is not None:
+        lines.append(f'parameters {{ key: "{KV_PARAMETER}" value: {{ string_value: {_quoted(settings.kv_cache_budget)} }} }}')
     return "\n".join(lines) + "\n"
 
 
-def _readme(name: str, manifest: Manifest, batching: bool) -> str:
+def _batcher(settings: ServingRepoSettings) -> list[str]:
+    if settings.kv_cache_budget is None:
+        return [f"dynamic_batching {{ max_queue_delay_microseconds: {settings.max_queue_delay_us} }}"]
+    # The sequence batcher sends all requests of one correlation id (one user) to the same instance, whose
+    # KV cache holds that user; "oldest" still batches requests of different users within an instance.
+    return [
+        "# One user per request, named by its correlation id; a user's requests all reach one instance.",
+        "sequence_batching {",
+        f"  max_sequence_idle_microseconds: {settings.sequence_idle_us}",
+        f"  oldest {{ max_candidate_sequences: {settings.max_sequences} "
+        f"preferred_batch_size: [ {settings.max_requests_per_batch} ] "
+        f"max_queue_delay_microseconds: {settings.max_queue_delay_us} }}",
+        "}",
+    ]
+
+
+def _readme(name: str, manifest: Manifest, batching: bool, kv_cache: str | None) -> str:
     features = "\n".join(f"- `{f.name}`: {f.dtype}, [1, n{''.join(f', {d}' for d in f.trailing)}] ({f.kind})"
                          for f in manifest.input_schema.features)
-    how = ("Requests the dynamic batcher groups run in as few package calls as its maximum batch size "
+    how = ("Requests Triton's batcher groups run in as few package calls as its maximum batch size "
            f"({manifest.ranges.max_batch_size} users) allows." if batching else
            "This package's outputs cannot be split per request, so each request runs alone.")
+    if kv_cache is not None:
+        how += (f" Served through a KV cache of {kv_cache} per instance: each request holds one user, named by "
+                "its correlation id (sequence id); send it without sequence flags, and if the server answers that "
+                "the START flag is missing, send it again with sequence_start=true (docs/SERVING.md).")
     return f"""# Triton model repository for `{name}` (hstu-export {__version__})
 
 Start the server (Triton Inference Server {TRITON_SERVER_VERSION}, whose Python environment has hstu-export
@@ -153,11 +186,21 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
     settings = settings or ServingRepoSettings()
     if settings.max_requests_per_batch < 1 or settings.instances < 1 or settings.max_queue_delay_us < 0:
         raise ConfigError("max requests per batch and instances must be >= 1, the queue delay >= 0")
+    if settings.max_sequences < 1 or settings.sequence_idle_us < 1:
+        raise ConfigError("max sequences and the sequence idle time must be >= 1")
+    if settings.kv_cache_budget is not None:
+        try:
+            parse_size(settings.kv_cache_budget)
+        except ConfigError as exc:
+            raise ConfigError(f"KV cache budget (--kv-cache): {exc}") from None
     package, out = Path(package), Path(out)
     manifest = load_manifest(package)  # the package is checked before it is copied
     name = model_name(package, settings)
     if manifest.backend.name not in ("aoti", "torchscript", "onnx", "trt"):
         raise ConfigError(f"backend {manifest.backend.name!r} has no serving repository")
+    if settings.kv_cache_budget is not None and "kv_cache" not in manifest.raw:
+        raise ConfigError(f"{package} was exported without --kv-cache, so it has no delta program to serve through a "
+                          "KV cache: export it with --kv-cache, or write the repository without --kv-cache")
     check_out(out, force, package)
     # Built beside ``out`` and renamed in; a full or read-only disk is one line and leaves nothing behind.
     with parent_dirs(out, "the serving repository"), staging_dir(out, "the serving repository") as staged:
@@ -167,10 +210,11 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
         shutil.copyfile(MODEL_FILE, model_dir / "1" / "model.py")
         (model_dir / "config.pbtxt").write_text(config_text(manifest, name, settings))
         batching = output_rows(manifest) is not None
-        (staged / "README.md").write_text(_readme(name, manifest, batching))
+        (staged / "README.md").write_text(_readme(name, manifest, batching, settings.kv_cache_budget))
         (staged / MARKER).write_text(json.dumps({
             "written_by": f"hstu-export {__version__}", "triton_server": TRITON_SERVER_VERSION, "model": name,
             "package": str(package.resolve()), "backend": "python", "batches_requests": batching,
+            "kv_cache_budget": settings.kv_cache_budget,
         }, indent=2) + "\n")
         check_out(out, force, package)  # again: something may have appeared meanwhile
         rename_into_place(staged, out)  # an old repository is moved aside first and removed after
