@@ -261,38 +261,38 @@ def saturation(replicas: ReplicaSet, queries: list, cached: bool) -> float:
 
 
 def profile_workers(replicas: ReplicaSet, out: Path) -> Any:
-    """A cProfile of each replica's worker calls (enabled in the worker's own thread); returns a function that
-    writes their statistics, top 40 by cumulative time, under ``out``."""
+    """A cProfile of the first replica's worker calls (enabled around each; from Python 3.12 a profile sees
+    every thread while it is on, and only one can be on); returns a function that writes its statistics, top
+    40 by cumulative time, under ``out``."""
     import cProfile
     import io
     import pstats
 
-    profiles = []
-    for replica in replicas.replicas:
-        profile = cProfile.Profile()
-        profiles.append(profile)
+    profile = cProfile.Profile()
+    replica = replicas.replicas[0]
+    inner = replica._run
 
-        def run(batch, profile=profile, inner=replica._run):  # type: ignore[no-untyped-def]
-            profile.enable()
-            try:
-                return inner(batch)
-            finally:
-                profile.disable()
-        replica._run = run  # type: ignore[method-assign]
+    def run(batch):  # type: ignore[no-untyped-def]
+        profile.enable()
+        try:
+            return inner(batch)
+        finally:
+            profile.disable()
+    replica._run = run  # type: ignore[method-assign]
 
     def write(tag: str) -> None:
-        for index, profile in enumerate(profiles):
-            text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
-            (out / f"profile_{tag}_replica{index}.txt").write_text(text.getvalue())
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+        (out / f"profile_{tag}.txt").write_text(text.getvalue())
     return write
 
 
-def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str], cached: bool) -> dict[str, Any]:
+def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str], cached: bool,
+          out: dict[str, Any], save: Any) -> None:
+    """Fills ``out`` with the configuration's results, calling ``save`` after each window."""
     work = Workload(args, cfg)
     gpus = [torch.device(d).index or 0 for d in devices] if devices[0].startswith("cuda") else []
-    out: dict[str, Any] = {"devices": devices, "cache": cached, "kv_graphs": args.kv_graphs if cached else None,
-                           "rates": []}
+    out.update({"devices": devices, "cache": cached, "kv_graphs": args.kv_graphs if cached else None, "rates": []})
     kv_bytes = args.kv_budget if cached else None
     graphs = {"auto": None, "on": True, "off": False}[args.kv_graphs]
     with ReplicaSet(package, devices, kv_cache_bytes=kv_bytes, max_batch_users=args.max_batch,
@@ -315,6 +315,7 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
             row = run_window(replicas, queries, rate, cached, gpus)
             row["share_of_saturation"] = share
             out["rates"].append(row)
+            save()
             print(json.dumps({"devices": len(devices), "cache": cached, **row}), flush=True)
             if row["p99_ms"] <= P99_BOUND_MS and not row["failed"]:
                 passed = row
@@ -325,7 +326,6 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
         out["best"] = passed
         out["best_qps_per_device"] = round(passed["achieved_qps"] / len(devices), 1) if passed else None
         out["replicas"] = replicas.stats()
-    return out
 
 
 def export_package(args: argparse.Namespace, cfg: Any, device: str) -> tuple[Path, float]:
@@ -410,11 +410,13 @@ def main() -> None:
             if device == "cuda" and count > torch.cuda.device_count():
                 report["runs"].append({"devices": devices, "skipped": "not that many GPUs here"})
                 continue
+            run: dict[str, Any] = {}
+            report["runs"].append(run)
             try:
-                report["runs"].append(sweep(args, package, cfg, devices, cache == "on"))
+                sweep(args, package, cfg, devices, cache == "on", run, save)
             except Exception as exc:  # recorded; the other configurations still run
-                report["runs"].append({"devices": devices, "cache": cache, "error": f"{type(exc).__name__}: {exc}",
-                                       "traceback": traceback.format_exc()[-3000:]})
+                run.update({"devices": devices, "cache": cache, "error": f"{type(exc).__name__}: {exc}",
+                            "traceback": traceback.format_exc()[-3000:]})
             save()
             torch.cuda.empty_cache() if device == "cuda" else None
     print(json.dumps([{k: r.get(k) for k in ("devices", "cache", "saturation_qps", "best_qps_per_device")}

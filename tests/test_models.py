@@ -76,6 +76,22 @@ def test_schema_validation_errors():
         schema.validate(dict(batch, uih_item_ids=batch["uih_item_ids"][:-1]))
 
 
+def test_a_layout_check_leaves_values_to_the_request_they_are_batched_into():
+    """``values=False`` (requests about to be concatenated): a value beyond the exported range passes, a
+    length beyond it or a layout error does not; the full check still refuses the value."""
+    schema = HstuRankingModel(HSTUConfig()).input_schema()
+    batch = generate_batch(schema, 2, seed=4)
+    beyond = dict(batch, uih_item_ids=batch["uih_item_ids"] + 10**9)
+    assert schema.validate(beyond, values=False) == 2
+    with pytest.raises(RequestError, match="uih_item_ids.*beyond the exported maximum"):
+        schema.validate(beyond)
+    too_long = dict(batch, uih_lengths=torch.tensor([10**6, 1]))
+    with pytest.raises(RequestError, match="uih_lengths.*beyond the exported maximum"):
+        schema.validate(too_long, values=False)
+    with pytest.raises(RequestError, match="values but 'uih_lengths' sums to"):
+        schema.validate(dict(batch, uih_item_ids=batch["uih_item_ids"][1:]), values=False)
+
+
 @pytest.mark.parametrize("together", [False, True], ids=["one-by-one", "together"])
 def test_schema_reads_every_bound_and_total_the_same_way_at_once(together):
     """Validation reads its numbers one by one on the CPU and in one transfer on a device: both give the

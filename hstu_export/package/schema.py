@@ -401,8 +401,12 @@ class InputSchema:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def validate(self, batch: dict[str, Tensor], max_batch_size: int | None = None) -> int:
-        """Checks a request; returns its batch size. Raises RequestError naming the first problem."""
+    def validate(self, batch: dict[str, Tensor], max_batch_size: int | None = None, *, values: bool = True) -> int:
+        """Checks a request; returns its batch size. Raises RequestError naming the first problem.
+        ``values=False`` checks its layout only (names, dtypes, shapes, users, lengths and their ranges against
+        the values), not whether the other features' values are within the exported ranges: what requests
+        need before they are concatenated into one, whose values are then checked together (a value's range
+        does not depend on its place)."""
         if not isinstance(batch, dict):
             raise RequestError(f"a request is a dict of named tensors, got {type(batch).__name__}")
         missing = [n for n in self.names if n not in batch]
@@ -428,7 +432,7 @@ class InputSchema:
                 elif t.size(0) != batch_size:
                     raise RequestError(
                         f"feature {f.name!r} has {t.size(0)} entries but the batch has {batch_size} users")
-            if t.numel() and (f.min_value is not None or f.max_value is not None):
+            if (values or f.kind == "lengths") and t.numel() and (f.min_value is not None or f.max_value is not None):
                 bounded.append((f, t))
         # Every value the checks read, in one transfer per device (a request on the GPU would otherwise wait
         # for the device at each read): each bounded feature's least and greatest value, each jagged

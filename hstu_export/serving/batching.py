@@ -138,7 +138,9 @@ class BatchingPredictor:
         sizes: list[int] = []
         for index, request in enumerate(requests):
             try:
-                size = self.schema.validate(dict(request), self.max_batch_size)
+                # The layout of each request; the values of a group are checked together when it runs (a value
+                # out of range then fails the call, and its requests run again one by one).
+                size = self.schema.validate(dict(request), self.max_batch_size, values=False)
                 if user_ids is not None and len(user_ids[index]) != size:
                     raise RequestError(f"{len(user_ids[index])} user ids for a request of {size} users")
                 sizes.append(size)

@@ -10,8 +10,8 @@ the id), so a returning user reaches the cache that holds its rows; a request of
 whole on that replica. Without a cache it goes to the replica with the fewest users waiting. Every
 replica loads the package's tables onto its own device (they are part of the package's sparse artifact).
 
-A bad request fails alone: requests are validated before they are batched, and when a batched call fails
-(a value beyond the exported range found inside the program) its requests run again one by one.
+A bad request fails alone (``BatchingPredictor``: a batched call that fails runs its requests again one by
+one).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, HstuExportError, RequestError
-from hstu_export.serving.batching import BatchingPredictor, batch_size, combine, split_outputs
+from hstu_export.serving.batching import BatchingPredictor, batch_size
 from hstu_export.serving.kv_cache import user_keys
 
 __all__ = ["Replica", "ReplicaSet", "replica_of"]
@@ -72,7 +72,7 @@ class Replica:
                                               cuda_graphs=kv_cuda_graphs)
                            if kv_cache_bytes is not None else None)
         self.predictor = predictor
-        self.batcher = BatchingPredictor(predictor)
+        self.batcher = BatchingPredictor(predictor, self.ranker)
         self.max_users = min(max_batch_users or predictor.max_batch_size, predictor.max_batch_size)
         self.delay = max_queue_delay_ms / 1e3
         self.host_outputs = host_outputs
@@ -137,10 +137,11 @@ class Replica:
         return batch
 
     def _run(self, batch: list[_Item]) -> None:
-        results = self._call([item.request for item in batch], [item.user_ids for item in batch])
-        if len(batch) > 1 and any(isinstance(r, HstuExportError) for r in results):
-            # One bad request may have failed the call of the others: each runs alone.
-            results = [self._call([item.request], [item.user_ids])[0] for item in batch]
+        requests = [item.request for item in batch]
+        if self.ranker is None:
+            results = self.batcher(requests)
+        else:
+            results = self.batcher(requests, [item.user_ids or [] for item in batch])
         with self._lock:
             self._counts["calls"] += 1
             self._counts["requests"] += len(batch)
@@ -150,42 +151,7 @@ class Replica:
             if isinstance(result, HstuExportError):
                 item.future.set_exception(result)
             else:
-                item.future.set_result(result)
-
-    def _call(self, requests: list[Mapping[str, Tensor]],
-              user_ids: list[list[Hashable] | None]) -> list[dict[str, Tensor] | HstuExportError]:
-        if self.ranker is None:
-            results = self.batcher(requests)
-        else:
-            results = self._call_cached(requests, user_ids)
-        if self.host_outputs:
-            results = [r if isinstance(r, HstuExportError) else {k: v.cpu() for k, v in r.items()} for r in results]
-        return results
-
-    def _call_cached(self, requests: list[Mapping[str, Tensor]],
-                     user_ids: list[list[Hashable] | None]) -> list[dict[str, Tensor] | HstuExportError]:
-        assert self.ranker is not None
-        results: list[dict[str, Tensor] | HstuExportError] = [RequestError("not run")] * len(requests)
-        valid: list[int] = []
-        schema = self.predictor.input_schema
-        for index, request in enumerate(requests):
-            try:
-                schema.validate(dict(request), self.max_users)
-                valid.append(index)
-            except HstuExportError as exc:
-                results[index] = exc
-        if not valid:
-            return results
-        members = [requests[i] for i in valid]
-        ids = [user for i in valid for user in (user_ids[i] or [])]
-        try:
-            outputs = self.ranker(combine(members, schema.names), ids)
-            shares = split_outputs(outputs, members, self.batcher.rows or {})
-        except HstuExportError as exc:
-            shares = [exc] * len(valid)
-        for i, share in zip(valid, shares):
-            results[i] = share
-        return results
+                item.future.set_result({k: v.cpu() for k, v in result.items()} if self.host_outputs else result)
 
 
 class ReplicaSet:
