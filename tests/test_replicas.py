@@ -87,6 +87,27 @@ def test_a_user_returns_to_the_replica_that_caches_it(kv_package) -> None:  # ty
         assert cache["users"] == sum(replica_of(u, 2) == index for u in ids)
 
 
+def test_a_failed_call_fails_its_requests_and_the_worker_goes_on(tiny_serving_package) -> None:  # type: ignore[no-untyped-def]
+    predictor = hstu_export.load(tiny_serving_package)
+    request = _requests(predictor.input_schema, 1)[0]
+    with ReplicaSet(tiny_serving_package, ["cpu"]) as replicas:
+        replica = replicas.replicas[0]
+        working = replica.batcher
+
+        def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+            replica.batcher = working
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        replica.batcher = broken
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            replicas.submit(request).result(timeout=60)
+        answer = replicas.submit(request).result(timeout=60)
+        assert replicas.stats()[0]["errors"] == 1
+    for name, value in predictor(request).items():
+        torch.testing.assert_close(answer[name], value, **CLOSE)
+    with pytest.raises(ConfigError, match="closed"):
+        replicas.submit(request)
+
+
 def test_refusals_are_clear(tiny_serving_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match="at least one device"):
         ReplicaSet(tiny_serving_package, [])

@@ -138,20 +138,26 @@ class Replica:
 
     def _run(self, batch: list[_Item]) -> None:
         requests = [item.request for item in batch]
-        if self.ranker is None:
-            results = self.batcher(requests)
-        else:
-            results = self.batcher(requests, [item.user_ids or [] for item in batch])
+        try:
+            if self.ranker is None:
+                results = self.batcher(requests)
+            else:
+                results = self.batcher(requests, [item.user_ids or [] for item in batch])
+            if self.host_outputs:
+                results = [r if isinstance(r, HstuExportError) else {k: v.cpu() for k, v in r.items()}
+                           for r in results]
+        except Exception as exc:  # the call itself failed (a device error): its requests get it, the worker goes on
+            results = [exc] * len(batch)  # type: ignore[list-item]
         with self._lock:
             self._counts["calls"] += 1
             self._counts["requests"] += len(batch)
             self._counts["users"] += sum(item.users for item in batch)
-            self._counts["errors"] += sum(isinstance(r, HstuExportError) for r in results)
+            self._counts["errors"] += sum(isinstance(r, Exception) for r in results)
         for item, result in zip(batch, results):
-            if isinstance(result, HstuExportError):
+            if isinstance(result, Exception):
                 item.future.set_exception(result)
             else:
-                item.future.set_result({k: v.cpu() for k, v in result.items()} if self.host_outputs else result)
+                item.future.set_result(result)
 
 
 class ReplicaSet:
@@ -186,7 +192,10 @@ class ReplicaSet:
         self.schema = self.replicas[0].predictor.input_schema
 
     def submit(self, request: Mapping[str, Tensor], user_ids: Sequence[Hashable] | Tensor | None = None) -> Future:
-        """Queues ``request``; the future holds its outputs, or the HstuExportError that refused it."""
+        """Queues ``request``; the future holds its outputs, or the HstuExportError that refused it (or the
+        error of a call that failed on the device)."""
+        if not self.replicas:
+            raise ConfigError("this ReplicaSet is closed")
         try:
             users = self._users(request)
             ids = None
