@@ -18,12 +18,16 @@ is scaled so that histories average --mean-history (1024: the dlrmv3 workload of
 package's longest. With the cache, queries come from a pool of returning users: each return adds one new
 segment (about mean/67 items) and moves the query time --return-seconds later; a share --new-users of
 queries are users seen for the first time (misses by construction). The cache reuses a user's rows while its
-time buckets hold for --max-time-drift seconds (CachedRanker's max_time_drift).
+time buckets hold for --max-time-drift seconds (CachedRanker's max_time_drift). The cached path runs without
+CUDA graphs unless --kv-graphs says otherwise (docs/PERF.md, serving under load, says why).
 
 Per configuration (GPUs x cache): a closed-loop saturation estimate, then open-loop windows of --seconds at
 rising shares of it; reported per rate: achieved queries/s, p50/p99 latency (from the scheduled arrival to
 the answer on the host, queueing included), the workers' busy share and the GPUs' utilisation (NVML, when
-readable), the cache's hits/misses/stale/evictions in the window. Writes serving_load.json after every step.
+readable), the cache's hits/misses/stale/evictions in the window, and what could explain a tail: how late
+queries were sent, p99 per tenth of the window, the garbage collector's pauses. Writes serving_load.json
+after every window. --profile adds a cProfile of the first worker's calls; --host-threads sets torch's CPU
+threads (the workers' host tensor work contends for torch's thread pool).
 """
 
 from __future__ import annotations
