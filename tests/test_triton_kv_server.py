@@ -51,12 +51,8 @@ def server(package: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ig
     assert cli_main(["serving-repo", str(package), "--out", str(root / "repo"), "--name", MODEL, "--kv-cache", "1MiB",
                      "--instances", "2", "--max-requests-per-batch", "4", "--max-queue-delay-us", "20000",
                      "--sequence-idle-us", "5000000"]) == 0
-    triton = TritonServer(root / "repo", root)
-    try:
-        triton.start()
+    with TritonServer(root / "repo", root) as triton:
         yield triton
-    finally:
-        triton.stop()
 
 
 def infer_user(client: Any, user: int | str, request: dict[str, torch.Tensor]) -> Answer:

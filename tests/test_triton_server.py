@@ -46,17 +46,8 @@ def server(package: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ig
     # A queue delay of 20 ms (the default is 0.5 ms): on two busy cores the test's concurrent requests
     # reach the server over a few milliseconds, and the batching test must not depend on that.
     assert cli_main(["serving-repo", str(package), "--out", str(root / "repo"), "--max-queue-delay-us", "20000"]) == 0
-    triton = TritonServer(root / "repo", root)
-    try:
-        triton.start()
+    with TritonServer(root / "repo", root) as triton:
         yield triton
-    finally:
-        triton.stop()
-
-
-def _inputs(client: Any, request: dict[str, Tensor], rows: int = 1,
-            datatypes: dict[str, str] | None = None) -> list[Any]:
-    return request_inputs(client, request, rows, datatypes)
 
 
 def _outputs(client: Any) -> list[Any]:
@@ -179,7 +170,7 @@ def test_answers_are_the_packages_bit_for_bit(server: TritonServer, predictor, p
     with client_module.InferenceServerClient(url) as client:
         for index, users in enumerate([1, 4, 2, 3, 1, 4]):
             request = generate_batch(predictor.input_schema, users, seed=300 + index)
-            result = client.infer(MODEL, _inputs(client_module, request), outputs=_outputs(client_module))
+            result = client.infer(MODEL, request_inputs(client_module, request), outputs=_outputs(client_module))
             answer, expected = _answer(result), predictor(request)
             assert answer["ctr"].shape == (int(request["candidate_lengths"].sum()),)
             assert _bit_equal(answer, expected), f"request {index} ({users} users) over {protocol}"
@@ -188,7 +179,7 @@ def test_answers_are_the_packages_bit_for_bit(server: TritonServer, predictor, p
 def test_the_dynamic_batcher_groups_concurrent_requests(server: TritonServer, predictor) -> None:  # type: ignore[no-untyped-def]
     requests = [generate_batch(predictor.input_schema, 2, seed=400 + i) for i in range(12)]
     before = _statistics(server)
-    answers = _send_concurrently(server, [lambda c, r=r: _inputs(c, r) for r in requests])
+    answers = _send_concurrently(server, [lambda c, r=r: request_inputs(c, r) for r in requests])
     after = _statistics(server, before["inference_count"] + len(requests))
     served = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
@@ -205,14 +196,14 @@ def test_a_bad_request_fails_alone(server: TritonServer, predictor) -> None:  # 
     good = [generate_batch(predictor.input_schema, 2, seed=500 + i) for i in range(6)]
     out_of_range = generate_batch(predictor.input_schema, 2, seed=510)
     out_of_range["candidate_item_ids"][0] = 5000  # the package's item ids end at 999
-    sends: list[Callable[[Any], list[Any]]] = [lambda c, r=r: _inputs(c, r) for r in good]
+    sends: list[Callable[[Any], list[Any]]] = [lambda c, r=r: request_inputs(c, r) for r in good]
     bad = {
         "feature 'candidate_item_ids' has value 5000 beyond the exported maximum 999":
-            lambda c: _inputs(c, out_of_range),
+            lambda c: request_inputs(c, out_of_range),
         "send each feature as [1, n, ...]":  # two batch elements in one request
-            lambda c: _inputs(c, generate_batch(predictor.input_schema, 1, seed=511), rows=2),
+            lambda c: request_inputs(c, generate_batch(predictor.input_schema, 1, seed=511), rows=2),
         "inference input 'user_id' data-type is 'INT32', but model 'ranker' expects 'INT64'":  # Triton's check
-            lambda c: _inputs(c, generate_batch(predictor.input_schema, 1, seed=512), datatypes={"user_id": "INT32"}),
+            lambda c: request_inputs(c, generate_batch(predictor.input_schema, 1, seed=512), datatypes={"user_id": "INT32"}),
     }
     # Interleaved, all sent at once: the bad ones share the queue (and executions) with the good ones.
     order = [sends[0], sends[1], *bad.values(), *sends[2:]]

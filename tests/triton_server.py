@@ -192,6 +192,16 @@ class TritonServer:
             time.sleep(0.25)
         raise ServerSetupError(f"tritonserver not ready after {READY_TIMEOUT_S:.0f} s:\n{self.log()}")
 
+    def __enter__(self) -> TritonServer:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.process is None:
             return
