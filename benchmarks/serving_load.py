@@ -6,8 +6,8 @@ rate whose p99 latency stays within the bound.
 
 The package: the zoo's dlrmv3 preset (5 layers, D=512, 4 heads of 128), exported here with --kv-cache on
 AOTInductor, bf16, max batch --max-batch (or --package PKG). Served through
-``hstu_export.serving.replicas.ReplicaSet``: one replica per GPU, each a worker thread that runs whatever
-queries wait (up to the batch) in one call; with the cache, a user always reaches the GPU caching it.
+``hstu_export.serving.replicas.ReplicaSet``: one replica per GPU, each with --workers threads that run
+whatever queries wait (up to the batch) in one call; with the cache, a user always reaches the GPU caching it.
 Not through a Triton server: the GPU machine has none installed (docs/SERVING.md).
 
 Queries: one user each, 2048 candidates, a history drawn as the DLRMv3 reference's synthetic streaming data
@@ -21,7 +21,8 @@ queries are users seen for the first time (misses by construction). The cache re
 time buckets hold for --max-time-drift seconds (CachedRanker's max_time_drift). The cached path runs without
 CUDA graphs unless --kv-graphs says otherwise (docs/PERF.md, serving under load, says why).
 
-Per configuration (GPUs x cache): a closed-loop saturation estimate, then open-loop windows of --seconds at
+Per configuration (cache x GPUs x --workers per GPU): a closed-loop saturation estimate, then open-loop
+windows of --seconds at
 rising shares of it; reported per rate: achieved queries/s, p50/p99 latency (from the scheduled arrival to
 the answer on the host, queueing included), the workers' busy share and the GPUs' utilisation (NVML, when
 readable), the cache's hits/misses/stale/evictions in the window, and what could explain a tail: how late
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import math
 import statistics
@@ -265,9 +267,10 @@ def saturation(replicas: ReplicaSet, queries: list, cached: bool) -> float:
 
 
 def profile_workers(replicas: ReplicaSet, out: Path) -> Any:
-    """A cProfile of the first replica's worker calls (enabled around each; from Python 3.12 a profile sees
-    every thread while it is on, and only one can be on); returns a function that writes its statistics, top
-    40 by cumulative time, under ``out``."""
+    """A cProfile of the first replica's worker calls, one call at a time (enabled around each; from Python
+    3.12 a profile sees every thread while it is on, and only one can be on: a call that starts while another
+    is profiled runs unprofiled); returns a function that writes its statistics, top 40 by cumulative time,
+    under ``out``."""
     import cProfile
     import io
     import pstats
@@ -275,13 +278,17 @@ def profile_workers(replicas: ReplicaSet, out: Path) -> Any:
     profile = cProfile.Profile()
     replica = replicas.replicas[0]
     inner = replica._run
+    one = threading.Lock()
 
     def run(batch):  # type: ignore[no-untyped-def]
+        if not one.acquire(blocking=False):
+            return inner(batch)
         profile.enable()
         try:
             return inner(batch)
         finally:
             profile.disable()
+            one.release()
     replica._run = run  # type: ignore[method-assign]
 
     def write(tag: str) -> None:
@@ -291,17 +298,18 @@ def profile_workers(replicas: ReplicaSet, out: Path) -> Any:
     return write
 
 
-def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str], cached: bool,
+def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str], cached: bool, workers: int,
           out: dict[str, Any], save: Any) -> None:
     """Fills ``out`` with the configuration's results, calling ``save`` after each window."""
     work = Workload(args, cfg)
     gpus = [torch.device(d).index or 0 for d in devices] if devices[0].startswith("cuda") else []
-    out.update({"devices": devices, "cache": cached, "kv_graphs": args.kv_graphs if cached else None, "rates": []})
+    out.update({"devices": devices, "cache": cached, "workers": workers,
+                "kv_graphs": args.kv_graphs if cached else None, "rates": []})
     kv_bytes = args.kv_budget if cached else None
     graphs = {"auto": None, "on": True, "off": False}[args.kv_graphs]
     with ReplicaSet(package, devices, kv_cache_bytes=kv_bytes, max_batch_users=args.max_batch,
                     max_queue_delay_ms=args.queue_delay_ms, max_time_drift=args.max_time_drift,
-                    kv_cuda_graphs=graphs) as replicas:
+                    kv_cuda_graphs=graphs, workers=workers) as replicas:
         pool: list | None = None
         if cached:  # every pool user seen once: the cache filled before anything is timed
             pool = [work.new_user() for _ in range(args.users)]
@@ -320,13 +328,13 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
             row["share_of_saturation"] = share
             out["rates"].append(row)
             save()
-            print(json.dumps({"devices": len(devices), "cache": cached, **row}), flush=True)
+            print(json.dumps({"devices": len(devices), "cache": cached, "workers": workers, **row}), flush=True)
             if row["p99_ms"] <= P99_BOUND_MS and not row["failed"]:
                 passed = row
             elif passed is not None:
                 break
         if write_profiles is not None:
-            write_profiles(f"{len(devices)}gpu_cache_{'on' if cached else 'off'}")
+            write_profiles(f"{len(devices)}gpu_cache_{'on' if cached else 'off'}_{workers}workers")
         out["best"] = passed
         out["best_qps_per_device"] = round(passed["achieved_qps"] / len(devices), 1) if passed else None
         out["replicas"] = replicas.stats()
@@ -355,6 +363,8 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="export into this folder (its m.aoti: --package of later runs)")
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="GPU counts to serve on")
     parser.add_argument("--cache", nargs="+", choices=["off", "on"], default=["off", "on"])
+    parser.add_argument("--workers", type=int, nargs="+", default=[1],
+                        help="worker threads per GPU to try (ReplicaSet's workers)")
     parser.add_argument("--max-batch", type=int, default=32, help="users per call (the export's max batch)")
     parser.add_argument("--queue-delay-ms", type=float, default=2.0, help="a worker's wait for a fuller batch")
     parser.add_argument("--mean-history", type=float, default=1024)
@@ -408,22 +418,22 @@ def main() -> None:
         save()
         if args.export_only:
             return
-    for cache in args.cache:
-        for count in args.gpus:
-            devices = [f"cuda:{i}" for i in range(count)] if device == "cuda" else ["cpu"] * count
-            if device == "cuda" and count > torch.cuda.device_count():
-                report["runs"].append({"devices": devices, "skipped": "not that many GPUs here"})
-                continue
-            run: dict[str, Any] = {}
-            report["runs"].append(run)
-            try:
-                sweep(args, package, cfg, devices, cache == "on", run, save)
-            except Exception as exc:  # recorded; the other configurations still run
-                run.update({"devices": devices, "cache": cache, "error": f"{type(exc).__name__}: {exc}",
-                            "traceback": traceback.format_exc()[-3000:]})
-            save()
-            torch.cuda.empty_cache() if device == "cuda" else None
-    print(json.dumps([{k: r.get(k) for k in ("devices", "cache", "saturation_qps", "best_qps_per_device")}
+    for cache, count, workers in itertools.product(args.cache, args.gpus, args.workers):
+        devices = [f"cuda:{i}" for i in range(count)] if device == "cuda" else ["cpu"] * count
+        if device == "cuda" and count > torch.cuda.device_count():
+            report["runs"].append({"devices": devices, "skipped": "not that many GPUs here"})
+            continue
+        run: dict[str, Any] = {}
+        report["runs"].append(run)
+        try:
+            sweep(args, package, cfg, devices, cache == "on", workers, run, save)
+        except Exception as exc:  # recorded; the other configurations still run
+            run.update({"devices": devices, "cache": cache, "workers": workers,
+                        "error": f"{type(exc).__name__}: {exc}",
+                        "traceback": traceback.format_exc()[-3000:]})
+        save()
+        torch.cuda.empty_cache() if device == "cuda" else None
+    print(json.dumps([{k: r.get(k) for k in ("devices", "cache", "workers", "saturation_qps", "best_qps_per_device")}
                       for r in report["runs"]]), file=sys.stderr)
 
 

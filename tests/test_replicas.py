@@ -3,6 +3,8 @@ user to the replica holding its KV cache, a bad request failing alone, and clear
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from kv_requests import CONFIGS, Users
@@ -58,10 +60,40 @@ def test_a_bad_request_fails_alone(tiny_serving_package) -> None:  # type: ignor
         assert replicas.stats()[0]["errors"] == 2
 
 
+def test_workers_of_a_replica_run_calls_side_by_side(tiny_serving_package) -> None:  # type: ignore[no-untyped-def]
+    """Two calls must be in flight at once to pass the barrier: one worker alone would fail both."""
+    predictor = hstu_export.load(tiny_serving_package)
+    requests = _requests(predictor.input_schema, 4)
+    for workers in (1, 2):
+        with ReplicaSet(tiny_serving_package, ["cpu"], max_batch_users=2, workers=workers) as replicas:
+            replica = replicas.replicas[0]
+            working, together = replica.batcher, threading.Barrier(2, timeout=5)
+
+            def waiting(*args, working=working, together=together, **kwargs):  # type: ignore[no-untyped-def]
+                together.wait()
+                return working(*args, **kwargs)
+            replica.batcher = waiting
+            futures = [replicas.submit(r) for r in requests[:2]]
+            if workers == 1:
+                with pytest.raises(threading.BrokenBarrierError):
+                    futures[0].result(timeout=60)
+                continue
+            for request, future in zip(requests, futures):
+                for name, value in future.result(timeout=60).items():
+                    torch.testing.assert_close(value, predictor(request)[name], **CLOSE)
+            replica.batcher = working
+            assert [f.result(timeout=60) is not None for f in map(replicas.submit, requests)] == [True] * 4
+            assert replicas.stats()[0]["workers"] == 2
+    with pytest.raises(ConfigError, match="workers"):
+        ReplicaSet(tiny_serving_package, ["cpu"], workers=0)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("kv_package", ["no-context"], indirect=True)
-def test_a_user_returns_to_the_replica_that_caches_it(kv_package) -> None:  # type: ignore[no-untyped-def]
+def test_a_user_returns_to_the_replica_that_caches_it(kv_package, workers) -> None:  # type: ignore[no-untyped-def]
     """Six users, three rounds each with a grown history, on two replicas with their own caches: every
-    return is a hit, which it could not be on the other replica's cache."""
+    return is a hit, which it could not be on the other replica's cache (with two workers a replica serves
+    two calls at once from its one cache)."""
     name, root, _ = kv_package
     predictor = hstu_export.load(root)
     users = Users(CONFIGS[name], seed=3)
@@ -69,7 +101,8 @@ def test_a_user_returns_to_the_replica_that_caches_it(kv_package) -> None:  # ty
     for user in ids:
         users.grow(str(user), 5 + user % 4)
     assert {replica_of(u, 2) for u in ids} == {0, 1}
-    with ReplicaSet(root, ["cpu", "cpu"], kv_cache_bytes=4 << 20, max_queue_delay_ms=100) as replicas:
+    with ReplicaSet(root, ["cpu", "cpu"], kv_cache_bytes=4 << 20, max_queue_delay_ms=100,
+                    max_batch_users=2, workers=workers) as replicas:
         for _ in range(3):
             requests = [users.request([str(u)], [3]) for u in ids]
             futures = [replicas.submit(r, [u]) for r, u in zip(requests, ids)]

@@ -498,6 +498,9 @@ def _feature_json(f: FeatureSpec) -> dict[str, Any]:
     return data
 
 
+_LISTED = 4096  # host tensors of whole numbers up to this many values are read as Python lists
+
+
 def _read_all(bounded: list[Tensor], lengths: list[Tensor], *, together: bool | None = None
               ) -> tuple[list[tuple[Any, Any]], list[int]]:
     """(least, greatest) of each tensor of ``bounded`` (none empty) and the sum of each of ``lengths``, as
@@ -506,6 +509,7 @@ def _read_all(bounded: list[Tensor], lengths: list[Tensor], *, together: bool | 
     waits for the device once, not once a value. ``together`` forces either way (tests)."""
     numbers: list[Any] = []
     pending: dict[tuple[torch.device, bool], list[tuple[int, Tensor]]] = {}
+    listed: dict[int, list[int]] = {}  # a small host tensor of whole numbers, read once (by id: lengths recur)
 
     def add(value: Tensor, floating: bool) -> None:
         pending.setdefault((value.device, floating), []).append(
@@ -515,9 +519,22 @@ def _read_all(bounded: list[Tensor], lengths: list[Tensor], *, together: bool | 
     def at_once(t: Tensor) -> bool:
         return t.is_cpu if together is None else not together
 
+    def small(t: Tensor) -> list[int] | None:
+        # Per-user features and lengths are a few numbers: one read and Python's min/max/sum cost less than
+        # a tensor reduction each.
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.numel() > _LISTED:
+            return None
+        if id(t) not in listed:
+            listed[id(t)] = t.reshape(-1).tolist()
+        return listed[id(t)]
+
     for t in bounded:
         floating = t.dtype.is_floating_point
         if at_once(t):
+            values = small(t)
+            if values is not None:
+                numbers += [min(values), max(values)]
+                continue
             least, greatest = t.min().item(), t.max().item()
             numbers += [least, greatest] if floating else [int(least), int(greatest)]
         else:
@@ -526,7 +543,8 @@ def _read_all(bounded: list[Tensor], lengths: list[Tensor], *, together: bool | 
             add(greatest_t, floating)
     for t in lengths:
         if at_once(t):
-            numbers.append(int(t.sum()))
+            values = small(t)
+            numbers.append(sum(values) if values is not None else int(t.sum()))
         else:
             add(t.sum(), False)
     for items in pending.values():

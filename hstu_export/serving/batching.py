@@ -93,6 +93,21 @@ def combine(requests: Sequence[Mapping[str, Tensor]], names: Sequence[str]) -> d
     return {name: torch.cat([r[name] for r in requests]) for name in names}
 
 
+def to_host(outputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``outputs`` on the host. From a CUDA device the copies are queued without blocking and an event after
+    them is waited for: the caller waits for its own call's work only, not for what other threads queued on
+    the stream after it (as a blocking copy's stream synchronisation would)."""
+    on_cuda = [v.device for v in outputs.values() if v.device.type == "cuda"]
+    if not on_cuda:
+        return {name: value.cpu() for name, value in outputs.items()}
+    host = {name: value.to("cpu", non_blocking=True) for name, value in outputs.items()}
+    for device in dict.fromkeys(on_cuda):
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
+    return host
+
+
 def split_outputs(outputs: Mapping[str, Tensor], requests: Sequence[Mapping[str, Tensor]],
                   rows: Mapping[str, OutputRows]) -> list[dict[str, Tensor]]:
     """Each request's share of the outputs of their combined call."""
@@ -116,11 +131,15 @@ class BatchingPredictor:
 
     With ``ranker`` (``predictor.kv_cache(...)``, a :class:`~hstu_export.serving.kv_cache.CachedRanker`), the
     calls go through its KV cache: each request then comes with its users' ids (``user_ids``, one list per
-    request, one id per user)."""
+    request, one id per user).
 
-    def __init__(self, predictor: Any, ranker: Any | None = None) -> None:
+    ``host_outputs``: each call's outputs are moved to the host before they are split per request (one copy
+    per output, not one per request and output)."""
+
+    def __init__(self, predictor: Any, ranker: Any | None = None, *, host_outputs: bool = False) -> None:
         self.predictor = predictor
         self.ranker = ranker
+        self.host_outputs = host_outputs
         self.schema = predictor.input_schema
         self.max_batch_size: int = predictor.max_batch_size
         self.rows = output_rows(predictor.package_manifest)
@@ -174,4 +193,6 @@ class BatchingPredictor:
             outputs = self.predictor(combined)
         else:
             outputs = self.ranker(combined, [user for i in members for user in user_ids[i]])
+        if self.host_outputs:
+            outputs = to_host(outputs)
         return split_outputs(outputs, batch, self.rows or {})

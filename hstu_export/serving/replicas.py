@@ -5,6 +5,11 @@ allows, and, when asked, its own KV cache.
     with ReplicaSet("model.aoti", ["cuda:0", "cuda:1"], kv_cache_bytes="40GiB") as replicas:
         answer = replicas.submit(request, user_ids=[17]).result()
 
+Each replica runs ``workers`` threads over its queue, sharing its loaded package (and cache): while one
+waits for its call's answers to come back from the device, another checks, combines and launches the next
+call. Their calls go to the device's current stream, in the order they were launched: a compiled program
+reuses its buffers from one call to the next, so its calls must not run side by side on two streams.
+
 Routing: with a KV cache a request goes to the replica its first user belongs to (a stable function of
 the id), so a returning user reaches the cache that holds its rows; a request of several users is cached
 whole on that replica. Without a cache it goes to the replica with the fewest users waiting. Every
@@ -59,7 +64,7 @@ class Replica:
 
     def __init__(self, path: str | Path, device: torch.device, *, kv_cache_bytes: int | str | None,
                  max_time_drift: int, kv_cuda_graphs: bool | None, max_batch_users: int | None,
-                 max_queue_delay_ms: float, host_outputs: bool) -> None:
+                 max_queue_delay_ms: float, host_outputs: bool, workers: int) -> None:
         import hstu_export
 
         self.device = device
@@ -72,18 +77,20 @@ class Replica:
                                               cuda_graphs=kv_cuda_graphs)
                            if kv_cache_bytes is not None else None)
         self.predictor = predictor
-        self.batcher = BatchingPredictor(predictor, self.ranker)
+        self.batcher = BatchingPredictor(predictor, self.ranker, host_outputs=host_outputs)
         self.max_users = min(max_batch_users or predictor.max_batch_size, predictor.max_batch_size)
         self.delay = max_queue_delay_ms / 1e3
-        self.host_outputs = host_outputs
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.waiting_users = 0  # users queued, for routing (read without the lock: a hint)
         self._lock = threading.Lock()
         self._counts = {"requests": 0, "users": 0, "calls": 0, "errors": 0}
-        self.busy_seconds = 0.0
+        self.busy_seconds = 0.0  # summed over the workers
         self._held: _Item | None = None
-        self._thread = threading.Thread(target=self._serve, name=f"replica-{device}", daemon=True)
-        self._thread.start()
+        self._take = threading.Lock()  # one worker at a time takes a batch off the queue
+        self._threads = [threading.Thread(target=self._serve, name=f"replica-{device}-{i}", daemon=True)
+                         for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
 
     def put(self, item: _Item) -> None:
         with self._lock:
@@ -91,12 +98,14 @@ class Replica:
         self.queue.put(item)
 
     def stop(self) -> None:
-        self.queue.put(_STOP)
-        self._thread.join()
+        for _ in self._threads:  # each worker ends on the first stop it takes
+            self.queue.put(_STOP)
+        for thread in self._threads:
+            thread.join()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            out: dict[str, Any] = {"device": str(self.device), **self._counts,
+            out: dict[str, Any] = {"device": str(self.device), "workers": len(self._threads), **self._counts,
                                    "busy_seconds": round(self.busy_seconds, 6)}
         if self.ranker is not None:
             out["kv_cache"] = self.ranker.cache.stats()
@@ -106,7 +115,8 @@ class Replica:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         while True:
-            batch = self._next_batch()
+            with self._take:
+                batch = self._next_batch()
             if batch is None:
                 return
             start = time.perf_counter()
@@ -143,9 +153,6 @@ class Replica:
                 results = self.batcher(requests)
             else:
                 results = self.batcher(requests, [item.user_ids or [] for item in batch])
-            if self.host_outputs:
-                results = [r if isinstance(r, HstuExportError) else {k: v.cpu() for k, v in r.items()}
-                           for r in results]
         except Exception as exc:  # the call itself failed (a device error): its requests get it, the worker goes on
             results = [exc] * len(batch)  # type: ignore[list-item]
         with self._lock:
@@ -167,14 +174,18 @@ class ReplicaSet:
     ``kv_cuda_graphs`` (its ``cuda_graphs``) as :meth:`Predictor.kv_cache` takes them. ``max_batch_users``: most users per
     call (default and ceiling: the package's maximum batch size). ``max_queue_delay_ms``: how long a worker
     holding fewer users than that waits for more before it calls. ``host_outputs``: answers are moved to the
-    host (as a server sends them), else left on the replica's device."""
+    host (as a server sends them), else left on the replica's device. ``workers``: threads per replica (see
+    the module's text); more than one pays where a call's host work (checks, concatenation, launches, the
+    copy back) is a large share of its time, as on a GPU."""
 
     def __init__(self, path: str | Path, devices: Sequence[str | torch.device], *,
                  kv_cache_bytes: int | str | None = None, max_time_drift: int = 0,
                  kv_cuda_graphs: bool | None = None, max_batch_users: int | None = None, max_queue_delay_ms: float = 0.0,
-                 host_outputs: bool = True) -> None:
+                 host_outputs: bool = True, workers: int = 1) -> None:
         if not devices:
             raise ConfigError("ReplicaSet needs at least one device")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"workers must be a whole number, 1 or more, got {workers!r}")
         if max_queue_delay_ms < 0:
             raise ConfigError(f"max_queue_delay_ms must be 0 or more, got {max_queue_delay_ms}")
         parsed = [_device(d) for d in devices]
@@ -184,7 +195,8 @@ class ReplicaSet:
                 self.replicas.append(Replica(path, device, kv_cache_bytes=kv_cache_bytes,
                                              max_time_drift=max_time_drift, kv_cuda_graphs=kv_cuda_graphs,
                                              max_batch_users=max_batch_users,
-                                             max_queue_delay_ms=max_queue_delay_ms, host_outputs=host_outputs))
+                                             max_queue_delay_ms=max_queue_delay_ms, host_outputs=host_outputs,
+                                             workers=workers))
         except BaseException:
             self.close()
             raise
