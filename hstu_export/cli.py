@@ -557,6 +557,47 @@ def run(package: str, batch_path: str, output: str | None, output_dir: str | Non
         console.print(f"wrote {len(outputs)} outputs to {escape(output_dir)}")
 
 
+@cli.command()
+@click.argument("package", type=click.Path(file_okay=False), required=False)
+@click.option("--to", "root", type=click.Path(file_okay=False), required=True,
+              help="The directory of published versions: ROOT/1, ROOT/2, ... and ROOT/current (created if missing).")
+@click.option("--keep", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Versions kept; older ones are removed (never the current one).")
+@click.option("--switch", "switch_to", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Make the already published version N current (a rollback), instead of publishing PACKAGE.")
+@_verbose_option
+def publish(package: str | None, root: str, keep: int, switch_to: int | None, verbose: bool) -> None:
+    """Publish PACKAGE as the next version under ROOT and make it current, atomically: a server following
+    ROOT/current (hstu_export.load(ROOT), PublishedPredictor) switches between requests. Files unchanged
+    since the version before (tables) are hard-linked, not copied.
+
+    \b
+      hstu-export publish model.aoti --to /srv/ranker
+      hstu-export publish --to /srv/ranker --switch 3      # back to version 3
+    """
+    from hstu_export.errors import ConfigError
+    from hstu_export.package.publish import publish as publish_package
+    from hstu_export.package.publish import switch
+    from hstu_export.settings import format_bytes
+
+    if switch_to is not None:
+        if package is not None:
+            raise ConfigError("give PACKAGE to publish it, or --switch N to make a published version current, not both")
+        path = switch(root, switch_to)
+        console.print(f"current: {escape(str(path))}", soft_wrap=True)
+        return
+    if package is None:
+        raise ConfigError("name the PACKAGE to publish (or --switch N to make a published version current)")
+    done = publish_package(package, root, keep=keep)
+    line = f"published {escape(package)} as {escape(str(done.path))} (current)"
+    if done.linked:
+        line += f"; {len(done.linked)} file(s) unchanged since the version before, linked ({format_bytes(done.linked_bytes)})"
+    line += f"; {len(done.copied)} copied ({format_bytes(done.copied_bytes)})"
+    if done.removed:
+        line += f"; removed version(s) {', '.join(map(str, done.removed))}"
+    console.print(line, soft_wrap=True)
+
+
 @cli.command("serving-repo")
 @click.argument("package", type=click.Path(file_okay=False))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,

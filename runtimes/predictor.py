@@ -24,6 +24,7 @@ from torch import Tensor
 from hstu_export.errors import HstuExportError, PackageError, RequestError
 from hstu_export.package.directory import load_manifest, recover_interrupted_replace
 from hstu_export.package.manifest import OP_LIBRARIES, Manifest, as_manifest
+from hstu_export.package.publish import current_path, is_published_root
 from hstu_export.package.schema import InputSchema
 from hstu_export.runtimes import get_backend
 from hstu_export.runtimes.base import Runner, SplitRunner
@@ -295,10 +296,13 @@ def load_op_libraries(names: list[str] | tuple[str, ...], root: Path) -> None:
 
 
 def load(path: str | Path, *, verify_checksums: bool = True, require_signature: str | Path | None = None) -> Predictor:
-    """Load a package written by ``hstu_export.export`` / ``hstu-export MODEL``. With
+    """Load a package written by ``hstu_export.export`` / ``hstu-export MODEL``, or the current version of a
+    directory ``hstu-export publish`` writes. With
     ``require_signature`` (a public key, PEM), the package must carry a signature by its private key over
     exactly its files (``hstu-export sign``), checked before anything of it is read."""
     root = Path(path)
+    if is_published_root(root):  # hstu-export publish's directory: its current version
+        root = current_path(root)
     # An export killed midway through replacing this package may have left it moved aside: put it back.
     recover_interrupted_replace(root)
     if require_signature is not None:
