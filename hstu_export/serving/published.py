@@ -31,6 +31,9 @@ __all__ = ["PublishedPredictor"]
 
 
 class PublishedPredictor:
+    """Callable as a Predictor (its attributes are the served version's). ``check_seconds``: how often a call
+    looks at ``current``; ``loader``: how a version directory is loaded (default ``hstu_export.load``)."""
+
     def __init__(self, root: str | Path, *, check_seconds: float = 1.0,
                  loader: Callable[[Path], Any] | None = None) -> None:
         import hstu_export
