@@ -617,15 +617,22 @@ def publish(package: str | None, root: str, keep: int, switch_to: int | None, ve
               help="With --kv-cache: users in flight per instance (the sequence batcher's max_candidate_sequences).")
 @click.option("--sequence-idle-us", type=click.IntRange(min=1), default=60_000_000, show_default=True,
               help="With --kv-cache: a user idle this long (microseconds) gives up its slot and its instance.")
+@click.option("--follow-seconds", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="PACKAGE a directory hstu-export publish writes: how often an instance looks for a new current "
+                   "version (it switches between requests).")
 @click.option("--force", is_flag=True, help="Replace a repository this tool wrote before.")
 @_verbose_option
 def serving_repo(package: str, out_dir: str, name: str | None, max_requests_per_batch: int, max_queue_delay_us: int,
-                 instances: int, kv_cache: str | None, max_sequences: int, sequence_idle_us: int, force: bool,
-                 verbose: bool) -> None:
+                 instances: int, kv_cache: str | None, max_sequences: int, sequence_idle_us: int,
+                 follow_seconds: float, force: bool, verbose: bool) -> None:
     """Write a Triton Inference Server model repository for PACKAGE (Python backend, dynamic batching of
     ragged requests; with --kv-cache, the sequence batcher routing each user to its instance's KV cache).
-    docs/SERVING.md says how to run it."""
+    PACKAGE may be a directory hstu-export publish writes: the instances then serve its current version and
+    follow it, and no package is copied. docs/SERVING.md says how to run it."""
+    from pathlib import Path
+
     from hstu_export.errors import ConfigError
+    from hstu_export.package.publish import is_published_root
     from hstu_export.serving.triton_repo import TRITON_SERVER_VERSION, ServingRepoSettings, write_serving_repo
 
     given = click.get_current_context().get_parameter_source
@@ -634,10 +641,13 @@ def serving_repo(package: str, out_dir: str, name: str | None, max_requests_per_
     if kv_cache is None and unused:
         verb = "applies" if len(unused) == 1 else "apply"
         raise ConfigError(f"{' and '.join(unused)} {verb} to a KV-cached repository only: add --kv-cache BUDGET")
+    if given("follow_seconds") is not click.core.ParameterSource.DEFAULT and not is_published_root(Path(package)):
+        raise ConfigError(f"--follow-seconds applies when PACKAGE is a directory hstu-export publish writes; "
+                          f"{package} is not one")
     settings = ServingRepoSettings(name=name, max_requests_per_batch=max_requests_per_batch,
                                    max_queue_delay_us=max_queue_delay_us, instances=instances,
                                    kv_cache_budget=kv_cache, max_sequences=max_sequences,
-                                   sequence_idle_us=sequence_idle_us)
+                                   sequence_idle_us=sequence_idle_us, follow_seconds=follow_seconds)
     model_dir = write_serving_repo(package, out_dir, settings, force=force)
     console.print(f"wrote {escape(str(model_dir.parent))}: model {escape(model_dir.name)} for Triton Inference "
                   f"Server {TRITON_SERVER_VERSION}\n  tritonserver --model-repository {escape(str(model_dir.parent))}")

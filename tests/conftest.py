@@ -98,11 +98,15 @@ def kv_package(request, tmp_path_factory):  # type: ignore[no-untyped-def]
 def tiny_serving_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The package the serving tests serve (tests/test_serving_repo.py, tests/test_triton_server.py): the tiny
     preset on TorchScript, at most 4 users a call. Read only."""
-    from hstu_export import ExportSettings, VerifySettings, export, generate_batch, save_bundle
-    from hstu_export.models import build_preset
+    from tiny_packages import export_tiny
 
-    root = tmp_path_factory.mktemp("serving")
-    model = build_preset("tiny", seed=5)
-    bundle = save_bundle(model, root / "tiny.pt", generate_batch(model.input_schema(), 4, seed=6))
-    settings = ExportSettings(backend="torchscript", max_batch_size=4, verify=VerifySettings(num_random_batches=1))
-    return export(bundle, root / "ranker.torchscript", settings).path
+    return export_tiny(tmp_path_factory.mktemp("serving"), seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_serving_package_v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second version of tiny_serving_package: the same requests, other weights (tests/test_publish.py,
+    the published-version test of tests/test_triton_server.py). Read only."""
+    from tiny_packages import export_tiny
+
+    return export_tiny(tmp_path_factory.mktemp("serving-v2"), seed=7)

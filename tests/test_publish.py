@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_packages import export_tiny
 
 import hstu_export
 from hstu_export.cli import main
@@ -20,21 +21,11 @@ from hstu_export.package.publish import CURRENT, current_version, publish, switc
 from hstu_export.serving.published import PublishedPredictor
 
 
-def _export(root: Path, seed: int, max_batch: int = 4) -> Path:
-    from hstu_export import ExportSettings, VerifySettings, export, generate_batch, save_bundle
-    from hstu_export.models import build_preset
-
-    model = build_preset("tiny", seed=seed)
-    bundle = save_bundle(model, root / f"tiny{seed}.pt", generate_batch(model.input_schema(), 4, seed=6))
-    settings = ExportSettings(backend="torchscript", max_batch_size=max_batch, verify=VerifySettings(num_random_batches=1))
-    return Path(export(bundle, root / f"tiny{seed}-{max_batch}.torchscript", settings).path)
-
-
 @pytest.fixture(scope="module")
-def packages(tmp_path_factory):  # type: ignore[no-untyped-def]
+def packages(tiny_serving_package, tiny_serving_package_v2, tmp_path_factory):  # type: ignore[no-untyped-def]
     """Two versions of one model (other weights, same requests) and one that takes smaller batches."""
-    root = tmp_path_factory.mktemp("publish")
-    return _export(root, 5), _export(root, 7), _export(root, 5, max_batch=2)
+    smaller = export_tiny(tmp_path_factory.mktemp("publish"), seed=5, max_batch=2)
+    return Path(tiny_serving_package), Path(tiny_serving_package_v2), smaller
 
 
 def _answer(path: Path, request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

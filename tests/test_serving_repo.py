@@ -120,6 +120,27 @@ def test_kv_cache_repository_needs_a_kv_package_and_a_budget(package: Path, tmp_
     assert not out.exists()
 
 
+def test_a_repository_of_a_publish_root_follows_it(package: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from hstu_export.package.publish import publish
+
+    root = tmp_path / "ranker"
+    publish(package, root)
+    model_dir = write_serving_repo(root, tmp_path / "repo", ServingRepoSettings(follow_seconds=0.5))
+    config = _model_config_pb2().ModelConfig()
+    text_format.Parse((model_dir / "config.pbtxt").read_text(), config)
+    assert config.parameters["package"].string_value == str(root.resolve())
+    assert config.parameters["follow_seconds"].string_value == "0.5"
+    assert not (model_dir / "1" / "package").exists()  # nothing copied: the instances read the root
+    assert json.loads((tmp_path / "repo" / "serving.json").read_text())["follows_published_versions"] is True
+    assert cli_main(["serving-repo", str(root), "--out", str(tmp_path / "kv"), "--kv-cache", "64MiB"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "serves one version" in error and len(error.splitlines()) == 1, error
+    assert cli_main(["serving-repo", str(package), "--out", str(tmp_path / "x"), "--follow-seconds", "2"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "--follow-seconds applies when PACKAGE is a directory hstu-export publish writes" in error, error
+    assert not (tmp_path / "kv").exists() and not (tmp_path / "x").exists()
+
+
 def _model_config_pb2():  # type: ignore[no-untyped-def]
     import tritonclient
 

@@ -221,3 +221,56 @@ def test_a_bad_request_fails_alone(server: TritonServer, predictor) -> None:  # 
     reached = after["inference_count"] - before["inference_count"]
     assert reached == len(good) + 3
     assert after["execution_count"] - before["execution_count"] < len(good) + 2  # some held several requests
+
+
+def test_a_published_version_is_picked_up_without_a_dropped_request(  # type: ignore[no-untyped-def]
+        tiny_serving_package, tiny_serving_package_v2, tmp_path) -> None:
+    """A repository of a publish root: three clients ask without pause while a version with other weights is
+    published; every request is answered, each answer is one version's (they differ by far more than
+    batching's rounding), and each client gets the old version and then only the new one."""
+    from hstu_export.package.publish import publish
+
+    root = tmp_path / "ranker"
+    publish(tiny_serving_package, root)
+    assert cli_main(["serving-repo", str(root), "--out", str(tmp_path / "repo"), "--follow-seconds", "0.2"]) == 0
+    request = generate_batch(hstu_export.load(tiny_serving_package).input_schema, 2, seed=21)
+    versions = [hstu_export.load(p)(request) for p in (tiny_serving_package, tiny_serving_package_v2)]
+    assert not torch.allclose(versions[0]["ctr"], versions[1]["ctr"], rtol=1e-3, atol=1e-4)
+    seen: list[list[int]] = []
+    failures: list[object] = []
+    stop = threading.Event()
+
+    def client(url: str) -> None:
+        mine: list[int] = []
+        seen.append(mine)
+        with httpclient.InferenceServerClient(url) as triton:
+            while not stop.is_set():
+                try:
+                    answer = _answer(triton.infer(MODEL, request_inputs(httpclient, request),
+                                                  outputs=_outputs(httpclient)))
+                except InferenceServerException as exc:
+                    failures.append(exc)
+                    continue
+                close = [all(torch.allclose(answer[n], v[n], rtol=1e-5, atol=1e-6) for n in OUTPUTS) for v in versions]
+                if close.count(True) != 1:
+                    failures.append(f"an answer of neither version: {answer}")
+                    continue
+                mine.append(close.index(True) + 1)
+
+    with TritonServer(tmp_path / "repo", tmp_path) as triton:
+        clients = [threading.Thread(target=client, args=(triton.http_url,)) for _ in range(3)]
+        for thread in clients:
+            thread.start()
+        time.sleep(1.0)
+        publish(tiny_serving_package_v2, root)
+        deadline = time.monotonic() + 120
+        while not (len(seen) == 3 and all(mine and mine[-1] == 2 for mine in seen)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        stop.set()
+        for thread in clients:
+            thread.join(timeout=60)
+        log = triton.log()
+    assert not failures, (failures[:3], log)
+    for mine in seen:
+        assert mine and mine[0] == 1 and mine[-1] == 2 and mine == sorted(mine), (mine[:5], mine[-5:])

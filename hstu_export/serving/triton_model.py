@@ -13,6 +13,10 @@ routes requests by their correlation id, which names the request's one user, so 
 instance that holds its cache. The cache's counters are Triton metrics (``hstu_kv_cache_*``, labelled by
 model and instance).
 
+With the config parameter ``follow_seconds`` (``serving-repo`` of a directory ``hstu-export publish`` writes),
+the package parameter names that directory and each instance serves its current version, switching to a new
+one between requests (``hstu_export.serving.published.PublishedPredictor``).
+
 Needs, in the Python environment Triton runs this file with: hstu-export and the torch the package was
 exported with (and fbgemm-gpu / torchrec when the package names them). CI runs it in a real server on CPU
 (tests/test_triton_server.py; docs/SERVING.md says how the backend's Python finds that environment).
@@ -31,7 +35,8 @@ from torch.utils import dlpack
 import hstu_export
 from hstu_export.errors import HstuExportError, RequestError
 from hstu_export.serving.batching import BatchingPredictor
-from hstu_export.serving.triton_repo import KV_PARAMETER
+from hstu_export.serving.published import PublishedPredictor
+from hstu_export.serving.triton_repo import FOLLOW_PARAMETER, KV_PARAMETER
 
 # The KV cache's counters (CachedRanker.cache.stats()) as Triton metrics: counters, then gauges.
 KV_COUNTERS = {"hits": "requests' users served from the cache", "misses": "users with nothing cached (prefill)",
@@ -47,7 +52,9 @@ class TritonPythonModel:
         package = Path(args["model_repository"]) / args["model_version"] / parameters.get("package", "package")
         if args.get("model_instance_kind") == "GPU":
             torch.cuda.set_device(int(args["model_instance_device_id"]))
-        predictor = hstu_export.load(package)
+        follow = parameters.get(FOLLOW_PARAMETER)
+        # A publish root (serving-repo of one): the current version, followed between requests.
+        predictor = PublishedPredictor(package, check_seconds=float(follow)) if follow else hstu_export.load(package)
         self.ranker = None
         budget = parameters.get(KV_PARAMETER)
         if budget:

@@ -10,6 +10,11 @@
       NAME/1/model.py         hstu_export/serving/triton_model.py
       NAME/1/package/         the package, unchanged (its checksums still hold)
 
+PKG may instead be a directory ``hstu-export publish`` writes: then nothing is copied, the config names that
+directory (absolute) and each instance follows its ``current`` version (``PublishedPredictor``), switching
+between requests; the config is written from the current version (later versions must take the same
+requests, or they are not served).
+
 Written for Triton Inference Server 2.73.0's model configuration (the release of tritonclient 2.73.0,
 whose model_config protobuf the tests parse the config with). CI serves a repository with a real server,
 the tritonserver nvidia-pytriton 0.7.0 bundles (Triton 2.51.0, CPU): tests/test_triton_server.py.
@@ -34,6 +39,7 @@ from hstu_export.package.directory import (
     staging_dir,
 )
 from hstu_export.package.manifest import Manifest
+from hstu_export.package.publish import current_path, current_version, is_published_root
 from hstu_export.serving.batching import output_rows
 from hstu_export.settings import parse_size
 from hstu_export.version import __version__
@@ -57,6 +63,7 @@ class ServingRepoSettings:
     kv_cache_budget: str | None = None
     max_sequences: int = 1024  # users in flight per instance (the sequence batcher's max_candidate_sequences)
     sequence_idle_us: int = 60_000_000  # a user's slot (and its routing to an instance) ends after this idle time
+    follow_seconds: float = 1.0  # PKG a publish root: how often an instance looks at its current version
 
 
 KV_PARAMETER = "kv_cache_budget"  # config parameter model.py reads: serve through a KV cache of this budget
@@ -78,8 +85,14 @@ def _dims(shape: list[Any]) -> str:
     return ", ".join("-1" if isinstance(d, str) else str(d) for d in shape)
 
 
-def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings) -> str:
-    """config.pbtxt for the package: inputs from the request schema, outputs from the final artifact."""
+FOLLOW_PARAMETER = "follow_seconds"  # config parameter model.py reads: the package is a publish root to follow
+
+
+def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings, package: str = "package",
+                follow_seconds: float | None = None) -> str:
+    """config.pbtxt for the package: inputs from the request schema, outputs from the final artifact.
+    ``package``: where the instances load it (relative to the version directory, or absolute);
+    ``follow_seconds``: it is a publish root, whose ``current`` they look at that often."""
     final = manifest.artifacts.get("dense") or manifest.artifacts.get("model") or {}
     lines = [
         f"# Written by hstu-export {__version__} for Triton Inference Server {TRITON_SERVER_VERSION} (Python backend).",
@@ -106,7 +119,9 @@ def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings) ->
     lines.append("]")
     kind = "KIND_GPU" if manifest.device.type == "cuda" else "KIND_CPU"
     lines.append(f"instance_group [ {{ kind: {kind} count: {settings.instances} }} ]")
-    lines.append('parameters { key: "package" value: { string_value: "package" } }')
+    lines.append(f'parameters {{ key: "package" value: {{ string_value: {_quoted(package)} }} }}')
+    if follow_seconds is not None:
+        lines.append(f'parameters {{ key: "{FOLLOW_PARAMETER}" value: {{ string_value: "{follow_seconds:g}" }} }}')
     if settings.kv_cache_budget is not None:
         lines.append(f'parameters {{ key: "{KV_PARAMETER}" value: {{ string_value: {_quoted(settings.kv_cache_budget)} }} }}')
     return "\n".join(lines) + "\n"
@@ -194,7 +209,13 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
         except ConfigError as exc:
             raise ConfigError(f"KV cache budget (--kv-cache): {exc}") from None
     package, out = Path(package), Path(out)
-    manifest = load_manifest(package)  # the package is checked before it is copied
+    follow = is_published_root(package)
+    if follow and settings.kv_cache_budget is not None:
+        raise ConfigError(f"{package} holds published versions: a KV-cached repository serves one version (a new "
+                          "version invalidates every cached K/V); give it one package, e.g. "
+                          f"{package}/{current_version(package)}")
+    # The package is checked before it is copied; a publish root's current version gives the config.
+    manifest = load_manifest(current_path(package) if follow else package)
     name = model_name(package, settings)
     if manifest.backend.name not in ("aoti", "torchscript", "onnx", "trt"):
         raise ConfigError(f"backend {manifest.backend.name!r} has no serving repository")
@@ -206,15 +227,18 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
     with parent_dirs(out, "the serving repository"), staging_dir(out, "the serving repository") as staged:
         model_dir = staged / name
         (model_dir / "1").mkdir(parents=True)
-        shutil.copytree(package, model_dir / "1" / "package", symlinks=False)
+        if not follow:
+            shutil.copytree(package, model_dir / "1" / "package", symlinks=False)
         shutil.copyfile(MODEL_FILE, model_dir / "1" / "model.py")
-        (model_dir / "config.pbtxt").write_text(config_text(manifest, name, settings))
+        where = str(package.resolve()) if follow else "package"
+        (model_dir / "config.pbtxt").write_text(config_text(manifest, name, settings, where,
+                                                           settings.follow_seconds if follow else None))
         batching = output_rows(manifest) is not None
         (staged / "README.md").write_text(_readme(name, manifest, batching, settings.kv_cache_budget))
         (staged / MARKER).write_text(json.dumps({
             "written_by": f"hstu-export {__version__}", "triton_server": TRITON_SERVER_VERSION, "model": name,
             "package": str(package.resolve()), "backend": "python", "batches_requests": batching,
-            "kv_cache_budget": settings.kv_cache_budget,
+            "kv_cache_budget": settings.kv_cache_budget, "follows_published_versions": follow,
         }, indent=2) + "\n")
         check_out(out, force, package)  # again: something may have appeared meanwhile
         rename_into_place(staged, out)  # an old repository is moved aside first and removed after
