@@ -77,6 +77,25 @@ def test_python_run_writes_the_same_directory(runner, packages, tmp_path) -> Non
     assert list(cpp) == list(py) and all(torch.equal(cpp[k], py[k]) for k in cpp)
 
 
+def test_a_publish_root_opens_its_current_version(runner, packages, tmp_path) -> None:
+    from hstu_export.package.publish import publish, switch
+
+    root = tmp_path / "ranker"
+    publish(packages["torchscript"], root)
+    publish(packages["aoti"], root)
+    switch(root, 1)
+    request = write_request(packages["torchscript"], tmp_path / "request", 2, 40)
+    done = runner.run(root, request, "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    assert "torchscript package on cpu" in done.stdout  # version 1, not the newest
+    python = hstu_export.load(packages["torchscript"])(load_tensors(request))
+    assert all(torch.equal(load_tensors(tmp_path / "out")[k], v) for k, v in python.items())
+    (root / "current").unlink()
+    (root / "current").symlink_to("7")
+    done = runner.run(root, request)
+    assert done.returncode != 0 and "current points at '7', not at a published version" in done.stderr
+
+
 def test_many_threads_get_the_same_outputs(runner, packages, tmp_path) -> None:
     for backend, package in packages.items():
         request = write_request(package, tmp_path / backend, 4, 30)

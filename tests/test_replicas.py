@@ -141,6 +141,27 @@ def test_a_failed_call_fails_its_requests_and_the_worker_goes_on(tiny_serving_pa
         replicas.submit(request)
 
 
+def test_replicas_of_a_publish_root_follow_its_current_version(  # type: ignore[no-untyped-def]
+        tiny_serving_package, tiny_serving_package_v2, tmp_path) -> None:
+    from hstu_export.package.publish import publish
+
+    root = tmp_path / "ranker"
+    publish(tiny_serving_package, root)
+    request = _requests(hstu_export.load(root).input_schema, 1)[0]
+    old, new = (hstu_export.load(p)(request) for p in (tiny_serving_package, tiny_serving_package_v2))
+    with ReplicaSet(root, ["cpu", "cpu"]) as replicas:
+        for replica in replicas.replicas:
+            replica.predictor.check_seconds = 0.0
+        for name, value in replicas(request).items():
+            assert torch.equal(value, old[name])
+        publish(tiny_serving_package_v2, root)
+        for replica in replicas.replicas:
+            assert replica.predictor.refresh() == 2
+        for _ in range(4):  # both replicas (the least loaded takes each)
+            for name, value in replicas(request).items():
+                assert torch.equal(value, new[name])
+
+
 def test_refusals_are_clear(tiny_serving_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match="at least one device"):
         ReplicaSet(tiny_serving_package, [])

@@ -15,6 +15,10 @@ the id), so a returning user reaches the cache that holds its rows; a request of
 whole on that replica. Without a cache it goes to the replica with the fewest users waiting. Every
 replica loads the package's tables onto its own device (they are part of the package's sparse artifact).
 
+``path`` may be a directory ``hstu-export publish`` writes: each replica then serves its current version and
+follows it between calls (``PublishedPredictor``), except with a KV cache, which serves the version current
+when it was made.
+
 A bad request fails alone (``BatchingPredictor``: a batched call that fails runs its requests again one by
 one).
 """
@@ -36,8 +40,10 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, HstuExportError, RequestError
+from hstu_export.package.publish import is_published_root
 from hstu_export.serving.batching import BatchingPredictor, batch_size
 from hstu_export.serving.kv_cache import user_keys
+from hstu_export.serving.published import PublishedPredictor
 
 __all__ = ["Replica", "ReplicaSet", "replica_of"]
 
@@ -70,7 +76,9 @@ class Replica:
         self.device = device
         guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with guard:
-            predictor = hstu_export.load(path)
+            # A publish root is followed (switching between calls) unless a KV cache holds the version's K/V.
+            follow = kv_cache_bytes is None and is_published_root(Path(path))
+            predictor = PublishedPredictor(path) if follow else hstu_export.load(path)
             if predictor.device.type != device.type:
                 raise ConfigError(f"{path} is a {predictor.device.type} package; it cannot be served on {device}")
             self.ranker = (predictor.kv_cache(kv_cache_bytes, max_time_drift=max_time_drift,

@@ -9,6 +9,7 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -567,7 +568,28 @@ int64_t Package::max_batch_size() const { return impl_->max_batch_size; }
 const std::vector<Feature>& Package::features() const { return impl_->features; }
 const std::vector<std::string>& Package::output_names() const { return impl_->output_names; }
 
-std::shared_ptr<const Package> Package::open(const std::string& path, const Options& options) {
+namespace {
+
+// A directory hstu-export publish writes (ROOT/1, ROOT/2, ..., ROOT/current -> N, no manifest of its own):
+// the path of its current version. Any other path as it is.
+std::string published_current(const std::string& path) {
+  const fs::path root(path);
+  std::error_code ec;
+  if (fs::exists(root / kManifest, ec) || !fs::is_symlink(root / "current", ec)) return path;
+  const std::string target = fs::read_symlink(root / "current", ec).string();
+  const bool number = !ec && !target.empty() && target[0] != '0' &&
+                      std::all_of(target.begin(), target.end(), [](unsigned char c) { return std::isdigit(c); });
+  if (!number || !fs::is_directory(root / target, ec)) {
+    throw PackageError(path + "/current points at '" + target + "', not at a published version; point it again "
+                       "with `hstu-export publish --to " + path + " --switch N`");
+  }
+  return (root / target).string();
+}
+
+}  // namespace
+
+std::shared_ptr<const Package> Package::open(const std::string& given, const Options& options) {
+  const std::string path = published_current(given);
   auto impl = std::make_unique<Impl>();
   impl->root = path;
   impl->concurrency = std::max<size_t>(options.concurrency, 1);

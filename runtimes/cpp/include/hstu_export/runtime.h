@@ -86,6 +86,7 @@ struct PhaseTimes {
 
 class Package {
  public:
+  // ``path``: a package, or a directory hstu-export publish writes (its current version is opened).
   static std::shared_ptr<const Package> open(const std::string& path, const Options& options = {});
   ~Package();
   Package(const Package&) = delete;
