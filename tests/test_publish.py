@@ -75,6 +75,17 @@ def test_refusals_leave_nothing_behind(packages, tmp_path) -> None:  # type: ign
         publish(root / "1", root)
     with pytest.raises(ConfigError, match="no version 9"):
         switch(root, 9)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match="is a file"):
+        publish(first, tmp_path / "a-file")
+    (root / "7").symlink_to(first)  # a version that is a link is not one of ours
+    assert versions(root) == [1]
+    (root / "current").unlink()
+    (root / "current").symlink_to("7")
+    with pytest.raises(PackageError, match="not at a published version"):
+        hstu_export.load(root)
+    (root / "7").unlink()
+    switch(root, 1)
     with pytest.raises(ConfigError, match="keep"):
         publish(first, root, keep=0)
     assert versions(root) == [1] and current_version(root) == 1 and not list(root.glob(".staging-*"))

@@ -56,7 +56,7 @@ def versions(root: Path) -> list[int]:
     """The published versions under ``root``, oldest first."""
     if not root.is_dir():
         return []
-    return sorted(int(p.name) for p in root.iterdir() if _VERSION.match(p.name) and p.is_dir())
+    return sorted(int(p.name) for p in root.iterdir() if _VERSION.match(p.name) and p.is_dir() and not p.is_symlink())
 
 
 def current_version(root: Path) -> int | None:
@@ -65,7 +65,7 @@ def current_version(root: Path) -> int | None:
     if not link.is_symlink():
         return None
     target = os.readlink(link)
-    if not _VERSION.match(target) or not (root / target).is_dir():
+    if not _VERSION.match(target) or (root / target).is_symlink() or not (root / target).is_dir():
         raise PackageError(f"{link} points at {target!r}, not at a published version of {root}; "
                            f"point it again with `hstu-export publish --to {root} --switch N`")
     return int(target)
@@ -89,6 +89,8 @@ def publish(package: str | Path, root: str | Path, *, keep: int = 3) -> Publishe
         raise PackageError(f"{source} is not a package (no manifest.json); export one with `hstu-export MODEL`")
     if is_package(root):
         raise ConfigError(f"{root} is a package; --to names the directory that holds published versions")
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{root} is a file; --to names the directory that holds published versions")
     if root.resolve() == source.resolve() or root.resolve() in source.resolve().parents:
         raise ConfigError(f"{source} is inside {root}: publish from a package outside the published versions")
     if (root / CURRENT).exists() and not (root / CURRENT).is_symlink():

@@ -579,7 +579,7 @@ std::string published_current(const std::string& path) {
   const std::string target = fs::read_symlink(root / "current", ec).string();
   const bool number = !ec && !target.empty() && target[0] != '0' &&
                       std::all_of(target.begin(), target.end(), [](unsigned char c) { return std::isdigit(c); });
-  if (!number || !fs::is_directory(root / target, ec)) {
+  if (!number || fs::is_symlink(root / target, ec) || !fs::is_directory(root / target, ec)) {
     throw PackageError(path + "/current points at '" + target + "', not at a published version; point it again "
                        "with `hstu-export publish --to " + path + " --switch N`");
   }
