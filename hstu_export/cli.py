@@ -559,7 +559,7 @@ def run(package: str, batch_path: str, output: str | None, output_dir: str | Non
 
 @cli.command()
 @click.argument("package", type=click.Path(file_okay=False), required=False)
-@click.option("--to", "root", type=click.Path(file_okay=False), required=True,
+@click.option("--to", "root", type=click.Path(file_okay=False), required=True, metavar="ROOT",
               help="The directory of published versions: ROOT/1, ROOT/2, ... and ROOT/current (created if missing).")
 @click.option("--keep", type=click.IntRange(min=1), default=3, show_default=True,
               help="Versions kept; older ones are removed (never the current one).")
@@ -569,7 +569,7 @@ def run(package: str, batch_path: str, output: str | None, output_dir: str | Non
 def publish(package: str | None, root: str, keep: int, switch_to: int | None, verbose: bool) -> None:
     """Publish PACKAGE as the next version under ROOT and make it current, atomically: a server following
     ROOT/current (hstu_export.load(ROOT), PublishedPredictor) switches between requests. Files unchanged
-    since the version before (tables) are hard-linked, not copied.
+    since the version before (same path and checksum) are hard-linked, not copied.
 
     \b
       hstu-export publish model.aoti --to /srv/ranker
