@@ -47,12 +47,13 @@ def test_publish_switches_links_and_prunes(packages, tmp_path) -> None:  # type:
     three = publish(second, root, keep=2)
     assert (three.version, three.removed, versions(root), current_version(root)) == (3, [1], [2, 3], 3)
     assert (root / CURRENT).is_symlink() and not list(root.glob(".staging-*"))
+    old, new = _answer(first, request), _answer(second, request)
     for name, value in _answer(root, request).items():  # load(ROOT) loads the current version
-        assert torch.equal(value, _answer(second, request)[name])
+        assert torch.equal(value, new[name])
     assert switch(root, 2) == root / "2"
     for name, value in _answer(root, request).items():
-        assert torch.equal(value, _answer(first, request)[name])
-        assert not torch.equal(value, _answer(second, request)[name])
+        assert torch.equal(value, old[name])
+        assert not torch.equal(value, new[name])
 
 
 def test_refusals_leave_nothing_behind(packages, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -91,7 +91,7 @@ def publish(package: str | Path, root: str | Path, *, keep: int = 3) -> Publishe
         raise ConfigError(f"{root} is a package; --to names the directory that holds published versions")
     if root.exists() and not root.is_dir():
         raise ConfigError(f"{root} is a file; --to names the directory that holds published versions")
-    if root.resolve() == source.resolve() or root.resolve() in source.resolve().parents:
+    if source.resolve().is_relative_to(root.resolve()):
         raise ConfigError(f"{source} is inside {root}: publish from a package outside the published versions")
     if (root / CURRENT).exists() and not (root / CURRENT).is_symlink():
         raise ConfigError(f"{root / CURRENT} is not a link hstu-export publish wrote; move it away or publish elsewhere")

@@ -183,8 +183,8 @@ class ReplicaSet:
     call (default and ceiling: the package's maximum batch size). ``max_queue_delay_ms``: how long a worker
     holding fewer users than that waits for more before it calls. ``host_outputs``: answers are moved to the
     host (as a server sends them), else left on the replica's device. ``workers``: threads per replica (see
-    the module's text); more than one pays where a call's host work (checks, concatenation, launches, the
-    copy back) is a large share of its time, as on a GPU."""
+    the module's text); more than one can help while the interpreter has time to spare (docs/SERVING.md
+    gives the measurements)."""
 
     def __init__(self, path: str | Path, devices: Sequence[str | torch.device], *,
                  kv_cache_bytes: int | str | None = None, max_time_drift: int = 0,
