@@ -6,9 +6,10 @@ rate whose p99 latency stays within the bound.
 
 The package: the zoo's dlrmv3 preset (5 layers, D=512, 4 heads of 128), exported here with --kv-cache on
 AOTInductor, bf16, max batch --max-batch (or --package PKG). Served through
-``hstu_export.serving.replicas.ReplicaSet``: one replica per GPU, each with --workers threads that run
-whatever queries wait (up to the batch) in one call; with the cache, a user always reaches the GPU caching it.
-Not through a Triton server: the GPU machine has none installed (docs/SERVING.md).
+``hstu_export.serving.replicas.ReplicaSet``: --serve threads (one replica per GPU in this process) or
+processes:N (N replica processes per GPU), each replica with --workers threads that run whatever queries wait
+(up to the batch) in one call; with the cache, a user always reaches the replica caching it. Not through a
+Triton server: the GPU machine has none installed (docs/SERVING.md).
 
 Queries: one user each, 2048 candidates, a history drawn as the DLRMv3 reference's synthetic streaming data
 builds one (generative-recommenders, dlrm_v3/streaming_synthetic_data.py): the base timestamp's segment plus
@@ -21,7 +22,7 @@ queries are users seen for the first time (misses by construction). The cache re
 time buckets hold for --max-time-drift seconds (CachedRanker's max_time_drift). The cached path runs without
 CUDA graphs unless --kv-graphs says otherwise (docs/PERF.md, serving under load, says why).
 
-Per configuration (cache x GPUs x --workers per GPU): a closed-loop saturation estimate, then open-loop
+Per configuration (cache x GPUs x --serve x --workers): a closed-loop saturation estimate, then open-loop
 windows of --seconds at
 rising shares of it; reported per rate: achieved queries/s, p50/p99 latency (from the scheduled arrival to
 the answer on the host, queueing included), the workers' busy share and the GPUs' utilisation (NVML, when
@@ -298,18 +299,30 @@ def profile_workers(replicas: ReplicaSet, out: Path) -> Any:
     return write
 
 
-def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str], cached: bool, workers: int,
-          out: dict[str, Any], save: Any) -> None:
+def serve_mode(text: str) -> tuple[str, int]:
+    """``threads``, ``processes`` or either with ``:N`` replicas per GPU."""
+    mode, _, count = text.partition(":")
+    if mode not in ("threads", "processes") or not (count or "1").isdigit() or int(count or 1) < 1:
+        raise argparse.ArgumentTypeError(f"--serve takes threads[:N] or processes[:N], got {text!r}")
+    return mode, int(count or 1)
+
+
+def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str], cached: bool,
+          serve: tuple[str, int], workers: int, out: dict[str, Any], save: Any) -> None:
     """Fills ``out`` with the configuration's results, calling ``save`` after each window."""
     work = Workload(args, cfg)
     gpus = [torch.device(d).index or 0 for d in devices] if devices[0].startswith("cuda") else []
-    out.update({"devices": devices, "cache": cached, "workers": workers,
+    mode, per_device = serve
+    out.update({"devices": devices, "cache": cached, "serve": f"{mode}:{per_device}", "workers": workers,
                 "kv_graphs": args.kv_graphs if cached else None, "rates": []})
     kv_bytes = args.kv_budget if cached else None
     graphs = {"auto": None, "on": True, "off": False}[args.kv_graphs]
-    with ReplicaSet(package, devices, kv_cache_bytes=kv_bytes, max_batch_users=args.max_batch,
-                    max_queue_delay_ms=args.queue_delay_ms, max_time_drift=args.max_time_drift,
-                    kv_cuda_graphs=graphs, workers=workers) as replicas:
+    t = time.perf_counter()
+    with ReplicaSet(package, [d for d in devices for _ in range(per_device)], kv_cache_bytes=kv_bytes,
+                    max_batch_users=args.max_batch, max_queue_delay_ms=args.queue_delay_ms,
+                    max_time_drift=args.max_time_drift, kv_cuda_graphs=graphs, workers=workers,
+                    processes=mode == "processes") as replicas:
+        out["start_seconds"] = round(time.perf_counter() - t, 2)
         pool: list | None = None
         if cached:  # every pool user seen once: the cache filled before anything is timed
             pool = [work.new_user() for _ in range(args.users)]
@@ -317,7 +330,7 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
             saturation(replicas, [(work.request(u), u.uid) for u in pool], cached)
             out["prefill_seconds"] = round(time.perf_counter() - t, 2)
         saturation(replicas, work.queries(4 * args.max_batch * len(devices), pool), cached)  # warm-up
-        write_profiles = profile_workers(replicas, args.out) if args.profile else None
+        write_profiles = profile_workers(replicas, args.out) if args.profile and mode == "threads" else None
         out["saturation_qps"] = sat = round(saturation(replicas, work.queries(args.saturation_queries * len(devices),
                                                                                pool), cached), 1)
         passed = None
@@ -328,13 +341,14 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
             row["share_of_saturation"] = share
             out["rates"].append(row)
             save()
-            print(json.dumps({"devices": len(devices), "cache": cached, "workers": workers, **row}), flush=True)
+            print(json.dumps({"devices": len(devices), "cache": cached, "serve": out["serve"], "workers": workers,
+                              **row}), flush=True)
             if row["p99_ms"] <= P99_BOUND_MS and not row["failed"]:
                 passed = row
             elif passed is not None:
                 break
         if write_profiles is not None:
-            write_profiles(f"{len(devices)}gpu_cache_{'on' if cached else 'off'}_{workers}workers")
+            write_profiles(f"{len(devices)}gpu_cache_{'on' if cached else 'off'}_{mode}{per_device}_{workers}workers")
         out["best"] = passed
         out["best_qps_per_device"] = round(passed["achieved_qps"] / len(devices), 1) if passed else None
         out["replicas"] = replicas.stats()
@@ -363,8 +377,11 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="export into this folder (its m.aoti: --package of later runs)")
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="GPU counts to serve on")
     parser.add_argument("--cache", nargs="+", choices=["off", "on"], default=["off", "on"])
+    parser.add_argument("--serve", type=serve_mode, nargs="+", default=[("threads", 1)],
+                        help="where the replicas run, each tried: threads[:N] (N replicas a GPU in this process) or "
+                             "processes[:N] (N replica processes a GPU)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1],
-                        help="worker threads per GPU to try (ReplicaSet's workers)")
+                        help="worker threads per replica to try (ReplicaSet's workers)")
     parser.add_argument("--max-batch", type=int, default=32, help="users per call (the export's max batch)")
     parser.add_argument("--queue-delay-ms", type=float, default=2.0, help="a worker's wait for a fuller batch")
     parser.add_argument("--mean-history", type=float, default=1024)
@@ -382,7 +399,7 @@ def main() -> None:
                         help="CUDA graphs of the cached path (auto: the package's default, on for CUDA)")
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--host-threads", type=int, help="torch.set_num_threads for the host's tensor work")
-    parser.add_argument("--profile", action="store_true", help="cProfile the replicas' workers")
+    parser.add_argument("--profile", action="store_true", help="cProfile the first replica's workers (threads only)")
     parser.add_argument("--export-only", action="store_true", help="export (into --keep) and stop")
     parser.add_argument("--small", action="store_true", help="tiny model and workload on CPU: checks the script")
     args = parser.parse_args()
@@ -418,7 +435,7 @@ def main() -> None:
         save()
         if args.export_only:
             return
-    for cache, count, workers in itertools.product(args.cache, args.gpus, args.workers):
+    for cache, count, serve, workers in itertools.product(args.cache, args.gpus, args.serve, args.workers):
         devices = [f"cuda:{i}" for i in range(count)] if device == "cuda" else ["cpu"] * count
         if device == "cuda" and count > torch.cuda.device_count():
             report["runs"].append({"devices": devices, "skipped": "not that many GPUs here"})
@@ -426,14 +443,15 @@ def main() -> None:
         run: dict[str, Any] = {}
         report["runs"].append(run)
         try:
-            sweep(args, package, cfg, devices, cache == "on", workers, run, save)
+            sweep(args, package, cfg, devices, cache == "on", serve, workers, run, save)
         except Exception as exc:  # recorded; the other configurations still run
-            run.update({"devices": devices, "cache": cache, "workers": workers,
+            run.update({"devices": devices, "cache": cache, "serve": ":".join(map(str, serve)), "workers": workers,
                         "error": f"{type(exc).__name__}: {exc}",
                         "traceback": traceback.format_exc()[-3000:]})
         save()
         torch.cuda.empty_cache() if device == "cuda" else None
-    print(json.dumps([{k: r.get(k) for k in ("devices", "cache", "workers", "saturation_qps", "best_qps_per_device")}
+    print(json.dumps([{k: r.get(k) for k in ("devices", "cache", "serve", "workers", "saturation_qps",
+                                             "best_qps_per_device")}
                       for r in report["runs"]]), file=sys.stderr)
 
 

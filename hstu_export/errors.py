@@ -66,3 +66,9 @@ class PackageError(HstuExportError):
 
 class RequestError(HstuExportError):
     """A request does not match the package's input schema."""
+
+
+class ServingError(HstuExportError):
+    """Serving itself failed: a replica's process ended, or did not start."""
+
+    exit_code = 1

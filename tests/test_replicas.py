@@ -1,16 +1,24 @@
-"""One package served by several replicas (hstu_export/serving/replicas.py): answers, batching, routing of a
-user to the replica holding its KV cache, a bad request failing alone, and clear refusals."""
+"""One package served by several replicas (hstu_export/serving/replicas.py), in this process or each in its
+own (processes.py): answers, batching, routing of a user to the replica holding its KV cache, a bad request
+failing alone, a replica process that dies, and clear refusals."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from kv_requests import CONFIGS, Users
 
 import hstu_export
-from hstu_export.errors import ConfigError, HstuExportError, RequestError
+from hstu_export.errors import ConfigError, HstuExportError, PackageError, RequestError, ServingError
+from hstu_export.serving.processes import decode_tensors, encode_tensors
 from hstu_export.serving.replicas import ReplicaSet, replica_of
 
 pytestmark = pytest.mark.slow
@@ -22,10 +30,11 @@ def _requests(schema, count: int) -> list[dict[str, torch.Tensor]]:  # type: ign
     return [hstu_export.generate_batch(schema, 1 + i % 2, seed=100 + i) for i in range(count)]
 
 
-def test_replicas_answer_as_the_package_and_batch(tiny_serving_package) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_replicas_answer_as_the_package_and_batch(tiny_serving_package, processes) -> None:  # type: ignore[no-untyped-def]
     predictor = hstu_export.load(tiny_serving_package)
     requests = _requests(predictor.input_schema, 12)
-    with ReplicaSet(tiny_serving_package, ["cpu", "cpu"], max_queue_delay_ms=300) as replicas:
+    with ReplicaSet(tiny_serving_package, ["cpu", "cpu"], max_queue_delay_ms=300, processes=processes) as replicas:
         futures = [replicas.submit(r) for r in requests]
         answers = [f.result(timeout=60) for f in futures]
         stats = replicas.stats()
@@ -39,15 +48,18 @@ def test_replicas_answer_as_the_package_and_batch(tiny_serving_package) -> None:
     assert all(s["requests"] > 0 for s in stats), stats  # the least loaded replica takes the next request
     assert sum(s["calls"] for s in stats) < 12, stats  # requests waiting together run in one call
     assert all(s["users"] <= s["calls"] * predictor.max_batch_size for s in stats)
+    if processes:  # each replica ran in a process of its own
+        assert len({s["process"] for s in stats} | {os.getpid()}) == 3, stats
 
 
-def test_a_bad_request_fails_alone(tiny_serving_package) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_a_bad_request_fails_alone(tiny_serving_package, processes) -> None:  # type: ignore[no-untyped-def]
     predictor = hstu_export.load(tiny_serving_package)
     good = _requests(predictor.input_schema, 4)
     beyond = dict(good[0])
     beyond["candidate_item_ids"] = beyond["candidate_item_ids"] + 10**9
     missing = {k: v for k, v in good[1].items() if k != "query_time"}
-    with ReplicaSet(tiny_serving_package, ["cpu"], max_queue_delay_ms=300) as replicas:
+    with ReplicaSet(tiny_serving_package, ["cpu"], max_queue_delay_ms=300, processes=processes) as replicas:
         futures = [replicas.submit(r) for r in (good[0], beyond, good[1], missing, good[2], good[3])]
         with pytest.raises(RequestError, match="candidate_item_ids"):
             futures[1].result(timeout=60)
@@ -88,12 +100,13 @@ def test_workers_of_a_replica_run_calls_side_by_side(tiny_serving_package) -> No
         ReplicaSet(tiny_serving_package, ["cpu"], workers=0)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize(("workers", "processes"), [(1, False), (2, False), (1, True)],
+                         ids=["1-worker", "2-workers", "processes"])
 @pytest.mark.parametrize("kv_package", ["no-context"], indirect=True)
-def test_a_user_returns_to_the_replica_that_caches_it(kv_package, workers) -> None:  # type: ignore[no-untyped-def]
+def test_a_user_returns_to_the_replica_that_caches_it(kv_package, workers, processes) -> None:  # type: ignore[no-untyped-def]
     """Six users, three rounds each with a grown history, on two replicas with their own caches: every
     return is a hit, which it could not be on the other replica's cache (with two workers a replica serves
-    two calls at once from its one cache)."""
+    two calls at once from its one cache; as processes, the caches are in two processes)."""
     name, root, _ = kv_package
     predictor = hstu_export.load(root)
     users = Users(CONFIGS[name], seed=3)
@@ -102,7 +115,7 @@ def test_a_user_returns_to_the_replica_that_caches_it(kv_package, workers) -> No
         users.grow(str(user), 5 + user % 4)
     assert {replica_of(u, 2) for u in ids} == {0, 1}
     with ReplicaSet(root, ["cpu", "cpu"], kv_cache_bytes=4 << 20, max_queue_delay_ms=100,
-                    max_batch_users=2, workers=workers) as replicas:
+                    max_batch_users=2, workers=workers, processes=processes) as replicas:
         for _ in range(3):
             requests = [users.request([str(u)], [3]) for u in ids]
             futures = [replicas.submit(r, [u]) for r, u in zip(requests, ids)]
@@ -175,3 +188,74 @@ def test_refusals_are_clear(tiny_serving_package, tmp_path) -> None:  # type: ig
     with ReplicaSet(tiny_serving_package, ["cpu"]) as replicas:
         with pytest.raises(RequestError, match="dict of named tensors"):
             replicas.submit([1, 2]).result(timeout=10)
+
+
+def test_tensors_travel_to_a_replica_process_unchanged() -> None:
+    """Every dtype a request or an answer can hold (bf16 has no numpy twin), with 0-d, empty and strided
+    tensors, arrives bit for bit, in dtype and shape."""
+    sent = {"ids": torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),  # not contiguous
+            "scores": torch.randn(5, dtype=torch.bfloat16), "half": torch.randn(2, 3, dtype=torch.float16),
+            "flags": torch.tensor([True, False]), "count": torch.tensor(7, dtype=torch.int32),
+            "none": torch.empty(0, 4), "small": torch.tensor([-3], dtype=torch.int8)}
+    import pickle
+
+    got = decode_tensors(pickle.loads(pickle.dumps(encode_tensors(sent), protocol=5)))
+    assert list(got) == list(sent)
+    for name, value in sent.items():
+        assert got[name].dtype == value.dtype and got[name].shape == value.shape, name
+        assert torch.equal(got[name], value), name
+    with pytest.raises(RequestError, match=r"request\['ids'\] is a list, not a tensor"):
+        encode_tensors({"ids": [1, 2]})
+
+
+def test_a_replica_process_that_dies_fails_its_requests_and_the_others_serve(tiny_serving_package) -> None:  # type: ignore[no-untyped-def]
+    """A replica process killed while it holds requests: they fail with a ServingError that says so, later
+    requests go to the replica that still serves, and stats and close still work."""
+    predictor = hstu_export.load(tiny_serving_package)
+    requests = _requests(predictor.input_schema, 6)
+    with ReplicaSet(tiny_serving_package, ["cpu", "cpu"], processes=True, max_queue_delay_ms=5000,
+                    max_batch_users=4) as replicas:
+        doomed, other = replicas.replicas
+        held = replicas.submit(requests[0])  # a queue delay of 5 s: it waits in the process for more users
+        assert held in [f for f, _ in doomed._pending.values()]
+        os.kill(doomed.pid, signal.SIGKILL)
+        with pytest.raises(ServingError, match="replica process for cpu ended"):
+            held.result(timeout=60)
+        assert not doomed.serving and other.serving
+        for request in requests[1:]:  # each waits out the other replica's queue delay: one at a time is enough
+            answer = replicas.submit(request).result(timeout=60)
+            for name, value in predictor(request).items():
+                torch.testing.assert_close(answer[name], value, **CLOSE)
+        stats = replicas.stats()
+        assert "ended" in stats[0] and stats[1]["requests"] == 5, stats
+
+
+def test_a_replica_process_that_cannot_start_raises_the_error_it_met(tiny_serving_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(PackageError) as threads:
+        ReplicaSet(tmp_path / "missing", ["cpu"])
+    with pytest.raises(PackageError) as processes:
+        ReplicaSet(tmp_path / "missing", ["cpu"], processes=True)
+    assert str(processes.value) == str(threads.value)
+    with pytest.raises(HstuExportError, match="export it with --kv-cache"):
+        ReplicaSet(tiny_serving_package, ["cpu", "cpu"], kv_cache_bytes="1MiB", processes=True)
+
+
+def test_a_script_without_a_main_guard_serves_through_processes(tiny_serving_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The replica processes are fresh interpreters: the caller's script, written without
+    ``if __name__ == "__main__"``, is not run again in them (as multiprocessing's spawn would)."""
+    script = tmp_path / "serve.py"
+    script.write_text(textwrap.dedent(f"""
+        import hstu_export
+        from hstu_export.serving.replicas import ReplicaSet
+        print("script ran", flush=True)
+        request = hstu_export.generate_batch(hstu_export.load({str(tiny_serving_package)!r}).input_schema, 2, seed=3)
+        with ReplicaSet({str(tiny_serving_package)!r}, ["cpu"], processes=True) as replicas:
+            print(sorted(replicas(request)), flush=True)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(hstu_export.__file__).parents[1])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines.count("script ran") == 1, done.stdout
+    predictor = hstu_export.load(tiny_serving_package)
+    assert lines[-1] == str(sorted(predictor(hstu_export.generate_batch(predictor.input_schema, 2, seed=3)))), done.stdout
