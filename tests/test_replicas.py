@@ -196,10 +196,15 @@ def test_tensors_travel_to_a_replica_process_unchanged() -> None:
     sent = {"ids": torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),  # not contiguous
             "scores": torch.randn(5, dtype=torch.bfloat16), "half": torch.randn(2, 3, dtype=torch.float16),
             "flags": torch.tensor([True, False]), "count": torch.tensor(7, dtype=torch.int32),
-            "none": torch.empty(0, 4), "small": torch.tensor([-3], dtype=torch.int8)}
+            "none": torch.empty(0, 4), "small": torch.tensor([-3], dtype=torch.int8),
+            "one": torch.tensor(2.5, dtype=torch.bfloat16), "no_rows": torch.empty(0, 3, dtype=torch.bfloat16),
+            "strided": torch.randn(4, 6, dtype=torch.bfloat16)[:, ::2]}
     import pickle
+    import warnings
 
-    got = decode_tensors(pickle.loads(pickle.dumps(encode_tensors(sent), protocol=5)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns on arrays it cannot write to: they must arrive writable
+        got = decode_tensors(pickle.loads(pickle.dumps(encode_tensors(sent), protocol=5)))
     assert list(got) == list(sent)
     for name, value in sent.items():
         assert got[name].dtype == value.dtype and got[name].shape == value.shape, name
