@@ -42,6 +42,10 @@ __all__ = ["ProcessReplica", "decode_tensors", "encode_tensors"]
 
 _START_SECONDS = 600.0  # a package compiled for the first time on a device can take minutes to load
 _STOP_SECONDS = 60.0
+# A replica process's feeding thread blocks on the socket, then needs the interpreter lock to take the next
+# request in, while a worker holds it preparing a call: at Python's default switch interval (5 ms) it waits
+# up to that long for each request, and the workers starve for requests.
+_SWITCH_SECONDS = 0.0005
 
 Encoded = list[tuple[str, Any]]
 
@@ -242,6 +246,7 @@ def serve(fd: int) -> None:
     try:
         path, device, options, threads = pickle.loads(conn.recv_bytes())
         torch.set_num_threads(threads)
+        sys.setswitchinterval(_SWITCH_SECONDS)
         replica = Replica(path, torch.device(device), **options)
     except BaseException as exc:  # any failure to start is reported to the parent
         reply("failed", 0, _portable(exc))
