@@ -18,15 +18,17 @@ with a ``ServingError`` that says so, and so does every later request routed to 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
+import queue
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -46,6 +48,7 @@ _STOP_SECONDS = 60.0
 # request in, while a worker holds it preparing a call: at Python's default switch interval (5 ms) it waits
 # up to that long for each request, and the workers starve for requests.
 _SWITCH_SECONDS = 0.0005
+_CLOSE = object()
 
 Encoded = list[tuple[str, Any]]
 
@@ -88,6 +91,42 @@ def _portable(exc: BaseException) -> BaseException:
         return ServingError(f"{type(exc).__name__}: {exc}")
 
 
+class _Outbox:
+    """Messages to the other process, sent by a thread of their own: whatever was queued while the last
+    send ran goes as one list. Fewer sends, and the reading side takes many messages in per turn of its
+    interpreter lock, which a worker busy in Python hands over only every switch interval."""
+
+    def __init__(self, conn: Connection, name: str, failed: Callable[[list[Any]], None]) -> None:
+        self._conn, self._failed = conn, failed
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, message: tuple[str, int, Any]) -> None:
+        self._queue.put(message)
+
+    def close(self, timeout: float) -> None:
+        """Sends what is queued, then ends the sending thread."""
+        self._queue.put(_CLOSE)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    batch.append(self._queue.get_nowait())
+            closing = any(message is _CLOSE for message in batch)
+            batch = [message for message in batch if message is not _CLOSE]
+            if batch:
+                try:
+                    self._conn.send_bytes(pickle.dumps(batch, protocol=5))
+                except OSError:  # the other process is gone
+                    self._failed(batch)
+            if closing:
+                return
+
+
 class ProcessReplica:
     """The package at ``path`` served on ``device`` by a Replica in a spawned process; ``options`` are
     Replica's keyword arguments. The constructor starts the process; :meth:`wait_ready` waits until it
@@ -103,7 +142,7 @@ class ProcessReplica:
         theirs.close()
         self._conn = Connection(ours.detach())
         self._conn.send_bytes(pickle.dumps((str(path), str(device), options, torch.get_num_threads())))
-        self._send = threading.Lock()
+        self._outbox: _Outbox | None = None
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Future, int]] = {}
         self._ids = itertools.count(1)
@@ -134,6 +173,7 @@ class ProcessReplica:
         if kind == "failed":
             raise body
         self.schema = body["schema"]
+        self._outbox = _Outbox(self._conn, f"replica-{self.device}-requests", self._unsent)
         self._reader = threading.Thread(target=self._read, name=f"replica-{self.device}-answers", daemon=True)
         self._reader.start()
 
@@ -150,8 +190,7 @@ class ProcessReplica:
             ident = next(self._ids)
             self._pending[ident] = (item.future, item.users)
             self.waiting_users += item.users
-        body = {"request": encoded, "users": item.users, "user_ids": item.user_ids}
-        self._post(pickle.dumps(("request", ident, body), protocol=5), ident)
+        self._outbox.put(("request", ident, {"request": encoded, "users": item.users, "user_ids": item.user_ids}))
 
     def stats(self, timeout: float = 30.0) -> dict[str, Any]:
         future: Future = Future()
@@ -160,7 +199,7 @@ class ProcessReplica:
                 return {"device": str(self.device), "process": self.pid, "ended": self._ended}
             ident = next(self._ids)
             self._pending[ident] = (future, 0)
-        self._post(pickle.dumps(("stats", ident, None)), ident)
+        self._outbox.put(("stats", ident, None))
         try:
             return {**future.result(timeout=timeout), "process": self.pid}
         except ServingError as exc:
@@ -169,11 +208,9 @@ class ProcessReplica:
     def stop(self) -> None:
         """Serves what was sent, then ends the process (killed if it has not ended within a minute)."""
         if self._process.poll() is None:
-            try:
-                with self._send:
-                    self._conn.send_bytes(pickle.dumps(("stop", 0, None)))
-            except OSError:
-                pass
+            if self._outbox is not None:
+                self._outbox.put(("stop", 0, None))
+                self._outbox.close(_STOP_SECONDS)
             try:
                 self._process.wait(_STOP_SECONDS)
             except subprocess.TimeoutExpired:
@@ -184,34 +221,34 @@ class ProcessReplica:
         self._end(f"the replica process for {self.device} was stopped")
         self._conn.close()
 
-    def _post(self, message: bytes, ident: int) -> None:
-        try:
-            with self._send:
-                self._conn.send_bytes(message)
-        except OSError:  # the process ended: the reader fails what it held; this one fails here
-            with self._lock:
-                entry = self._pending.pop(ident, None)
-            if entry is not None:
-                entry[0].set_exception(ServingError(self._ended or f"the replica process for {self.device} ended"))
+    def _unsent(self, messages: list[Any]) -> None:
+        """Messages the process was gone for: their requests fail here (the reader fails what it held)."""
+        reason = self._ended or f"the replica process for {self.device} ended"
+        with self._lock:
+            entries = [self._pending.pop(ident, None) for _, ident, _ in messages]
+        for entry in entries:
+            if entry is not None and not entry[0].done():
+                entry[0].set_exception(ServingError(reason))
 
     def _read(self) -> None:
         while True:
             try:
-                kind, ident, body = pickle.loads(self._conn.recv_bytes())
+                messages = pickle.loads(self._conn.recv_bytes())
             except (EOFError, OSError):
                 break
-            with self._lock:
-                entry = self._pending.pop(ident, None)
-                if entry is None:  # failed already (the replica was being stopped)
-                    continue
-                future, users = entry
-                self.waiting_users -= users
-            if kind == "answer":
-                future.set_result(decode_tensors(body))
-            elif kind == "error":
-                future.set_exception(body)
-            else:  # stats
-                future.set_result(body)
+            for kind, ident, body in messages:
+                with self._lock:
+                    entry = self._pending.pop(ident, None)
+                    if entry is None:  # failed already (the replica was being stopped)
+                        continue
+                    future, users = entry
+                    self.waiting_users -= users
+                if kind == "answer":
+                    future.set_result(decode_tensors(body))
+                elif kind == "error":
+                    future.set_exception(body)
+                else:  # stats
+                    future.set_result(body)
         try:
             code: int | None = self._process.wait(5.0)
         except subprocess.TimeoutExpired:
@@ -233,50 +270,46 @@ def serve(fd: int) -> None:
     """The replica process: reads the package, device and Replica options from the connection on ``fd``,
     loads the package, then serves requests from it until told to stop or the parent goes away."""
     conn = Connection(fd)
-    send = threading.Lock()
-
-    def reply(kind: str, ident: int, body: Any) -> None:
-        data = pickle.dumps((kind, ident, body), protocol=5)
-        with send:
-            try:
-                conn.send_bytes(data)
-            except OSError:  # the parent is gone; the loop below ends on its side of the pipe
-                pass
-
     try:
         path, device, options, threads = pickle.loads(conn.recv_bytes())
         torch.set_num_threads(threads)
         sys.setswitchinterval(_SWITCH_SECONDS)
         replica = Replica(path, torch.device(device), **options)
     except BaseException as exc:  # any failure to start is reported to the parent
-        reply("failed", 0, _portable(exc))
+        with contextlib.suppress(OSError):
+            conn.send_bytes(pickle.dumps(("failed", 0, _portable(exc))))
         return
-    reply("ready", 0, {"schema": replica.schema, "pid": os.getpid()})
+    conn.send_bytes(pickle.dumps(("ready", 0, {"schema": replica.schema, "pid": os.getpid()})))
+    outbox = _Outbox(conn, "answers", lambda messages: None)  # unsent: the parent is gone
 
     def answer(ident: int, future: Future) -> None:
         error = future.exception()
         if error is not None:
-            reply("error", ident, _portable(error))
+            outbox.put(("error", ident, _portable(error)))
             return
         try:
             encoded = encode_tensors(future.result())
         except Exception as exc:  # an output that cannot travel fails its request, not the process
-            reply("error", ident, _portable(exc))
+            outbox.put(("error", ident, _portable(exc)))
             return
-        reply("answer", ident, encoded)
+        outbox.put(("answer", ident, encoded))
 
-    while True:
+    running = True
+    while running:
         try:
-            kind, ident, body = pickle.loads(conn.recv_bytes())
+            messages = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             break
-        if kind == "stop":
-            break
-        if kind == "stats":
-            reply("stats", ident, replica.stats())
-            continue
-        item = Item(decode_tensors(body["request"]), body["users"], body["user_ids"])
-        item.future.add_done_callback(lambda future, ident=ident: answer(ident, future))
-        replica.put(item)
+        for kind, ident, body in messages:
+            if kind == "stop":
+                running = False
+                break
+            if kind == "stats":
+                outbox.put(("stats", ident, replica.stats()))
+                continue
+            item = Item(decode_tensors(body["request"]), body["users"], body["user_ids"])
+            item.future.add_done_callback(lambda future, ident=ident: answer(ident, future))
+            replica.put(item)
     replica.stop()  # answers what was queued before the stop
+    outbox.close(_STOP_SECONDS)
     conn.close()
