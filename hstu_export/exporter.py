@@ -10,6 +10,7 @@ import contextlib
 import copy
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,6 +217,7 @@ class Captured:
     summary: dict[str, Any]  # opaque calls and leaf modules, for the manifest and the report
     quantized_tables: list[dict[str, Any]] = field(default_factory=list)  # quantize_embeddings' records
     output_plan: Any = None  # OutputPlan: the package's outputs, taken from the model's
+    batch_dependent: str | None = None  # why a user's answer depends on the other users of a call (map_ops)
 
 
 def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, timings: dict[str, float] | None = None,
@@ -281,7 +283,8 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
         result = _moved(result, settings.torch_device, settings.torch_dtype)
         example = _to_device(example, settings.torch_device)
     summary = {"opaque_calls": gm.meta.get("opaque_calls", []), "leaf_modules": gm.meta.get("leaf_modules", [])}
-    return Captured(result, schema, ranges, example, reference, summary, ctx.quantized_tables, plan)
+    return Captured(result, schema, ranges, example, reference, summary, ctx.quantized_tables, plan,
+                    ctx.batch_dependent)
 
 
 def _output_plan(model: nn.Module, reference: Callable[[dict[str, Tensor]], dict[str, Tensor]],
@@ -457,6 +460,11 @@ def export(
         }
         if kv_section is not None:
             manifest["kv_cache"] = kv_section
+        dependent = captured.batch_dependent
+        if dependent is not None:
+            manifest["batch_dependent"] = dependent
+            warnings.warn(f"{dependent}: it is served one request per call (exported with --attention-scale fixed:N, "
+                          f"requests could share calls)", BatchDependentWarning, stacklevel=2)
         if settings.quantization.requested:
             manifest["embedding_quantization"] = {"mode": settings.quantization.mode,
                                                   "tables": captured.quantized_tables}
@@ -570,8 +578,6 @@ def _settle_ranges(root: Path, manifest: dict[str, Any], schema: InputSchema, ra
     """The package's program on every corner of its ranges (``hstu_export.verification.corners.settle_ranges``). A bound it
     refuses is narrowed: written into the staged manifest (input schema, ranges, ``ranges.narrowed``) and
     said in one warning line each. Returns the ranges the package serves."""
-    import warnings
-
     from hstu_export.runtimes.predictor import load
     from hstu_export.verification.corners import narrowing_note, settle_ranges
 
@@ -589,6 +595,11 @@ def _settle_ranges(root: Path, manifest: dict[str, Any], schema: InputSchema, ra
 
 class NarrowedRangeWarning(UserWarning):
     """Export narrowed a declared range the compiled program does not serve (the manifest records it)."""
+
+
+class BatchDependentWarning(UserWarning):
+    """The package's answers depend on the other users of a call (the manifest's ``batch_dependent`` says
+    why), so a server runs it one request per call."""
 
 
 def _verify(root: Path, reference: Any, schema: InputSchema, ranges: ExportRanges, settings: ExportSettings,

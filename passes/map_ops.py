@@ -116,15 +116,19 @@ class MapOps:
         tracer = torch.fx.proxy.GraphAppendingTracer(gm.graph)
         proxied = map_aggregate(arguments, lambda a: torch.fx.Proxy(a, tracer) if isinstance(a, torch.fx.Node) else a)
         before = set(gm.graph.nodes)
+        call = MappingCall(key, proxied, ctx.attention_scale)
         with gm.graph.inserting_before(node):
             try:
-                result = mapping.rewrite(MappingCall(key, proxied, ctx.attention_scale))
+                result = mapping.rewrite(call)
             except Unmappable as exc:
                 for new in reversed([n for n in gm.graph.nodes if n not in before]):
                     gm.graph.erase_node(new)
                 return str(exc)
             except Exception as exc:
                 raise UnmappedOpsError(f"mapping {key} failed while tracing its rewrite: {type(exc).__name__}: {exc}") from exc
+        if call.batch_scaled and ctx.batch_dependent is None:
+            ctx.batch_dependent = (f"attention {key} divides by the longest sequence of the batch it is called on, so "
+                                   "a user's answer depends on the other users of its call")
         _tag_new_nodes(gm, before, node, key)
         _replace_uses(node, result)
         gm.graph.erase_node(node)

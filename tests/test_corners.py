@@ -242,3 +242,50 @@ def test_a_compiled_guard_is_narrowed_at_export_and_named_by_both_runtimes(gr_bu
     assert verified.parity["passed"]
     with pytest.raises(RequestError, match="below the minimum 2"):
         hstu_export.load(verified.path)(one)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fixed", "processes"), [(False, False), (False, True), (True, False)],
+                         ids=["batch-scaled-threads", "batch-scaled-processes", "fixed-scale-threads"])
+def test_gr_style_requests_sent_together_answer_as_alone(gr_bundle: Path, tmp_path_factory, fixed, processes) -> None:  # type: ignore[no-untyped-def]
+    """The model's corner requests, 1 to 4 users, sent at once to two replicas: each answer is the package's
+    answer to that request alone. The model's attention divides by the batch's longest sequence, so combined
+    into one call they would score otherwise (by 1e-3 here; by far more between a short and a long history):
+    the export records it and says so, and the package is served one request per call. The same model
+    dividing by a fixed length has its requests share calls."""
+    from hstu_export.exporter import BatchDependentWarning
+    from hstu_export.serving.batching import BatchingPredictor
+    from hstu_export.serving.replicas import ReplicaSet
+
+    work = tmp_path_factory.mktemp("gr_replicas")
+    bundle = gr_bundle
+    if fixed:
+        bundle = hstu_export.save_bundle(
+            gr_style.build_cacheable_ranker(), work / "model.pt", example_inputs=gr_style.example_inputs([5, 3], [2, 1]),
+            factory="user_models.gr_style:build_cacheable_ranker", ranges=gr_style.RANGES)
+    settings = ExportSettings(backend="torchscript", max_batch_size=4, verify=VerifySettings(num_random_batches=1),
+                              op_mappings={gr_style.ATTENTION: gr_style.GR_ATTENTION})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        path = hstu_export.export(bundle, work / "pkg", settings).path
+    said = [str(w.message) for w in seen if issubclass(w.category, BatchDependentWarning)]
+    predictor = hstu_export.load(path)
+    batcher = BatchingPredictor(predictor)
+    if not fixed:
+        assert "divides by the longest sequence" in predictor.manifest["batch_dependent"]
+        assert len(said) == 1 and "served one request per call" in said[0], said
+        assert not batcher.batches_requests
+    else:
+        assert "batch_dependent" not in predictor.manifest and not said
+        assert batcher.batches_requests
+    model = hstu_export.load_bundle(bundle).model
+    requests = [flatten_example(predictor.input_schema, gr_style.example_inputs(h, c, seed=i), None, model)
+                for i, (h, c) in enumerate(CORNERS * 2)]
+    with ReplicaSet(path, ["cpu", "cpu"], max_queue_delay_ms=200, processes=processes) as replicas:
+        futures = [replicas.submit(r) for r in requests]
+        answers = [f.result(timeout=120) for f in futures]
+    for request, answer in zip(requests, answers):
+        expected = predictor(request)
+        assert sorted(answer) == sorted(expected)
+        for name in expected:
+            torch.testing.assert_close(answer[name], expected[name], rtol=1e-5, atol=1e-5)

@@ -679,4 +679,5 @@ _OPTIONAL_TOP: dict[str, Callable[[Any, str], Any]] = {
     "timings": lambda v, n: _mapping(v, n, _number),
     "op_library_files": _object,
     "embedding_quantization": _object,
+    "batch_dependent": _string,  # why a user's answer depends on the other users of its call
 }

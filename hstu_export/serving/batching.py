@@ -6,7 +6,8 @@ one valid request of their summed batch size. An output whose first dim counts u
 lengths feature's values (``<lengths>.total``, say one score per candidate), possibly times a fixed
 factor, splits back per request by those counts; the manifest's ``artifacts`` says which it is
 (docs/PACKAGE.md). An output of any other first dim (static, or ``batch+1``) cannot be split, and such a
-package is served one request per call.
+package is served one request per call; so is a package whose answers depend on the batch (the manifest's
+``batch_dependent``: a user's answer would change with the users it is combined with).
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ class OutputRows:
 
 
 def output_rows(manifest: Manifest) -> dict[str, OutputRows] | None:
-    """Per output, how it splits per request; None when one cannot (the package is then served one
-    request per call)."""
+    """Per output, how it splits per request; None when one cannot, or when a user's answer depends on the
+    other users of its call (``batch_dependent``): the package is then served one request per call."""
     final = manifest.artifacts.get("dense") or manifest.artifacts.get("model")
-    if final is None:
+    if final is None or manifest.raw.get("batch_dependent"):
         return None
     lengths = {f.name for f in manifest.input_schema.features if f.kind == "lengths"}
     out: dict[str, OutputRows] = {}

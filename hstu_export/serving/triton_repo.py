@@ -148,6 +148,7 @@ def _readme(name: str, manifest: Manifest, batching: bool, kv_cache: str | None)
                          for f in manifest.input_schema.features)
     how = ("Requests Triton's batcher groups run in as few package calls as its maximum batch size "
            f"({manifest.ranges.max_batch_size} users) allows." if batching else
+           f"Each request runs alone: {manifest.raw['batch_dependent']}." if manifest.raw.get("batch_dependent") else
            "This package's outputs cannot be split per request, so each request runs alone.")
     if kv_cache is not None:
         how += (f" Served through a KV cache of {kv_cache} per instance: each request holds one user, named by "

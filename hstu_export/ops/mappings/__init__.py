@@ -78,6 +78,7 @@ class MappingCall:
     name: str
     arguments: dict[str, Any]
     attention_scale: str = "batch"
+    batch_scaled: bool = False  # set by scaling(): the divisor is computed from the batch
 
     def __getitem__(self, key: str) -> Any:
         return self.arguments[key]
@@ -116,6 +117,8 @@ class MappingCall:
         ``--attention-scale fixed:N``."""
         if self.attention_scale.startswith("fixed:"):
             return int(self.attention_scale.partition(":")[2])
+        if not isinstance(runtime, int):
+            self.batch_scaled = True
         return runtime
 
 
