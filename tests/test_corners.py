@@ -289,3 +289,26 @@ def test_gr_style_requests_sent_together_answer_as_alone(gr_bundle: Path, tmp_pa
         assert sorted(answer) == sorted(expected)
         for name in expected:
             torch.testing.assert_close(answer[name], expected[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_published_version_whose_answers_depend_on_the_batch_is_not_switched_to(gr_bundle: Path, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A server batching version 1's requests cannot go on batching version 2's: the switch is refused."""
+    from hstu_export.package.publish import publish
+    from hstu_export.serving.published import PublishedPredictor
+
+    settings = ExportSettings(backend="torchscript", max_batch_size=4, verify=VerifySettings(num_random_batches=1),
+                              op_mappings={gr_style.ATTENTION: gr_style.GR_ATTENTION})
+    fixed = hstu_export.save_bundle(
+        gr_style.build_cacheable_ranker(), tmp_path / "model.pt", example_inputs=gr_style.example_inputs([5, 3], [2, 1]),
+        factory="user_models.gr_style:build_cacheable_ranker", ranges=gr_style.RANGES)
+    first = hstu_export.export(fixed, tmp_path / "v1", settings).path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        second = hstu_export.export(gr_bundle, tmp_path / "v2", settings).path
+    root = tmp_path / "ranker"
+    publish(first, root)
+    served = PublishedPredictor(root, check_seconds=0.0)
+    publish(second, root)
+    assert served.refresh() == 1
+    assert "batching (batch_dependent) differ" in served.last_error, served.last_error

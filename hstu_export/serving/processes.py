@@ -1,19 +1,19 @@
 """A replica in a process of its own (``ReplicaSet(..., processes=True)``).
 
-Threads of one process share one Python interpreter, and with it one lock: measured on the dlrmv3 workload,
-a replica's workers spend most of their time in Python (checking, combining and splitting requests,
-launching the compiled program), so a second GPU served from the same process adds far less than a second
-GPU's worth (docs/SERVING.md gives the figures). A process per replica gives each its own interpreter.
+Threads of one process share one Python interpreter, and with it one lock; a process per replica gives each
+its own. The process is a fresh interpreter (``sys.executable``, this process's ``sys.path``; not a fork, in
+which CUDA cannot be used, and not multiprocessing's spawn, which would run the caller's main module again).
+It loads the package itself and serves it with a :class:`~hstu_export.serving.replica.Replica` (its
+workers, its batching, its KV cache), with as many torch CPU threads as the process that made it uses.
 
-The process is a fresh interpreter (``sys.executable``, this process's ``sys.path``; not a fork, in which
-CUDA cannot be used, and not multiprocessing's spawn, which would run the caller's main module again). It
-loads the package itself and serves it with a :class:`~hstu_export.serving.replica.Replica`: its workers, its batching, its KV cache,
-with as many torch CPU threads as the process that made it uses (``torch.set_num_threads`` before).
-The process that submits only routes: it sends each request's tensors down a pipe as raw bytes and a
-thread per replica reads the answers back into the requests' futures. An error raised in the replica
-(a refused request, a failed call) reaches the request's future as the same exception type; one that
-cannot travel arrives as a ``ServingError`` naming it. If the process ends, every request it holds fails
-with a ``ServingError`` that says so, and so does every later request routed to it.
+The process that submits only routes. Requests and answers cross a socket pair as numpy arrays (bf16 as raw
+bytes), each way through a sending thread that sends whatever queued as one message, so ``submit`` never
+waits for the replica process; a thread per replica reads the answers back into the requests' futures. An
+error raised in the replica (a refused request, a failed call) reaches the request's future as the same
+exception type; one that cannot travel arrives as a ``ServingError`` naming it. If the process ends, every
+request it holds fails with a ``ServingError`` that says so, and so does every later request routed to it.
+
+Measured (docs/SERVING.md): on CPU replicas two processes served twice what two threads did; on GPUs fewer.
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ __all__ = ["ProcessReplica", "decode_tensors", "encode_tensors"]
 
 _START_SECONDS = 600.0  # a package compiled for the first time on a device can take minutes to load
 _STOP_SECONDS = 60.0
-# A replica process's feeding thread blocks on the socket, then needs the interpreter lock to take the next
-# request in, while a worker holds it preparing a call: at Python's default switch interval (5 ms) it waits
-# up to that long for each request, and the workers starve for requests.
+# A replica process's reading thread needs the interpreter lock to take requests in while a worker holds it
+# preparing a call: at Python's default switch interval (5 ms) it could wait that long each time.
 _SWITCH_SECONDS = 0.0005
 _CLOSE = object()
 

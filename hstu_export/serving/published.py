@@ -6,7 +6,8 @@
 A call looks at ``current`` at most every ``check_seconds``. A new version is loaded in a background thread
 while the one served goes on answering, then swapped in: every call runs wholly on one version, and none is
 refused or held back by the switch. A version is switched to only if it takes the same requests and gives
-the same outputs (input schema, maximum batch size, output names) as the one served, so that batching and
+the same outputs (input schema, maximum batch size, output names, whether requests may share a call:
+the manifest's ``batch_dependent``) as the one served, so that batching and
 clients built on the first keep working; one that fails to load or differs is not served, ``last_error``
 says why, and it is not tried again until ``current`` names another version.
 
@@ -106,7 +107,8 @@ class PublishedPredictor:
             served = self._served[1]
             differs = [what for what, a, b in (("input schema", predictor.input_schema, served.input_schema),
                                                ("maximum batch size", predictor.max_batch_size, served.max_batch_size),
-                                               ("output names", predictor.output_names, served.output_names))
+                                               ("output names", predictor.output_names, served.output_names),
+                                               ("batching (batch_dependent)", _batches(predictor), _batches(served)))
                        if a != b]
             if differs:
                 raise PackageError(f"version {version} of {self.root} is not served: its {' and '.join(differs)} "
@@ -119,3 +121,8 @@ class PublishedPredictor:
             self._served = (version, predictor)
             self._loading, self._given_up, self.last_error = None, None, None
             self.switches += 1
+
+
+def _batches(predictor: Any) -> bool:
+    """Whether requests may share a call (no ``batch_dependent`` in the manifest)."""
+    return not predictor.package_manifest.raw.get("batch_dependent")

@@ -6,8 +6,8 @@ when asked, its own KV cache (replica.py says how a replica works).
         answer = replicas.submit(request, user_ids=[17]).result()
 
 Where the replicas run: in this process (threads), or with ``processes=True`` each in a process of its own
-(processes.py), so that no two replicas share one Python interpreter and its lock. A device named twice gets
-two replicas, which, as processes, fill the gaps in each other's use of the GPU.
+(processes.py), so that no two replicas share one Python interpreter and its lock (docs/SERVING.md says what
+each measured). A device named twice gets two replicas: as processes, two processes sharing that device.
 
 Routing: with a KV cache a request goes to the replica its first user belongs to (a stable function of
 the id), so a returning user reaches the cache that holds its rows; a request of several users is cached
@@ -43,6 +43,7 @@ def replica_of(user: Hashable, count: int) -> int:
     if isinstance(user, int):
         return user % count
     return zlib.crc32(repr(user).encode()) % count
+
 
 class ReplicaSet:
     """The package at ``path`` served on each of ``devices`` (``"cuda:0"``, ``"cpu"``, ...; a device named
