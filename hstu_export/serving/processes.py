@@ -127,7 +127,7 @@ class _Outbox:
 
 
 class ProcessReplica:
-    """The package at ``path`` served on ``device`` by a Replica in a spawned process; ``options`` are
+    """The package at ``path`` served on ``device`` by a Replica in a process of its own; ``options`` are
     Replica's keyword arguments. The constructor starts the process; :meth:`wait_ready` waits until it
     serves (or raises the error that stopped it)."""
 
@@ -205,11 +205,14 @@ class ProcessReplica:
             return {"device": str(self.device), "process": self.pid, "ended": str(exc)}
 
     def stop(self) -> None:
-        """Serves what was sent, then ends the process (killed if it has not ended within a minute)."""
+        """Serves what was sent, then ends the process (killed if it has not ended within a minute, or at once
+        if it never became ready: another replica failed to start)."""
+        if self._process.poll() is None and self._outbox is None:  # still starting: nothing of it to serve
+            self._process.kill()
+            self._process.wait()
         if self._process.poll() is None:
-            if self._outbox is not None:
-                self._outbox.put(("stop", 0, None))
-                self._outbox.close(_STOP_SECONDS)
+            self._outbox.put(("stop", 0, None))
+            self._outbox.close(_STOP_SECONDS)
             try:
                 self._process.wait(_STOP_SECONDS)
             except subprocess.TimeoutExpired:
