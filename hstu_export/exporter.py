@@ -218,6 +218,7 @@ class Captured:
     quantized_tables: list[dict[str, Any]] = field(default_factory=list)  # quantize_embeddings' records
     output_plan: Any = None  # OutputPlan: the package's outputs, taken from the model's
     batch_dependent: str | None = None  # why a user's answer depends on the other users of a call (map_ops)
+    sparse_lowering: list[dict[str, Any]] = field(default_factory=list)  # lower_embeddings' records
 
 
 def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, timings: dict[str, float] | None = None,
@@ -284,7 +285,7 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
         example = _to_device(example, settings.torch_device)
     summary = {"opaque_calls": gm.meta.get("opaque_calls", []), "leaf_modules": gm.meta.get("leaf_modules", [])}
     return Captured(result, schema, ranges, example, reference, summary, ctx.quantized_tables, plan,
-                    ctx.batch_dependent)
+                    ctx.batch_dependent, ctx.sparse_lowering)
 
 
 def _output_plan(model: nn.Module, reference: Callable[[dict[str, Tensor]], dict[str, Tensor]],
@@ -460,6 +461,8 @@ def export(
         }
         if kv_section is not None:
             manifest["kv_cache"] = kv_section
+        if captured.sparse_lowering:
+            manifest["sparse_lowering"] = captured.sparse_lowering
         dependent = captured.batch_dependent
         if dependent is not None:
             manifest["batch_dependent"] = dependent

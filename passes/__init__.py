@@ -46,8 +46,10 @@ PASSES: tuple[PassSpec, ...] = (
     # Reduced-precision exports: a layer's floating inputs take its parameters' dtype, as autocast would.
     PassSpec("follow_parameter_dtypes", "follow_parameter_dtypes:FollowParameterDtypes"),
     PassSpec("eliminate_dead_code", "eliminate_dead_code:EliminateDeadCode"),
-    # Last: the quantized tables call fbgemm lookups no pass above should rewrite (a no-op unless asked).
+    # After the rewrites: the quantized tables call fbgemm lookups no pass above should rewrite (a no-op unless asked).
     PassSpec("quantize_embeddings", "quantize_embeddings:QuantizeEmbeddings"),
+    # torchrec lookups on per-key request tensors as plain gathers; quantized collections are kept as they are.
+    PassSpec("lower_embeddings", "lower_embeddings:LowerEmbeddings"),
 )
 
 

@@ -52,6 +52,8 @@ class PassContext:
     current_graph: str = ""  # submodule path of the graph a pass is running on ("" = top)
     stats: dict[str, Any] = field(default_factory=dict)  # the running pass's statistics
     quantized_tables: list[dict[str, Any]] = field(default_factory=list)  # set by quantize_embeddings
+    # Set by lower_embeddings: each embedding collection of the sparse half, lowered or kept with the reason.
+    sparse_lowering: list[dict[str, Any]] = field(default_factory=list)
     batch_dependent: str | None = None  # set by map_ops: why a user's answer depends on the batch's other users
 
     def __post_init__(self) -> None:

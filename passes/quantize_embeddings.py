@@ -4,8 +4,8 @@ EmbeddingBagCollection the sparse graph calls becomes torchrec's quantized infer
 int8/int4 with fp16 scale and bias, or fp16), traced and scripted (the only way torchrec's quantized
 modules compile to TorchScript), so it sits in the graph as a scripted submodule.
 
-It runs last (``recursive = False``): what the passes before it do to the graph (operator mapping,
-dead-code elimination) is done by then, and a scripted lookup is no graph they could rewrite anyway. It changes the numbers
+It runs after the rewrites (``recursive = False``): what the passes before it do to the graph (operator
+mapping, dead-code elimination) is done by then, lower_embeddings after it keeps a quantized collection, and a scripted lookup is no graph they could rewrite anyway. It changes the numbers
 on purpose (``approximate``): with ``--check-each-pass`` its error is recorded, not held to the exact
 tolerance. ``ctx.quantized_tables`` gets one record per table (mode, fp32 bytes, stored bytes).
 """

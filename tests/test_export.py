@@ -297,7 +297,7 @@ def test_stock_loaders_refuse_requests_beyond_the_exported_ranges(packages, back
 
 def test_range_checks_read_the_device_once(packages):
     """The artifacts' range checks take every feature's extremes in one read: no per-feature item() (on a GPU
-    each is a wait for the device and a host round trip), one aminmax per checked feature."""
+    each is a wait for the device and a host round trip), one aminmax per checked feature and one stack."""
     from torch.profiler import ProfilerActivity, profile
 
     result = packages["torchscript"]
@@ -315,6 +315,8 @@ def test_range_checks_read_the_device_once(packages):
     checks = {p["name"]: p for p in manifest["passes"]}["guard_ranges"]["stats"]["sparse_checks"]
     assert checks >= 5 and counts.get("aten::aminmax") == checks, counts
     assert counts.get("aten::item", 0) == 0 and counts.get("aten::_local_scalar_dense", 0) == 0, counts
+    # One stack of every extreme a graph (the sparse half's features, the dense half's own), not one a feature.
+    assert counts.get("aten::stack") == 2, counts
 
 
 def test_failed_parity_writes_nothing(bundle, tmp_path):

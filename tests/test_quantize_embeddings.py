@@ -270,6 +270,10 @@ def test_check_each_pass_records_the_quantization_error(tiny_bundle: Path) -> No
     assert all(r.max_rel_error <= 1e-5 for r in captured.result.report if r.name != "quantize_embeddings")
     assert {t["name"]: t["mode"] for t in captured.quantized_tables} == dict.fromkeys(
         ["item", "action", "ctx_user_id", "ctx_user_age"], "int4")
+    # The quantized collection stays torchrec's module; lower_embeddings says so.
+    [record] = captured.sparse_lowering
+    assert record["module"] == "sparse_arch.embedding_collection" and record["lowered"] is False
+    assert record["reason"].startswith("its tables are quantized")
 
 
 # ---- packages --------------------------------------------------------------------------------------

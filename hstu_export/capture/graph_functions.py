@@ -157,19 +157,21 @@ def check_ranges(values: list[Tensor], lows: list[int], highs: list[int], rows: 
     if torch.jit.is_scripting():
         for i in range(len(values)):
             assert values[i].size(0) <= rows[i], names[i] + " has more rows than the package was exported for"
-        pairs: list[Tensor] = []
+        # One kernel a feature and one stack of every extreme: ``.long()`` of an int64 extreme is no kernel.
+        extremes: list[Tensor] = []
         checked: list[int] = []
         for i in range(len(values)):
             if values[i].numel() > 0:
                 lowest, highest = torch.aminmax(values[i])
-                pairs.append(torch.stack([lowest.long(), highest.long()]).to(values[0].device))
+                extremes.append(lowest.long().to(values[0].device))
+                extremes.append(highest.long().to(values[0].device))
                 checked.append(i)
-        if len(pairs) > 0:
-            found: list[list[int]] = torch.stack(pairs).tolist()
+        if len(extremes) > 0:
+            found: list[int] = torch.stack(extremes).tolist()
             for j in range(len(checked)):
                 i = checked[j]
-                assert found[j][0] >= lows[i], names[i] + " has a value below the exported range"
-                assert found[j][1] <= highs[i], names[i] + " has a value beyond the exported range"
+                assert found[2 * j] >= lows[i], names[i] + " has a value below the exported range"
+                assert found[2 * j + 1] <= highs[i], names[i] + " has a value beyond the exported range"
     else:
         _check_ranges_eager(values, lows, highs, rows, names)
     return values

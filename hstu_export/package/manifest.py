@@ -680,4 +680,5 @@ _OPTIONAL_TOP: dict[str, Callable[[Any, str], Any]] = {
     "op_library_files": _object,
     "embedding_quantization": _object,
     "batch_dependent": _string,  # why a user's answer depends on the other users of its call
+    "sparse_lowering": _array,  # each embedding collection of the sparse half: lowered to gathers, or kept and why
 }
