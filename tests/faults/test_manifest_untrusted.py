@@ -132,7 +132,7 @@ def test_fresh_package_loads_and_its_manifest_checksum_is_sha256sum_format(packa
     typed = predictor.package_manifest
     assert isinstance(typed, Manifest)
     assert typed.backend.files == {"model": MODEL_FILE} and set(typed.files) == {MODEL_FILE}
-    assert typed.op_libraries == ("fbgemm_gpu",) and typed.output_names == ("ctr", "cvr")
+    assert typed.op_libraries == () and typed.output_names == ("ctr", "cvr")  # the lookups call no fbgemm op
     digest = hashlib.sha256((package / "manifest.json").read_bytes()).hexdigest()
     assert (package / "manifest.sha256").read_text() == f"{digest}  manifest.json\n"
     if shutil.which("sha256sum"):  # checkable without Python
@@ -251,7 +251,7 @@ FIELDS = [
     ("sparse_output_names",), ("dense_input_names",), ("dense_passthrough_inputs",), ("output_names",),
     ("output_names", 0), ("files",), ("files", MODEL_FILE), ("parity",), ("parity", "tolerances"),
     ("parity", "tolerances", "rel_l2"), ("parity", "passed"), ("created",), ("timings",), ("passes",),
-    ("capture",), ("settings",), ("artifacts",), ("artifacts", "model"), ("artifacts", "model", "file"),
+    ("capture",), ("settings",), ("sparse_lowering",), ("artifacts",), ("artifacts", "model"), ("artifacts", "model", "file"),
     ("artifacts", "model", "format"), ("artifacts", "model", "inputs"), ("artifacts", "model", "inputs", 0),
     ("artifacts", "model", "inputs", 0, "name"), ("artifacts", "model", "inputs", 0, "shape"),
     ("artifacts", "model", "inputs", 0, "feature"), ("artifacts", "model", "outputs"), ("op_library_files",),
@@ -273,6 +273,8 @@ def wrong_type(value: Any) -> Any:
 @pytest.mark.parametrize("path", FIELDS, ids=label)
 def test_field_of_the_wrong_type_is_refused_naming_it(pkg, path):
     manifest = read(pkg)
+    if path == ("op_libraries", 0):
+        manifest["op_libraries"] = ["fbgemm_gpu"]  # the package needs none: one to spoil
     obj = manifest
     for key in path[:-1]:
         obj = obj[key]
