@@ -260,7 +260,8 @@ FIELDS = [
 # a different list, tested by value below).
 OPTIONAL = {("model", "bundle"), (*FEATURE0, "max_value"), (*FEATURE0, "trailing"), (*FEATURE0, "same_as"),
             ("parity", "tolerances"), ("parity", "passed"), ("created",), ("timings",), ("passes",),
-            ("capture",), ("settings",), ("artifacts", "model", "inputs", 0, "feature"), ("op_library_files",)}
+            ("capture",), ("settings",), ("sparse_lowering",), ("artifacts", "model", "inputs", 0, "feature"),
+            ("op_library_files",)}
 REQUIRED = [f for f in FIELDS if f not in OPTIONAL and not isinstance(f[-1], int)]
 # Where removing a field is reported under another name.
 REMOVED_AS = {("files", MODEL_FILE): "backend.files.model"}
