@@ -180,12 +180,10 @@ def _rewrite(graph: torch.fx.Graph, call: torch.fx.Node, module: nn.Module, kind
             lookups[name] = graph.call_method("float", (rows,))
     kt: torch.fx.Node | None = None
     for use, name, what in uses:
-        if what == "values" and kind == "ec":
+        if what in ("values", "pooled"):  # jt.values(), kt[name]: the feature's gather itself
             use.replace_all_uses_with(lookups[name])
         elif what == "lengths":
             use.replace_all_uses_with(kjt.lengths[kjt.keys.index(_feature_of(tables, name))])
-        elif what in ("values", "pooled"):
-            use.replace_all_uses_with(lookups[name])
         elif what == "all":  # kt.values(): every pooled feature, in the KeyedTensor's key order
             with graph.inserting_before(use):
                 cat = graph.call_function(torch.cat, ([lookups[n] for _, n, _ in tables],), {"dim": 1})
