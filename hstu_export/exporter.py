@@ -451,7 +451,8 @@ def export(
             "output_names": inputs.output_names,
             "outputs": outputs,
             "artifacts": describe_artifacts(backend.name, artifacts.files, inputs, feature_dims(schema, ranges),
-                                            {f.graph_name: f.name for f in schema.features}, output_shapes),
+                                            {f.graph_name: f.name for f in schema.features}, output_shapes,
+                                            artifacts.formats),
             "op_library_files": op_library_files(artifacts.op_libraries),
             "boundary": result.boundary.to_json(),
             "passes": result.report.to_json(),
@@ -765,7 +766,9 @@ def _compile_inputs(result: Any, example: dict[str, Tensor], schema: InputSchema
     graph_names = set(schema.graph_names)
     boundary_names = [n for n in dense_names if n not in graph_names]
     with torch.no_grad():
-        sparse_out = as_output_dict(result.sparse(**{n: example[n] for n in sparse_names}), boundary_names)
+        # In the manifest's order of sparse_output_names: a compiled sparse half returns them in this order.
+        returned = as_output_dict(result.sparse(**{n: example[n] for n in sparse_names}), boundary_names)
+        sparse_out = {n: returned[n] for n in boundary_names}
         # Standalone contiguous copies: a view (a KeyedTensor's slice) would make torch.export guard on
         # its base tensor, which the program never gets.
         dense_example = {n: (sparse_out[n] if n in sparse_out else example[n]).clone(memory_format=torch.contiguous_format)

@@ -20,14 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch.fx
 
-from hstu_export.capture.graph_functions import check_ranges
+from hstu_export.capture.graph_functions import NO_LIMIT, check_ranges
 from hstu_export.passes.boundary import DENSE, SPARSE
 
 if TYPE_CHECKING:
     from hstu_export.passes.context import PassContext
-
-NO_LIMIT = 2**62
-
 
 class GuardRanges:
     name = "guard_ranges"

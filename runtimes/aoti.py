@@ -1,23 +1,35 @@
 """AOTInductor backend (the default): torch.export of the dense graph with named dynamic dims, compiled
-by ``aoti_compile_and_package`` into one ``.pt2`` (CPU or CUDA). The sparse graph is TorchScript."""
+by ``aoti_compile_and_package`` into one ``.pt2`` (CPU or CUDA).
+
+The sparse graph is compiled the same way into its own ``.pt2`` when it is plain tensor code: every
+torchrec lookup lowered to gathers (passes/lower_embeddings.py), its range checks read from the device
+once. A sparse graph that still calls torchrec (a lookup the pass kept, a KeyedJaggedTensor or KeyedTensor it
+builds), or that torch.export refuses, is stored as TorchScript instead, and the backend's manifest meta
+says why (``sparse_program``)."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
+import re
+import shutil
 import threading
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.fx import GraphModule
 
 from hstu_export.errors import ExportError, PackageError
 from hstu_export.package.manifest import BackendFields, backend_fields
 from hstu_export.runtimes.base import (
+    RANGE_CHECK_MESSAGES,
     Backend,
     BackendArtifacts,
     CompileInputs,
+    Features,
     Runner,
     SplitRunner,
     torch_dynamic_shapes,
@@ -25,6 +37,7 @@ from hstu_export.runtimes.base import (
 from hstu_export.runtimes.graph_io import (
     BUILTIN_NAMESPACES,
     OP_LIBRARY_MODULES,
+    as_output_dict,
     data_dependent_advice,
     export_ready,
     plain_first_line,
@@ -33,6 +46,9 @@ from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
 from hstu_export.runtimes.unbacked_ranges import unbacked_ranges_hold_at_one
 
 DENSE_FILE = "dense/dense.pt2"
+SPARSE_PROGRAM_FILE = "sparse/sparse.pt2"
+# The helpers whose results are torchrec objects: a sparse graph that calls them is not plain tensor code.
+_TORCHREC_BUILDERS = ("build_kjt", "build_weighted_kjt", "build_jt", "build_weighted_jt", "build_kt")
 
 
 def export_dense(inputs: CompileInputs) -> torch.export.ExportedProgram:
@@ -53,38 +69,175 @@ def export_dense(inputs: CompileInputs) -> torch.export.ExportedProgram:
                           f"{data_dependent_advice(exc)}") from exc
 
 
+def torchrec_in_graph(gm: GraphModule) -> str | None:
+    """Why ``gm`` is not plain tensor code (the torchrec module or object it uses), or None."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            if type(module).__module__.startswith("torchrec"):
+                return f"it calls torchrec's {type(module).__name__} ({node.target})"
+        elif node.op == "call_function" and getattr(node.target, "__name__", "") in _TORCHREC_BUILDERS:
+            return f"it builds a torchrec object ({node.target.__name__})"
+    return None
+
+
+def _outputs_in_order(gm: GraphModule, names: list[str]) -> GraphModule:
+    """``gm`` (sharing its parameters) returning its dict output in the order of ``names``."""
+    graph = copy.deepcopy(gm.graph)
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    value = output.args[0]
+    if not isinstance(value, dict) or set(value) != set(names):
+        raise ExportError(f"the sparse graph returns {list(value) if isinstance(value, dict) else type(value).__name__}, "
+                          f"expected a dict of {names}")
+    output.args = ({n: value[n] for n in names},)
+    ordered = GraphModule(gm, graph, class_name=type(gm).__name__)
+    ordered.meta.update(gm.meta)
+    return ordered
+
+
+def export_sparse(inputs: CompileInputs) -> torch.export.ExportedProgram:
+    """torch.export of the sparse graph, returning the boundary tensors in the artifact's output order (the
+    manifest's ``artifacts.sparse.outputs``)."""
+    from hstu_export.capture.opaque import export_builtins
+
+    names = inputs.sparse_input_names
+    graph = export_ready(_outputs_in_order(inputs.sparse, list(inputs.example_sparse_outputs)))
+    dynamic = torch_dynamic_shapes(names, inputs.sparse_dynamic_dims)
+    with torch.no_grad(), export_builtins(set(inputs.user_packages)), unbacked_ranges_hold_at_one():
+        return torch.export.export(graph, args=(), kwargs={n: inputs.example_features[n] for n in names},
+                                   dynamic_shapes=dynamic, strict=False)
+
+
+def compiled_range_checks(program: torch.export.ExportedProgram, sparse: GraphModule) -> dict[str, list[str]]:
+    """What each range check compiled into the sparse program refuses, by the symbol its error names
+    (AOTInductor words a failed check "Expected u5 <= 999 but received 1000"): ``{"u5": [feature, "high"]}``,
+    the bound one of "low", "high", "rows". The runtimes read this map (backend.meta.sparse_program) to name
+    the feature; empty when the program's reads are not check_ranges' (then refusals name no feature)."""
+    from hstu_export.capture.graph_functions import check_ranges
+
+    check = next((n for n in sparse.graph.nodes if n.op == "call_function" and n.target is check_ranges), None)
+    if check is None:
+        return {}
+    names = [str(n) for n in check.args[4]]
+    out: dict[str, list[str]] = {}
+    # check_ranges copies every feature's minimum, maximum and rows to the host in one tensor, in that order, and
+    # reads those it checks: read k is bound k % 3 of feature k // 3.
+    copies = set()
+    for node in program.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.item.default:
+            continue
+        source, symbol = node.args[0], node.meta.get("val")
+        if not (isinstance(source, torch.fx.Node) and source.target is torch.ops.aten.select.int
+                and source.args[1] == 0 and isinstance(source.args[2], int) and 0 <= source.args[2] < 3 * len(names)
+                and isinstance(symbol, torch.SymInt)):
+            continue
+        copies.add(source.args[0])
+        k = source.args[2]
+        out[str(symbol)] = [names[k // 3], ("low", "high", "rows")[k % 3]]
+    return out if len(copies) == 1 else {}  # reads of one copy only, else not check_ranges' (name nothing)
+
+
+def named_range_refusal(exc: BaseException, checks: dict[str, list[str]]) -> BaseException:
+    """``exc`` from a compiled sparse program, as check_ranges' TorchScript assert words it when it is one of
+    the range checks ``checks`` names (``compiled_range_checks``); else ``exc`` itself."""
+    text = str(exc)
+    found = re.search(r"Expected (u\d+) ", text)
+    if found is None or found.group(1) not in checks:
+        return exc
+    feature, bound = checks[found.group(1)]
+    suffix = next(words for words, which in RANGE_CHECK_MESSAGES if which == bound)
+    return RuntimeError(f"AssertionError: {feature}{suffix}\n{text}")
+
+
+def _compile(program: torch.export.ExportedProgram, path: Path, options: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with unbacked_ranges_hold_at_one():
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(options))
+
+
 class AotiBackend(Backend):
     name = "aoti"
     description = "AOTInductor package (.pt2), CPU or CUDA"
 
     def compile(self, inputs: CompileInputs, out_dir: Path) -> BackendArtifacts:
-        sparse, sparse_libraries = compile_sparse(inputs, out_dir)
-        program = export_dense(inputs)
-        (out_dir / DENSE_FILE).parent.mkdir(parents=True, exist_ok=True)
         options = dict(inputs.settings.aoti_options)  # --aoti-option (a copy: the compile adds its own keys)
+        sparse_file, sparse_libraries, sparse_meta = self._compile_sparse(inputs, out_dir, options)
+        program = export_dense(inputs)
         try:
-            with unbacked_ranges_hold_at_one():
-                torch._inductor.aoti_compile_and_package(program, package_path=str(out_dir / DENSE_FILE),
-                                                         inductor_configs=dict(options))
+            _compile(program, out_dir / DENSE_FILE, options)
         except Exception as exc:
             raise ExportError(f"AOTInductor compilation failed: {plain_first_line(exc)}"
                               f"{data_dependent_advice(exc)}") from exc
         return BackendArtifacts(
-            files={"sparse": sparse, "dense": DENSE_FILE},
-            meta={"dense_exported_nodes": len(program.graph.nodes), "inductor_options": options},
+            files={"sparse": sparse_file, "dense": DENSE_FILE},
+            meta={"dense_exported_nodes": len(program.graph.nodes), "inductor_options": options,
+                  "sparse_program": sparse_meta},
             op_libraries=sorted(set(sparse_libraries) | package_op_libraries(out_dir / DENSE_FILE)),
+            formats={"sparse": sparse_meta["format"]},
         )
+
+    @staticmethod
+    def _compile_sparse(inputs: CompileInputs, out_dir: Path,
+                        options: dict[str, Any]) -> tuple[str, list[str], dict[str, Any]]:
+        """The sparse half compiled by AOTInductor, or as TorchScript with the reason it was not."""
+        reason = torchrec_in_graph(inputs.sparse)
+        if reason is None:
+            try:
+                program = export_sparse(inputs)
+                _compile(program, out_dir / SPARSE_PROGRAM_FILE, options)
+            except Exception as exc:  # a sparse graph torch.export or Inductor refuses still serves as TorchScript
+                reason = f"AOTInductor could not compile it: {plain_first_line(exc)[:300]}"
+                shutil.rmtree(out_dir / Path(SPARSE_PROGRAM_FILE).parent, ignore_errors=True)
+            else:
+                return (SPARSE_PROGRAM_FILE, sorted(package_op_libraries(out_dir / SPARSE_PROGRAM_FILE)),
+                        {"format": "aoti", "exported_nodes": len(program.graph.nodes),
+                         "range_checks": compiled_range_checks(program, inputs.sparse)})
+        sparse_file, libraries = compile_sparse(inputs, out_dir)
+        return sparse_file, libraries, {"format": "torchscript", "reason": reason}
 
     def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device) -> Runner:
         fields = backend_fields(manifest, root)
         path = fields.artifact(root, "dense")
-        sparse = load_sparse(root, fields, device)
+        if fields.backend.files.get("sparse", "").endswith(".pt2"):
+            sparse = load_sparse_program(root, fields, fields.backend.meta.get("sparse_program"))
+        else:
+            sparse = load_sparse(root, fields, device)
         try:
             dense = _load_pt2(path)
         except Exception as exc:
             raise PackageError(f"{root}: AOTInductor could not load {fields.backend.files['dense']}: "
                                f"{plain_first_line(exc)}") from exc
         return SplitRunner(sparse, dense, list(fields.dense_passthrough_inputs), list(fields.output_names))
+
+
+def load_sparse_program(root: Path, fields: BackendFields, meta: Any) -> Runner:
+    """The compiled sparse half: features -> the boundary tensors by name (its outputs are in the order of
+    ``sparse_output_names``). A refusal by one of its range checks is worded as the TorchScript sparse half
+    words it (``meta``: the manifest's backend.meta.sparse_program, whose ``range_checks`` name them)."""
+    checks = meta.get("range_checks") if isinstance(meta, dict) else None
+    bounds = [which for _, which in RANGE_CHECK_MESSAGES]
+    checks = {str(k): v for k, v in checks.items() if isinstance(v, list) and len(v) == 2
+              and isinstance(v[0], str) and v[1] in bounds} if isinstance(checks, dict) else {}
+    path = fields.artifact(root, "sparse")
+    input_names, output_names = list(fields.sparse_input_names), list(fields.sparse_output_names)
+    try:
+        program = _load_pt2(path)
+    except Exception as exc:
+        raise PackageError(f"{root}: AOTInductor could not load {fields.backend.files['sparse']}: "
+                           f"{plain_first_line(exc)}") from exc
+
+    def run(features: Features) -> Features:
+        try:
+            with torch.no_grad():
+                outputs = program(**{n: features[n] for n in input_names})
+        except RuntimeError as exc:
+            named = named_range_refusal(exc, checks)
+            if named is exc:
+                raise
+            raise named from exc
+        return as_output_dict(tuple(outputs), output_names)
+
+    return run
 
 
 def package_op_libraries(path: Path) -> set[str]:

@@ -66,9 +66,20 @@ class BackendArtifacts:
     files: dict[str, str]
     meta: dict[str, Any] = field(default_factory=dict)
     op_libraries: list[str] = field(default_factory=list)
+    # A role's artifact format where the backend chooses it per export (package/artifacts.py FORMATS otherwise).
+    formats: dict[str, str] = field(default_factory=dict)
 
 
 Runner = Callable[[Features], Outputs]
+
+# The words of the artifacts' range checks after "AssertionError: <feature>" (check_ranges' TorchScript asserts in
+# hstu_export/capture/graph_functions.py), and which limit each one means: the runtimes name the feature and the
+# limit from them, and word a compiled sparse half's refusals the same way.
+RANGE_CHECK_MESSAGES = (
+    (" has more rows than the package was exported for", "rows"),
+    (" has a value below the exported range", "low"),
+    (" has a value beyond the exported range", "high"),
+)
 
 
 @dataclass

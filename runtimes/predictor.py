@@ -27,7 +27,7 @@ from hstu_export.package.manifest import OP_LIBRARIES, Manifest, as_manifest
 from hstu_export.package.publish import current_path, is_published_root
 from hstu_export.package.schema import InputSchema
 from hstu_export.runtimes import get_backend
-from hstu_export.runtimes.base import Runner, SplitRunner
+from hstu_export.runtimes.base import RANGE_CHECK_MESSAGES, Runner, SplitRunner
 
 
 class Predictor:
@@ -189,11 +189,6 @@ class Predictor:
 
 # The messages of the range checks inside artifacts (hstu_export/capture/graph_functions.py, check_ranges, as
 # TorchScript asserts): the feature's name, then one of these. The C++ runtime reads the same (runtime.cpp).
-RANGE_CHECK_MESSAGES = (
-    (" has more rows than the package was exported for", "rows"),
-    (" has a value below the exported range", "low"),
-    (" has a value beyond the exported range", "high"),
-)
 _ASSERTION = re.compile(r"AssertionError: ([^\n]+)")
 # A guard AOTInductor compiled into a program ("Expected u14 >= 2 but received 1").
 _COMPILED_GUARD = re.compile(r"Expected .+ but received")

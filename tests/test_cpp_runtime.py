@@ -192,20 +192,20 @@ def test_bad_requests_are_refused_in_one_line(runner, packages, tmp_path, edit, 
 
 
 def _set_path(manifest: dict, value: str) -> None:
-    digest = manifest["files"].pop("sparse/sparse.ts")
+    digest = manifest["files"].pop("sparse/sparse.pt2")
     manifest["files"][value] = digest
     manifest["backend"]["files"]["sparse"] = manifest["artifacts"]["sparse"]["file"] = value
 
 
 @pytest.mark.parametrize(("tamper", "message"), [
-    (lambda p: (p / "sparse" / "sparse.ts").write_bytes((p / "sparse" / "sparse.ts").read_bytes()[:-1] + b"x"),
-     "sparse/sparse.ts does not match its checksum in the manifest"),
+    (lambda p: (p / "sparse" / "sparse.pt2").write_bytes((p / "sparse" / "sparse.pt2").read_bytes()[:-1] + b"x"),
+     "sparse/sparse.pt2 does not match its checksum in the manifest"),
     (lambda p: (p / "manifest.json").write_text((p / "manifest.json").read_text().replace('"ctr"', '"CTR"', 1)),
      "manifest.json does not match manifest.sha256"),
     (lambda p: (p / "manifest.sha256").unlink(), "manifest.sha256 is missing"),
     (lambda p: rewrite_manifest(p, lambda m: m.update(format_version=3)),
      "is package format 3; this runtime reads format 4"),
-    (lambda p: rewrite_manifest(p, lambda m: _set_path(m, "../sparse.ts")), "is not a plain relative path"),
+    (lambda p: rewrite_manifest(p, lambda m: _set_path(m, "../sparse.pt2")), "is not a plain relative path"),
     (lambda p: rewrite_manifest(p, lambda m: m.update(op_libraries=["os"])), "names the op library 'os'"),
     (lambda p: rewrite_manifest(p, lambda m: m.update(op_libraries=["hstu_export.ops"])),
      "defined in Python only; re-export with --op-target aten"),

@@ -1,5 +1,6 @@
-"""Where the sparse half's time goes on the GPU: its scripted artifact as exported, without the range checks
-(the gathers alone), and without the lowering (torchrec's KeyedJaggedTensor code).
+"""Where the sparse half's time goes on the GPU, scripted (as onnx and trt packages store it; aoti packages compile
+it, cpp_kv_cache.py times that): as exported, without the range checks (the gathers alone), and without the
+lowering (torchrec's KeyedJaggedTensor code).
 
     PYTHONPATH=$PWD python benchmarks/investigations/sparse_half.py --out FILE [--batches 1 8 32]
 

@@ -128,20 +128,44 @@ def check_no_length_beyond(flags: list[Tensor]) -> None:
         _check_none_beyond(beyond.item())
 
 
+# A bound check_ranges is given where a feature has none (passes/guard_ranges.py).
+NO_LIMIT = 2**62
+
+
 @torch.jit.unused
-def _check_range_eager(value: Tensor, low: int, high: int, rows: int, what: str) -> None:
-    torch._check(value.size(0) <= rows, lambda: f"{what} has {value.size(0)} rows, beyond the exported {rows}")
-    if value.numel() > 0:
-        lowest, highest = value.min().item(), value.max().item()
-        torch._check(lowest >= low, lambda: f"{what} has value {lowest}, below the exported minimum {low}")
-        torch._check(highest <= high, lambda: f"{what} has value {highest}, beyond the exported maximum {high}")
+def _check_at_least(found: int, low: int, what: str) -> None:
+    torch._check(found >= low, lambda: f"{what} has value {found}, below the exported minimum {low}")
+
+
+@torch.jit.unused
+def _check_at_most(found: int, high: int, what: str, kind: str) -> None:
+    torch._check(found <= high, lambda: f"{what} has {kind} {found}, beyond the exported maximum {high}")
 
 
 @torch.jit.unused
 def _check_ranges_eager(values: list[Tensor], lows: list[int], highs: list[int], rows: list[int],
                         names: list[str]) -> None:
-    for value, low, high, most, what in zip(values, lows, highs, rows, names, strict=True):
-        _check_range_eager(value, low, high, most, what)
+    # Every feature's minimum, maximum and number of rows in one copy to the host: one wait for the device in
+    # a compiled program, not three a feature; the reads after it are of host memory. The number of rows is
+    # read as data so that a compiled program checks it at run time (its input dims are not checked unless
+    # asked for). Each feature's values are read with its minimum beside them, which changes neither check
+    # and keeps an empty feature from being a case of its own.
+    read = []
+    for value, low in zip(values, lows, strict=True):
+        device = value.device
+        padded = torch.cat([value.reshape(-1).long(), torch.full((1,), low, dtype=torch.int64, device=device)])
+        lowest, highest = torch.aminmax(padded)
+        read.append(torch.stack([lowest, highest, torch.full((), value.size(0), dtype=torch.int64, device=device)]))
+    if not read:
+        return
+    found = torch.cat(read).cpu()
+    for i, (low, high, most, what) in enumerate(zip(lows, highs, rows, names, strict=True)):
+        if low > -NO_LIMIT:
+            _check_at_least(found[3 * i].item(), low, what)  # type: ignore[arg-type]
+        if high < NO_LIMIT:
+            _check_at_most(found[3 * i + 1].item(), high, what, "value")  # type: ignore[arg-type]
+        if most < NO_LIMIT:
+            _check_at_most(found[3 * i + 2].item(), most, what, "rows")  # type: ignore[arg-type]
 
 
 @has_side_effect

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from hstu_export.runtimes.base import CompileInputs, DimSpec
 
-# Artifact formats by (backend, role).
+# Artifact formats by (backend, role); a backend may choose another per export (``BackendArtifacts.formats``:
+# the aoti backend's sparse half is AOTInductor's when it is plain tensor code).
 FORMATS = {
     ("aoti", "sparse"): "torchscript", ("aoti", "dense"): "aoti",
     ("onnx", "sparse"): "torchscript", ("onnx", "dense"): "onnx",
@@ -85,12 +86,14 @@ def _matching_dim(a: int, b: int, first: dict[str, int], second: dict[str, int])
 
 def describe(backend: str, files: dict[str, str], inputs: CompileInputs,
              feature_dims: dict[str, dict[int, DimSpec]], feature_names: dict[str, str],
-             output_shapes: dict[str, list[int | str]]) -> dict[str, dict[str, Any]]:
+             output_shapes: dict[str, list[int | str]],
+             formats: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """The ``artifacts`` section: for each file of the backend, its format and ordered inputs/outputs.
     ``feature_dims``: the dynamic dims of every request feature, by graph-input name; ``feature_names``:
     the request name of each graph input that is a request feature (inputs fed from the request carry
     it as ``feature``; the others are outputs of the sparse artifact); ``output_shapes``: the outputs'
-    shapes with dims named (``name_dims``)."""
+    shapes with dims named (``name_dims``); ``formats``: the backend's choice of format for a role, where it
+    made one."""
     features = inputs.example_features
     dense_dims = inputs.dense_dynamic_dims
     outputs, sparse_outputs = inputs.example_outputs, inputs.example_sparse_outputs
@@ -104,7 +107,8 @@ def describe(backend: str, files: dict[str, str], inputs: CompileInputs,
 
     out: dict[str, dict[str, Any]] = {}
     for role, relpath in files.items():
-        entry: dict[str, Any] = {"file": relpath, "format": FORMATS.get((backend, role), "unknown")}
+        entry: dict[str, Any] = {"file": relpath,
+                                 "format": (formats or {}).get(role) or FORMATS.get((backend, role), "unknown")}
         if role == "sparse":
             entry["inputs"] = [feature_input(n, features[n], feature_dims.get(n)) for n in inputs.sparse_input_names]
             entry["outputs"] = [tensor_entry(n, sparse_outputs[n], dense_dims.get(n)) for n in sparse_outputs]

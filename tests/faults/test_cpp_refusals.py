@@ -27,6 +27,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.parametrize("kv_package", ["no-conte
 CONFIG = CONFIGS["no-context"]
 
 
+def manifest_sparse_file(root) -> str:  # type: ignore[no-untyped-def]
+    import json
+
+    return json.loads((root / "manifest.json").read_text())["backend"]["files"]["sparse"]
+
+
 def _feature(manifest: dict, name: str) -> dict:
     return next(f for f in manifest["input_schema"]["features"] if f["name"] == name)
 
@@ -58,18 +64,18 @@ def _set(name: str, value: int):  # type: ignore[no-untyped-def]
 
 CASES = {
     "history": (_longer_histories, {"a": 47, "b": 3},
-                "feature 'uih_lengths' has length 47 beyond the exported maximum 46 (refused by sparse/sparse.ts "
+                "feature 'uih_lengths' has length 47 beyond the exported maximum 46 (refused by {sparse} "
                 "itself; the manifest's maximum is 100, so the manifest does not match the package's programs: "
                 "re-export the package)"),
     "id": (lambda m: _feature(m, "uih_item_ids").update(max_value=5000), ({"a": 4, "b": 3}, _set("uih_item_ids", 1000)),
-           "feature 'uih_item_ids' has value 1000 beyond the exported maximum 999 (refused by sparse/sparse.ts itself; "
+           "feature 'uih_item_ids' has value 1000 beyond the exported maximum 999 (refused by {sparse} itself; "
            "the manifest's maximum is 5000"),
     "negative id": (lambda m: _feature(m, "candidate_item_ids").update(min_value=-5),
                     ({"a": 4, "b": 3}, _set("candidate_item_ids", -1)),
-                    "feature 'candidate_item_ids' has value -1 below the minimum 0 (refused by sparse/sparse.ts itself; "
+                    "feature 'candidate_item_ids' has value -1 below the minimum 0 (refused by {sparse} itself; "
                     "the manifest's minimum is -5"),
     "users": (_more_users, {u: 3 for u in "abcde"},
-              "feature 'uih_lengths' has 5 entries, beyond the exported maximum of 4 users (refused by sparse/sparse.ts "
+              "feature 'uih_lengths' has 5 entries, beyond the exported maximum of 4 users (refused by {sparse} "
               "itself; the manifest allows 8"),
 }
 
@@ -80,6 +86,8 @@ def test_a_request_the_programs_refuse_names_the_feature_and_the_limit(cpp_runti
                                                                         cached) -> None:  # type: ignore[no-untyped-def]
     _, root, _ = kv_package
     edit_manifest, users, message = CASES[case]
+    # The compiled sparse half (sparse/sparse.pt2) states its limits in its errors; TorchScript's are read from it.
+    message = message.format(sparse=manifest_sparse_file(root))
     users, edit_request = users if isinstance(users, tuple) else (users, None)
     package = tmp_path / "pkg"
     shutil.copytree(root, package)
@@ -122,6 +130,7 @@ def test_python_names_the_feature_as_cpp_does(kv_package, tmp_path, cached) -> N
     request = _request({"a": 47, "b": 3})
     with pytest.raises(RequestError) as info:
         predictor.kv_cache()(request, [1, 2]) if cached else predictor(request)
-    assert str(info.value) == ("feature 'uih_lengths' has length 47 beyond the range sparse/sparse.ts was exported for "
-                               "(refused by sparse/sparse.ts itself; the manifest's maximum is 100, so the manifest "
+    sparse = manifest_sparse_file(root)
+    assert str(info.value) == (f"feature 'uih_lengths' has length 47 beyond the range {sparse} was exported for "
+                               f"(refused by {sparse} itself; the manifest's maximum is 100, so the manifest "
                                "does not match the package's programs: re-export the package)")

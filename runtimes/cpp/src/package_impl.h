@@ -146,6 +146,12 @@ struct Package::Impl {
   // TorchScript modules: forward is safe to call from several threads; Module's API is not const.
   mutable torch::jit::Module model;
   mutable torch::jit::Module sparse;
+  // The sparse half when AOTInductor compiled it (artifacts.sparse.format "aoti"; `sparse` is then unset).
+  std::unique_ptr<detail::AotiProgram> sparse_program;
+  // What each of its compiled range checks refuses, by the symbol its error names ("Expected u5 <= 999 but
+  // received 1000"): the feature and "low" | "high" | "rows" (backend.meta.sparse_program.range_checks; may be
+  // empty).
+  std::map<std::string, std::pair<std::string, std::string>> sparse_checks;
   std::unique_ptr<detail::AotiProgram> dense;
   // The KV-cache section when the package has one and it reads well; else kv_problem says why not (a
   // package whose cache section this runtime cannot use still serves requests without a cache).
@@ -156,6 +162,9 @@ struct Package::Impl {
   Tensors plain(const Tensors& request) const;
   // The sparse artifact on a plain request: its outputs by name (aoti packages).
   NamedTensors sparse_outputs(const Tensors& request) const;
+  // A compiled sparse program's refusal `exc` as check_ranges' TorchScript assert words it, when sparse_checks
+  // names the check that raised it.
+  std::optional<std::string> named_check(const std::exception& exc) const;
   NamedTensors run(const Tensors& inputs, detail::PhaseClock& clock) const;
   // When `exc`, raised while the artifacts ran `request`, is one of their own range checks (passes/guard_ranges.py;
   // the manifest let the request through), the RequestError naming the feature, its value and the limit the

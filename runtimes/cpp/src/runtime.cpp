@@ -14,9 +14,12 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <mutex>
+#include <regex>
 #include <set>
 #include <sstream>
+#include <streambuf>
 
 #include "json.h"
 #include "package_impl.h"
@@ -108,14 +111,49 @@ NamedTensors named_outputs(const c10::IValue& value, const std::vector<std::stri
   return out;
 }
 
+namespace {
+
+// A compiled program that raises also writes "Error: <what>" to std::cerr itself (AOTInductor's model
+// interface) before the error reaches us; we report the error once, as the one line a refusal is. std::cerr
+// keeps its buffer but drops what a thread writes while that thread runs a program; installed once, never swapped
+// back, so threads never race on the stream's buffer.
+thread_local bool running_program = false;
+
+class QuietWhileRunning : public std::streambuf {
+ public:
+  explicit QuietWhileRunning(std::streambuf* out) : out_(out) {}
+
+ protected:
+  int overflow(int c) override { return running_program ? c : out_->sputc(static_cast<char>(c)); }
+  std::streamsize xsputn(const char* s, std::streamsize n) override { return running_program ? n : out_->sputn(s, n); }
+  int sync() override { return out_->pubsync(); }
+
+ private:
+  std::streambuf* out_;
+};
+
+void quiet_program_errors() {
+  static std::once_flag once;
+  std::call_once(once, [] { std::cerr.rdbuf(new QuietWhileRunning(std::cerr.rdbuf())); });
+}
+
+struct RunningProgram {
+  RunningProgram() { running_program = true; }
+  ~RunningProgram() { running_program = false; }
+};
+
+}  // namespace
+
 AotiProgram::AotiProgram(const std::string& path, c10::Device device, size_t concurrency)
     : serialised_(device.is_cuda()) {
+  quiet_program_errors();
   c10::DeviceIndex index = device.is_cuda() ? device.index() : -1;
   loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, "model", /*run_single_threaded=*/serialised_,
                                                                      serialised_ ? 1 : concurrency, index);
 }
 
 std::vector<at::Tensor> AotiProgram::run(const std::vector<at::Tensor>& inputs) const {
+  RunningProgram quiet;
   if (!serialised_) return loader_->run(inputs);
   std::lock_guard<std::mutex> lock(launch_);
   return loader_->run(inputs);
@@ -773,7 +811,7 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
     }
     if (impl->artifacts["model"].outputs != impl->output_names) fields.fail("artifacts.model.outputs", "differs from output_names");
   } else if (impl->backend == "aoti") {
-    expect_roles({"sparse", "dense"}, "sparse=torchscript;dense=aoti;");
+    expect_roles({"sparse", "dense"}, "sparse=torchscript;sparse=aoti;dense=aoti;");
     const auto& sparse_outputs = impl->artifacts["sparse"].outputs;
     for (const auto& spec : impl->artifacts["sparse"].inputs) {
       if (spec.feature.empty()) fields.fail("artifacts.sparse.inputs", "has an input not fed from the request");
@@ -827,13 +865,33 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
   if (impl->backend == "torchscript") {
     impl->model = load_script("model");
   } else {
-    impl->sparse = load_script("sparse");
-    try {
-      impl->dense = std::make_unique<detail::AotiProgram>(listed.at(impl->artifacts["dense"].file).string(),
-                                                          impl->device, impl->concurrency);
-    } catch (const std::exception& exc) {
-      throw PackageError(path + ": AOTInductor could not load " + impl->artifacts["dense"].file + ": " + error_text(exc));
+    auto load_program = [&](const std::string& role) {
+      try {
+        return std::make_unique<detail::AotiProgram>(listed.at(impl->artifacts[role].file).string(), impl->device,
+                                                     impl->concurrency);
+      } catch (const std::exception& exc) {
+        throw PackageError(path + ": AOTInductor could not load " + impl->artifacts[role].file + ": " + error_text(exc));
+      }
+    };
+    if (impl->artifacts["sparse"].format == "aoti") {
+      impl->sparse_program = load_program("sparse");
+      // Only to word a refusal: a map that does not read well names no feature, and serving is unchanged.
+      const Value* meta = backend.find("meta");
+      const Value* program = meta != nullptr ? meta->find("sparse_program") : nullptr;
+      const Value* checks = program != nullptr ? program->find("range_checks") : nullptr;
+      if (checks != nullptr && checks->type == Value::Type::Object) {
+        for (const auto& [key, entry] : checks->object) {
+          if (entry.type == Value::Type::Array && entry.array.size() == 2 &&
+              entry.array[0].type == Value::Type::String && entry.array[1].type == Value::Type::String &&
+              (entry.array[1].string == "low" || entry.array[1].string == "high" || entry.array[1].string == "rows")) {
+            impl->sparse_checks[key] = {entry.array[0].string, entry.array[1].string};
+          }
+        }
+      }
+    } else {
+      impl->sparse = load_script("sparse");
     }
+    impl->dense = load_program("dense");
   }
   return std::shared_ptr<const Package>(new Package(std::move(impl)));
 }
@@ -940,8 +998,49 @@ Tensors Package::Impl::plain(const Tensors& request) const {
   return out;
 }
 
+namespace {
+
+// The words of check_ranges' TorchScript asserts after the feature's name, by the limit they mean.
+const char* range_check_words(const std::string& bound) {
+  if (bound == "rows") return " has more rows than the package was exported for";
+  if (bound == "low") return " has a value below the exported range";
+  return " has a value beyond the exported range";
+}
+
+}  // namespace
+
+std::optional<std::string> Package::Impl::named_check(const std::exception& exc) const {
+  std::string text = exc.what();
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&exc)) text = c10_error->what_without_backtrace();
+  static const std::regex compiled(R"(Expected (u\d+) )");
+  std::smatch found;
+  if (!std::regex_search(text, found, compiled)) return std::nullopt;
+  auto check = sparse_checks.find(found[1].str());
+  if (check == sparse_checks.end()) return std::nullopt;
+  return "AssertionError: " + check->second.first + range_check_words(check->second.second) + "\n" + text;
+}
+
 NamedTensors Package::Impl::sparse_outputs(const Tensors& request) const {
   const Artifact& artifact = artifacts.at("sparse");
+  if (sparse_program) {  // positional, in the manifest's order; returns its outputs in the manifest's order
+    std::vector<at::Tensor> inputs;
+    inputs.reserve(artifact.inputs.size());
+    for (const auto& spec : artifact.inputs) inputs.push_back(request.at(spec.feature));
+    std::vector<at::Tensor> outputs;
+    try {
+      outputs = sparse_program->run(inputs);
+    } catch (const std::exception& exc) {
+      if (auto named = named_check(exc)) throw std::runtime_error(*named);
+      throw;
+    }
+    if (outputs.size() != artifact.outputs.size()) {
+      throw Error(artifact.file + " returned " + std::to_string(outputs.size()) + " outputs, the manifest names " +
+                  std::to_string(artifact.outputs.size()));
+    }
+    NamedTensors out;
+    for (size_t i = 0; i < outputs.size(); ++i) out.emplace_back(artifact.outputs[i], std::move(outputs[i]));
+    return out;
+  }
   torch::jit::Kwargs kwargs;
   for (const auto& spec : artifact.inputs) kwargs.emplace(spec.name, request.at(spec.feature));
   return named_outputs(sparse.forward({}, kwargs), artifact.outputs, artifact.file);
@@ -1088,6 +1187,20 @@ std::optional<CheckedRange> checked_range(const torch::jit::Module& module, cons
   return std::nullopt;
 }
 
+// The limit a compiled check's error states ("Expected u5 <= 999 but received 1000"), as the range of the bound
+// it checks.
+std::optional<CheckedRange> compiled_limit(const std::string& text, Bound bound) {
+  static const std::regex at_most(R"(Expected u\d+ <= (-?\d+) )"), at_least(R"(Expected u\d+ >= (-?\d+) )");
+  std::smatch found;
+  if (!std::regex_search(text, found, bound == Bound::kLow ? at_least : at_most)) return std::nullopt;
+  try {
+    int64_t limit = std::stoll(found[1].str());
+    return CheckedRange{limit, limit, limit};
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
 }  // namespace
 
 // "B=1 (min), uih_lengths=1..1 (min)": the request's number of users and each lengths feature's shortest and
@@ -1120,21 +1233,9 @@ std::string Package::Impl::at_limits(const Tensors& request) const {
 std::optional<RequestError> Package::Impl::range_refusal(const std::exception& exc, const Tensors& request) const {
   std::string text = exc.what();
   if (const auto* c10_error = dynamic_cast<const c10::Error*>(&exc)) text = c10_error->what_without_backtrace();
-  // A guard AOTInductor compiled into a program ("Expected u14 >= 2 but received 1"): the request is inside the
-  // manifest's ranges (validate() ran), so the program is narrower than its manifest.
-  if (size_t guard = text.find("Expected "); guard != std::string::npos && text.find(" but received", guard) != std::string::npos) {
-    std::string raised = text.substr(guard);
-    raised = raised.substr(0, raised.find('\n'));
-    raised.erase(raised.find_last_not_of(" \t\r") + 1);
-    return RequestError("the package's programs refuse this request although its manifest accepts it (" + raised.substr(0, 300) +
-                        "); at their limits: " + at_limits(request) +
-                        ". Re-export the package (export verifies every corner of the ranges and narrows what its "
-                        "programs do not take)");
-  }
   const std::string marker = "AssertionError: ";
   size_t at = text.rfind(marker);
-  if (at == std::string::npos) return std::nullopt;
-  std::string raised = text.substr(at + marker.size());
+  std::string raised = at == std::string::npos ? "" : text.substr(at + marker.size());
   raised = raised.substr(0, raised.find('\n'));
   raised.erase(raised.find_last_not_of(" \t\r") + 1);
   for (const auto& [check, bound] : kRangeChecks) {
@@ -1146,7 +1247,8 @@ std::optional<RequestError> Package::Impl::range_refusal(const std::exception& e
     const std::string quoted = in_quotes(name);
     bool torchscript = backend == "torchscript";
     const std::string& file = artifacts.at(torchscript ? "model" : "sparse").file;
-    std::optional<CheckedRange> range = checked_range(torchscript ? model : sparse, name);
+    std::optional<CheckedRange> range =
+        torchscript || !sparse_program ? checked_range(torchscript ? model : sparse, name) : compiled_limit(text, bound);
     bool integral = !at::isFloatingType(t.scalar_type());
     auto value_text = [&](const at::Tensor& v) {
       return integral ? std::to_string(v.item<int64_t>()) : c10::str(v.item<double>());
@@ -1170,6 +1272,17 @@ std::optional<RequestError> Package::Impl::range_refusal(const std::exception& e
     }
     return RequestError(what + " (refused by " + file + " itself; " + manifest +
                         ", so the manifest does not match the package's programs: re-export the package)");
+  }
+  // A guard AOTInductor compiled into a program ("Expected u14 >= 2 but received 1"): the request is inside the
+  // manifest's ranges (validate() ran), so the program is narrower than its manifest.
+  if (size_t guard = text.find("Expected "); guard != std::string::npos && text.find(" but received", guard) != std::string::npos) {
+    std::string raised = text.substr(guard);
+    raised = raised.substr(0, raised.find('\n'));
+    raised.erase(raised.find_last_not_of(" \t\r") + 1);
+    return RequestError("the package's programs refuse this request although its manifest accepts it (" + raised.substr(0, 300) +
+                        "); at their limits: " + at_limits(request) +
+                        ". Re-export the package (export verifies every corner of the ranges and narrows what its "
+                        "programs do not take)");
   }
   return std::nullopt;
 }
