@@ -70,13 +70,18 @@ def export_dense(inputs: CompileInputs) -> torch.export.ExportedProgram:
 
 
 def torchrec_in_graph(gm: GraphModule) -> str | None:
-    """Why ``gm`` is not plain tensor code (the torchrec module or object it uses), or None."""
+    """Why ``gm`` is not plain tensor code (the torchrec or scripted module it calls, the torchrec object it
+    builds), or None."""
     for node in gm.graph.nodes:
-        if node.op == "call_module":
-            module = gm.get_submodule(str(node.target))
-            if type(module).__module__.startswith("torchrec"):
-                return f"it calls torchrec's {type(module).__name__} ({node.target})"
-        elif node.op == "call_function" and getattr(node.target, "__name__", "") in _TORCHREC_BUILDERS:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(str(node.target))
+        if isinstance(module, torch.jit.ScriptModule):  # torchrec's quantized collections (quantize_embeddings)
+            return f"it calls the TorchScript module {node.target} ({getattr(module, 'original_name', '?')})"
+        if type(module).__module__.startswith("torchrec"):
+            return f"it calls torchrec's {type(module).__name__} ({node.target})"
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") in _TORCHREC_BUILDERS:
             return f"it builds a torchrec object ({node.target.__name__})"
     return None
 
@@ -186,6 +191,10 @@ class AotiBackend(Backend):
                 program = export_sparse(inputs)
                 _compile(program, out_dir / SPARSE_PROGRAM_FILE, options)
             except Exception as exc:  # a sparse graph torch.export or Inductor refuses still serves as TorchScript
+                from hstu_export.package.directory import is_file_system_failure
+
+                if is_file_system_failure(exc, out_dir):
+                    raise  # a full disk is the export's failure (one line), not the graph's
                 reason = f"AOTInductor could not compile it: {plain_first_line(exc)[:300]}"
                 shutil.rmtree(out_dir / Path(SPARSE_PROGRAM_FILE).parent, ignore_errors=True)
             else:
@@ -257,7 +266,8 @@ def package_op_libraries(path: Path) -> set[str]:
 
 
 def _load_pt2(path: Path) -> Any:
-    """The dense model, called without a host sync between calls.
+    """A compiled program (dense half, sparse half, KV-cache programs), called with keyword tensors and
+    without a host sync between calls.
 
     AOTInductor's default runner makes each call wait (cudaEventSynchronize) until the previous call
     has finished on the GPU before it launches anything, so back-to-back calls leave the GPU idle
@@ -272,11 +282,39 @@ def _load_pt2(path: Path) -> Any:
     return _Serialised(load_package(str(path), run_single_threaded=True))
 
 
+def _keyword_call(compiled: Any) -> list[str] | None:
+    """For a program that takes keyword tensors only and returns a flat tuple of tensors: the keywords in the
+    order it takes them. None for any other program, or a torch without these internals.
+
+    torch's wrapper reads the program's call spec, parses its two tree specs and flattens the arguments on
+    every call (tens of microseconds a call from Python, paid by the sparse half, the dense half and the KV-cache
+    programs of every request); read once, the call is one list and the runner's boxed call."""
+    try:
+        from torch.utils import _pytree as pytree
+
+        in_spec, out_spec = (pytree.treespec_loads(text) for text in compiled.loader.get_call_spec())
+        args, kwargs = (in_spec.child(0), in_spec.child(1)) if in_spec.num_children == 2 else (None, None)
+        if (in_spec.type is not tuple or args is None or args.type is not tuple or args.num_children != 0
+                or kwargs.type is not dict or not all(kwargs.child(i).is_leaf() for i in range(kwargs.num_children))
+                or out_spec.type is not tuple or not all(out_spec.child(i).is_leaf() for i in range(out_spec.num_children))
+                or not callable(getattr(compiled.loader, "boxed_run", None))):
+            return None
+        return [str(name) for name in kwargs.context]
+    except Exception:  # internals of another torch: the wrapper's own call
+        return None
+
+
 class _Serialised:
     def __init__(self, fn: Any) -> None:
         self._fn = fn
         self._lock = threading.Lock()
+        self._keywords = _keyword_call(fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
+        names = self._keywords
+        if names is not None and not args and len(kwargs) == len(names) and all(n in kwargs for n in names):
+            inputs = [kwargs[n] for n in names]
+            with self._lock:
+                return tuple(self._fn.loader.boxed_run(inputs))
+        with self._lock:  # anything else (a missing keyword: its error) through torch's wrapper
             return self._fn(*args, **kwargs)

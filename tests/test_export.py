@@ -278,6 +278,8 @@ def test_stock_loaders_refuse_requests_beyond_the_exported_ranges(packages, back
         # The sparse half of an aoti package is AOTInductor's (its lookups lowered): positional outputs in the
         # manifest's order, and a refused check named by its symbol, which the manifest maps to the feature.
         assert files["sparse"] == "sparse/sparse.pt2" and manifest["artifacts"]["sparse"]["format"] == "aoti"
+        assert manifest["artifacts"]["sparse"]["returns"] == "a tuple of the outputs in this order"
+        assert [o["name"] for o in manifest["artifacts"]["sparse"]["outputs"]] == manifest["sparse_output_names"]
         sparse = torch._inductor.aoti_load_package(str(root / files["sparse"]))
         dense = torch._inductor.aoti_load_package(str(root / files["dense"]))
 
@@ -289,6 +291,11 @@ def test_stock_loaders_refuse_requests_beyond_the_exported_ranges(packages, back
                             for n in manifest["dense_input_names"]})
 
     checks = manifest["backend"]["meta"].get("sparse_program", {}).get("range_checks", {})
+    if backend != "torchscript":  # a minimum, a maximum and (per-user features) the rows of every checked feature
+        bounds = {(feature, bound) for feature, bound in checks.values()}
+        assert len(bounds) == len(checks)
+        assert {("uih_item_ids", "low"), ("uih_item_ids", "high"), ("uih_lengths", "rows"),
+                ("candidate_item_ids", "low"), ("uih_lengths", "high")} <= bounds, checks
 
     def refused(batch, feature: str, bound: str) -> None:
         with pytest.raises(Exception) as info:  # stock loaders raise their own types
@@ -312,6 +319,32 @@ def test_stock_loaders_refuse_requests_beyond_the_exported_ranges(packages, back
         users = max(manifest["ranges"]["max_batch_size"], 2) + 1
         refused(generate_batch(schema, users, seed=5), "uih_lengths", "rows")
     assert {p["name"]: p for p in manifest["passes"]}["guard_ranges"]["stats"]["sparse_checks"] >= 5
+
+
+def test_compiled_programs_are_called_by_keyword_as_torch_calls_them(packages):
+    """The loaded programs take the keyword call (their call spec read once, not on every request), with torch's
+    answers; anything else still goes through torch's wrapper and its errors."""
+    from hstu_export.runtimes.aoti import _load_pt2
+
+    result = packages["aoti"]
+    manifest, root = result.manifest, result.path
+    schema = hstu_export.InputSchema.from_json(manifest["input_schema"])
+    inputs = schema.to_graph_inputs(generate_batch(schema, 3, seed=4))
+    sparse, dense = (_load_pt2(root / manifest["backend"]["files"][role]) for role in ("sparse", "dense"))
+    assert sparse._keywords == manifest["sparse_input_names"] and dense._keywords == manifest["dense_input_names"]
+    features = {n: inputs[n] for n in manifest["sparse_input_names"]}
+    returned = sparse(**features)
+    assert isinstance(returned, tuple) and len(returned) == len(manifest["sparse_output_names"])
+    for ours, torchs in zip(returned, sparse._fn(**features), strict=True):
+        assert torch.equal(ours, torchs)
+    boundary = dict(zip(manifest["sparse_output_names"], returned, strict=True))
+    dense_inputs = {n: (boundary[n] if n in boundary else inputs[n]).contiguous() for n in manifest["dense_input_names"]}
+    for ours, torchs in zip(dense(**dense_inputs), dense._fn(**dense_inputs), strict=True):
+        assert torch.equal(ours, torchs)
+    missing = dict(features)
+    missing.pop(manifest["sparse_input_names"][0])
+    with pytest.raises(ValueError, match="keyword"):
+        sparse(**missing)
 
 
 def test_range_checks_read_the_device_once(packages):

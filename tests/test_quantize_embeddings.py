@@ -342,11 +342,16 @@ def test_cpp_runtime_serves_a_quantized_package(cpp_runtime, tiny_bundle: Path, 
 
 @pytest.mark.slow
 def test_aoti_package_carries_the_quantized_sparse_half(tiny_bundle: Path, tmp_path: Path) -> None:
-    """AOTInductor compiles the dense half; the sparse artifact (sparse/sparse.ts) holds the int8 tables."""
+    """AOTInductor compiles the dense half; the sparse artifact (sparse/sparse.ts) holds the int8 tables: the
+    quantized collection is kept as torchrec's module, so the sparse half stays TorchScript, and says why."""
     result = _export(tiny_bundle, tmp_path / "pkg", "int8", max_batch_size=4)
     aoti = hstu_export.export(tiny_bundle, tmp_path / "aoti", ExportSettings(
         backend="aoti", max_batch_size=4, verify=VerifySettings(num_random_batches=1), quantization="int8"))
     assert aoti.parity["passed"] and set(aoti.parity["rank_agreement"]) == {"ctr", "cvr"}
+    backend = aoti.manifest["backend"]
+    assert backend["files"]["sparse"] == "sparse/sparse.ts" and aoti.manifest["artifacts"]["sparse"]["format"] == "torchscript"
+    assert backend["meta"]["sparse_program"]["format"] == "torchscript"
+    assert backend["meta"]["sparse_program"]["reason"].startswith("it calls the TorchScript module "), backend["meta"]
     sparse = aoti.path / aoti.manifest["backend"]["files"]["sparse"]
     # Smaller than the tables alone would be in fp32 (code and all).
     assert sparse.stat().st_size < sum(t["fp32_bytes"] for t in aoti.manifest["embedding_quantization"]["tables"])

@@ -112,7 +112,8 @@ def describe(backend: str, files: dict[str, str], inputs: CompileInputs,
         if role == "sparse":
             entry["inputs"] = [feature_input(n, features[n], feature_dims.get(n)) for n in inputs.sparse_input_names]
             entry["outputs"] = [tensor_entry(n, sparse_outputs[n], dense_dims.get(n)) for n in sparse_outputs]
-            entry["returns"] = "a dict of the outputs by name"
+            entry["returns"] = ("a tuple of the outputs in this order" if entry["format"] == "aoti"
+                                else "a dict of the outputs by name")
         elif role == "dense":
             entry["inputs"] = [
                 feature_input(n, inputs.example_dense_inputs[n], dense_dims.get(n)) if n not in sparse_outputs

@@ -302,6 +302,12 @@ def file_system_errors(where: Path | None, doing: str) -> Iterator[None]:
         raise ExportError(f"{doing} failed: {problem}") from exc
 
 
+def is_file_system_failure(exc: BaseException, where: Path | None) -> bool:
+    """Whether ``exc`` is a failure of the file system that ``file_system_errors`` reports (a full disk while
+    torch wrote an archive among them): such an error must reach it, not be taken for a failure of the step."""
+    return _file_system_problem(exc, where) is not None
+
+
 def _file_system_problem(exc: BaseException, where: Path | None) -> str | None:
     """What went wrong with the file system, in words, if that is why ``exc`` was raised; else None."""
     chain = _exception_chain(exc)

@@ -272,8 +272,9 @@ def test_real_full_disk_is_refused_before_work(bundle, tiny_tmpfs):
 @pytest.mark.slow
 def test_real_full_disk_while_aoti_writes_is_one_line(bundle, tiny_tmpfs):
     """The campaign's finding: AOTInductor packaging on a full disk ended in ``terminate called ...
-    inline_container.cc`` (exit 134). The sparse TorchScript file (~330 KB) fits in 1 MiB, the dense .pt2
-    (~2.2 MB) does not."""
+    inline_container.cc`` (exit 134). The first AOTInductor package written, the sparse half's .pt2 (~2 MB),
+    does not fit in 1 MiB: a full disk is the export's one-line error, not a reason to store the sparse half as
+    TorchScript."""
     proc = subprocess.run([sys.executable, "-c", EXPORT_WITHOUT_PRECHECK, "export", str(bundle),
                            "-o", str(tiny_tmpfs / "pkg"), "-q"], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 1, proc.stderr[-2000:]

@@ -124,7 +124,10 @@ class QuietWhileRunning : public std::streambuf {
   explicit QuietWhileRunning(std::streambuf* out) : out_(out) {}
 
  protected:
-  int overflow(int c) override { return running_program ? c : out_->sputc(static_cast<char>(c)); }
+  int overflow(int c) override {
+    if (traits_type::eq_int_type(c, traits_type::eof())) return traits_type::not_eof(c);
+    return running_program ? c : out_->sputc(traits_type::to_char_type(c));
+  }
   std::streamsize xsputn(const char* s, std::streamsize n) override { return running_program ? n : out_->sputn(s, n); }
   int sync() override { return out_->pubsync(); }
 
