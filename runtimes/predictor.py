@@ -187,8 +187,8 @@ class Predictor:
         return f"Predictor({self.root}, backend={b}, device={self.device}, dtype={self.manifest['dtype']})"
 
 
-# The messages of the range checks inside artifacts (hstu_export/capture/graph_functions.py, check_ranges, as
-# TorchScript asserts): the feature's name, then one of these. The C++ runtime reads the same (runtime.cpp).
+# A range check inside an artifact (check_ranges' TorchScript assert, or a compiled sparse half's refusal worded
+# as one): the feature's name, then one of RANGE_CHECK_MESSAGES (runtimes/base.py). The C++ runtime reads the same.
 _ASSERTION = re.compile(r"AssertionError: ([^\n]+)")
 # A guard AOTInductor compiled into a program ("Expected u14 >= 2 but received 1").
 _COMPILED_GUARD = re.compile(r"Expected .+ but received")

@@ -1003,11 +1003,22 @@ Tensors Package::Impl::plain(const Tensors& request) const {
 
 namespace {
 
-// The words of check_ranges' TorchScript asserts after the feature's name, by the limit they mean.
+// What the artifacts' range checks raise in TorchScript after "AssertionError: <feature>" (check_ranges in
+// hstu_export/capture/graph_functions.py), and which limit each one means.
+enum class Bound { kRows, kLow, kHigh };
+constexpr std::pair<const char*, Bound> kRangeChecks[] = {
+    {" has more rows than the package was exported for", Bound::kRows},
+    {" has a value below the exported range", Bound::kLow},
+    {" has a value beyond the exported range", Bound::kHigh},
+};
+
+// kRangeChecks' words for a bound as the manifest's range_checks name it ("rows", "low", "high").
 const char* range_check_words(const std::string& bound) {
-  if (bound == "rows") return " has more rows than the package was exported for";
-  if (bound == "low") return " has a value below the exported range";
-  return " has a value beyond the exported range";
+  Bound wanted = bound == "rows" ? Bound::kRows : bound == "low" ? Bound::kLow : Bound::kHigh;
+  for (const auto& [words, which] : kRangeChecks) {
+    if (which == wanted) return words;
+  }
+  return "";
 }
 
 }  // namespace
@@ -1124,15 +1135,6 @@ NamedTensors Package::Impl::run(const Tensors& request, detail::PhaseClock& cloc
 }
 
 namespace {
-
-// What the artifacts' range checks raise in TorchScript after "AssertionError: <feature>" (check_ranges in
-// hstu_export/capture/graph_functions.py), and which limit each one means.
-enum class Bound { kRows, kLow, kHigh };
-constexpr std::pair<const char*, Bound> kRangeChecks[] = {
-    {" has more rows than the package was exported for", Bound::kRows},
-    {" has a value below the exported range", Bound::kLow},
-    {" has a value beyond the exported range", Bound::kHigh},
-};
 
 // The list a TorchScript value holds when it is constant (a list constant, or a list built of constants).
 std::optional<std::vector<c10::IValue>> constant_list(torch::jit::Value* value) {
