@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 FBGEMM   := $(if $(HAS_NVIDIA_GPU),fbgemm-gpu==1.8.0,fbgemm-gpu-cpu==1.8.0)
 PINNED   := torch==2.13.0 $(FBGEMM) triton==3.7.1 tensordict torchmetrics==1.0.3 tqdm pyre-extensions
-RUNTIME  := numpy onnx onnxruntime onnxscript click rich jinja2 model-signing==1.1.1 pyopenssl
+RUNTIME  := numpy onnx onnxruntime onnxscript click rich jinja2 safetensors model-signing==1.1.1 pyopenssl
 DEV      := pytest pytest-timeout hypothesis ruff jsonschema
 # The serving tests run a real Triton Inference Server: the tritonserver nvidia-pytriton bundles (its binary
 # only), called with tritonclient's HTTP and gRPC clients. Both are installed with --no-deps (below);

@@ -452,7 +452,7 @@ def export(
             "outputs": outputs,
             "artifacts": describe_artifacts(backend.name, artifacts.files, inputs, feature_dims(schema, ranges),
                                             {f.graph_name: f.name for f in schema.features}, output_shapes,
-                                            artifacts.formats),
+                                            artifacts.formats, artifacts.constants),
             "op_library_files": op_library_files(artifacts.op_libraries),
             "boundary": result.boundary.to_json(),
             "passes": result.report.to_json(),

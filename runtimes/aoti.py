@@ -3,7 +3,8 @@ by ``aoti_compile_and_package`` into one ``.pt2`` (CPU or CUDA).
 
 The sparse graph is compiled the same way into its own ``.pt2`` when it is plain tensor code: every
 torchrec lookup lowered to gathers (passes/lower_embeddings.py), its range checks read from the device
-once. A sparse graph that still calls torchrec (a lookup the pass kept, a KeyedJaggedTensor or KeyedTensor it
+once. Its tables are not compiled into it: they are stored once beside it (``sparse/tables.safetensors``,
+hstu_export/package/tables.py) and handed to the program when it is loaded. A sparse graph that still calls torchrec (a lookup the pass kept, a KeyedJaggedTensor or KeyedTensor it
 builds), or that torch.export refuses, is stored as TorchScript instead, and the backend's manifest meta
 says why (``sparse_program``)."""
 
@@ -23,7 +24,8 @@ import torch
 from torch.fx import GraphModule
 
 from hstu_export.errors import ExportError, PackageError
-from hstu_export.package.manifest import BackendFields, backend_fields
+from hstu_export.package.manifest import BackendFields, Manifest, backend_fields, resolve_inside
+from hstu_export.package.tables import TABLES_FORMAT, read_tables, write_tables
 from hstu_export.runtimes.base import (
     RANGE_CHECK_MESSAGES,
     Backend,
@@ -47,6 +49,9 @@ from hstu_export.runtimes.unbacked_ranges import unbacked_ranges_hold_at_one
 
 DENSE_FILE = "dense/dense.pt2"
 SPARSE_PROGRAM_FILE = "sparse/sparse.pt2"
+TABLES_FILE = "sparse/tables.safetensors"
+# The sparse program is compiled without its constants (its tables), which are stored in TABLES_FILE instead.
+_WITHOUT_CONSTANTS = {"aot_inductor.package_constants_in_so": False}
 # The helpers whose results are torchrec objects: a sparse graph that calls them is not plain tensor code.
 _TORCHREC_BUILDERS = ("build_kjt", "build_weighted_kjt", "build_jt", "build_weighted_jt", "build_kt")
 
@@ -166,7 +171,7 @@ class AotiBackend(Backend):
 
     def compile(self, inputs: CompileInputs, out_dir: Path) -> BackendArtifacts:
         options = dict(inputs.settings.aoti_options)  # --aoti-option (a copy: the compile adds its own keys)
-        sparse_file, sparse_libraries, sparse_meta = self._compile_sparse(inputs, out_dir, options)
+        sparse_file, sparse_libraries, sparse_meta, tables = self._compile_sparse(inputs, out_dir, options)
         program = export_dense(inputs)
         try:
             _compile(program, out_dir / DENSE_FILE, options)
@@ -179,17 +184,21 @@ class AotiBackend(Backend):
                   "sparse_program": sparse_meta},
             op_libraries=sorted(set(sparse_libraries) | package_op_libraries(out_dir / DENSE_FILE)),
             formats={"sparse": sparse_meta["format"]},
+            constants={"sparse": tables} if tables else {},
         )
 
     @staticmethod
-    def _compile_sparse(inputs: CompileInputs, out_dir: Path,
-                        options: dict[str, Any]) -> tuple[str, list[str], dict[str, Any]]:
-        """The sparse half compiled by AOTInductor, or as TorchScript with the reason it was not."""
+    def _compile_sparse(inputs: CompileInputs, out_dir: Path, options: dict[str, Any]
+                        ) -> tuple[str, list[str], dict[str, Any], dict[str, Any] | None]:
+        """The sparse half compiled by AOTInductor with its tables stored beside it (their ``constants`` entry),
+        or as TorchScript, tables inside, with the reason it was not."""
         reason = torchrec_in_graph(inputs.sparse)
         if reason is None:
             try:
                 program = export_sparse(inputs)
-                _compile(program, out_dir / SPARSE_PROGRAM_FILE, options)
+                _compile(program, out_dir / SPARSE_PROGRAM_FILE, {**options, **_WITHOUT_CONSTANTS})
+                tables = {"file": TABLES_FILE, "format": TABLES_FORMAT,
+                          "tensors": write_tables(out_dir / TABLES_FILE, _program_tables(program, out_dir))}
             except Exception as exc:  # a sparse graph torch.export or Inductor refuses still serves as TorchScript
                 from hstu_export.package.directory import is_file_system_failure
 
@@ -200,15 +209,16 @@ class AotiBackend(Backend):
             else:
                 return (SPARSE_PROGRAM_FILE, sorted(package_op_libraries(out_dir / SPARSE_PROGRAM_FILE)),
                         {"format": "aoti", "exported_nodes": len(program.graph.nodes),
-                         "range_checks": compiled_range_checks(program, inputs.sparse)})
+                         "range_checks": compiled_range_checks(program, inputs.sparse)}, tables)
         sparse_file, libraries = compile_sparse(inputs, out_dir)
-        return sparse_file, libraries, {"format": "torchscript", "reason": reason}
+        return sparse_file, libraries, {"format": "torchscript", "reason": reason}, None
 
     def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device) -> Runner:
         fields = backend_fields(manifest, root)
         path = fields.artifact(root, "dense")
         if fields.backend.files.get("sparse", "").endswith(".pt2"):
-            sparse = load_sparse_program(root, fields, fields.backend.meta.get("sparse_program"))
+            sparse = load_sparse_program(root, fields, fields.backend.meta.get("sparse_program"),
+                                         _sparse_constants(manifest), device)
         else:
             sparse = load_sparse(root, fields, device)
         try:
@@ -219,10 +229,34 @@ class AotiBackend(Backend):
         return SplitRunner(sparse, dense, list(fields.dense_passthrough_inputs), list(fields.output_names))
 
 
-def load_sparse_program(root: Path, fields: BackendFields, meta: Any) -> Runner:
+def _program_tables(program: torch.export.ExportedProgram, out_dir: Path) -> dict[str, torch.Tensor]:
+    """The constants the compiled sparse program asks for at load, by the names it asks for them, with the
+    exported program's values (its parameters, buffers and lifted constants)."""
+    compiled = _load_pt2(out_dir / SPARSE_PROGRAM_FILE)
+    values = {**program.state_dict, **program.constants}
+    names = compiled.constant_fqns()
+    unknown = [name for name in names if not isinstance(values.get(name), torch.Tensor)]
+    if unknown:
+        raise ExportError(f"the compiled program takes a constant {unknown[0]!r} the exported program does not hold")
+    return {name: values[name] for name in names}
+
+
+def _sparse_constants(manifest: BackendFields | dict[str, Any]) -> dict[str, Any] | None:
+    """``artifacts.sparse.constants`` (validated when the manifest is a Manifest); None when the sparse program
+    holds its tables itself (a package of format 4)."""
+    artifacts = manifest.artifacts if isinstance(manifest, Manifest) else (
+        manifest.get("artifacts") if isinstance(manifest, dict) else None)
+    sparse = artifacts.get("sparse") if isinstance(artifacts, dict) else None
+    return sparse.get("constants") if isinstance(sparse, dict) else None
+
+
+def load_sparse_program(root: Path, fields: BackendFields, meta: Any, constants: dict[str, Any] | None = None,
+                        device: torch.device | None = None) -> Runner:
     """The compiled sparse half: features -> the boundary tensors by name (its outputs are in the order of
     ``sparse_output_names``). A refusal by one of its range checks is worded as the TorchScript sparse half
-    words it (``meta``: the manifest's backend.meta.sparse_program, whose ``range_checks`` name them)."""
+    words it (``meta``: the manifest's backend.meta.sparse_program, whose ``range_checks`` name them).
+    ``constants`` (``artifacts.sparse.constants``): its tables, read from their file and handed to it, on
+    ``device``."""
     checks = meta.get("range_checks") if isinstance(meta, dict) else None
     bounds = [which for _, which in RANGE_CHECK_MESSAGES]
     checks = {str(k): v for k, v in checks.items() if isinstance(v, list) and len(v) == 2
@@ -234,6 +268,8 @@ def load_sparse_program(root: Path, fields: BackendFields, meta: Any) -> Runner:
     except Exception as exc:
         raise PackageError(f"{root}: AOTInductor could not load {fields.backend.files['sparse']}: "
                            f"{plain_first_line(exc)}") from exc
+    if constants is not None:
+        _hand_tables(program, root, constants, device or torch.device("cpu"))
 
     def run(features: Features) -> Features:
         try:
@@ -247,6 +283,21 @@ def load_sparse_program(root: Path, fields: BackendFields, meta: Any) -> Runner:
         return as_output_dict(tuple(outputs), output_names)
 
     return run
+
+
+def _hand_tables(program: _Serialised, root: Path, constants: dict[str, Any], device: torch.device) -> None:
+    """Reads the tables file (memory-mapped, its header checked against the manifest) and hands its tensors to
+    ``program`` as constants it uses in place: on CPU the mapped file itself, on CUDA one copy on the device."""
+    relpath = str(constants["file"])
+    path = resolve_inside(root, relpath, "artifacts.sparse.constants.file")
+    tables = read_tables(path, list(constants["tensors"]), f"{root}: {relpath}")
+    missing = sorted(set(program.constant_fqns()) - set(tables))
+    if missing:
+        raise PackageError(f"{root}: the sparse program takes the table {missing[0]!r}, which {relpath} does not "
+                           "hold; re-export the package")
+    if device.type != "cpu":
+        tables = {name: tensor.to(device) for name, tensor in tables.items()}
+    program.use_constants(tables)
 
 
 def package_op_libraries(path: Path) -> set[str]:
@@ -278,7 +329,7 @@ def _load_pt2(path: Path) -> Any:
     from torch._inductor.package import load_package
 
     if "run_single_threaded" not in inspect.signature(load_package).parameters:
-        return load_package(str(path))  # older torch
+        return _Serialised(load_package(str(path)))  # older torch
     return _Serialised(load_package(str(path), run_single_threaded=True))
 
 
@@ -309,6 +360,16 @@ class _Serialised:
         self._fn = fn
         self._lock = threading.Lock()
         self._keywords = _keyword_call(fn)
+
+    def constant_fqns(self) -> list[str]:
+        return list(self._fn.get_constant_fqns())
+
+    def use_constants(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The program reads ``tensors`` in place from now on (AOTInductor's user-managed constants): they are
+        kept alive here, as long as the program."""
+        with self._lock:
+            self._fn.load_constants(tensors, check_full_update=True, user_managed=True)
+            self._constants = tensors
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         names = self._keywords

@@ -68,6 +68,8 @@ class BackendArtifacts:
     op_libraries: list[str] = field(default_factory=list)
     # A role's artifact format where the backend chooses it per export (package/artifacts.py FORMATS otherwise).
     formats: dict[str, str] = field(default_factory=dict)
+    # A role's constants stored outside its program (``artifacts.<role>.constants``: file, format, tensors).
+    constants: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 Runner = Callable[[Features], Outputs]

@@ -282,6 +282,17 @@ def test_stock_loaders_refuse_requests_beyond_the_exported_ranges(packages, back
         assert [o["name"] for o in manifest["artifacts"]["sparse"]["outputs"]] == manifest["sparse_output_names"]
         sparse = torch._inductor.aoti_load_package(str(root / files["sparse"]))
         dense = torch._inductor.aoti_load_package(str(root / files["dense"]))
+        # Its tables are stored beside it (format 5), read here with the safetensors library as any server would,
+        # and handed to it before its first call (without them the program reads null pointers).
+        from safetensors.torch import load_file
+
+        constants = manifest["artifacts"]["sparse"]["constants"]
+        assert constants["file"] == "sparse/tables.safetensors" and constants["format"] == "safetensors"
+        tables = load_file(str(root / constants["file"]))
+        assert sorted(tables) == sorted(sparse.get_constant_fqns()) == [t["name"] for t in constants["tensors"]]
+        assert all(list(tables[t["name"]].shape) == t["shape"] for t in constants["tensors"])
+        assert sum(t.numel() for t in tables.values()) > 10_000  # the embedding tables, not a stray buffer
+        sparse.load_constants(tables, check_full_update=True, user_managed=True)
 
         def run(batch):
             inputs = schema.to_graph_inputs(batch)

@@ -87,13 +87,14 @@ def _matching_dim(a: int, b: int, first: dict[str, int], second: dict[str, int])
 def describe(backend: str, files: dict[str, str], inputs: CompileInputs,
              feature_dims: dict[str, dict[int, DimSpec]], feature_names: dict[str, str],
              output_shapes: dict[str, list[int | str]],
-             formats: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+             formats: dict[str, str] | None = None,
+             constants: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """The ``artifacts`` section: for each file of the backend, its format and ordered inputs/outputs.
     ``feature_dims``: the dynamic dims of every request feature, by graph-input name; ``feature_names``:
     the request name of each graph input that is a request feature (inputs fed from the request carry
     it as ``feature``; the others are outputs of the sparse artifact); ``output_shapes``: the outputs'
     shapes with dims named (``name_dims``); ``formats``: the backend's choice of format for a role, where it
-    made one."""
+    made one; ``constants``: per role, the tables stored outside its program."""
     features = inputs.example_features
     dense_dims = inputs.dense_dynamic_dims
     outputs, sparse_outputs = inputs.example_outputs, inputs.example_sparse_outputs
@@ -126,6 +127,8 @@ def describe(backend: str, files: dict[str, str], inputs: CompileInputs,
             entry["inputs"] = [feature_input(n, features[n], feature_dims.get(n)) for n in features]
             entry["outputs"] = ordered_outputs
             entry["returns"] = "a dict of the outputs by name"
+        if role in (constants or {}):
+            entry["constants"] = constants[role]
         out[role] = entry
     return out
 

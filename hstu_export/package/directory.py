@@ -45,11 +45,13 @@ from hstu_export.version import __version__
 
 PACKAGE_FORMAT = "hstu-export-package"
 SERVING_MARKER = "serving.json"  # marks a serving repository (hstu_export.serving.triton_repo), replaced like a package
+# 5: a compiled (aoti) sparse program holds no tables; they are stored beside it (artifacts.sparse.constants).
 # 4: the manifest describes each artifact's positional inputs and outputs (artifacts) and the op
 # libraries' shared libraries (op_library_files): docs/PACKAGE.md. 3: manifest.sha256 holds the sha256
 # of manifest.json. 2: ops in the hstu_export:: namespace (1: hstu::), input schema with arguments,
 # graph-input names.
-PACKAGE_FORMAT_VERSION = 4
+PACKAGE_FORMAT_VERSION = 5
+OLDEST_READABLE_FORMAT = 4  # a format-4 package differs only in holding its tables inside its programs
 OP_NAMESPACE = "hstu_export"
 MANIFEST = "manifest.json"
 MANIFEST_SHA256 = "manifest.sha256"
@@ -689,11 +691,11 @@ def load_manifest(root: Path, verify_checksums: bool = True) -> Manifest:
         raise PackageError(f"{path} is not an hstu-export manifest (manifest field format: expected "
                            f"{PACKAGE_FORMAT!r}, got {str(found)[:80]!r})")
     version = manifest.get("format_version")
-    if isinstance(version, int) and not isinstance(version, bool) and version < PACKAGE_FORMAT_VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) and version < OLDEST_READABLE_FORMAT:
         why = _OLD_FORMATS.get(version, "an older layout")
         raise PackageError(
             f"{root} is an hstu-export package of format {version} ({why}); this hstu-export ({__version__}) reads "
-            f"format {PACKAGE_FORMAT_VERSION}: re-export the model with this version"
+            f"formats {OLDEST_READABLE_FORMAT} to {PACKAGE_FORMAT_VERSION}: re-export the model with this version"
         )
     if not isinstance(version, int) or isinstance(version, bool) or version > PACKAGE_FORMAT_VERSION:
         raise PackageError(

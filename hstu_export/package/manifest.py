@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from hstu_export.errors import ConfigError, PackageError
 from hstu_export.package.schema import DTYPES, InputSchema
+from hstu_export.package.tables import TABLES_FORMAT, dtype_names
 from hstu_export.runtimes import backend_names
 from hstu_export.settings import TORCH_DTYPES
 
@@ -343,7 +344,9 @@ def _parse(data: Any) -> Manifest:
         files=files,
         parity=_parity(get("parity")),
         model_bundle=_optional(model, "bundle", "model", _optional_string),
-        artifacts=_check_artifact_io(_artifacts(get("artifacts"), backend, schema), schema, names["output_names"]),
+        artifacts=_check_artifact_io(_artifacts(get("artifacts"), backend, schema, files,
+                                                _integer(get("format_version"), "format_version", minimum=1)),
+                                     schema, names["output_names"]),
         raw=top,
         output_kinds=kinds,
     )
@@ -641,12 +644,45 @@ _ARTIFACT_KEYS: dict[str, Callable[[Any, str], Any]] = {
     "inputs": _array,
     "outputs": _array,
     "returns": _string,
+    "constants": _object,  # checked by _constants
 }
+_CONSTANTS_KEYS: dict[str, Callable[[Any, str], Any]] = {
+    "file": _relpath,
+    "format": lambda v, n: _string(v, n, (TABLES_FORMAT,)),
+    "tensors": _array,
+}
+_CONSTANT_KEYS: dict[str, Callable[[Any, str], Any]] = {
+    "name": _string,
+    "dtype": lambda v, n: _string(v, n, dtype_names()),
+    "shape": lambda v, n: [_integer(d, n, minimum=0) for d in _array(v, n)],
+}
+# From this format on, a compiled (aoti) sparse program holds no tables: artifacts.sparse.constants must give them.
+TABLES_OUTSIDE_FROM = 5
 
 
-def _artifacts(value: Any, backend: BackendSection, schema: InputSchema) -> dict[str, dict[str, Any]]:
+def _constants(value: Any, name: str, files: dict[str, str], used: dict[str, str]) -> None:
+    """A program's tables stored outside it: a listed safetensors file no artifact is, and the tensors it holds,
+    each named once with its dtype and static shape."""
+    _record(value, name, _CONSTANTS_KEYS, tuple(_CONSTANTS_KEYS))
+    if value["file"] not in files:
+        raise _FieldError(_child(name, "file"), f"{value['file']} is not listed in the manifest's files (with its "
+                                                "sha256); a package only loads files it lists")
+    if value["file"] in used:
+        raise _FieldError(_child(name, "file"), f"{value['file']} is also backend.files.{used[value['file']]}")
+    seen: set[str] = set()
+    for i, tensor in enumerate(value["tensors"]):
+        where = _child(_child(name, "tensors"), i)
+        _record(tensor, where, _CONSTANT_KEYS, tuple(_CONSTANT_KEYS))
+        if tensor["name"] in seen:
+            raise _FieldError(_child(where, "name"), f"{tensor['name'][:80]!r} is listed twice")
+        seen.add(tensor["name"])
+
+
+def _artifacts(value: Any, backend: BackendSection, schema: InputSchema, files: dict[str, str],
+               format_version: int) -> dict[str, dict[str, Any]]:
     """One description per role of ``backend.files``, naming the same file; inputs fed from the request
-    name a feature of the input schema."""
+    name a feature of the input schema; tables stored outside a program (``constants``) where the format
+    says a compiled sparse program has them there."""
     section = _object(value, "artifacts")
     for role in backend.files:
         _get(section, role, "artifacts")
@@ -656,7 +692,7 @@ def _artifacts(value: Any, backend: BackendSection, schema: InputSchema) -> dict
     features = set(schema.names)
     for role, entry in section.items():
         name = _child("artifacts", role)
-        _record(entry, name, _ARTIFACT_KEYS, tuple(_ARTIFACT_KEYS))
+        _record(entry, name, _ARTIFACT_KEYS, ("file", "format", "inputs", "outputs", "returns"))
         if entry["file"] != backend.files[role]:
             raise _FieldError(_child(name, "file"), f"{entry['file']} is not backend.files.{role}")
         for key in ("inputs", "outputs"):
@@ -665,6 +701,12 @@ def _artifacts(value: Any, backend: BackendSection, schema: InputSchema) -> dict
                 _record(tensor, where, _TENSOR_KEYS, ("name", "dtype", "shape"))
                 if "feature" in tensor and tensor["feature"] not in features:
                     raise _FieldError(_child(where, "feature"), f"{tensor['feature'][:80]!r} is not a feature of input_schema")
+        if "constants" in entry:
+            _constants(entry["constants"], _child(name, "constants"), files,
+                       {path: other for other, path in backend.files.items()})
+        elif role == "sparse" and entry["format"] == "aoti" and format_version >= TABLES_OUTSIDE_FROM:
+            raise _FieldError(_child(name, "constants"), "missing (a compiled sparse program of this format holds no "
+                                                         "tables: they are stored beside it)")
     return section
 
 

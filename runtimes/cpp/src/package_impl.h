@@ -12,9 +12,11 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "hstu_export/runtime.h"
+#include "tables.h"
 
 namespace hstu_export {
 namespace detail {
@@ -34,9 +36,13 @@ class AotiProgram {
  public:
   AotiProgram(const std::string& path, c10::Device device, size_t concurrency);
   std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) const;
+  // The program reads `tables` in place from now on (AOTInductor's user-managed constants; kept alive here).
+  // PackageError naming `what` when the program takes a constant `tables` lacks, or of another dtype.
+  void use_constants(std::unordered_map<std::string, at::Tensor> tables, const std::string& what);
 
  private:
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+  std::unordered_map<std::string, at::Tensor> constants_;
   bool serialised_ = false;
   mutable std::mutex launch_;
 };
@@ -51,6 +57,9 @@ struct Artifact {
   std::string format;
   std::vector<TensorSpec> inputs;
   std::vector<std::string> outputs;
+  // Tables stored outside the program (artifacts.<role>.constants): their file ("" for none) and tensors.
+  std::string constants_file;
+  std::vector<TableSpec> constants;
 };
 
 // The zoo ranking model's request features that the KV cache reads (hstu_export/models/ranking.py): a

@@ -155,6 +155,31 @@ AotiProgram::AotiProgram(const std::string& path, c10::Device device, size_t con
                                                                      serialised_ ? 1 : concurrency, index);
 }
 
+void AotiProgram::use_constants(std::unordered_map<std::string, at::Tensor> tables, const std::string& what) {
+  auto* runner = loader_->get_runner();
+  std::unordered_map<std::string, int32_t> dtypes;
+  if (runner != nullptr) {
+    auto types = runner->getConstantNamesToDtypes();
+    for (const auto& [name, fqn] : runner->getConstantNamesToOriginalFQNs()) {
+      if (types.count(name)) dtypes[fqn] = types.at(name);
+    }
+  }
+  for (const auto& fqn : loader_->get_constant_fqns()) {
+    auto table = tables.find(fqn);
+    if (table == tables.end()) {
+      throw PackageError(what + " lacks the table " + in_quotes(fqn) + " its program takes; re-export the package");
+    }
+    auto dtype = dtypes.find(fqn);
+    if (dtype != dtypes.end() && dtype->second != static_cast<int32_t>(table->second.scalar_type())) {
+      throw PackageError(what + " holds the table " + in_quotes(fqn) + " as " +
+                         std::string(c10::toString(table->second.scalar_type())) +
+                         ", not the dtype its program takes; re-export the package");
+    }
+  }
+  loader_->load_constants(tables, /*use_inactive=*/false, /*check_full_update=*/true, /*user_managed=*/true);
+  constants_ = std::move(tables);
+}
+
 std::vector<at::Tensor> AotiProgram::run(const std::vector<at::Tensor>& inputs) const {
   RunningProgram quiet;
   if (!serialised_) return loader_->run(inputs);
@@ -597,6 +622,34 @@ detail::DerivedKVSection read_derived_kv_section(const Fields& fields, const Val
   return out;
 }
 
+// artifacts.<role>.constants: a listed safetensors file that is no artifact, and its tables, each named once with
+// its dtype and static shape.
+void read_constants_entry(const Fields& fields, const Value& entry, const std::string& where,
+                          const std::map<std::string, fs::path>& listed, const Value& backend_files, Artifact& artifact) {
+  const std::string file = fields.string(entry, "file", where);
+  if (!listed.count(file)) fields.fail(where + ".file", "names " + in_quotes(file) + ", which the manifest's files do not list");
+  for (const auto& [role, other] : backend_files.object) {
+    if (other.type == Value::Type::String && other.string == file) fields.fail(where + ".file", "is also backend.files." + role);
+  }
+  if (fields.string(entry, "format", where) != "safetensors") fields.fail(where + ".format", "is not \"safetensors\"");
+  const auto& tensors = fields.of_type(fields.member(entry, "tensors", where), Value::Type::Array, where + ".tensors");
+  std::set<std::string> seen;
+  for (size_t i = 0; i < tensors.array.size(); ++i) {
+    const std::string at = where + ".tensors[" + std::to_string(i) + "]";
+    detail::TableSpec spec{fields.string(tensors.array[i], "name", at), fields.string(tensors.array[i], "dtype", at), {}};
+    if (!detail::is_table_dtype(spec.dtype)) fields.fail(at + ".dtype", "is " + in_quotes(spec.dtype) + ", not a table dtype");
+    const auto& shape = fields.of_type(fields.member(tensors.array[i], "shape", at), Value::Type::Array, at + ".shape");
+    for (const auto& dim : shape.array) {
+      int64_t size = fields.integer(dim, at + ".shape");
+      if (size < 0) fields.fail(at + ".shape", "has a negative size");
+      spec.shape.push_back(size);
+    }
+    if (!seen.insert(spec.name).second) fields.fail(at + ".name", "lists " + in_quotes(spec.name) + " twice");
+    artifact.constants.push_back(std::move(spec));
+  }
+  artifact.constants_file = file;
+}
+
 }  // namespace
 
 Package::Package(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -664,9 +717,10 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
     throw PackageError(path + ": unknown package format " + in_quotes(manifest.find("format")->string));
   }
   int64_t version = fields.integer(fields.member(manifest, "format_version", ""), "format_version");
-  if (version != kPackageFormatVersion) {
-    throw PackageError(path + " is package format " + std::to_string(version) + "; this runtime reads format " +
-                       std::to_string(kPackageFormatVersion) + ": re-export the model with a matching hstu-export");
+  if (version < kOldestReadableFormat || version > kPackageFormatVersion) {
+    throw PackageError(path + " is package format " + std::to_string(version) + "; this runtime reads formats " +
+                       std::to_string(kOldestReadableFormat) + " to " + std::to_string(kPackageFormatVersion) +
+                       ": re-export the model with a matching hstu-export");
   }
   if (fields.string(manifest, "op_namespace", "") != "hstu_export") {
     throw PackageError(path + ": op namespace " + in_quotes(fields.string(manifest, "op_namespace", "")) +
@@ -795,6 +849,12 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
     for (size_t i = 0; i < outputs.array.size(); ++i) {
       artifact.outputs.push_back(fields.string(outputs.array[i], "name", where + ".outputs[" + std::to_string(i) + "]"));
     }
+    if (const Value* constants = entry.find("constants"); constants != nullptr) {
+      read_constants_entry(fields, *constants, where + ".constants", listed, backend_files, artifact);
+    } else if (role == "sparse" && artifact.format == "aoti" && version >= 5) {
+      fields.fail(where + ".constants", "is missing (a compiled sparse program of this format holds no tables: they "
+                  "are stored beside it)");
+    }
     impl->artifacts[role] = std::move(artifact);
   }
   auto expect_roles = [&](std::set<std::string> roles, const std::string& formats) {
@@ -878,6 +938,18 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
     };
     if (impl->artifacts["sparse"].format == "aoti") {
       impl->sparse_program = load_program("sparse");
+      const Artifact& sparse = impl->artifacts["sparse"];
+      if (!sparse.constants_file.empty()) {
+        const std::string what = path + ": " + sparse.constants_file;
+        auto tables = detail::read_tables(listed.at(sparse.constants_file).string(), sparse.constants, impl->device, what);
+        try {
+          impl->sparse_program->use_constants(std::move(tables), what);
+        } catch (const PackageError&) {
+          throw;
+        } catch (const std::exception& exc) {
+          throw PackageError(what + ": AOTInductor could not take its tables: " + error_text(exc));
+        }
+      }
       // Only to word a refusal: a map that does not read well names no feature, and serving is unchanged.
       const Value* meta = backend.find("meta");
       const Value* program = meta != nullptr ? meta->find("sparse_program") : nullptr;

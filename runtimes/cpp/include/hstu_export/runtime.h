@@ -115,8 +115,10 @@ class Package {
   std::unique_ptr<Impl> impl_;
 };
 
-// The package format_version this runtime reads.
-constexpr int kPackageFormatVersion = 4;
+// The package format_versions this runtime reads (4: a compiled sparse program holds its tables; 5: they are stored
+// beside it).
+constexpr int kPackageFormatVersion = 5;
+constexpr int kOldestReadableFormat = 4;
 
 // Directories of named tensors, one torch.save'd tensor per <name>.pt with the name percent-encoded
 // (docs/PACKAGE.md, "Requests on disk"): what hstu-export request writes and hstu-export-run reads.
