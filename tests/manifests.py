@@ -3,7 +3,9 @@ that what the loader refuses is the edit itself, not a checksum."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,3 +24,19 @@ def rewrite_manifest(package: Path, edit: Callable[[dict[str, Any]], Any]) -> No
     manifest = json.loads((package / "manifest.json").read_text())
     edit(manifest)
     write_manifest_bytes(package, json.dumps(manifest).encode())
+
+
+def rewrite_tables_header(package: Path, edit: Callable[[dict[str, Any]], Any],
+                          relpath: str = "sparse/tables.safetensors") -> None:
+    """The package's tables file with its safetensors header after ``edit`` (in place), its bytes unchanged, and the
+    file's checksum in the manifest updated: what the loader refuses is the header itself."""
+    path = package / relpath
+    data = path.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    rewrite_manifest(package, lambda m: m["files"].update({relpath: digest}))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from manifests import rewrite_manifest, write_manifest_bytes
+from manifests import rewrite_manifest, rewrite_tables_header, write_manifest_bytes
 
 import hstu_export
 from hstu_export import ExportSettings, VerifySettings, generate_batch, save_bundle
@@ -204,14 +204,22 @@ def _set_path(manifest: dict, value: str) -> None:
      "manifest.json does not match manifest.sha256"),
     (lambda p: (p / "manifest.sha256").unlink(), "manifest.sha256 is missing"),
     (lambda p: rewrite_manifest(p, lambda m: m.update(format_version=3)),
-     "is package format 3; this runtime reads format 4"),
+     "is package format 3; this runtime reads formats 4 to 5"),
+    (lambda p: rewrite_tables_header(p, lambda h: h[next(k for k in h if k.endswith("item.weight"))].update(
+        shape=[999, 32])), "of another shape than the manifest's [1000, 32] (the shape its program was compiled for)"),
+    (lambda p: rewrite_tables_header(p, lambda h: h[next(k for k in h if k.endswith("item.weight"))].update(
+        data_offsets=[0, 8])), "whose bytes are not 32000 aligned values inside the file"),
+    (lambda p: rewrite_manifest(p, lambda m: m["artifacts"]["sparse"].pop("constants")),
+     "'artifacts.sparse.constants' is missing"),
+    (lambda p: rewrite_manifest(p, lambda m: m["artifacts"]["sparse"]["constants"]["tensors"].pop()),
+     "which the manifest does not list"),
     (lambda p: rewrite_manifest(p, lambda m: _set_path(m, "../sparse.pt2")), "is not a plain relative path"),
     (lambda p: rewrite_manifest(p, lambda m: m.update(op_libraries=["os"])), "names the op library 'os'"),
     (lambda p: rewrite_manifest(p, lambda m: m.update(op_libraries=["hstu_export.ops"])),
      "defined in Python only; re-export with --op-target aten"),
     (lambda p: rewrite_manifest(p, lambda m: m["versions"].update(torch="1.13.1")), "was built with torch 1.13.1"),
     (lambda p: rewrite_manifest(p, lambda m: m["backend"].update(name="onnx")), "the C++ runtime serves aoti"),
-    (lambda p: write_manifest_bytes(p, b'{"format": "hstu-export-package", "format_version": 4,'), "is not valid JSON"),
+    (lambda p: write_manifest_bytes(p, b'{"format": "hstu-export-package", "format_version": 5,'), "is not valid JSON"),
     (lambda p: write_manifest_bytes(p, b'[' * 100000), "nested deeper than 64 levels"),
 ])
 def test_bad_packages_are_refused_in_one_line(runner, packages, tmp_path, tamper, message) -> None:

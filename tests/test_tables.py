@@ -1,0 +1,154 @@
+"""Tables outside the program (hstu_export/package/tables.py, the aoti backend's sparse half): stored once in a
+safetensors file whose bytes depend only on the tables, read back memory-mapped with its header checked against
+the manifest, handed to the compiled program; a dense-only re-export publishes no table bytes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from manifests import rewrite_manifest, rewrite_tables_header
+
+import hstu_export
+from hstu_export import ExportSettings, VerifySettings, export, generate_batch, save_bundle
+from hstu_export.errors import PackageError
+from hstu_export.models import build_preset
+from hstu_export.package.publish import publish
+from hstu_export.package.tables import read_tables, write_tables
+
+TABLES = "sparse/tables.safetensors"
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {"item": torch.randn(7, 3), "half": torch.randn(5, 2).half(), "brain": torch.randn(3, 4).bfloat16(),
+            "ids": torch.arange(9, dtype=torch.int8), "empty": torch.zeros(0, 4), "long": torch.arange(3)}
+
+
+def test_tables_round_trip_as_one_read_only_mapping(tmp_path) -> None:
+    tensors = _tensors()
+    entries = write_tables(tmp_path / "t.safetensors", tensors)
+    assert [e["name"] for e in entries] == sorted(tensors)
+    assert {e["name"]: (e["dtype"], e["shape"]) for e in entries}["brain"] == ("bfloat16", [3, 4])
+    back = read_tables(tmp_path / "t.safetensors", entries, "t")
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    # Views of one mapping of the file, not copies.
+    storages = {back[n].untyped_storage().data_ptr() for n in tensors if tensors[n].numel()}
+    assert len(storages) == 1
+    assert str(tmp_path / "t.safetensors") in Path("/proc/self/maps").read_text()
+
+
+def test_the_same_tables_write_the_same_bytes(tmp_path) -> None:
+    tensors = _tensors()
+    write_tables(tmp_path / "a", tensors)
+    write_tables(tmp_path / "b", dict(reversed(list(tensors.items()))))
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
+    write_tables(tmp_path / "c", dict(tensors, item=tensors["item"] + 1))
+    assert (tmp_path / "a").read_bytes() != (tmp_path / "c").read_bytes()
+
+
+def _edit_header(path: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    data = path.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda p: p.write_bytes(b"\x01\x00"), "its header length is missing"),
+    (lambda p: p.write_bytes(struct.pack("<Q", 1 << 40) + p.read_bytes()[8:]), "does not fit its"),
+    (lambda p: p.write_bytes(struct.pack("<Q", 16) + b"{not json}      " + b"\0" * 16), "cannot be read as a safetensors"),
+    (lambda p: p.write_bytes(struct.pack("<Q", 8) + b"[1, 2]  " + b"\0" * 16), "not a JSON object"),
+    (lambda p: _edit_header(p, lambda h: h.pop("item")), "lacks 'item'"),
+    (lambda p: _edit_header(p, lambda h: h.update(extra=h["item"])), "holds 'extra', which the manifest does not list"),
+    (lambda p: _edit_header(p, lambda h: h["item"].update(dtype="F16")), "table 'item' has dtype F16, the manifest says "
+                                                                         "float32"),
+    (lambda p: _edit_header(p, lambda h: h["item"].update(shape=[6, 3])), "has shape [6, 3], the manifest says [7, 3]"),
+    (lambda p: _edit_header(p, lambda h: h["item"].update(data_offsets=[0, 10 ** 9])), "are not 21 aligned float32"),
+    (lambda p: _edit_header(p, lambda h: h["item"].update(data_offsets=[2, 86])), "are not 21 aligned float32"),
+    (lambda p: _edit_header(p, lambda h: h["item"].update(data_offsets=[0])), "are not 21 aligned float32"),
+])
+def test_a_damaged_tables_file_is_refused_in_one_line(tmp_path, damage, message) -> None:
+    path = tmp_path / "t.safetensors"
+    entries = write_tables(path, _tensors())
+    damage(path)
+    with pytest.raises(PackageError) as info:
+        read_tables(path, entries, "pkg: t.safetensors")
+    assert message in str(info.value) and "re-export the package" in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def dense_update(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The tiny preset exported with aoti, then again after a change to its dense weights only (a training job
+    publishing its dense half): the two packages, the request they are checked on, and the tables' names."""
+    root = tmp_path_factory.mktemp("tables")
+    model = build_preset("tiny", seed=5)
+    examples = generate_batch(model.input_schema(), 4, seed=6)
+    settings = ExportSettings(backend="aoti", max_batch_size=4, verify=VerifySettings(num_random_batches=1))
+    first = export(save_bundle(model, root / "a.pt", examples), root / "a", settings)
+    tables = {t["name"] for t in first.manifest["artifacts"]["sparse"]["constants"]["tensors"]}
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name not in tables:
+                parameter.mul_(1.25)
+    second = export(save_bundle(model, root / "b.pt", examples), root / "b", settings)
+    return Path(first.path), Path(second.path), generate_batch(model.input_schema(), 3, seed=9), tables
+
+
+def test_the_sparse_program_gathers_from_the_tables_file(dense_update) -> None:
+    first, _, request, tables = dense_update
+    manifest = json.loads((first / "manifest.json").read_text())
+    assert manifest["format_version"] == 5 and manifest["artifacts"]["sparse"]["format"] == "aoti"
+    assert manifest["artifacts"]["sparse"]["constants"]["file"] == TABLES and TABLES in manifest["files"]
+    assert {n.rsplit(".", 2)[-2] for n in tables} == {"item", "action", "ctx_user_id", "ctx_user_age"}
+    # Stored once: the compiled program holds none of the tables' bytes.
+    item = read_tables(first / TABLES, manifest["artifacts"]["sparse"]["constants"]["tensors"], "t")[
+        "sparse_arch.embedding_collection.embeddings.item.weight"]
+    assert item.numel() == 1000 * 32
+    assert item[:8].contiguous().numpy().tobytes() not in (first / "sparse" / "sparse.pt2").read_bytes()
+    predictor = hstu_export.load(first)
+    assert str((first / TABLES).resolve()) in Path("/proc/self/maps").read_text()  # gathered in place
+    answers = predictor(request)
+    assert all(torch.isfinite(v).all() for v in answers.values())
+
+
+def test_a_dense_update_publishes_no_table_bytes(dense_update, tmp_path) -> None:
+    first, second, request, _ = dense_update
+    assert (first / TABLES).read_bytes() == (second / TABLES).read_bytes()
+    old, new = hstu_export.load(first)(request), hstu_export.load(second)(request)
+    assert any(not torch.equal(old[n], new[n]) for n in old)  # the dense half did change
+    root = tmp_path / "ranker"
+    publish(first, root)
+    two = publish(second, root)
+    assert TABLES in two.linked and TABLES not in two.copied
+    assert (root / "1" / TABLES).stat().st_ino == (root / "2" / TABLES).stat().st_ino
+    for name, value in hstu_export.load(root)(request).items():
+        assert torch.equal(value, new[name])
+
+
+@pytest.mark.parametrize(("tamper", "message"), [
+    (lambda p: rewrite_tables_header(p, lambda h: h[next(k for k in h if k.endswith("item.weight"))].update(
+        shape=[999, 32])), "has shape [999, 32], the manifest says [1000, 32] (the shape its program was compiled for)"),
+    (lambda p: rewrite_manifest(p, lambda m: m["artifacts"]["sparse"].pop("constants")),
+     "manifest field artifacts.sparse.constants: missing"),
+    (lambda p: rewrite_manifest(p, lambda m: m["artifacts"]["sparse"]["constants"]["tensors"].pop()),
+     "which the manifest does not list"),
+    (lambda p: rewrite_manifest(p, lambda m: m["artifacts"]["sparse"]["constants"].update(file="dense/dense.pt2")),
+     "dense/dense.pt2 is also backend.files.dense"),
+])
+def test_a_package_with_tampered_tables_is_refused(dense_update, tmp_path, tamper, message) -> None:
+    package = tmp_path / "pkg"
+    shutil.copytree(dense_update[0], package)
+    tamper(package)
+    with pytest.raises(PackageError) as info:
+        hstu_export.load(package)
+    assert message in str(info.value), str(info.value)
