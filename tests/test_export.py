@@ -335,13 +335,14 @@ def test_stock_loaders_refuse_requests_beyond_the_exported_ranges(packages, back
 def test_compiled_programs_are_called_by_keyword_as_torch_calls_them(packages):
     """The loaded programs take the keyword call (their call spec read once, not on every request), with torch's
     answers; anything else still goes through torch's wrapper and its errors."""
-    from hstu_export.runtimes.aoti import _load_pt2
+    from hstu_export.runtimes.aoti import _hand_tables, _load_pt2
 
     result = packages["aoti"]
     manifest, root = result.manifest, result.path
     schema = hstu_export.InputSchema.from_json(manifest["input_schema"])
     inputs = schema.to_graph_inputs(generate_batch(schema, 3, seed=4))
     sparse, dense = (_load_pt2(root / manifest["backend"]["files"][role]) for role in ("sparse", "dense"))
+    _hand_tables(sparse, root, manifest["artifacts"]["sparse"]["constants"], torch.device("cpu"))
     assert sparse._keywords == manifest["sparse_input_names"] and dense._keywords == manifest["dense_input_names"]
     features = {n: inputs[n] for n in manifest["sparse_input_names"]}
     returned = sparse(**features)
