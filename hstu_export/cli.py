@@ -525,8 +525,12 @@ def sign(package: str, private_key: str, verbose: bool) -> None:
               help="torch.save the outputs here, as one dict.")
 @click.option("--output-dir", type=click.Path(file_okay=False), default=None,
               help="Write the outputs here, one <name>.pt per output (what hstu-export-run --out writes).")
+@click.option("--tables-device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="Where the tables stored beside a compiled sparse half live (default: the package's device). "
+                   "cpu: pinned host memory the GPU reads, for tables larger than the GPU's memory.")
 @_verbose_option
-def run(package: str, batch_path: str, output: str | None, output_dir: str | None, verbose: bool) -> None:
+def run(package: str, batch_path: str, output: str | None, output_dir: str | None, tables_device: str | None,
+        verbose: bool) -> None:
     """Run a package on one batch and print its outputs."""
     from pathlib import Path
 
@@ -540,7 +544,7 @@ def run(package: str, batch_path: str, output: str | None, output_dir: str | Non
         check_output_file(Path(output), "--output")
     if output_dir:
         check_new_output_dir(Path(output_dir), "--output-dir")
-    predictor = load(package)
+    predictor = load(package, tables_device=tables_device)
     batch = load_batch_file(batch_path)
     outputs = predictor(batch)
     table = Table("output", "shape", "dtype", "first values", box=None, pad_edge=False)

@@ -213,12 +213,13 @@ class AotiBackend(Backend):
         sparse_file, libraries = compile_sparse(inputs, out_dir)
         return sparse_file, libraries, {"format": "torchscript", "reason": reason}, None
 
-    def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device) -> Runner:
+    def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device,
+             tables_device: torch.device | None = None) -> Runner:
         fields = backend_fields(manifest, root)
         path = fields.artifact(root, "dense")
         if fields.backend.files.get("sparse", "").endswith(".pt2"):
             sparse = load_sparse_program(root, fields, fields.backend.meta.get("sparse_program"),
-                                         _sparse_constants(manifest), device)
+                                         _sparse_constants(manifest), device, tables_device)
         else:
             sparse = load_sparse(root, fields, device)
         try:
@@ -251,12 +252,12 @@ def _sparse_constants(manifest: BackendFields | dict[str, Any]) -> dict[str, Any
 
 
 def load_sparse_program(root: Path, fields: BackendFields, meta: Any, constants: dict[str, Any] | None = None,
-                        device: torch.device | None = None) -> Runner:
+                        device: torch.device | None = None, tables_device: torch.device | None = None) -> Runner:
     """The compiled sparse half: features -> the boundary tensors by name (its outputs are in the order of
     ``sparse_output_names``). A refusal by one of its range checks is worded as the TorchScript sparse half
     words it (``meta``: the manifest's backend.meta.sparse_program, whose ``range_checks`` name them).
     ``constants`` (``artifacts.sparse.constants``): its tables, read from their file and handed to it, on
-    ``device``."""
+    ``device`` or, with ``tables_device`` cpu for a CUDA program, in pinned host memory."""
     checks = meta.get("range_checks") if isinstance(meta, dict) else None
     bounds = [which for _, which in RANGE_CHECK_MESSAGES]
     checks = {str(k): v for k, v in checks.items() if isinstance(v, list) and len(v) == 2
@@ -269,7 +270,7 @@ def load_sparse_program(root: Path, fields: BackendFields, meta: Any, constants:
         raise PackageError(f"{root}: AOTInductor could not load {fields.backend.files['sparse']}: "
                            f"{plain_first_line(exc)}") from exc
     if constants is not None:
-        _hand_tables(program, root, constants, device or torch.device("cpu"))
+        _hand_tables(program, root, constants, device or torch.device("cpu"), tables_device)
 
     def run(features: Features) -> Features:
         try:
@@ -285,9 +286,12 @@ def load_sparse_program(root: Path, fields: BackendFields, meta: Any, constants:
     return run
 
 
-def _hand_tables(program: _Serialised, root: Path, constants: dict[str, Any], device: torch.device) -> None:
+def _hand_tables(program: _Serialised, root: Path, constants: dict[str, Any], device: torch.device,
+                 tables_device: torch.device | None = None) -> None:
     """Reads the tables file (memory-mapped, its header checked against the manifest) and hands its tensors to
-    ``program`` as constants it uses in place: on CPU the mapped file itself, on CUDA one copy on the device."""
+    ``program`` as constants it uses in place: on CPU the mapped file itself; on CUDA one copy on the device, or
+    with ``tables_device`` cpu one copy in pinned host memory, which the program's gathers read over the bus
+    (unified addressing), so tables larger than the device's memory serve."""
     relpath = str(constants["file"])
     path = resolve_inside(root, relpath, "artifacts.sparse.constants.file")
     tables = read_tables(path, list(constants["tensors"]), f"{root}: {relpath}")
@@ -296,8 +300,34 @@ def _hand_tables(program: _Serialised, root: Path, constants: dict[str, Any], de
         raise PackageError(f"{root}: the sparse program takes the table {missing[0]!r}, which {relpath} does not "
                            "hold; re-export the package")
     if device.type != "cpu":
-        tables = {name: tensor.to(device) for name, tensor in tables.items()}
+        on_host = tables_device is not None and tables_device.type == "cpu"
+        try:
+            tables = {name: _pinned_for(tensor, device) if on_host else tensor.to(device) for name, tensor in tables.items()}
+        except torch.OutOfMemoryError:
+            size = sum(t.numel() * t.element_size() for t in tables.values()) / (1 << 30)
+            raise PackageError(f"{root}: its tables ({size:.2f} GiB) do not fit in this process's GPU memory; serve "
+                               "them from host memory (tables_device='cpu', --tables-device cpu)") from None
     program.use_constants(tables)
+
+
+class _PinnedBytes:
+    """A pinned host copy of a tensor's bytes, offered to torch as device memory: with CUDA's unified addressing a
+    pinned host page has one address on the host and the device, and a kernel reads it over the bus. (AOTInductor
+    takes a CUDA program's constants only as CUDA tensors.) torch keeps this object alive with the view."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.pinned = tensor.contiguous().pin_memory()
+        self.__cuda_array_interface__ = {"shape": (self.pinned.numel() * self.pinned.element_size(),),
+                                         "typestr": "|u1", "data": (self.pinned.data_ptr(), False), "version": 3,
+                                         "strides": None, "stream": None}
+
+
+def _pinned_for(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` in pinned host memory, as a CUDA tensor of ``device`` over that memory (no copy on the device)."""
+    if tensor.numel() == 0:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    raw = torch.as_tensor(_PinnedBytes(tensor), device=device)
+    return raw.view(tensor.dtype).view(tensor.shape)
 
 
 def package_op_libraries(path: Path) -> set[str]:

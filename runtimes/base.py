@@ -135,8 +135,11 @@ class Backend(abc.ABC):
         """Write this backend's files into ``out_dir`` (the package being built)."""
 
     @abc.abstractmethod
-    def load(self, root: Path, manifest: dict[str, Any], device: torch.device) -> Runner:
-        """A callable features -> outputs over the files ``compile`` wrote."""
+    def load(self, root: Path, manifest: dict[str, Any], device: torch.device,
+             tables_device: torch.device | None = None) -> Runner:
+        """A callable features -> outputs over the files ``compile`` wrote. ``tables_device``: where tables stored
+        outside their program live (``artifacts.<role>.constants``; None: on ``device``); ``load`` refuses it for
+        a package without such tables, so a backend that never writes them ignores it."""
 
 
 def torch_dynamic_shapes(

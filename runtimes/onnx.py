@@ -119,7 +119,8 @@ class OnnxBackend(Backend):
         return BackendArtifacts(files={"sparse": sparse, "dense": DENSE_FILE}, meta={"opset": OPSET},
                                 op_libraries=sparse_libraries)
 
-    def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device) -> Runner:
+    def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device,
+             tables_device: torch.device | None = None) -> Runner:
         import onnxruntime as ort
 
         fields = backend_fields(manifest, root)

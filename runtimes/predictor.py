@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hstu_export.errors import HstuExportError, PackageError, RequestError
+from hstu_export.errors import ConfigError, HstuExportError, PackageError, RequestError
 from hstu_export.package.directory import load_manifest, recover_interrupted_replace
 from hstu_export.package.manifest import OP_LIBRARIES, Manifest, as_manifest
 from hstu_export.package.publish import current_path, is_published_root
@@ -157,7 +157,6 @@ class Predictor:
                             max_time_drift=max_time_drift)
 
     def _derived_kv_cache(self, budget_bytes: int | None, max_time_drift: int, cuda_graphs: bool | None) -> Any:
-        from hstu_export.errors import ConfigError
         from hstu_export.runtimes.kv_derived import PackageDerived
         from hstu_export.serving.kv_cache import page_bytes
         from hstu_export.serving.kv_derived import DerivedCachedRanker
@@ -290,11 +289,31 @@ def load_op_libraries(names: list[str] | tuple[str, ...], root: Path) -> None:
             ) from None
 
 
-def load(path: str | Path, *, verify_checksums: bool = True, require_signature: str | Path | None = None) -> Predictor:
+def _tables_device(manifest: Manifest, root: Path, device: torch.device, asked: str | None) -> torch.device | None:
+    """Where ``load`` puts the package's tables stored outside their program (None: on ``device``)."""
+    if asked is None:
+        return None
+    if asked not in ("cpu", "cuda"):
+        raise ConfigError(f"tables device {str(asked)[:40]!r}: expected cpu or cuda")
+    if not any("constants" in entry for entry in manifest.artifacts.values()):
+        raise ConfigError(f"{root} keeps its tables inside its programs (its sparse half is "
+                          f"{manifest.artifacts.get('sparse', manifest.artifacts.get('model', {})).get('format')}): "
+                          "only an aoti package whose sparse half is compiled stores them apart; serve it without a "
+                          "tables device")
+    if asked == "cuda" and device.type != "cuda":
+        raise ConfigError(f"{root} is a {device.type} package: its tables cannot live on cuda (tables device cpu, "
+                          "or none)")
+    return torch.device(asked)
+
+
+def load(path: str | Path, *, verify_checksums: bool = True, require_signature: str | Path | None = None,
+         tables_device: str | None = None) -> Predictor:
     """Load a package written by ``hstu_export.export`` / ``hstu-export MODEL``, or the current version of a
     directory ``hstu-export publish`` writes. With
     ``require_signature`` (a public key, PEM), the package must carry a signature by its private key over
-    exactly its files (``hstu-export sign``), checked before anything of it is read."""
+    exactly its files (``hstu-export sign``), checked before anything of it is read. ``tables_device``
+    (``cpu`` or ``cuda``; default: the package's device): where the tables stored beside a compiled sparse program
+    live; ``cpu`` serves a CUDA package whose tables exceed the GPU's memory from pinned host memory."""
     root = Path(path)
     if is_published_root(root):  # hstu-export publish's directory: its current version
         root = current_path(root)
@@ -308,5 +327,5 @@ def load(path: str | Path, *, verify_checksums: bool = True, require_signature: 
     device = check_environment(manifest, root)
     load_op_libraries(manifest.op_libraries, root)
     backend = get_backend(manifest.backend.name)  # a registered name: parse_manifest checked it
-    runner = backend.load(root, manifest, device)
+    runner = backend.load(root, manifest, device, _tables_device(manifest, root, device, tables_device))
     return Predictor(root, manifest, runner, device)

@@ -304,7 +304,8 @@ class TensorRTBackend(Backend):
             op_libraries=sorted(set(sparse_libraries) | {RUNTIME_LIBRARY}),
         )
 
-    def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device) -> Runner:
+    def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device,
+             tables_device: torch.device | None = None) -> Runner:
         fields = backend_fields(manifest, root)
         try:
             import tensorrt

@@ -50,7 +50,8 @@ class TorchScriptBackend(Backend):
         save_script(scripted, out_dir / MODEL_FILE)
         return BackendArtifacts(files={"model": MODEL_FILE}, meta=meta, op_libraries=scripted_op_libraries(scripted))
 
-    def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device) -> Runner:
+    def load(self, root: Path, manifest: BackendFields | dict[str, Any], device: torch.device,
+             tables_device: torch.device | None = None) -> Runner:
         fields = backend_fields(manifest, root)
         path = fields.artifact(root, "model")
         try:

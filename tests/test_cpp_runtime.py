@@ -240,6 +240,13 @@ def test_usage_errors(runner, packages, tmp_path) -> None:
     assert done.returncode == 2 and "--repeat needs a positive integer" in done.stderr
     done = runner.run("--help")
     assert done.returncode == 0 and "usage: hstu-export-run PACKAGE REQUEST_DIR" in done.stdout
+    done = runner.run(packages["aoti"], tmp_path, "--tables-device", "gpu")
+    assert done.returncode == 2 and "--tables-device needs cpu or cuda" in done.stderr
+    request = write_request(packages["aoti"], tmp_path / "request", 1, 50)
+    done = runner.run(packages["aoti"], request, "--tables-device", "cuda")
+    assert done.returncode == 1 and "is a cpu package: its tables cannot live on cuda" in done.stderr
+    done = runner.run(packages["aoti"], request, "--tables-device", "cpu", "--out", tmp_path / "out")
+    assert done.returncode == 0 and (tmp_path / "out").is_dir()
     done = runner.run(packages["aoti"], tmp_path / "nothing")
     assert done.returncode == 1 and "no such directory of tensors" in done.stderr
     (tmp_path / "bad").mkdir()

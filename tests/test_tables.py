@@ -152,3 +152,25 @@ def test_a_package_with_tampered_tables_is_refused(dense_update, tmp_path, tampe
     with pytest.raises(PackageError) as info:
         hstu_export.load(package)
     assert message in str(info.value), str(info.value)
+
+
+def test_tables_device_is_refused_where_it_cannot_apply(dense_update, tiny_serving_package, tmp_path, capsys) -> None:
+    from hstu_export.cli import main
+    from hstu_export.errors import ConfigError
+
+    first = dense_update[0]
+    request = dense_update[2]
+    on_host = hstu_export.load(first, tables_device="cpu")  # a CPU package: its tables are on the host already
+    for name, value in on_host(request).items():
+        assert torch.equal(value, hstu_export.load(first)(request)[name])
+    with pytest.raises(ConfigError, match="is a cpu package: its tables cannot live on cuda"):
+        hstu_export.load(first, tables_device="cuda")
+    with pytest.raises(ConfigError, match="tables device 'gpu': expected cpu or cuda"):
+        hstu_export.load(first, tables_device="gpu")
+    with pytest.raises(ConfigError, match="keeps its tables inside its programs .*torchscript"):
+        hstu_export.load(tiny_serving_package, tables_device="cpu")
+    from hstu_export.package.tensor_dir import save_tensors
+
+    folder = save_tensors(request, tmp_path / "request")
+    assert main(["run", str(tiny_serving_package), "--batch", str(folder), "--tables-device", "cpu"]) == 2
+    assert "keeps its tables inside its programs" in capsys.readouterr().err

@@ -25,6 +25,7 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: hstu-export-run PACKAGE REQUEST_DIR [--out DIR] [--op-library-dir DIR]... [--no-verify-checksums]\n"
+    "                       [--tables-device cpu|cuda]\n"
     "                       [--repeat N] [--warmup N] [--threads N] [--phase-times] [--quiet]\n"
     "       hstu-export-run PACKAGE REQUEST_DIR... --kv-cache BUDGET --user-ids IDS... [--max-time-drift S] [...]\n"
     "\n"
@@ -37,6 +38,10 @@ constexpr const char* kUsage =
     "  --op-library-dir DIR   where op libraries such as fbgemm_gpu_py.so are (repeatable; also\n"
     "                         $HSTU_EXPORT_OP_LIBRARY_PATH, ':'-separated, and the build's defaults)\n"
     "  --no-verify-checksums  skip the per-file sha256 check (manifest.sha256 is still checked)\n"
+    "  --tables-device cpu|cuda\n"
+    "                         where the tables stored beside a compiled sparse half live (default: the\n"
+    "                         package's device); cpu: pinned host memory the GPU reads, for tables larger\n"
+    "                         than the GPU's memory\n"
     "  --repeat N             run N more times and print the latency (median and p99, ms)\n"
     "  --warmup N             before those, N runs that are not timed, in each thread (TorchScript optimises\n"
     "                         its graph on the first runs, CUDA kernels load on first use)\n"
@@ -145,6 +150,11 @@ Args parse(int argc, char** argv) {
       args.options.op_library_dirs.push_back(value());
     } else if (arg == "--no-verify-checksums") {
       args.options.verify_checksums = false;
+    } else if (arg == "--tables-device") {
+      args.options.tables_device = value();
+      if (args.options.tables_device != "cpu" && args.options.tables_device != "cuda") {
+        usage_error("--tables-device needs cpu or cuda");
+      }
     } else if (arg == "--repeat") {
       args.repeat = positive(arg, value());
     } else if (arg == "--warmup") {

@@ -925,6 +925,18 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
       throw PackageError(path + ": TorchScript could not load " + impl->artifacts[role].file + ": " + error_text(exc));
     }
   };
+  if (!options.tables_device.empty()) {
+    if (options.tables_device != "cpu" && options.tables_device != "cuda") {
+      throw PackageError("tables device " + in_quotes(options.tables_device) + ": expected cpu or cuda");
+    }
+    if (impl->artifacts.count("sparse") == 0 || impl->artifacts["sparse"].constants_file.empty()) {
+      throw PackageError(path + " keeps its tables inside its programs: only an aoti package whose sparse half is "
+                         "compiled stores them apart; serve it without a tables device");
+    }
+    if (options.tables_device == "cuda" && !impl->device.is_cuda()) {
+      throw PackageError(path + " is a cpu package: its tables cannot live on cuda (tables device cpu, or none)");
+    }
+  }
   if (impl->backend == "torchscript") {
     impl->model = load_script("model");
   } else {
@@ -941,7 +953,33 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
       const Artifact& sparse = impl->artifacts["sparse"];
       if (!sparse.constants_file.empty()) {
         const std::string what = path + ": " + sparse.constants_file;
-        auto tables = detail::read_tables(listed.at(sparse.constants_file).string(), sparse.constants, impl->device, what);
+        const bool on_host = options.tables_device == "cpu" && impl->device.is_cuda();
+        std::unordered_map<std::string, at::Tensor> tables;
+        try {
+          tables = detail::read_tables(listed.at(sparse.constants_file).string(), sparse.constants,
+                                       on_host ? c10::Device(c10::kCPU) : impl->device, what);
+        } catch (const c10::OutOfMemoryError&) {
+          throw PackageError(what + ": its tables do not fit in this process's GPU memory; serve them from host " +
+                             "memory (--tables-device cpu)");
+        }
+        if (on_host) {
+          // A pinned host copy, handed to the program as a CUDA tensor over that memory: with unified addressing a
+          // pinned page has one address on the host and the device, and its kernels read it over the bus.
+          // (AOTInductor takes a CUDA program's constants only as CUDA tensors.)
+          const auto cuda = impl->device;
+          for (auto& [name, table] : tables) {
+            if (table.numel() == 0) {
+              table = at::empty(table.sizes(), table.options().device(cuda));
+              continue;
+            }
+            at::Tensor pinned = table.contiguous().pin_memory();
+            table = at::for_blob(pinned.data_ptr(), pinned.sizes())
+                        .options(pinned.options().device(cuda))
+                        .target_device(cuda)
+                        .deleter([pinned](void*) {})
+                        .make_tensor();
+          }
+        }
         try {
           impl->sparse_program->use_constants(std::move(tables), what);
         } catch (const PackageError&) {

@@ -51,6 +51,10 @@ struct Options {
   // AOTInductor model instances that may run at once on CPU; calls beyond wait for a free one. On CUDA
   // calls launch their kernels one at a time and never wait on the host for an earlier call's GPU work.
   size_t concurrency = 1;
+  // Where the tables stored beside a compiled sparse program live (artifacts.sparse.constants): "" on the package's
+  // device; "cpu" for a CUDA package: in pinned host memory, read by the program over the bus (unified addressing),
+  // so tables larger than the GPU's memory serve. A package that keeps its tables inside its programs refuses it.
+  std::string tables_device;
 };
 
 // One request feature, as the manifest's input_schema describes it.
