@@ -4,9 +4,9 @@ by ``aoti_compile_and_package`` into one ``.pt2`` (CPU or CUDA).
 The sparse graph is compiled the same way into its own ``.pt2`` when it is plain tensor code: every
 torchrec lookup lowered to gathers (passes/lower_embeddings.py), its range checks read from the device
 once. Its tables are not compiled into it: they are stored once beside it (``sparse/tables.safetensors``,
-hstu_export/package/tables.py) and handed to the program when it is loaded. A sparse graph that still calls torchrec (a lookup the pass kept, a KeyedJaggedTensor or KeyedTensor it
-builds), or that torch.export refuses, is stored as TorchScript instead, and the backend's manifest meta
-says why (``sparse_program``)."""
+hstu_export/package/tables.py) and handed to the program when it is loaded. A sparse graph that still calls
+torchrec (a lookup the pass kept, a KeyedJaggedTensor or KeyedTensor it builds), or that torch.export refuses,
+is stored as TorchScript instead, tables inside, and the backend's manifest meta says why (``sparse_program``)."""
 
 from __future__ import annotations
 

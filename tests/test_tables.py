@@ -29,7 +29,7 @@ def _tensors() -> dict[str, torch.Tensor]:
             "ids": torch.arange(9, dtype=torch.int8), "empty": torch.zeros(0, 4), "long": torch.arange(3)}
 
 
-def test_tables_round_trip_as_one_read_only_mapping(tmp_path) -> None:
+def test_tables_round_trip_as_views_of_one_mapping(tmp_path) -> None:
     tensors = _tensors()
     entries = write_tables(tmp_path / "t.safetensors", tensors)
     assert [e["name"] for e in entries] == sorted(tensors)

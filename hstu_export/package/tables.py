@@ -5,9 +5,9 @@ constants (docs/PACKAGE.md "Tables outside the program").
 The file is written by the safetensors library: an 8-byte little-endian header length, a JSON header
 (each tensor's dtype, shape and byte range), the tensors' bytes. Its bytes depend only on the tensors,
 so a re-export with the same tables writes the same file (``publish`` then hard-links it instead of
-copying). It is read back memory-mapped: on CPU the program gathers straight from the mapped file (the
-page cache, shared by every process that serves the package); on CUDA each tensor is copied to the device
-once, at load.
+copying). It is read back memory-mapped (a private mapping: nothing is ever written to the file): on CPU the
+program gathers straight from the mapped pages (the page cache, shared by every process that serves the
+package); on CUDA each tensor is copied to the device once, at load, or to pinned host memory.
 
 A package is untrusted input, and AOTInductor checks neither the shape nor the dtype of a constant it is
 given: a table shorter than the one compiled would be read past its end. So the file's header must name
@@ -58,7 +58,7 @@ def write_tables(path: Path, tensors: dict[str, Tensor]) -> list[dict[str, Any]]
 
 
 def read_tables(path: Path, expected: list[dict[str, Any]], what: str) -> dict[str, Tensor]:
-    """The tensors of ``path`` by name, as CPU tensors over one read-only mapping of the file, after checking
+    """The tensors of ``path`` by name, as CPU tensors over one private mapping of the file, after checking
     its header against ``expected`` (the manifest's entries). ``what`` names the file in errors."""
     try:
         size = path.stat().st_size

@@ -958,27 +958,27 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
         try {
           tables = detail::read_tables(listed.at(sparse.constants_file).string(), sparse.constants,
                                        on_host ? c10::Device(c10::kCPU) : impl->device, what);
-        } catch (const c10::OutOfMemoryError&) {
-          throw PackageError(what + ": its tables do not fit in this process's GPU memory; serve them from host " +
-                             "memory (--tables-device cpu)");
-        }
-        if (on_host) {
-          // A pinned host copy, handed to the program as a CUDA tensor over that memory: with unified addressing a
-          // pinned page has one address on the host and the device, and its kernels read it over the bus.
-          // (AOTInductor takes a CUDA program's constants only as CUDA tensors.)
-          const auto cuda = impl->device;
-          for (auto& [name, table] : tables) {
-            if (table.numel() == 0) {
-              table = at::empty(table.sizes(), table.options().device(cuda));
-              continue;
+          if (on_host) {
+            // A pinned host copy, handed to the program as a CUDA tensor over that memory: with unified addressing a
+            // pinned page has one address on the host and the device, and its kernels read it over the bus.
+            // (AOTInductor takes a CUDA program's constants only as CUDA tensors.)
+            const auto cuda = impl->device;
+            for (auto& [name, table] : tables) {
+              if (table.numel() == 0) {
+                table = at::empty(table.sizes(), table.options().device(cuda));
+                continue;
+              }
+              at::Tensor pinned = table.contiguous().pin_memory();
+              table = at::for_blob(pinned.data_ptr(), pinned.sizes())
+                          .options(pinned.options().device(cuda))
+                          .target_device(cuda)
+                          .deleter([pinned](void*) {})
+                          .make_tensor();
             }
-            at::Tensor pinned = table.contiguous().pin_memory();
-            table = at::for_blob(pinned.data_ptr(), pinned.sizes())
-                        .options(pinned.options().device(cuda))
-                        .target_device(cuda)
-                        .deleter([pinned](void*) {})
-                        .make_tensor();
           }
+        } catch (const c10::OutOfMemoryError&) {
+          throw PackageError(what + ": its tables do not fit in this process's " + (on_host ? "pinned host" : "GPU") +
+                             " memory" + (on_host ? "" : "; serve them from host memory (--tables-device cpu)"));
         }
         try {
           impl->sparse_program->use_constants(std::move(tables), what);
