@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import re
+import zipfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,12 @@ def op_calls(module: torch.nn.Module) -> Counter[str]:
 
 
 def scripted_op_libraries(module: torch.jit.ScriptModule) -> list[str]:
-    """Op libraries a scripted module needs at load time (torchrec's scripted code calls fbgemm ops)."""
+    """Op libraries a scripted module needs at load time (torchrec's scripted code calls fbgemm ops).
+
+    Loading compiles every function and method of the archive's code, not only those ``forward`` reaches: a
+    scripted torchrec class (JaggedTensor) brings all its methods, and an op one of them names must be registered
+    even if no request ever calls it. So the namespaces are read from the serialised code too, beside the
+    graph's own nodes."""
     kinds: set[str] = set()
     graph = module.inlined_graph  # keep it alive while its nodes are walked
     pending = [graph.nodes()]
@@ -41,7 +47,17 @@ def scripted_op_libraries(module: torch.jit.ScriptModule) -> list[str]:
         for node in pending.pop():
             kinds.add(node.kind().split("::")[0])
             pending.extend(block.nodes() for block in node.blocks())
+    buffer = io.BytesIO()
+    torch.jit.save(module, buffer)
+    with zipfile.ZipFile(buffer) as archive:
+        for name in archive.namelist():
+            if "/code/" in name and name.endswith(".py"):
+                kinds.update(_SERIALISED_OP.findall(archive.read(name).decode("utf-8", "replace")))
     return sorted({OP_LIBRARY_MODULES.get(ns, ns) for ns in kinds - BUILTIN_NAMESPACES - {"prim", "onnx"}})
+
+
+# How TorchScript's serialised code calls an operator: ``ops.<namespace>.<name>(...)``.
+_SERIALISED_OP = re.compile(r"\bops\.([A-Za-z_][A-Za-z0-9_]*)\.[A-Za-z_]")
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torchrec.sparse.jagged_tensor import JaggedTensor
 
 import hstu_export
 from hstu_export import ExportSettings, VerifySettings, generate_batch, save_bundle
@@ -484,3 +485,22 @@ def test_cli_export_summary(bundle, tmp_path, capsys):
     assert "graphs/report.html" in manifest["files"]
     assert (inside / "graphs" / "report.html").read_text() == (tmp_path / "graphs2" / "report.html").read_text()
     hstu_export.load(inside)
+
+
+class _JaggedValues(torch.nn.Module):
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return JaggedTensor(values=values, lengths=lengths).values()
+
+
+def test_scripted_code_names_the_op_libraries_of_every_compiled_method() -> None:
+    """Loading TorchScript compiles every method of a scripted class, not only those forward reaches: a sparse
+    half that builds a torchrec JaggedTensor needs fbgemm registered (its offsets method calls fbgemm's cumsum)
+    even when forward reads only the values. TorchEasyRec's DlrmHSTU is such a model."""
+    from hstu_export.runtimes.graph_io import scripted_op_libraries
+
+    scripted = torch.jit.script(_JaggedValues())
+    graph = scripted.inlined_graph
+    reached = {node.kind().split("::")[0] for node in graph.nodes()}
+    assert "fbgemm" not in reached  # what forward's graph alone says
+    assert scripted_op_libraries(scripted) == ["fbgemm_gpu"]
+    assert scripted_op_libraries(torch.jit.script(torch.nn.Linear(2, 2))) == []
