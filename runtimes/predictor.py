@@ -296,10 +296,8 @@ def _tables_device(manifest: Manifest, root: Path, device: torch.device, asked: 
     if asked not in ("cpu", "cuda"):
         raise ConfigError(f"tables device {str(asked)[:40]!r}: expected cpu or cuda")
     if not any("constants" in entry for entry in manifest.artifacts.values()):
-        raise ConfigError(f"{root} keeps its tables inside its programs (its sparse half is "
-                          f"{manifest.artifacts.get('sparse', manifest.artifacts.get('model', {})).get('format')}): "
-                          "only an aoti package whose sparse half is compiled stores them apart; serve it without a "
-                          "tables device")
+        raise ConfigError(f"{root} keeps its tables inside its programs: only a package of format 5 whose sparse "
+                          "half is compiled (aoti) stores them apart; serve it without a tables device")
     if asked == "cuda" and device.type != "cuda":
         raise ConfigError(f"{root} is a {device.type} package: its tables cannot live on cuda (tables device cpu, "
                           "or none)")

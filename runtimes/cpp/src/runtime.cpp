@@ -930,8 +930,8 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
       throw PackageError("tables device " + in_quotes(options.tables_device) + ": expected cpu or cuda");
     }
     if (impl->artifacts.count("sparse") == 0 || impl->artifacts["sparse"].constants_file.empty()) {
-      throw PackageError(path + " keeps its tables inside its programs: only an aoti package whose sparse half is "
-                         "compiled stores them apart; serve it without a tables device");
+      throw PackageError(path + " keeps its tables inside its programs: only a package of format 5 whose sparse half "
+                         "is compiled (aoti) stores them apart; serve it without a tables device");
     }
     if (options.tables_device == "cuda" && !impl->device.is_cuda()) {
       throw PackageError(path + " is a cpu package: its tables cannot live on cuda (tables device cpu, or none)");
