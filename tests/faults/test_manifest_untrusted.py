@@ -128,7 +128,7 @@ def outside_copy_of_model(pkg: Path) -> Path:
 
 def test_fresh_package_loads_and_its_manifest_checksum_is_sha256sum_format(package, example):
     predictor = hstu_export.load(package)
-    assert isinstance(predictor.manifest, dict) and predictor.manifest["format_version"] == 4
+    assert isinstance(predictor.manifest, dict) and predictor.manifest["format_version"] == 5
     typed = predictor.package_manifest
     assert isinstance(typed, Manifest)
     assert typed.backend.files == {"model": MODEL_FILE} and set(typed.files) == {MODEL_FILE}
@@ -390,13 +390,13 @@ def test_missing_manifest_checksum_is_refused(pkg):
 def test_package_of_format_2_is_refused_with_re_export(pkg):
     edit(pkg, ("format_version",), 2)  # written before manifests had their own checksum
     refused(pkg, r"package of format 2 \(its manifest has no checksum of its own \(manifest\.sha256\)\).*"
-                 r"reads format 4: re-export the model")
+                 r"reads formats 4 to 5: re-export the model")
 
 
 def test_package_of_format_3_is_refused_with_re_export(pkg):
     edit(pkg, ("format_version",), 3)  # written before manifests described their artifacts
     refused(pkg, r"package of format 3 \(its manifest does not describe its artifacts' inputs and outputs.*"
-                 r"reads format 4: re-export the model")
+                 r"reads formats 4 to 5: re-export the model")
 
 
 @pytest.mark.parametrize(("path", "value", "message"), [
