@@ -10,6 +10,7 @@ import functools
 import json
 import shutil
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,8 +207,9 @@ def test_aoti_options_reach_both_compiles_and_bad_ones_are_refused(tmp_path, mon
     seen: dict[str, dict] = {}
 
     def compile_(program, package_path, inductor_configs=None):  # type: ignore[no-untyped-def]
-        seen["delta" if "kv" in str(package_path) else "dense"] = dict(inductor_configs)
-        if "kv" in str(package_path):
+        role = Path(package_path).stem  # sparse, dense or delta (kv/delta.pt2)
+        seen[role] = dict(inductor_configs)
+        if role == "delta":
             raise RuntimeError("stopped here by the test")
         zipfile.ZipFile(package_path, "w").close()
         return package_path
@@ -217,7 +219,9 @@ def test_aoti_options_reach_both_compiles_and_bad_ones_are_refused(tmp_path, mon
     options = ["--aoti-option", "max_fusion_size=32", "--aoti-option", "combo_kernels=false"]
     assert cli_main([str(bundle), "--kv-cache", "--max-batch-size", "2", *options, "-o", str(tmp_path / "o")]) == 1
     assert "AOTInductor compilation of the KV-cache delta program failed: stopped here by the test" in capsys.readouterr().err
-    assert seen == {"dense": {"max_fusion_size": 32, "combo_kernels": False},
+    assert seen == {"sparse": {"max_fusion_size": 32, "combo_kernels": False,
+                               "aot_inductor.package_constants_in_so": False},  # its tables are stored beside it
+                    "dense": {"max_fusion_size": 32, "combo_kernels": False},
                     "delta": {"max_fusion_size": 32, "combo_kernels": False}}
     assert not (tmp_path / "o").exists()
 
