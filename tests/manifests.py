@@ -26,11 +26,8 @@ def rewrite_manifest(package: Path, edit: Callable[[dict[str, Any]], Any]) -> No
     write_manifest_bytes(package, json.dumps(manifest).encode())
 
 
-def rewrite_tables_header(package: Path, edit: Callable[[dict[str, Any]], Any],
-                          relpath: str = "sparse/tables.safetensors") -> None:
-    """The package's tables file with its safetensors header after ``edit`` (in place), its bytes unchanged, and the
-    file's checksum in the manifest updated: what the loader refuses is the header itself."""
-    path = package / relpath
+def edit_safetensors_header(path: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
+    """The safetensors file ``path`` with its header after ``edit`` (in place), padded to 8, its data unchanged."""
     data = path.read_bytes()
     length = struct.unpack("<Q", data[:8])[0]
     header = json.loads(data[8:8 + length])
@@ -38,5 +35,13 @@ def rewrite_tables_header(package: Path, edit: Callable[[dict[str, Any]], Any],
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+
+
+def rewrite_tables_header(package: Path, edit: Callable[[dict[str, Any]], Any],
+                          relpath: str = "sparse/tables.safetensors") -> None:
+    """The package's tables file with its safetensors header after ``edit`` (in place), its bytes unchanged, and the
+    file's checksum in the manifest updated: what the loader refuses is the header itself."""
+    path = package / relpath
+    edit_safetensors_header(path, edit)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     rewrite_manifest(package, lambda m: m["files"].update({relpath: digest}))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from manifests import rewrite_manifest, rewrite_tables_header
+from manifests import edit_safetensors_header, rewrite_manifest, rewrite_tables_header
 
 import hstu_export
 from hstu_export import ExportSettings, VerifySettings, export, generate_batch, save_bundle
@@ -54,29 +54,19 @@ def test_the_same_tables_write_the_same_bytes(tmp_path) -> None:
     assert (tmp_path / "a").read_bytes() != (tmp_path / "c").read_bytes()
 
 
-def _edit_header(path: Path, edit) -> None:  # type: ignore[no-untyped-def]
-    data = path.read_bytes()
-    length = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + length])
-    edit(header)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
-
-
 @pytest.mark.parametrize(("damage", "message"), [
     (lambda p: p.write_bytes(b"\x01\x00"), "its header length is missing"),
     (lambda p: p.write_bytes(struct.pack("<Q", 1 << 40) + p.read_bytes()[8:]), "does not fit its"),
     (lambda p: p.write_bytes(struct.pack("<Q", 16) + b"{not json}      " + b"\0" * 16), "cannot be read as a safetensors"),
     (lambda p: p.write_bytes(struct.pack("<Q", 8) + b"[1, 2]  " + b"\0" * 16), "not a JSON object"),
-    (lambda p: _edit_header(p, lambda h: h.pop("item")), "lacks 'item'"),
-    (lambda p: _edit_header(p, lambda h: h.update(extra=h["item"])), "holds 'extra', which the manifest does not list"),
-    (lambda p: _edit_header(p, lambda h: h["item"].update(dtype="F16")), "table 'item' has dtype F16, the manifest says "
+    (lambda p: edit_safetensors_header(p, lambda h: h.pop("item")), "lacks 'item'"),
+    (lambda p: edit_safetensors_header(p, lambda h: h.update(extra=h["item"])), "holds 'extra', which the manifest does not list"),
+    (lambda p: edit_safetensors_header(p, lambda h: h["item"].update(dtype="F16")), "table 'item' has dtype F16, the manifest says "
                                                                          "float32"),
-    (lambda p: _edit_header(p, lambda h: h["item"].update(shape=[6, 3])), "has shape [6, 3], the manifest says [7, 3]"),
-    (lambda p: _edit_header(p, lambda h: h["item"].update(data_offsets=[0, 10 ** 9])), "are not 21 aligned float32"),
-    (lambda p: _edit_header(p, lambda h: h["item"].update(data_offsets=[2, 86])), "are not 21 aligned float32"),
-    (lambda p: _edit_header(p, lambda h: h["item"].update(data_offsets=[0])), "are not 21 aligned float32"),
+    (lambda p: edit_safetensors_header(p, lambda h: h["item"].update(shape=[6, 3])), "has shape [6, 3], the manifest says [7, 3]"),
+    (lambda p: edit_safetensors_header(p, lambda h: h["item"].update(data_offsets=[0, 10 ** 9])), "are not 21 aligned float32"),
+    (lambda p: edit_safetensors_header(p, lambda h: h["item"].update(data_offsets=[2, 86])), "are not 21 aligned float32"),
+    (lambda p: edit_safetensors_header(p, lambda h: h["item"].update(data_offsets=[0])), "are not 21 aligned float32"),
 ])
 def test_a_damaged_tables_file_is_refused_in_one_line(tmp_path, damage, message) -> None:
     path = tmp_path / "t.safetensors"
