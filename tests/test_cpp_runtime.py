@@ -96,6 +96,63 @@ def test_a_publish_root_opens_its_current_version(runner, packages, tmp_path) ->
     assert done.returncode != 0 and "current points at '7', not at a published version" in done.stderr
 
 
+def _follow(runner, root: Path, request: Path, *args: object) -> subprocess.Popen[str]:  # type: ignore[no-untyped-def]
+    """hstu-export-run serving ``root`` with --follow 0, once it has opened the current version."""
+    process = subprocess.Popen([str(runner.path), root, request, "--follow", "0", *map(str, args)], text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert line.startswith("serving version 1 of "), line + process.communicate()[1]
+    return process
+
+
+def test_follow_moves_to_a_published_version_between_requests(runner, packages, tiny_serving_package,
+                                                               tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hstu_export.package.publish import publish
+
+    root = tmp_path / "ranker"
+    old, new = Path(tiny_serving_package), packages["aoti"]  # one schema, other weights and backends
+    publish(old, root)
+    request = write_request(old, tmp_path / "request", 2, 41)
+    process = _follow(runner, root, request, "--repeat", 3000, "--threads", 2, "--out", tmp_path / "out")
+    publish(new, root)
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err
+    # Every run equal to its version's first answer, and each version's answer to Python's on that package.
+    assert "every output equal to its version's first bit for bit" in out
+    served = re.search(r"versions served: 1 \((\d+) runs\), 2 \((\d+) runs\); 1 switch\(es\)", out)
+    assert served and int(served[1]) > 0 and int(served[2]) > 0, out
+    for version, package in (("1", old), ("2", new)):
+        python = hstu_export.load(package)(load_tensors(request))
+        cpp = load_tensors(tmp_path / "out" / version)
+        assert all(torch.equal(cpp[k], v) for k, v in python.items()), version
+    assert not all(torch.equal(load_tensors(tmp_path / "out" / "1")[k], v)
+                   for k, v in load_tensors(tmp_path / "out" / "2").items())
+
+
+def test_follow_keeps_serving_when_a_version_takes_other_requests(runner, packages, tmp_path) -> None:
+    from hstu_export.package.publish import publish, switch
+
+    root = tmp_path / "ranker"
+    publish(packages["torchscript"], root)
+    shutil.copytree(packages["torchscript"], root / "2")  # as published, but said to take at most 2 users
+    rewrite_manifest(root / "2", lambda m: [m["ranges"].update(max_batch_size=2),
+                                            m["ranges"]["lengths"].update(max_batch_size=2)])
+    request = write_request(packages["torchscript"], tmp_path / "request", 3, 42)
+    process = _follow(runner, root, request, "--repeat", 3000)
+    switch(root, 2)
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err
+    assert re.search(r"versions served: 1 \(\d+ runs\); 0 switch\(es\)", out), out
+    assert f"version 2 of {root} is not served: its maximum batch size differs from version 1's" in out
+    done = runner.run(root, request, "--follow", "0", "--kv-cache", "auto", "--user-ids", "1,2,3")
+    assert done.returncode == 2 and "--follow serves without --kv-cache" in done.stderr
+    done = runner.run(root, request, "--follow", "soon")
+    assert done.returncode == 2 and "--follow needs seconds" in done.stderr
+    done = runner.run(packages["torchscript"], request, "--follow", "1")
+    assert done.returncode == 1 and "holds no published versions" in done.stderr and done.stderr.count("\n") == 1
+
+
 def test_many_threads_get_the_same_outputs(runner, packages, tmp_path) -> None:
     for backend, package in packages.items():
         request = write_request(package, tmp_path / backend, 4, 30)

@@ -111,8 +111,9 @@ class PublishedPredictor:
                                                ("batching (batch_dependent)", _batches(predictor), _batches(served)))
                        if a != b]
             if differs:
+                verb = "differs" if len(differs) == 1 else "differ"
                 raise PackageError(f"version {version} of {self.root} is not served: its {' and '.join(differs)} "
-                                   f"differ from version {self._served[0]}'s; serve it from a new process")
+                                   f"{verb} from version {self._served[0]}'s; serve it from a new process")
         except HstuExportError as exc:
             with self._lock:
                 self.last_error, self._given_up, self._loading = str(exc), version, None

@@ -1,7 +1,8 @@
 // hstu-export-run: open a package with the C++ runtime, run one request directory, print (and write) the
 // outputs. Also a smoke test for serving: --repeat times it, --threads runs it from several threads at
 // once and checks every thread got the same outputs bit for bit. With --kv-cache it serves a sequence of
-// request directories through the package's KV cache (CachedRanker), each with its users' ids.
+// request directories through the package's KV cache (CachedRanker), each with its users' ids. With --follow it
+// serves a directory hstu-export publish writes while its current version moves (PublishedPackage).
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
 
@@ -14,6 +15,8 @@
 #include <cstdio>
 #include <iostream>
 #include <latch>
+#include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,7 +29,7 @@ namespace {
 constexpr const char* kUsage =
     "usage: hstu-export-run PACKAGE REQUEST_DIR [--out DIR] [--op-library-dir DIR]... [--no-verify-checksums]\n"
     "                       [--tables-device cpu|cuda]\n"
-    "                       [--repeat N] [--warmup N] [--threads N] [--phase-times] [--quiet]\n"
+    "                       [--repeat N] [--warmup N] [--threads N] [--phase-times] [--follow S] [--quiet]\n"
     "       hstu-export-run PACKAGE REQUEST_DIR... --kv-cache BUDGET --user-ids IDS... [--max-time-drift S] [...]\n"
     "\n"
     "Open an hstu-export package (aoti or torchscript) with the C++ runtime, validate the request in\n"
@@ -54,6 +57,13 @@ constexpr const char* kUsage =
     "                         prints their medians per request, how soon the call that launches the\n"
     "                         dense half returned (the host's part of it), and of the time before it, the\n"
     "                         request's move to the device and the sparse half\n"
+    "  --follow S             PACKAGE is a directory `hstu-export publish` writes: look at its current\n"
+    "                         version at most every S seconds while serving, and move to a newly\n"
+    "                         published one between requests once it is open (opened on another thread;\n"
+    "                         a version that does not open, or takes other requests, is not served and\n"
+    "                         the reason is printed). Each run must equal its version's first answer; the\n"
+    "                         runs per version are printed, and --out DIR writes each version's first\n"
+    "                         answer to DIR/<version>\n"
     "  --quiet                print nothing but errors\n"
     "\n"
     "KV-cached serving (a package exported with --kv-cache; docs/KV_CACHE.md):\n"
@@ -81,6 +91,7 @@ struct Args {
   hstu_export::KVCacheOptions kv_options;
   std::vector<std::vector<int64_t>> user_ids;
   bool kv_graphs_given = false;
+  double follow = -1;  // seconds between looks at a published directory's current version; < 0: not followed
 };
 
 [[noreturn]] void usage_error(const std::string& what) {
@@ -165,6 +176,16 @@ Args parse(int argc, char** argv) {
       args.latency_log = value();
     } else if (arg == "--phase-times") {
       args.phase_times = true;
+    } else if (arg == "--follow") {
+      std::string text = value();
+      try {
+        size_t used = 0;
+        args.follow = std::stod(text, &used);
+        if (used != text.size()) args.follow = -1;
+      } catch (const std::exception&) {
+        args.follow = -1;
+      }
+      if (!(args.follow >= 0 && args.follow <= 86400)) usage_error("--follow needs seconds from 0 to 86400, got '" + text + "'");
     } else if (arg == "--quiet" || arg == "-q") {
       args.quiet = true;
     } else if (arg == "--kv-cache") {
@@ -200,6 +221,9 @@ Args parse(int argc, char** argv) {
   }
   if (!args.kv && (!args.user_ids.empty() || args.kv_options.max_time_drift != 0 || args.kv_graphs_given)) {
     usage_error("--user-ids, --max-time-drift and --kv-graphs go with --kv-cache");
+  }
+  if (args.kv && args.follow >= 0) {
+    usage_error("--follow serves without --kv-cache (a new version's weights would not match the cached K/V)");
   }
   if (args.phase_times && (args.repeat == 0 || args.threads != 1)) {
     usage_error("--phase-times goes with --repeat, on one thread (the device is synchronised between phases)");
@@ -246,11 +270,14 @@ void print_outputs(const hstu_export::NamedTensors& outputs) {
   }
 }
 
+using Compare = std::function<double(size_t, const hstu_export::NamedTensors&)>;
+
 // --warmup and --repeat over the requests, from --threads threads: latency per request, and the largest
-// difference of any output from the first pass's (`exact`: throw unless it is 0).
+// difference of any output from what it is compared with (`against(k, outputs)`: the first pass's outputs of
+// request k, or its version's; `exact`: throw unless it is 0).
 void repeat(const Args& args, const hstu_export::Package& package, size_t count,
             const std::function<hstu_export::NamedTensors(size_t, hstu_export::PhaseTimes*)>& run_one,
-            const std::vector<hstu_export::NamedTensors>& first, bool exact) {
+            const Compare& against, bool exact) {
   int runs = std::max(args.repeat, 1);
   std::vector<std::vector<std::vector<double>>> latencies(args.threads, std::vector<std::vector<double>>(count));
   std::vector<std::vector<hstu_export::PhaseTimes>> phases(count);  // --phase-times (one thread), by request
@@ -267,7 +294,7 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
         for (int w = 0; w < args.warmup; ++w) {
           for (size_t k = 0; k < count; ++k) {
             // Compared as the timed runs are (so that what the comparison loads first is loaded here).
-            double gap = difference(run_one(k, nullptr), first[k]);
+            double gap = against(k, run_one(k, nullptr));
             if (exact && gap != 0) throw hstu_export::Error("a warm-up run gave different outputs");
           }
         }
@@ -282,7 +309,7 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
             synchronize(package);
             latencies[t][k].push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count());
             if (args.phase_times) phases[k].push_back(times);
-            gaps[t] = std::max(gaps[t], difference(again, first[k]));
+            gaps[t] = std::max(gaps[t], against(k, again));
             if (exact && gaps[t] != 0) throw hstu_export::Error("a repeated run gave different outputs");
           }
         }
@@ -327,7 +354,9 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
   if (args.quiet) return;
   std::printf("latency over %zu runs on %d thread(s): p50 %.3f ms, p99 %.3f ms, %.1f requests/s; ", all.size(),
               args.threads, p50, p99, static_cast<double>(all.size()) / wall);
-  if (exact) {
+  if (exact && args.follow >= 0) {
+    std::printf("every output equal to its version's first bit for bit\n");
+  } else if (exact) {
     std::printf("all outputs equal\n");
   } else if (gap == 0) {
     std::printf("outputs equal to the first pass's bit for bit\n");
@@ -379,16 +408,43 @@ std::string stats_line(const hstu_export::CachedRanker& ranker) {
   return out;
 }
 
+// The version that gave a thread's last --follow answer (read by the comparison that follows it on that thread).
+thread_local int64_t answered_by = 0;
+
 int serve(const Args& args) {
-  auto package = hstu_export::Package::open(args.package, args.options);
+  std::shared_ptr<hstu_export::PublishedPackage> published;
+  std::shared_ptr<const hstu_export::Package> package;
+  if (args.follow >= 0) {
+    published = hstu_export::PublishedPackage::open(args.package, args.options, args.follow);
+    package = published->package();
+    if (!args.quiet) std::printf("serving version %lld of %s\n", static_cast<long long>(published->version()), args.package.c_str());
+    std::fflush(stdout);
+  } else {
+    package = hstu_export::Package::open(args.package, args.options);
+  }
   std::shared_ptr<hstu_export::CachedRanker> ranker;
   if (args.kv) ranker = hstu_export::CachedRanker::open(package, args.kv_options);
   std::vector<hstu_export::Tensors> requests;
   for (const auto& directory : args.requests) requests.push_back(hstu_export::load_tensor_dir(directory));
+  std::mutex versions_mutex;
+  std::map<int64_t, hstu_export::NamedTensors> version_answers;  // --follow: each version's first answer
+  std::map<int64_t, int64_t> version_runs;
   auto run_one = [&](size_t k, hstu_export::PhaseTimes* times) {
+    if (published) {
+      hstu_export::NamedTensors out = published->run(requests[k], times, &answered_by);
+      std::lock_guard<std::mutex> lock(versions_mutex);
+      version_answers.try_emplace(answered_by, out);
+      version_runs[answered_by] += 1;
+      return out;
+    }
     return ranker ? ranker->run(requests[k], args.user_ids[k], times) : package->run(requests[k], times);
   };
   std::vector<hstu_export::NamedTensors> outputs;
+  Compare against = [&](size_t k, const hstu_export::NamedTensors& out) {
+    if (!published) return difference(out, outputs[k]);
+    std::lock_guard<std::mutex> lock(versions_mutex);
+    return difference(out, version_answers.at(answered_by));
+  };
   for (size_t k = 0; k < requests.size(); ++k) {
     int64_t batch_size = package->validate(requests[k]);
     outputs.push_back(run_one(k, nullptr));
@@ -403,8 +459,21 @@ int serve(const Args& args) {
   if (args.repeat > 0 || args.threads > 1) {
     // Served again, cached answers may differ from the first pass's in the last bits (a prefill and a
     // hit sum in another order on the GPU); without a cache every run must be equal.
-    repeat(args, *package, requests.size(), run_one, outputs, /*exact=*/!ranker);
+    repeat(args, *package, requests.size(), run_one, against, /*exact=*/!ranker);
     if (ranker && !args.quiet) std::printf("%s\n", stats_line(*ranker).c_str());
+  }
+  if (published && !args.quiet) {
+    std::string line = "versions served:";
+    for (const auto& [version, runs] : version_runs) {
+      line += (version == version_runs.begin()->first ? " " : ", ") + std::to_string(version) + " (" +
+              std::to_string(runs) + " runs)";
+    }
+    std::printf("%s; %lld switch(es)\n", line.c_str(), static_cast<long long>(published->switches()));
+    if (std::string error = published->last_error(); !error.empty()) std::printf("%s\n", error.c_str());
+  }
+  if (published && !args.out.empty()) {  // each version's first answer, to DIR/<version>
+    outputs.clear();
+    for (const auto& [version, answer] : version_answers) outputs.push_back(answer);
   }
   if (!args.out.empty()) {
     // Each directory is written whole or not at all (save_tensor_dir); with several, a failure also removes the
@@ -413,14 +482,23 @@ int serve(const Args& args) {
     bool existed = std::filesystem::exists(args.out, ec);
     try {
       for (size_t k = 0; k < outputs.size(); ++k) {
-        std::string directory = outputs.size() > 1 ? (std::filesystem::path(args.out) / std::to_string(k + 1)).string() : args.out;
+        std::string directory = args.out;
+        if (published) {
+          directory = (std::filesystem::path(args.out) / std::to_string(std::next(version_answers.begin(), k)->first)).string();
+        } else if (outputs.size() > 1) {
+          directory = (std::filesystem::path(args.out) / std::to_string(k + 1)).string();
+        }
         hstu_export::save_tensor_dir(outputs[k], directory);
       }
     } catch (...) {
       if (!existed && !ec) std::filesystem::remove_all(args.out, ec);
       throw;
     }
-    if (!args.quiet) std::printf("wrote the outputs of %zu request(s) to %s\n", outputs.size(), args.out.c_str());
+    if (!args.quiet && published) {
+      std::printf("wrote the first answer of %zu version(s) to %s/<version>\n", outputs.size(), args.out.c_str());
+    } else if (!args.quiet) {
+      std::printf("wrote the outputs of %zu request(s) to %s\n", outputs.size(), args.out.c_str());
+    }
   }
   return 0;
 }

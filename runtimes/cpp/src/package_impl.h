@@ -25,6 +25,9 @@ namespace detail {
 std::string error_text(const std::exception& exc);
 std::string in_quotes(const std::string& text);
 std::optional<at::ScalarType> scalar_type(const std::string& name);  // manifest dtype names
+// The version `current` names in a directory hstu-export publish writes (ROOT/1, ROOT/2, ..., ROOT/current -> N,
+// no manifest of its own); nullopt for any other path. PackageError when `current` names no published version.
+std::optional<int64_t> published_version(const std::string& path);
 // Outputs of a TorchScript call (a dict by name, or a tuple/list/tensor in the declared order).
 NamedTensors named_outputs(const c10::IValue& value, const std::vector<std::string>& names, const std::string& what);
 

@@ -662,22 +662,30 @@ int64_t Package::max_batch_size() const { return impl_->max_batch_size; }
 const std::vector<Feature>& Package::features() const { return impl_->features; }
 const std::vector<std::string>& Package::output_names() const { return impl_->output_names; }
 
-namespace {
+namespace detail {
 
-// A directory hstu-export publish writes (ROOT/1, ROOT/2, ..., ROOT/current -> N, no manifest of its own):
-// the path of its current version. Any other path as it is.
-std::string published_current(const std::string& path) {
+std::optional<int64_t> published_version(const std::string& path) {
   const fs::path root(path);
   std::error_code ec;
-  if (fs::exists(root / kManifest, ec) || !fs::is_symlink(root / "current", ec)) return path;
+  if (fs::exists(root / kManifest, ec) || !fs::is_symlink(root / "current", ec)) return std::nullopt;
   const std::string target = fs::read_symlink(root / "current", ec).string();
-  const bool number = !ec && !target.empty() && target[0] != '0' &&
+  const bool number = !ec && !target.empty() && target.size() < 18 && target[0] != '0' &&
                       std::all_of(target.begin(), target.end(), [](unsigned char c) { return std::isdigit(c); });
   if (!number || fs::is_symlink(root / target, ec) || !fs::is_directory(root / target, ec)) {
     throw PackageError(path + "/current points at '" + target + "', not at a published version; point it again "
                        "with `hstu-export publish --to " + path + " --switch N`");
   }
-  return (root / target).string();
+  return std::stoll(target);
+}
+
+}  // namespace detail
+
+namespace {
+
+// A directory hstu-export publish writes: the path of its current version. Any other path as it is.
+std::string published_current(const std::string& path) {
+  std::optional<int64_t> version = detail::published_version(path);
+  return version ? (fs::path(path) / std::to_string(*version)).string() : path;
 }
 
 }  // namespace

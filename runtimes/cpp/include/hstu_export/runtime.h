@@ -119,6 +119,38 @@ class Package {
   std::unique_ptr<Impl> impl_;
 };
 
+// A directory hstu-export publish writes, served while it changes: every call runs wholly on one version, the one
+// `current` named when it was last looked at (at most every `check_seconds`, by a call). A newly named version is
+// opened on a thread of its own while calls go on with the version before; calls move to it once it is open,
+// between requests, and a call still running on the old version finishes there. A version that cannot be opened,
+// or whose features, maximum batch size, outputs or device differ from the served one's, is not served:
+// last_error() says why, and it is tried again only once `current` names another version.
+class PublishedPackage {
+ public:
+  // PackageError when `root` is not such a directory, or its current version does not open.
+  static std::shared_ptr<PublishedPackage> open(const std::string& root, const Options& options = {},
+                                                double check_seconds = 1.0);
+  ~PublishedPackage();  // waits for a version being opened
+  PublishedPackage(const PublishedPackage&) = delete;
+  PublishedPackage& operator=(const PublishedPackage&) = delete;
+
+  // Package::run on the version served now; `version`, if given, is set to the version that ran it. Thread-safe.
+  NamedTensors run(const Tensors& request, PhaseTimes* times = nullptr, int64_t* version = nullptr);
+  // Looks at `current` now and, if it names another version, opens it before returning; the version served.
+  int64_t refresh();
+  std::shared_ptr<const Package> package() const;  // the version served now
+  int64_t version() const;
+  int64_t switches() const;
+  std::string last_error() const;  // why the version `current` names is not served; "" when it is
+  const std::string& root() const;
+
+  struct Impl;
+
+ private:
+  explicit PublishedPackage(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 // The package format_versions this runtime reads (4: a compiled sparse program holds its tables; 5: they are stored
 // beside it).
 constexpr int kPackageFormatVersion = 5;
