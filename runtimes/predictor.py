@@ -26,6 +26,7 @@ from hstu_export.package.directory import load_manifest, recover_interrupted_rep
 from hstu_export.package.manifest import OP_LIBRARIES, Manifest, as_manifest
 from hstu_export.package.publish import current_path, is_published_root
 from hstu_export.package.schema import InputSchema
+from hstu_export.package.tables import check_tables_device
 from hstu_export.runtimes import get_backend
 from hstu_export.runtimes.base import RANGE_CHECK_MESSAGES, Runner, SplitRunner
 
@@ -293,14 +294,7 @@ def _tables_device(manifest: Manifest, root: Path, device: torch.device, asked: 
     """Where ``load`` puts the package's tables stored outside their program (None: on ``device``)."""
     if asked is None:
         return None
-    if asked not in ("cpu", "cuda"):
-        raise ConfigError(f"tables device {str(asked)[:40]!r}: expected cpu or cuda")
-    if not any("constants" in entry for entry in manifest.artifacts.values()):
-        raise ConfigError(f"{root} keeps its tables inside its programs: only a package of format 5 whose sparse "
-                          "half is compiled (aoti) stores them apart; serve it without a tables device")
-    if asked == "cuda" and device.type != "cuda":
-        raise ConfigError(f"{root} is a {device.type} package: its tables cannot live on cuda (tables device cpu, "
-                          "or none)")
+    check_tables_device(manifest.artifacts, root, device.type, asked)
     return torch.device(asked)
 
 

@@ -5,15 +5,13 @@ repository in a real Triton Inference Server."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
 from google.protobuf import text_format
+from triton_stand_in import StandInTensor, initialized_model, model_config_pb2
 
 import hstu_export
 from hstu_export import generate_batch
@@ -126,7 +124,7 @@ def test_a_repository_of_a_publish_root_follows_it(package: Path, tmp_path: Path
     root = tmp_path / "ranker"
     publish(package, root)
     model_dir = write_serving_repo(root, tmp_path / "repo", ServingRepoSettings(follow_seconds=0.5))
-    config = _model_config_pb2().ModelConfig()
+    config = model_config_pb2().ModelConfig()
     text_format.Parse((model_dir / "config.pbtxt").read_text(), config)
     assert config.parameters["package"].string_value == str(root.resolve())
     assert config.parameters["follow_seconds"].string_value == "0.5"
@@ -141,21 +139,11 @@ def test_a_repository_of_a_publish_root_follows_it(package: Path, tmp_path: Path
     assert not (tmp_path / "kv").exists() and not (tmp_path / "x").exists()
 
 
-def _model_config_pb2():  # type: ignore[no-untyped-def]
-    import tritonclient
-
-    path = Path(tritonclient.__file__).parent / "grpc" / "model_config_pb2.py"
-    spec = importlib.util.spec_from_file_location("triton_model_config_pb2", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
 def test_config_parses_with_tritons_protobuf_and_matches_the_manifest(package: Path, tmp_path: Path) -> None:
     settings = ServingRepoSettings(max_requests_per_batch=16, max_queue_delay_us=250, instances=2)
     model_dir = write_serving_repo(package, tmp_path / "repo", settings)
     assert model_dir.name == "ranker"
-    pb2 = _model_config_pb2()
+    pb2 = model_config_pb2()
     config = text_format.Parse((model_dir / "config.pbtxt").read_text(), pb2.ModelConfig())
     manifest = json.loads((package / "manifest.json").read_text())
     assert config.name == "ranker" and config.backend == "python" and config.max_batch_size == 16
@@ -179,56 +167,12 @@ def test_config_parses_with_tritons_protobuf_and_matches_the_manifest(package: P
     assert marker["triton_server"] == "2.73.0" and marker["batches_requests"] is True
 
 
-class _StandInTensor:
-    """The part of triton_python_backend_utils.Tensor model.py uses (a test double, not Triton)."""
-
-    def __init__(self, name: str, value: torch.Tensor) -> None:
-        self._name, self.value = name, value
-
-    def name(self) -> str:
-        return self._name
-
-    def to_dlpack(self):  # type: ignore[no-untyped-def]
-        return torch.utils.dlpack.to_dlpack(self.value)
-
-    @classmethod
-    def from_dlpack(cls, name, capsule):  # type: ignore[no-untyped-def]
-        return cls(name, torch.utils.dlpack.from_dlpack(capsule))
-
-
-def _stand_in_backend_utils() -> types.ModuleType:
-    module = types.ModuleType("triton_python_backend_utils")
-
-    class InferenceResponse:
-        def __init__(self, output_tensors, error=None):  # type: ignore[no-untyped-def]
-            self.output_tensors, self.error = output_tensors, error
-
-    class TritonError(Exception):
-        pass
-
-    module.Tensor = _StandInTensor  # type: ignore[attr-defined]
-    module.InferenceResponse = InferenceResponse  # type: ignore[attr-defined]
-    module.TritonError = TritonError  # type: ignore[attr-defined]
-    module.get_input_tensor_by_name = lambda request, name: request.get(name)  # type: ignore[attr-defined]
-    return module
-
-
 def test_model_py_serves_a_dynamic_batch(package: Path, predictor, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     model_dir = write_serving_repo(package, tmp_path / "repo", ServingRepoSettings(name="hstu"))
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _stand_in_backend_utils())
-    spec = importlib.util.spec_from_file_location("triton_model_under_test", model_dir / "1" / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    pb2 = _model_config_pb2()
-    config = text_format.Parse((model_dir / "config.pbtxt").read_text(), pb2.ModelConfig())
-    from google.protobuf import json_format
-
-    model = module.TritonPythonModel()
-    model.initialize({"model_config": json.dumps(json_format.MessageToDict(config, preserving_proto_field_name=True)),
-                      "model_repository": str(model_dir), "model_version": "1", "model_instance_kind": "CPU"})
+    model = initialized_model(model_dir, monkeypatch)
     batches = [generate_batch(predictor.input_schema, b, seed=90 + b) for b in (2, 1, 3)]
-    requests = [{n: _StandInTensor(n, t.unsqueeze(0)) for n, t in b.items()} for b in batches]
-    requests[1]["uih_lengths"] = _StandInTensor("uih_lengths", torch.full((1, 1), 99))  # beyond 46
+    requests = [{n: StandInTensor(n, t.unsqueeze(0)) for n, t in b.items()} for b in batches]
+    requests[1]["uih_lengths"] = StandInTensor("uih_lengths", torch.full((1, 1), 99))  # beyond 46
     responses = model.execute(requests)
     assert len(responses) == 3
     assert responses[1].error is not None and "beyond the exported maximum" in str(responses[1].error)
@@ -268,5 +212,5 @@ def test_repository_targets_are_checked(package: Path, tmp_path: Path, capsys) -
 def test_names_are_quoted_for_the_config(name: str) -> None:
     from hstu_export.serving.triton_repo import _quoted
 
-    parsed = text_format.Parse(f"name: {_quoted(name)}", _model_config_pb2().ModelConfig())
+    parsed = text_format.Parse(f"name: {_quoted(name)}", model_config_pb2().ModelConfig())
     assert parsed.name == name

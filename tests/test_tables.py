@@ -171,3 +171,47 @@ def test_tables_device_is_refused_where_it_cannot_apply(dense_update, tiny_servi
     folder = save_tensors(request, tmp_path / "request")
     assert main(["run", str(tiny_serving_package), "--batch", str(folder), "--tables-device", "cpu"]) == 2
     assert "keeps its tables inside its programs" in capsys.readouterr().err
+
+
+def test_tables_device_reaches_every_way_of_serving(dense_update, tiny_serving_package, tmp_path,
+                                                    monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """PublishedPredictor, ReplicaSet and the Triton repository pass tables_device on to each load: "cpu" serves
+    this CPU package as it is, "cuda" is refused by the load itself."""
+    from triton_stand_in import StandInTensor, initialized_model
+
+    from hstu_export.errors import ConfigError
+    from hstu_export.serving.published import PublishedPredictor
+    from hstu_export.serving.replicas import ReplicaSet
+    from hstu_export.serving.triton_repo import ServingRepoSettings, write_serving_repo
+
+    first, _, request, _ = dense_update
+    expected = hstu_export.load(first)(request)
+    root = tmp_path / "ranker"
+    publish(first, root)
+    served = PublishedPredictor(root, tables_device="cpu")
+    assert all(torch.equal(value, expected[name]) for name, value in served(request).items())
+    with pytest.raises(ConfigError, match="is a cpu package: its tables cannot live on cuda"):
+        PublishedPredictor(root, tables_device="cuda")
+    with pytest.raises(ConfigError, match="a loader or a tables device, not both"):
+        PublishedPredictor(root, loader=hstu_export.load, tables_device="cpu")
+    with ReplicaSet(first, ["cpu"], tables_device="cpu") as replicas:
+        answer = replicas.submit(request).result(timeout=120)
+    assert all(torch.equal(value, expected[name]) for name, value in answer.items())
+    with pytest.raises(ConfigError, match="is a cpu package: its tables cannot live on cuda"):
+        ReplicaSet(first, ["cpu"], tables_device="cuda")
+    # The repository refuses what the load would, and its instances load with the parameter it writes.
+    with pytest.raises(ConfigError, match="is a cpu package: its tables cannot live on cuda"):
+        write_serving_repo(first, tmp_path / "repo", ServingRepoSettings(tables_device="cuda"))
+    with pytest.raises(ConfigError, match="keeps its tables inside its programs"):
+        write_serving_repo(tiny_serving_package, tmp_path / "repo", ServingRepoSettings(tables_device="cpu"))
+    model_dir = write_serving_repo(first, tmp_path / "repo", ServingRepoSettings(tables_device="cpu"))
+    config = (model_dir / "config.pbtxt").read_text()
+    assert 'key: "tables_device" value: { string_value: "cpu" }' in config
+    model = initialized_model(model_dir, monkeypatch)
+    [response] = model.execute([{n: StandInTensor(n, t.unsqueeze(0)) for n, t in request.items()}])
+    assert response.error is None
+    got = {t.name(): t.value[0] for t in response.output_tensors}
+    assert all(torch.equal(got[name], value) for name, value in expected.items())
+    (model_dir / "config.pbtxt").write_text(config.replace('string_value: "cpu"', 'string_value: "cuda"'))
+    with pytest.raises(ConfigError, match="is a cpu package: its tables cannot live on cuda"):
+        initialized_model(model_dir, monkeypatch)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hstu_export.errors import PackageError
+from hstu_export.errors import ConfigError, PackageError
 
 TABLES_FORMAT = "safetensors"
 _HEADER_LIMIT = 100 << 20  # safetensors' own limit on the JSON header
@@ -34,6 +34,22 @@ _CODES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
 _NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _CODES.values()}
+
+
+TABLES_DEVICES = ("cpu", "cuda")
+
+
+def check_tables_device(artifacts: dict[str, Any], root: Path, device_type: str, asked: str) -> None:
+    """ConfigError unless the package at ``root`` (its manifest's ``artifacts``, its ``device_type``) can keep its
+    tables on ``asked`` (``load(..., tables_device=asked)``): only tables stored outside their program can."""
+    if asked not in TABLES_DEVICES:
+        raise ConfigError(f"tables device {str(asked)[:40]!r}: expected cpu or cuda")
+    if not any("constants" in entry for entry in artifacts.values()):
+        raise ConfigError(f"{root} keeps its tables inside its programs: only a package of format 5 whose sparse "
+                          "half is compiled (aoti) stores them apart; serve it without a tables device")
+    if asked == "cuda" and device_type != "cuda":
+        raise ConfigError(f"{root} is a {device_type} package: its tables cannot live on cuda (tables device cpu, "
+                          "or none)")
 
 
 def dtype_names() -> list[str]:

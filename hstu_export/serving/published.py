@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import Tensor
 
-from hstu_export.errors import HstuExportError, PackageError
+from hstu_export.errors import ConfigError, HstuExportError, PackageError
 from hstu_export.package.publish import current_version, is_published_root
 
 __all__ = ["PublishedPredictor"]
@@ -33,10 +33,11 @@ __all__ = ["PublishedPredictor"]
 
 class PublishedPredictor:
     """Callable as a Predictor (its attributes are the served version's). ``check_seconds``: how often a call
-    looks at ``current``; ``loader``: how a version directory is loaded (default ``hstu_export.load``)."""
+    looks at ``current``; ``loader``: how a version directory is loaded (default ``hstu_export.load`` with
+    ``tables_device``, where every version keeps its tables: see ``hstu_export.load``)."""
 
     def __init__(self, root: str | Path, *, check_seconds: float = 1.0,
-                 loader: Callable[[Path], Any] | None = None) -> None:
+                 loader: Callable[[Path], Any] | None = None, tables_device: str | None = None) -> None:
         import hstu_export
 
         self.root = Path(root)
@@ -44,7 +45,10 @@ class PublishedPredictor:
             raise PackageError(f"{self.root} holds no published versions (no 'current' link); publish a package "
                                f"with `hstu-export publish PKG --to {self.root}`, or load a package directly")
         self.check_seconds = check_seconds
-        self._load = loader or hstu_export.load
+        if loader is not None and tables_device is not None:
+            raise ConfigError("PublishedPredictor takes a loader or a tables device, not both (the loader decides "
+                              "where tables live)")
+        self._load = loader or (lambda path: hstu_export.load(path, tables_device=tables_device))
         version = current_version(self.root)
         assert version is not None  # is_published_root: the link exists, and current_version checked its target
         self._served: tuple[int, Any] = (version, self._load(self.root / str(version)))

@@ -53,7 +53,8 @@ class Replica:
 
     def __init__(self, path: str | Path, device: torch.device, *, kv_cache_bytes: int | str | None,
                  max_time_drift: int, kv_cuda_graphs: bool | None, max_batch_users: int | None,
-                 max_queue_delay_ms: float, host_outputs: bool, workers: int) -> None:
+                 max_queue_delay_ms: float, host_outputs: bool, workers: int,
+                 tables_device: str | None = None) -> None:
         import hstu_export
 
         self.device = device
@@ -61,7 +62,8 @@ class Replica:
         with guard:
             # A publish root is followed (switching between calls) unless a KV cache holds the version's K/V.
             follow = kv_cache_bytes is None and is_published_root(Path(path))
-            predictor = PublishedPredictor(path) if follow else hstu_export.load(path)
+            predictor = (PublishedPredictor(path, tables_device=tables_device) if follow
+                         else hstu_export.load(path, tables_device=tables_device))
             if predictor.device.type != device.type:
                 raise ConfigError(f"{path} is a {predictor.device.type} package; it cannot be served on {device}")
             self.ranker = (predictor.kv_cache(kv_cache_bytes, max_time_drift=max_time_drift,

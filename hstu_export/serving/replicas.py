@@ -52,14 +52,17 @@ class ReplicaSet:
     ``kv_cuda_graphs`` (its ``cuda_graphs``) as :meth:`Predictor.kv_cache` takes them. ``max_batch_users``: most users per
     call (default and ceiling: the package's maximum batch size). ``max_queue_delay_ms``: how long a worker
     holding fewer users than that waits for more before it calls. ``host_outputs``: answers are moved to the
-    host (as a server sends them), else left on the replica's device. ``workers``: threads per replica
+    host (as a server sends them), else left on the replica's device. ``tables_device``: where each replica keeps
+    the tables stored beside a compiled sparse half (``hstu_export.load``'s; ``"cpu"``: pinned host memory, one
+    copy per replica). ``workers``: threads per replica
     (replica.py); more than one can help while the interpreter has time to spare. ``processes``: each replica
     in a process of its own (processes.py; docs/SERVING.md gives the measurements of both)."""
 
     def __init__(self, path: str | Path, devices: Sequence[str | torch.device], *,
                  kv_cache_bytes: int | str | None = None, max_time_drift: int = 0,
                  kv_cuda_graphs: bool | None = None, max_batch_users: int | None = None, max_queue_delay_ms: float = 0.0,
-                 host_outputs: bool = True, workers: int = 1, processes: bool = False) -> None:
+                 host_outputs: bool = True, workers: int = 1, processes: bool = False,
+                 tables_device: str | None = None) -> None:
         if not devices:
             raise ConfigError("ReplicaSet needs at least one device")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -70,7 +73,7 @@ class ReplicaSet:
         options: dict[str, Any] = dict(kv_cache_bytes=kv_cache_bytes, max_time_drift=max_time_drift,
                                        kv_cuda_graphs=kv_cuda_graphs, max_batch_users=max_batch_users,
                                        max_queue_delay_ms=max_queue_delay_ms, host_outputs=host_outputs,
-                                       workers=workers)
+                                       workers=workers, tables_device=tables_device)
         self.replicas: list[Replica | ProcessReplica] = []
         try:
             if processes:  # all start at once (each imports torch and loads the package), then are waited for

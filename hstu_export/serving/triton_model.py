@@ -15,7 +15,9 @@ model and instance).
 
 With the config parameter ``follow_seconds`` (``serving-repo`` of a directory ``hstu-export publish`` writes),
 the package parameter names that directory and each instance serves its current version, switching to a new
-one between requests (``hstu_export.serving.published.PublishedPredictor``).
+one between requests (``hstu_export.serving.published.PublishedPredictor``). With ``tables_device``
+(``serving-repo --tables-device``), each instance keeps the tables stored beside a compiled sparse half there
+(``hstu_export.load``'s argument).
 
 Needs, in the Python environment Triton runs this file with: hstu-export and the torch the package was
 exported with (and fbgemm-gpu / torchrec when the package names them). CI runs it in a real server on CPU
@@ -36,7 +38,7 @@ import hstu_export
 from hstu_export.errors import HstuExportError, RequestError
 from hstu_export.serving.batching import BatchingPredictor
 from hstu_export.serving.published import PublishedPredictor
-from hstu_export.serving.triton_repo import FOLLOW_PARAMETER, KV_PARAMETER
+from hstu_export.serving.triton_repo import FOLLOW_PARAMETER, KV_PARAMETER, TABLES_PARAMETER
 
 # The KV cache's counters (CachedRanker.cache.stats()) as Triton metrics: counters, then gauges.
 KV_COUNTERS = {"hits": "requests' users served from the cache", "misses": "users with nothing cached (prefill)",
@@ -54,7 +56,9 @@ class TritonPythonModel:
             torch.cuda.set_device(int(args["model_instance_device_id"]))
         follow = parameters.get(FOLLOW_PARAMETER)
         # A publish root (serving-repo of one): the current version, followed between requests.
-        predictor = PublishedPredictor(package, check_seconds=float(follow)) if follow else hstu_export.load(package)
+        tables = parameters.get(TABLES_PARAMETER) or None
+        predictor = (PublishedPredictor(package, check_seconds=float(follow), tables_device=tables) if follow
+                     else hstu_export.load(package, tables_device=tables))
         self.ranker = None
         budget = parameters.get(KV_PARAMETER)
         if budget:

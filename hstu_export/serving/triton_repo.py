@@ -40,6 +40,7 @@ from hstu_export.package.directory import (
 )
 from hstu_export.package.manifest import Manifest
 from hstu_export.package.publish import current_path, current_version, is_published_root
+from hstu_export.package.tables import check_tables_device
 from hstu_export.serving.batching import output_rows
 from hstu_export.settings import parse_size
 from hstu_export.version import __version__
@@ -64,6 +65,9 @@ class ServingRepoSettings:
     max_sequences: int = 1024  # users in flight per instance (the sequence batcher's max_candidate_sequences)
     sequence_idle_us: int = 60_000_000  # a user's slot (and its routing to an instance) ends after this idle time
     follow_seconds: float = 1.0  # PKG a publish root: how often an instance looks at its current version
+    # Where each instance keeps the tables stored beside a compiled sparse half (hstu_export.load's tables_device:
+    # "cpu" serves a CUDA package's tables from pinned host memory); None: on the instance's device.
+    tables_device: str | None = None
 
 
 KV_PARAMETER = "kv_cache_budget"  # config parameter model.py reads: serve through a KV cache of this budget
@@ -86,6 +90,7 @@ def _dims(shape: list[Any]) -> str:
 
 
 FOLLOW_PARAMETER = "follow_seconds"  # config parameter model.py reads: the package is a publish root to follow
+TABLES_PARAMETER = "tables_device"  # config parameter model.py reads: where an instance keeps the tables
 
 
 def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings, package: str = "package",
@@ -124,6 +129,8 @@ def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings, pa
         lines.append(f'parameters {{ key: "{FOLLOW_PARAMETER}" value: {{ string_value: "{follow_seconds:g}" }} }}')
     if settings.kv_cache_budget is not None:
         lines.append(f'parameters {{ key: "{KV_PARAMETER}" value: {{ string_value: {_quoted(settings.kv_cache_budget)} }} }}')
+    if settings.tables_device is not None:
+        lines.append(f'parameters {{ key: "{TABLES_PARAMETER}" value: {{ string_value: {_quoted(settings.tables_device)} }} }}')
     return "\n".join(lines) + "\n"
 
 
@@ -223,6 +230,8 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
     if settings.kv_cache_budget is not None and "kv_cache" not in manifest.raw:
         raise ConfigError(f"{package} was exported without --kv-cache, so it has no delta program to serve through a "
                           "KV cache: export it with --kv-cache, or write the repository without --kv-cache")
+    if settings.tables_device is not None:
+        check_tables_device(manifest.artifacts, package, manifest.device.type, settings.tables_device)
     check_out(out, force, package)
     # Built beside ``out`` and renamed in; a full or read-only disk is one line and leaves nothing behind.
     with parent_dirs(out, "the serving repository"), staging_dir(out, "the serving repository") as staged:
@@ -240,6 +249,7 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
             "written_by": f"hstu-export {__version__}", "triton_server": TRITON_SERVER_VERSION, "model": name,
             "package": str(package.resolve()), "backend": "python", "batches_requests": batching,
             "kv_cache_budget": settings.kv_cache_budget, "follows_published_versions": follow,
+            "tables_device": settings.tables_device,
         }, indent=2) + "\n")
         check_out(out, force, package)  # again: something may have appeared meanwhile
         rename_into_place(staged, out)  # an old repository is moved aside first and removed after
