@@ -3,13 +3,17 @@ cpu``): a table larger than the process's GPU memory budget serves, and what eac
 the device, same run.
 
     PYTHONPATH=$PWD python benchmarks/host_tables.py --out $OUT [--rows 8000000] [--dim 64] [--budget-gib 1]
+        [--max-history 46] [--max-candidates 16] [--no-cpp]
 
-Exports the tiny preset on CUDA (aoti, fp32) with its item table widened to ROWS x DIM (8M x 64: 2 GiB), then:
+Exports the tiny preset on CUDA (aoti, fp32) with its item table widened to ROWS x DIM (8M x 64: 2 GiB), and its
+users' history and candidates up to MAX_HISTORY and MAX_CANDIDATES items (the rows each request gathers), then:
   1. Python, no budget: the whole request at 1 / 8 / 32 users, tables on the device against tables in pinned host
      memory (the program's gathers read them over the bus); answers compared bit for bit.
   2. A process whose GPU memory is capped below the table (torch.cuda.set_per_process_memory_fraction): tables on
      the device must fail to load; tables on the host must serve, with the answers of step 1.
-  3. The C++ runtime (built here), both ways, same requests: its answers against Python's, and its latency.
+  3. The item table's gather alone, per request: on the device, by the GPU over the bus, and by the CPU into a
+     pinned buffer shipped to the device (the two ways host tables can be read).
+  4. The C++ runtime (built here), both ways, same requests: its answers against Python's, and its latency.
 Writes host_tables.json to OUT.
 """
 
@@ -48,14 +52,15 @@ def _timed(predictor, request, iters: int) -> float:  # type: ignore[no-untyped-
     return round(statistics.median(times), 4)
 
 
-def export_package(work: Path, rows: int, dim: int) -> Path:
+def export_package(work: Path, rows: int, dim: int, max_history: int, max_candidates: int) -> Path:
     import dataclasses
 
     import hstu_export
     from hstu_export import ExportSettings, VerifySettings
     from hstu_export.models import HstuRankingModel, preset_config
 
-    config = dataclasses.replace(preset_config("tiny"), item_vocab_size=rows, embedding_dim=dim)
+    config = dataclasses.replace(preset_config("tiny"), item_vocab_size=rows, embedding_dim=dim,
+                                 max_history_len=max_history, max_num_candidates=max_candidates)
     torch.manual_seed(0)
     model = HstuRankingModel(config).eval()
     bundle = hstu_export.save_bundle(model, work / "model.pt",
@@ -63,6 +68,49 @@ def export_package(work: Path, rows: int, dim: int) -> Path:
     settings = ExportSettings(backend="aoti", device="cuda", max_batch_size=32,
                               verify=VerifySettings(num_random_batches=1))
     return Path(hstu_export.export(bundle, work / "pkg", settings).path)
+
+
+def gathers(package: Path, requests: dict, iters: int) -> dict:
+    """The item table's gather alone, three ways, per request: on the device; by the GPU from pinned host memory
+    over the bus (what tables_device="cpu" does); by the CPU into a pinned buffer then copied to the device."""
+    from hstu_export.package.directory import load_manifest
+    from hstu_export.package.tables import read_tables
+    from hstu_export.runtimes.aoti import _pinned_for
+
+    constants = load_manifest(package).artifacts["sparse"]["constants"]
+    spec = next(t for t in constants["tensors"] if t["name"].endswith("item.weight"))
+    table = read_tables(package / constants["file"], constants["tensors"], "tables")[spec["name"]].clone()  # resident
+    on_device, over_bus = table.cuda(), _pinned_for(table, torch.device("cuda"))
+
+    def timed(fn) -> float:  # type: ignore[no-untyped-def]
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        return round(statistics.median(times), 4)
+
+    def cpu_gather(ids: torch.Tensor, shipped: torch.Tensor) -> torch.Tensor:
+        torch.index_select(table, 0, ids, out=shipped)
+        return shipped.to("cuda", non_blocking=True)
+
+    out: dict = {"cpu_threads": torch.get_num_threads()}
+    for b, request in requests.items():
+        ids = torch.cat([request["uih_item_ids"], request["candidate_item_ids"]]).long().cpu()
+        ids_cuda = ids.cuda()
+        shipped = torch.empty((ids.numel(), table.size(1)), dtype=table.dtype).pin_memory()
+        reference = on_device.index_select(0, ids_cuda).cpu()
+        assert torch.equal(cpu_gather(ids, shipped).cpu(), reference)
+        assert torch.equal(over_bus.index_select(0, ids_cuda).cpu(), reference)
+        out[b] = {"rows": ids.numel(), "mib": round(ids.numel() * table.size(1) * table.element_size() / 2**20, 2),
+                  "device_ms": timed(lambda i=ids_cuda: on_device.index_select(0, i)),
+                  "gpu_over_bus_ms": timed(lambda i=ids_cuda: over_bus.index_select(0, i)),
+                  "cpu_gather_and_copy_ms": timed(lambda i=ids, o=shipped: cpu_gather(i, o))}
+    return out
 
 
 def budget_child(package: Path, answers_file: Path, budget_gib: float, iters: int) -> dict:
@@ -122,6 +170,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8_000_000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--budget-gib", type=float, default=1.0)
+    parser.add_argument("--max-history", type=int, default=46, help="most history items a user (the tiny preset's)")
+    parser.add_argument("--max-candidates", type=int, default=16, help="most candidates a user (the tiny preset's)")
+    parser.add_argument("--no-cpp", action="store_true", help="leave out step 4 (building the C++ runtime)")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--package", type=Path, help="serve this package (exported by an earlier run) instead")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # PACKAGE ANSWERS: step 2
@@ -137,13 +188,14 @@ def main() -> None:
     work.mkdir(exist_ok=True)
     report: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                     "date": time.strftime("%Y-%m-%d"), "rows": args.rows, "dim": args.dim,
+                    "max_history": args.max_history, "max_candidates": args.max_candidates,
                     "table_gib": round(args.rows * args.dim * 4 / (1 << 30), 3)}
 
     def save() -> None:
         (args.out / "host_tables.json").write_text(json.dumps(report, indent=2))
 
     start = time.perf_counter()
-    package = args.package or export_package(work, args.rows, args.dim)
+    package = args.package or export_package(work, args.rows, args.dim, args.max_history, args.max_candidates)
     report["export_s"] = round(time.perf_counter() - start, 1)
     save()
 
@@ -157,12 +209,15 @@ def main() -> None:
         answers = host(request)
         report["python"][b] = {
             "equal": all(torch.equal(answers[n].cpu(), expected[b][n]) for n in expected[b]),
+            "item_rows_gathered": int(request["uih_item_ids"].numel() + request["candidate_item_ids"].numel()),
             "device_tables_p50_ms": _timed(device, request, args.iters),
             "host_tables_p50_ms": _timed(host, request, args.iters),
         }
         row = report["python"][b]
         row["host_over_device"] = round(row["host_tables_p50_ms"] / row["device_tables_p50_ms"], 3)
     report["device_tables_allocated_gib"] = round(allocated_device / (1 << 30), 3)
+    save()
+    report["gathers"] = gathers(package, requests, args.iters)
     save()
     del device, host
     torch.cuda.empty_cache()
@@ -176,8 +231,9 @@ def main() -> None:
     except (IndexError, json.JSONDecodeError):
         report["budget"] = {"returncode": child.returncode, "stderr": child.stderr[-1500:]}
     save()
-    cpp_runs(package, work, requests, expected, report)
-    save()
+    if not args.no_cpp:
+        cpp_runs(package, work, requests, expected, report)
+        save()
     print(json.dumps({k: v for k, v in report.items() if k != "cpp_build"}, indent=1))
 
 

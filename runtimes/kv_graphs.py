@@ -44,6 +44,12 @@ from hstu_export.runtimes.graph_copies import GraphCopies, cuda_runtime, graph_c
 # of a bucket's key).
 STATIC_INPUTS = ("kv_k_pages", "kv_v_pages")
 _MAX_SEEN = 4096
+# A capture forbids, while it runs, the CUDA calls that could break it (a synchronising copy, cudaMalloc, an
+# event query) to its own thread only: in CUDA's default (global) mode it forbids them to every thread of the
+# process, so another worker or another device's replica reading an answer back mid-capture fails, and the
+# capture with it (benchmarks/investigations/capture_threads.py measures both modes). Our captures run on a
+# stream of their own and their thread makes no such call, so the narrower mode is safe.
+CAPTURE_MODE = "thread_local"
 
 
 @dataclass(frozen=True)
@@ -362,7 +368,7 @@ class GraphCache:
             # tensors before its replay: runtimes/graph_copies.py).
             sources = {name: value for name, value in inputs.items() if name not in STATIC_INPUTS and value.numel()}
             graph = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_MODE):
                 for name, value in sources.items():
                     static[name].copy_(value)
                 outputs = self._run_bucket(static)
@@ -372,6 +378,6 @@ class GraphCache:
                 return _Graph(graph, static, outputs, graph_copies=copies, sources=sources)
             # A copy that is not a memcpy node: captured again without them.
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_MODE):
             outputs = self._run_bucket(static)
         return _Graph(graph, static, outputs)

@@ -320,7 +320,9 @@ struct DeltaGraphs::Impl {
   // Captures the program on the buffers, after copies of `entry.sources` into them when `copies`.
   void capture_into(Graph& entry, bool copies) {
     entry.graph = std::make_unique<at::cuda::CUDAGraph>(/*keep_graph=*/copies);  // kept: its copy nodes
-    entry.graph->capture_begin(*pool);
+    // Only this thread is kept from calls that could break the capture: by default (global mode) every thread of
+    // the process is, and another thread's synchronising copy fails, and the capture with it (kv_graphs.py).
+    entry.graph->capture_begin(*pool, cudaStreamCaptureModeThreadLocal);
     try {
       // The copies form a chain on the capturing stream: as parallel branches (a stream and two events each)
       // they take no less GPU time and 15-37 us more host time to launch (docs/PERF.md, "Known not to work").
