@@ -19,6 +19,7 @@ from manifests import rewrite_manifest
 import hstu_export
 from hstu_export.package.tensor_dir import load_tensors, save_tensors
 from hstu_export.serving.kv_cache import page_bytes
+from hstu_export.serving.native import LIBRARY_NAME, NativePredictor
 
 pytestmark = pytest.mark.slow
 
@@ -77,15 +78,19 @@ def test_cpp_cache_serves_as_python_bit_for_bit(cpp_runtime, kv_package, tmp_pat
     done, cpp = _run_cpp(cpp_runtime, root, steps, tmp_path, "--kv-cache", budget or "auto")
     predictor = hstu_export.load(root)
     ranker = predictor.kv_cache(budget_bytes=budget)
+    # The C++ runtime's cache from Python too (hstu_export.serving.native): the CLI's answers and counters.
+    native = NativePredictor(root, library=cpp_runtime.path.parent / LIBRARY_NAME).kv_cache(budget)
     for k, ((who, request), got) in enumerate(zip(steps, cpp)):
         python = ranker(request, [IDS[u] for u in who])
+        from_python = native(request, [IDS[u] for u in who])
         full = predictor(request)
-        assert sorted(got) == sorted(python)
+        assert sorted(got) == sorted(python) and list(from_python) == predictor.output_names
         for key in python:
             assert torch.equal(got[key], python[key]), (k, key, (got[key] - python[key]).abs().max().item())
+            assert torch.equal(from_python[key], got[key]), (k, key)
             torch.testing.assert_close(got[key], full[key], **CLOSE)
     stats = _stats(done.stdout)
-    assert stats == ranker.cache.stats()
+    assert stats == ranker.cache.stats() == native.stats()
     assert stats["hits"] > 0 and stats["misses"] > 0 and stats["bypassed"] > 0
     assert stats["stale"] > 0
     assert (stats["evictions"] > 0) == (budget_pages is not None)

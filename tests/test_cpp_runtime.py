@@ -96,6 +96,32 @@ def test_a_publish_root_opens_its_current_version(runner, packages, tmp_path) ->
     assert done.returncode != 0 and "current points at '7', not at a published version" in done.stderr
 
 
+def test_native_predictor_serves_from_python_as_the_cli(runner, packages, tmp_path) -> None:
+    """hstu_export.serving.native: the C++ runtime called from Python answers as hstu_export.load bit for bit, in
+    the package's output order, and refuses as it does, with the same exception types."""
+    from hstu_export.errors import ConfigError, PackageError
+    from hstu_export.serving.native import LIBRARY_NAME, NativePredictor
+
+    library = runner.path.parent / LIBRARY_NAME
+    for backend, package in packages.items():
+        native, python = NativePredictor(package, library=library), hstu_export.load(package)
+        assert native.output_names == python.output_names and native.max_batch_size == 4
+        for batch_size in (1, 3):
+            request = generate_batch(python.input_schema, batch_size, seed=60 + batch_size)
+            answer, expected = native(request), python(request)
+            assert list(answer) == python.output_names, backend
+            assert all(torch.equal(answer[k], v) for k, v in expected.items()), backend
+        request["candidate_item_ids"] = request["candidate_item_ids"] + 5000
+        with pytest.raises(RequestError, match="beyond the exported maximum 999"):
+            native(request)
+    with pytest.raises(PackageError, match="no such directory"):
+        NativePredictor(tmp_path / "nothing", library=library)
+    with pytest.raises(ConfigError, match="is not there: build it with"):
+        NativePredictor(packages["aoti"], library=tmp_path / LIBRARY_NAME)
+    with pytest.raises(ConfigError, match="tables device 'gpu'"):
+        NativePredictor(packages["aoti"], library=library, tables_device="gpu")
+
+
 def _follow(runner, root: Path, request: Path, *args: object) -> subprocess.Popen[str]:  # type: ignore[no-untyped-def]
     """hstu-export-run serving ``root`` with --follow 0, once it has opened the current version."""
     process = subprocess.Popen([str(runner.path), root, request, "--follow", "0", *map(str, args)], text=True,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the C++ runtime against the torch of $PYTHON (default: the repository's .venv, else python3):
 #   runtimes/cpp/build.sh [BUILD_DIR]        (default BUILD_DIR: build/cpp)
-# The binary is BUILD_DIR/hstu-export-run; the library BUILD_DIR/libhstu_export_runtime.so.
+# The binary is BUILD_DIR/hstu-export-run; the library BUILD_DIR/libhstu_export_runtime.so; the runtime for Python
+# (hstu_export.serving.native) BUILD_DIR/libhstu_export_native.so.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -40,6 +41,8 @@ plain_build() {
     -o "$build/libhstu_export_runtime.so" -Wl,--no-as-needed -L"$torch_dir/lib" $libs -ldl \
     -Wl,-rpath,"$torch_dir/lib"
   c++ "${flags[@]}" "$here/src/main.cpp" -o "$build/hstu-export-run" -Wl,--no-as-needed \
+    -L"$build" -lhstu_export_runtime -L"$torch_dir/lib" $libs -Wl,-rpath,"$build" -Wl,-rpath,"$torch_dir/lib"
+  c++ "${flags[@]}" -shared "$here/src/native.cpp" -o "$build/libhstu_export_native.so" -Wl,--no-as-needed \
     -L"$build" -lhstu_export_runtime -L"$torch_dir/lib" $libs -Wl,-rpath,"$build" -Wl,-rpath,"$torch_dir/lib"
 }
 

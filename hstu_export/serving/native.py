@@ -1,0 +1,126 @@
+"""The C++ runtime from Python: a package served by ``libhstu_export_native`` (runtimes/cpp/src/native.cpp, built
+by runtimes/cpp/build.sh beside ``hstu-export-run``), with no Python between the request and the answer.
+
+    predictor = NativePredictor("model.aoti")           # Package::open: the C++ runtime's checks and loading
+    scores = predictor(request)                         # Package::run: validation, sparse and dense halves
+    ranker = predictor.kv_cache()                       # CachedRanker::open (a package exported with --kv-cache)
+    scores = ranker(request, user_ids)
+
+What ``hstu_export.load`` does in Python, the C++ runtime does in C++ (docs/PACKAGE.md "The C++ runtime"): the
+same answers, bit for bit, and the same refusals, raised as the same exception types (``RequestError``,
+``PackageError``). What it saves is the interpreter's time per call, which at one user is most of a request
+(docs/PERF.md). The library is found at ``library``, else ``$HSTU_EXPORT_NATIVE_LIBRARY``, else this checkout's
+``build/cpp``; it must be built against the torch this process runs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from hstu_export.errors import ConfigError, HstuExportError, PackageError, RequestError
+from hstu_export.settings import parse_size
+
+__all__ = ["NativeCachedRanker", "NativePredictor", "native_library"]
+
+LIBRARY_NAME = "libhstu_export_native.so"
+_ERRORS: dict[str, type[HstuExportError]] = {"RequestError": RequestError, "PackageError": PackageError,
+                                             "Error": HstuExportError}
+_STATS = ("hits", "misses", "stale", "evictions", "bypassed", "users", "pages_used", "pages")
+_loaded: set[Path] = set()
+_lock = threading.Lock()
+T = TypeVar("T")
+
+
+def native_library(library: str | Path | None = None) -> Path:
+    """The library's path (see the module's text); ConfigError when it is not there."""
+    given = library or os.environ.get("HSTU_EXPORT_NATIVE_LIBRARY")
+    path = Path(given) if given else Path(__file__).resolve().parents[2] / "build" / "cpp" / LIBRARY_NAME
+    if not path.is_file():
+        raise ConfigError(f"the C++ runtime's Python library {path} is not there: build it with "
+                          "`bash runtimes/cpp/build.sh` (or give its path: library=..., $HSTU_EXPORT_NATIVE_LIBRARY)")
+    return path.resolve()
+
+
+def _load(library: str | Path | None) -> Any:
+    path = native_library(library)
+    with _lock:
+        if path not in _loaded:
+            if _loaded:
+                raise ConfigError(f"another C++ runtime library is loaded already ({next(iter(_loaded))}); one "
+                                  "process serves from one")
+            try:
+                torch.classes.load_library(str(path))
+            except OSError as exc:
+                raise ConfigError(f"{path} does not load ({str(exc).splitlines()[0][:300]}): rebuild it against "
+                                  f"this process's torch {torch.__version__} with `bash runtimes/cpp/build.sh`") from None
+            _loaded.add(path)
+    return torch.classes.hstu_export_native
+
+
+def _call(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, a runtime error raised as hstu-export's own exception (native.cpp puts its class in front)."""
+    try:
+        return fn(*args)
+    except RuntimeError as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        kind, _, message = text.partition(": ")
+        if kind in _ERRORS and message:
+            raise _ERRORS[kind](message) from None
+        raise
+
+
+class NativePredictor:
+    """A package served by the C++ runtime; called like ``hstu_export.load``'s predictor, with a request of
+    tensors (on the host or the package's device) and answering its outputs in ``output_names`` order."""
+
+    def __init__(self, path: str | Path, *, tables_device: str | None = None, verify_checksums: bool = True,
+                 library: str | Path | None = None) -> None:
+        if tables_device not in (None, "cpu", "cuda"):
+            raise ConfigError(f"tables device {str(tables_device)[:40]!r}: expected cpu or cuda")
+        classes = _load(library)
+        self._package = _call(classes.Package, str(path), tables_device or "", verify_checksums)
+        self._classes = classes
+        self.output_names: list[str] = list(self._package.output_names())
+        self.max_batch_size: int = self._package.max_batch_size()
+        self.device = torch.device(self._package.device())
+        self.path = Path(self._package.path())
+
+    def __call__(self, request: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return dict(_call(self._package.run, dict(request)))
+
+    def kv_cache(self, budget_bytes: int | str | None = None, *, max_time_drift: int = 0,
+                 cuda_graphs: bool | None = None) -> NativeCachedRanker:
+        """The C++ runtime's KV cache over this package (as ``Predictor.kv_cache``): ``budget_bytes`` (bytes or a
+        size such as ``"2GiB"``; default: room for the maximum batch at the longest sequence)."""
+        budget = 0  # the C++ runtime's default
+        if budget_bytes is not None:
+            budget = parse_size(budget_bytes) if isinstance(budget_bytes, str) else budget_bytes
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise ConfigError(f"KV cache budget must be a positive number of bytes, got {budget_bytes!r}")
+        if isinstance(max_time_drift, bool) or not isinstance(max_time_drift, int) or max_time_drift < 0:
+            raise ConfigError(f"max_time_drift must be a whole number of seconds, 0 or more, got {max_time_drift!r}")
+        graphs = "auto" if cuda_graphs is None else "on" if cuda_graphs else "off"
+        return NativeCachedRanker(_call(self._classes.CachedRanker, self._package, budget, max_time_drift, graphs))
+
+
+class NativeCachedRanker:
+    """``ranker(request, user_ids)``: the C++ runtime's KV-cached serving (``CachedRanker::run``)."""
+
+    def __init__(self, ranker: Any) -> None:
+        self._ranker = ranker
+
+    def __call__(self, request: Mapping[str, Tensor], user_ids: Sequence[Hashable] | Tensor) -> dict[str, Tensor]:
+        ids = user_ids.tolist() if isinstance(user_ids, Tensor) else list(user_ids)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise RequestError("the C++ runtime's KV cache takes integer user ids")
+        return dict(_call(self._ranker.run, dict(request), ids))
+
+    def stats(self) -> dict[str, int]:
+        return dict(zip(_STATS, self._ranker.stats(), strict=True))
