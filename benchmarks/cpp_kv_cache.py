@@ -50,6 +50,7 @@ import hstu_export
 from hstu_export.models.config import preset_config
 from hstu_export.models.ranking import HstuRankingModel
 from hstu_export.package.tensor_dir import load_tensors, save_tensors
+from hstu_export.serving.native import LIBRARY_NAME, NativePredictor
 
 REPO = Path(__file__).resolve().parent.parent
 LATENCY = re.compile(r"p50 ([0-9.]+) ms, p99 ([0-9.]+) ms")
@@ -244,13 +245,25 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
                 row["rel_l2_cpp_kv_vs_no_cache"] = rel_l2({k: v.cuda() for k, v in cpp_first.items()}, full)
             del ranker
             torch.cuda.empty_cache()
+        # The C++ runtime called from Python (hstu_export.serving.native), the same requests.
+        native = NativePredictor(package_root, library=runner.parent / LIBRARY_NAME)
+        row["python_native_no_cache"] = python_latency(lambda: native(whole), iters)
+        native_ranker = native.kv_cache()
+        first = [native_ranker(step, users) for step in steps][-1]
+        before = (lambda: native_ranker(steps[0], users)) if len(steps) > 1 else None
+        row["python_native_kv"] = python_latency(lambda: native_ranker(whole, users), iters, before=before)
+        row["python_native_kv_stats"] = native_ranker.stats()
+        row["rel_l2_python_native_kv_vs_no_cache"] = rel_l2(first, full)
     ratios = {"cpp_no_cache_over_cpp_kv": ("cpp_no_cache", "cpp_kv"),
               "python_no_cache_over_python_kv": ("python_no_cache", "python_kv"),
               "python_no_cache_over_cpp_kv": ("python_no_cache", "cpp_kv"),
               "python_kv_over_cpp_kv": ("python_kv", "cpp_kv"),
               "python_kv_no_graphs_over_cpp_kv": ("python_kv_no_graphs", "cpp_kv"),
               "cpp_no_cache_over_cpp_kv_no_graphs": ("cpp_no_cache", "cpp_kv_no_graphs"),
-              "cpp_kv_no_graphs_over_cpp_kv": ("cpp_kv_no_graphs", "cpp_kv")}
+              "cpp_kv_no_graphs_over_cpp_kv": ("cpp_kv_no_graphs", "cpp_kv"),
+              "python_native_no_cache_over_python_native_kv": ("python_native_no_cache", "python_native_kv"),
+              "python_native_kv_over_cpp_kv": ("python_native_kv", "cpp_kv"),
+              "python_native_no_cache_over_cpp_no_cache": ("python_native_no_cache", "cpp_no_cache")}
     for name, (base, new) in ratios.items():
         if "p50_ms" in row[base] and "p50_ms" in row[new]:
             row[name] = row[base]["p50_ms"] / row[new]["p50_ms"]
