@@ -217,8 +217,6 @@ def main() -> None:
         row["host_over_device"] = round(row["host_tables_p50_ms"] / row["device_tables_p50_ms"], 3)
     report["device_tables_allocated_gib"] = round(allocated_device / (1 << 30), 3)
     save()
-    report["gathers"] = gathers(package, requests, args.iters)
-    save()
     del device, host
     torch.cuda.empty_cache()
 
@@ -230,6 +228,8 @@ def main() -> None:
         report["budget"] = json.loads(child.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
         report["budget"] = {"returncode": child.returncode, "stderr": child.stderr[-1500:]}
+    save()
+    report["gathers"] = gathers(package, requests, args.iters)
     save()
     if not args.no_cpp:
         cpp_runs(package, work, requests, expected, report)
