@@ -29,6 +29,16 @@ from pathlib import Path
 import torch
 
 
+def run_for(threads: list[threading.Thread], stop: threading.Event, seconds: float) -> None:
+    """Starts ``threads``, lets them run ``seconds``, then sets ``stop`` and waits for them."""
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join()
+
+
 def trial(mode: str, capture_device: int, serve_device: int, seconds: float) -> dict:
     stop = threading.Event()
     counts = {"captures": 0, "capture_failures": 0, "served": 0, "serve_failures": 0}
@@ -84,13 +94,7 @@ def trial(mode: str, capture_device: int, serve_device: int, seconds: float) -> 
             except Exception as exc:
                 failed("serve", exc)
 
-    threads = [threading.Thread(target=capture), threading.Thread(target=serve)]
-    for thread in threads:
-        thread.start()
-    time.sleep(seconds)
-    stop.set()
-    for thread in threads:
-        thread.join()
+    run_for([threading.Thread(target=capture), threading.Thread(target=serve)], stop, seconds)
     try:
         torch.cuda.synchronize()
         after = "ok"
@@ -128,13 +132,7 @@ def serving_trial(mode: str, package: str, seconds: float) -> dict:
                         if len(messages) < 3:
                             messages.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
 
-        clients = [threading.Thread(target=client, args=(seed,)) for seed in range(4)]
-        for thread in clients:
-            thread.start()
-        time.sleep(seconds)
-        stop.set()
-        for thread in clients:
-            thread.join()
+        run_for([threading.Thread(target=client, args=(seed,)) for seed in range(4)], stop, seconds)
         stats = replicas.stats()
     return {**counts, "messages": messages, "kv_cache": stats[0].get("kv_cache")}
 
