@@ -8,8 +8,10 @@ The package: the zoo's dlrmv3 preset (5 layers, D=512, 4 heads of 128), exported
 AOTInductor, bf16, max batch --max-batch (or --package PKG). Served through
 ``hstu_export.serving.replicas.ReplicaSet``: --serve threads (one replica per GPU in this process) or
 processes:N (N replica processes per GPU), each replica with --workers threads that run whatever queries wait
-(up to the batch) in one call; with the cache, a user always reaches the replica caching it. Not through a
-Triton server: the GPU machine has none installed (docs/SERVING.md).
+(up to the batch) in one call; with the cache, a user always reaches the replica caching it. --runtime
+python serves each call through ``hstu_export.load``, native through the C++ runtime's library (build it first:
+``bash runtimes/cpp/build.sh``). Not through a Triton server: the GPU machine has none installed
+(docs/SERVING.md).
 
 Queries: one user each, 2048 candidates, a history drawn as the DLRMv3 reference's synthetic streaming data
 builds one (generative-recommenders, dlrm_v3/streaming_synthetic_data.py): the base timestamp's segment plus
@@ -22,9 +24,8 @@ queries are users seen for the first time (misses by construction). The cache re
 time buckets hold for --max-time-drift seconds (CachedRanker's max_time_drift). The cached path runs without
 CUDA graphs unless --kv-graphs says otherwise (docs/PERF.md, serving under load, says why).
 
-Per configuration (cache x GPUs x --serve x --workers): a closed-loop saturation estimate, then open-loop
-windows of --seconds at
-rising shares of it; reported per rate: achieved queries/s, p50/p99 latency (from the scheduled arrival to
+Per configuration (cache x GPUs x --serve x --workers x --runtime): a closed-loop saturation estimate, then
+open-loop windows of --seconds at rising shares of it; reported per rate: achieved queries/s, p50/p99 latency (from the scheduled arrival to
 the answer on the host, queueing included), the workers' busy share and the GPUs' utilisation (NVML, when
 readable), the cache's hits/misses/stale/evictions in the window, and what could explain a tail: how late
 queries were sent, p99 per tenth of the window, the garbage collector's pauses. Writes serving_load.json
@@ -308,12 +309,13 @@ def serve_mode(text: str) -> tuple[str, int]:
 
 
 def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str], cached: bool,
-          serve: tuple[str, int], workers: int, out: dict[str, Any], save: Any) -> None:
+          serve: tuple[str, int], workers: int, runtime: str, out: dict[str, Any], save: Any) -> None:
     """Fills ``out`` with the configuration's results, calling ``save`` after each window."""
     work = Workload(args, cfg)
     gpus = [torch.device(d).index or 0 for d in devices] if devices[0].startswith("cuda") else []
     mode, per_device = serve
     out.update({"devices": devices, "cache": cached, "serve": f"{mode}:{per_device}", "workers": workers,
+                "runtime": runtime,
                 "kv_graphs": args.kv_graphs if cached else None, "rates": []})
     kv_bytes = args.kv_budget if cached else None
     graphs = {"auto": None, "on": True, "off": False}[args.kv_graphs]
@@ -321,7 +323,7 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
     with ReplicaSet(package, [d for d in devices for _ in range(per_device)], kv_cache_bytes=kv_bytes,
                     max_batch_users=args.max_batch, max_queue_delay_ms=args.queue_delay_ms,
                     max_time_drift=args.max_time_drift, kv_cuda_graphs=graphs, workers=workers,
-                    processes=mode == "processes") as replicas:
+                    processes=mode == "processes", runtime=runtime) as replicas:
         out["start_seconds"] = round(time.perf_counter() - t, 2)
         pool: list | None = None
         if cached:  # every pool user seen once: the cache filled before anything is timed
@@ -342,13 +344,14 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
             out["rates"].append(row)
             save()
             print(json.dumps({"devices": len(devices), "cache": cached, "serve": out["serve"], "workers": workers,
-                              **row}), flush=True)
+                              "runtime": runtime, **row}), flush=True)
             if row["p99_ms"] <= P99_BOUND_MS and not row["failed"]:
                 passed = row
             elif passed is not None:
                 break
         if write_profiles is not None:
-            write_profiles(f"{len(devices)}gpu_cache_{'on' if cached else 'off'}_{mode}{per_device}_{workers}workers")
+            write_profiles(f"{len(devices)}gpu_cache_{'on' if cached else 'off'}_{mode}{per_device}_{workers}workers_"
+                           f"{runtime}")
         out["best"] = passed
         out["best_qps_per_device"] = round(passed["achieved_qps"] / len(devices), 1) if passed else None
         out["replicas"] = replicas.stats()
@@ -382,6 +385,9 @@ def main() -> None:
                              "processes[:N] (N replica processes a GPU)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1],
                         help="worker threads per replica to try (ReplicaSet's workers)")
+    parser.add_argument("--runtime", nargs="+", choices=["python", "native"], default=["python"],
+                        help="what serves each replica's calls, each tried: python (hstu_export.load) or native "
+                             "(the C++ runtime's library, built by runtimes/cpp/build.sh)")
     parser.add_argument("--max-batch", type=int, default=32, help="users per call (the export's max batch)")
     parser.add_argument("--queue-delay-ms", type=float, default=2.0, help="a worker's wait for a fuller batch")
     parser.add_argument("--mean-history", type=float, default=1024)
@@ -435,7 +441,8 @@ def main() -> None:
         save()
         if args.export_only:
             return
-    for cache, count, serve, workers in itertools.product(args.cache, args.gpus, args.serve, args.workers):
+    for cache, count, serve, workers, runtime in itertools.product(args.cache, args.gpus, args.serve, args.workers,
+                                                                   args.runtime):
         devices = [f"cuda:{i}" for i in range(count)] if device == "cuda" else ["cpu"] * count
         if device == "cuda" and count > torch.cuda.device_count():
             report["runs"].append({"devices": devices, "skipped": "not that many GPUs here"})
@@ -443,14 +450,15 @@ def main() -> None:
         run: dict[str, Any] = {}
         report["runs"].append(run)
         try:
-            sweep(args, package, cfg, devices, cache == "on", serve, workers, run, save)
+            sweep(args, package, cfg, devices, cache == "on", serve, workers, runtime, run, save)
         except Exception as exc:  # recorded; the other configurations still run
             run.update({"devices": devices, "cache": cache, "serve": ":".join(map(str, serve)), "workers": workers,
+                        "runtime": runtime,
                         "error": f"{type(exc).__name__}: {exc}",
                         "traceback": traceback.format_exc()[-3000:]})
         save()
         torch.cuda.empty_cache() if device == "cuda" else None
-    print(json.dumps([{k: r.get(k) for k in ("devices", "cache", "serve", "workers", "saturation_qps",
+    print(json.dumps([{k: r.get(k) for k in ("devices", "cache", "serve", "workers", "runtime", "saturation_qps",
                                              "best_qps_per_device")}
                       for r in report["runs"]]), file=sys.stderr)
 

@@ -120,6 +120,11 @@ def test_native_predictor_serves_from_python_as_the_cli(runner, packages, tmp_pa
         NativePredictor(packages["aoti"], library=tmp_path / LIBRARY_NAME)
     with pytest.raises(ConfigError, match="tables device 'gpu'"):
         NativePredictor(packages["aoti"], library=library, tables_device="gpu")
+    with pytest.raises(ConfigError, match="device 'gpu7': expected cpu, cuda or cuda:N"):
+        NativePredictor(packages["aoti"], library=library, device="gpu7")
+    native, python = NativePredictor(packages["aoti"], library=library, device="cpu"), hstu_export.load(packages["aoti"])
+    # what the serving paths read of a predictor
+    assert native.input_schema == python.input_schema and native.package_manifest.raw == python.package_manifest.raw
 
 
 def _follow(runner, root: Path, request: Path, *args: object) -> subprocess.Popen[str]:  # type: ignore[no-untyped-def]
@@ -325,6 +330,10 @@ def test_usage_errors(runner, packages, tmp_path) -> None:
     assert done.returncode == 0 and "usage: hstu-export-run PACKAGE REQUEST_DIR" in done.stdout
     done = runner.run(packages["aoti"], tmp_path, "--tables-device", "gpu")
     assert done.returncode == 2 and "--tables-device needs cpu or cuda" in done.stderr
+    done = runner.run(packages["aoti"], tmp_path, "--device", "gpu:1")
+    assert done.returncode == 2 and "--device needs cuda:N, got 'gpu:1'" in done.stderr
+    done = runner.run(packages["aoti"], tmp_path, "--device", "cuda:x")
+    assert done.returncode == 2 and "--device needs an integer of 0 or more, got 'x'" in done.stderr
     request = write_request(packages["aoti"], tmp_path / "request", 1, 50)
     done = runner.run(packages["aoti"], request, "--tables-device", "cuda")
     assert done.returncode == 1 and "is a cpu package: its tables cannot live on cuda" in done.stderr

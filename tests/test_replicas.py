@@ -18,6 +18,7 @@ from kv_requests import CONFIGS, Users
 
 import hstu_export
 from hstu_export.errors import ConfigError, HstuExportError, PackageError, RequestError, ServingError
+from hstu_export.serving.native import LIBRARY_NAME
 from hstu_export.serving.processes import decode_tensors, encode_tensors
 from hstu_export.serving.replicas import ReplicaSet, replica_of
 
@@ -28,6 +29,14 @@ CLOSE = dict(rtol=1e-5, atol=1e-5)  # a request batched with others is not bit-e
 
 def _requests(schema, count: int) -> list[dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
     return [hstu_export.generate_batch(schema, 1 + i % 2, seed=100 + i) for i in range(count)]
+
+
+@pytest.fixture
+def native_library(cpp_runtime, monkeypatch) -> Path:  # type: ignore[no-untyped-def]
+    """The C++ runtime's Python library, built, and named to this process and the replica processes it starts."""
+    path = cpp_runtime.path.parent / LIBRARY_NAME
+    monkeypatch.setenv("HSTU_EXPORT_NATIVE_LIBRARY", str(path))
+    return path
 
 
 @pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
@@ -72,6 +81,32 @@ def test_a_bad_request_fails_alone(tiny_serving_package, processes) -> None:  # 
         assert replicas.stats()[0]["errors"] == 2
 
 
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_native_replicas_answer_as_the_package(tiny_serving_package, native_library, processes) -> None:  # type: ignore[no-untyped-def]
+    """runtime="native": each call served by the C++ runtime. A request alone in its call is answered as
+    hstu_export.load answers it, bit for bit; requests waiting together share a call; a bad one fails alone."""
+    predictor = hstu_export.load(tiny_serving_package)
+    requests = _requests(predictor.input_schema, 8)
+    beyond = dict(requests[0])
+    beyond["candidate_item_ids"] = beyond["candidate_item_ids"] + 10**9
+    with ReplicaSet(tiny_serving_package, ["cpu"], max_queue_delay_ms=300, workers=2, processes=processes,
+                    runtime="native") as replicas:
+        for request in requests[:3]:
+            answer, expected = replicas(request), predictor(request)
+            assert list(answer) == list(expected)
+            assert all(torch.equal(answer[name], value) for name, value in expected.items())
+        futures = [replicas.submit(r) for r in [*requests[3:6], beyond, *requests[6:]]]
+        with pytest.raises(RequestError, match="candidate_item_ids"):
+            futures.pop(3).result(timeout=60)
+        for request, future in zip(requests[3:], futures):
+            expected = predictor(request)
+            for name, value in future.result(timeout=60).items():
+                torch.testing.assert_close(value, expected[name], **CLOSE)
+        stats = replicas.stats()[0]
+    assert stats["requests"] == 9 and stats["errors"] == 1
+    assert stats["calls"] < 3 + 6 + 1, stats  # the six waiting together shared calls (the bad one ran again alone)
+
+
 def test_workers_of_a_replica_run_calls_side_by_side(tiny_serving_package) -> None:  # type: ignore[no-untyped-def]
     """Two calls must be in flight at once to pass the barrier: one worker alone would fail both."""
     predictor = hstu_export.load(tiny_serving_package)
@@ -100,13 +135,18 @@ def test_workers_of_a_replica_run_calls_side_by_side(tiny_serving_package) -> No
         ReplicaSet(tiny_serving_package, ["cpu"], workers=0)
 
 
-@pytest.mark.parametrize(("workers", "processes"), [(1, False), (2, False), (1, True)],
-                         ids=["1-worker", "2-workers", "processes"])
+@pytest.mark.parametrize(("workers", "processes", "runtime"),
+                         [(1, False, "python"), (2, False, "python"), (1, True, "python"), (2, False, "native")],
+                         ids=["1-worker", "2-workers", "processes", "native"])
 @pytest.mark.parametrize("kv_package", ["no-context"], indirect=True)
-def test_a_user_returns_to_the_replica_that_caches_it(kv_package, workers, processes) -> None:  # type: ignore[no-untyped-def]
+def test_a_user_returns_to_the_replica_that_caches_it(kv_package, workers, processes, runtime,  # type: ignore[no-untyped-def]
+                                                      request) -> None:
     """Six users, three rounds each with a grown history, on two replicas with their own caches: every
     return is a hit, which it could not be on the other replica's cache (with two workers a replica serves
-    two calls at once from its one cache; as processes, the caches are in two processes)."""
+    two calls at once from its one cache; as processes, the caches are in two processes; native: the C++
+    runtime's cache)."""
+    if runtime == "native":
+        request.getfixturevalue("native_library")
     name, root, _ = kv_package
     predictor = hstu_export.load(root)
     users = Users(CONFIGS[name], seed=3)
@@ -115,7 +155,7 @@ def test_a_user_returns_to_the_replica_that_caches_it(kv_package, workers, proce
         users.grow(str(user), 5 + user % 4)
     assert {replica_of(u, 2) for u in ids} == {0, 1}
     with ReplicaSet(root, ["cpu", "cpu"], kv_cache_bytes=4 << 20, max_queue_delay_ms=100,
-                    max_batch_users=2, workers=workers, processes=processes) as replicas:
+                    max_batch_users=2, workers=workers, processes=processes, runtime=runtime) as replicas:
         for _ in range(3):
             requests = [users.request([str(u)], [3]) for u in ids]
             futures = [replicas.submit(r, [u]) for r, u in zip(requests, ids)]
@@ -188,6 +228,21 @@ def test_refusals_are_clear(tiny_serving_package, tmp_path) -> None:  # type: ig
     with ReplicaSet(tiny_serving_package, ["cpu"]) as replicas:
         with pytest.raises(RequestError, match="dict of named tensors"):
             replicas.submit([1, 2]).result(timeout=10)
+    with pytest.raises(ConfigError, match="runtime 'rust': expected python or native"):
+        ReplicaSet(tiny_serving_package, ["cpu"], runtime="rust")
+
+
+def test_native_replicas_refuse_to_follow_a_publish_root(tiny_serving_package, native_library, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hstu_export.package.publish import publish
+
+    root = tmp_path / "ranker"
+    publish(tiny_serving_package, root)
+    with pytest.raises(ConfigError, match="is a publish root: the native runtime serves one version"):
+        ReplicaSet(root, ["cpu"], runtime="native")
+    with ReplicaSet(root / "1", ["cpu"], runtime="native") as replicas:  # one version: served
+        request = _requests(replicas.schema, 1)[0]
+        expected = hstu_export.load(tiny_serving_package)(request)
+        assert all(torch.equal(replicas(request)[k], v) for k, v in expected.items())
 
 
 def test_tensors_travel_to_a_replica_process_unchanged() -> None:

@@ -2,6 +2,7 @@
 by runtimes/cpp/build.sh beside ``hstu-export-run``), with no Python between the request and the answer.
 
     predictor = NativePredictor("model.aoti")           # Package::open: the C++ runtime's checks and loading
+                                                        # (a CUDA package on device=, else the current device)
     scores = predictor(request)                         # Package::run: validation, sparse and dense halves
     ranker = predictor.kv_cache()                       # CachedRanker::open (a package exported with --kv-cache)
     scores = ranker(request, user_ids)
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, HstuExportError, PackageError, RequestError
+from hstu_export.package.directory import load_manifest
 from hstu_export.settings import parse_size
 
 __all__ = ["NativeCachedRanker", "NativePredictor", "native_library"]
@@ -64,6 +66,20 @@ def _load(library: str | Path | None) -> Any:
     return torch.classes.hstu_export_native
 
 
+def _device(device: str | torch.device | None) -> torch.device | None:
+    if device is None or isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device {str(device)[:40]!r}: expected cpu, cuda or cuda:N") from None
+
+
+def _current_cuda_device() -> int:
+    """The device a CUDA package opens on when none is named: this thread's current one, as ``hstu_export.load``."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
 def _call(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)``, a runtime error raised as hstu-export's own exception (native.cpp puts its class in front)."""
     try:
@@ -80,17 +96,24 @@ class NativePredictor:
     """A package served by the C++ runtime; called like ``hstu_export.load``'s predictor, with a request of
     tensors (on the host or the package's device) and answering its outputs in ``output_names`` order."""
 
-    def __init__(self, path: str | Path, *, tables_device: str | None = None, verify_checksums: bool = True,
-                 library: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path, *, device: str | torch.device | None = None, tables_device: str | None = None,
+                 verify_checksums: bool = True, library: str | Path | None = None) -> None:
         if tables_device not in (None, "cpu", "cuda"):
             raise ConfigError(f"tables device {str(tables_device)[:40]!r}: expected cpu or cuda")
+        wanted = _device(device)
         classes = _load(library)
-        self._package = _call(classes.Package, str(path), tables_device or "", verify_checksums)
+        index = wanted.index if wanted is not None and wanted.index is not None else _current_cuda_device()
+        self._package = _call(classes.Package, str(path), tables_device or "", verify_checksums, index)
         self._classes = classes
         self.output_names: list[str] = list(self._package.output_names())
         self.max_batch_size: int = self._package.max_batch_size()
         self.device = torch.device(self._package.device())
         self.path = Path(self._package.path())
+        if wanted is not None and wanted.type != self.device.type:
+            raise ConfigError(f"{self.path} is a {self.device.type} package; it cannot be served on {wanted}")
+        # What BatchingPredictor and the serving paths read of a predictor; the C++ runtime checked it all already.
+        self.package_manifest = load_manifest(self.path, verify_checksums=False)
+        self.input_schema = self.package_manifest.input_schema
 
     def __call__(self, request: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return dict(_call(self._package.run, dict(request)))
@@ -121,6 +144,11 @@ class NativeCachedRanker:
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise RequestError("the C++ runtime's KV cache takes integer user ids")
         return dict(_call(self._ranker.run, dict(request), ids))
+
+    @property
+    def cache(self) -> NativeCachedRanker:
+        """Where its counters are read, as ``CachedRanker.cache``: ``ranker.cache.stats()``."""
+        return self
 
     def stats(self) -> dict[str, int]:
         return dict(zip(_STATS, self._ranker.stats(), strict=True))

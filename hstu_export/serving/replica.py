@@ -11,6 +11,10 @@ so its calls must not run side by side on two streams.
 ``path`` may be a directory ``hstu-export publish`` writes: the replica then serves its current version and
 follows it between calls (``PublishedPredictor``), except with a KV cache, which serves the version current
 when it was made.
+
+``runtime="native"``: the package is served by the C++ runtime (``NativePredictor``, native.py) instead of
+``hstu_export.load``: the same answers, bit for bit, and the interpreter's lock is not held while a call runs,
+so the workers' calls overlap on the host. Batching, routing and the futures stay in Python.
 """
 
 from __future__ import annotations
@@ -31,9 +35,12 @@ from torch import Tensor
 from hstu_export.errors import ConfigError
 from hstu_export.package.publish import is_published_root
 from hstu_export.serving.batching import BatchingPredictor
+from hstu_export.serving.native import NativePredictor
 from hstu_export.serving.published import PublishedPredictor
 
-__all__ = ["Item", "Replica"]
+__all__ = ["RUNTIMES", "Item", "Replica"]
+
+RUNTIMES = ("python", "native")  # what serves a replica's calls: hstu_export.load, or the C++ runtime (native.py)
 
 _STOP = object()
 
@@ -54,16 +61,26 @@ class Replica:
     def __init__(self, path: str | Path, device: torch.device, *, kv_cache_bytes: int | str | None,
                  max_time_drift: int, kv_cuda_graphs: bool | None, max_batch_users: int | None,
                  max_queue_delay_ms: float, host_outputs: bool, workers: int,
-                 tables_device: str | None = None) -> None:
+                 tables_device: str | None = None, runtime: str = "python") -> None:
         import hstu_export
 
+        if runtime not in RUNTIMES:
+            raise ConfigError(f"runtime {str(runtime)[:40]!r}: expected {' or '.join(RUNTIMES)}")
         self.device = device
         guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with guard:
             # A publish root is followed (switching between calls) unless a KV cache holds the version's K/V.
             follow = kv_cache_bytes is None and is_published_root(Path(path))
-            predictor = (PublishedPredictor(path, tables_device=tables_device) if follow
-                         else hstu_export.load(path, tables_device=tables_device))
+            predictor: Any
+            if runtime == "native":
+                if follow:
+                    raise ConfigError(f"{path} is a publish root: the native runtime serves one version, so give "
+                                      f"one of its versions, {Path(path)}/<N> (the python runtime follows the root)")
+                predictor = NativePredictor(path, device=device, tables_device=tables_device)
+            elif follow:
+                predictor = PublishedPredictor(path, tables_device=tables_device)
+            else:
+                predictor = hstu_export.load(path, tables_device=tables_device)
             if predictor.device.type != device.type:
                 raise ConfigError(f"{path} is a {predictor.device.type} package; it cannot be served on {device}")
             self.ranker = (predictor.kv_cache(kv_cache_bytes, max_time_drift=max_time_drift,

@@ -33,7 +33,7 @@ from hstu_export.errors import ConfigError, HstuExportError, RequestError
 from hstu_export.serving.batching import batch_size
 from hstu_export.serving.kv_cache import user_keys
 from hstu_export.serving.processes import ProcessReplica
-from hstu_export.serving.replica import Item, Replica
+from hstu_export.serving.replica import RUNTIMES, Item, Replica
 
 __all__ = ["ReplicaSet", "replica_of"]
 
@@ -56,24 +56,28 @@ class ReplicaSet:
     the tables stored beside a compiled sparse half (``hstu_export.load``'s; ``"cpu"``: pinned host memory, one
     copy per replica). ``workers``: threads per replica
     (replica.py); more than one can help while the interpreter has time to spare. ``processes``: each replica
-    in a process of its own (processes.py; docs/SERVING.md gives the measurements of both)."""
+    in a process of its own (processes.py; docs/SERVING.md gives the measurements of both). ``runtime``:
+    ``"python"`` (``hstu_export.load``) or ``"native"``: each replica's calls run in the C++ runtime
+    (replica.py)."""
 
     def __init__(self, path: str | Path, devices: Sequence[str | torch.device], *,
                  kv_cache_bytes: int | str | None = None, max_time_drift: int = 0,
                  kv_cuda_graphs: bool | None = None, max_batch_users: int | None = None, max_queue_delay_ms: float = 0.0,
                  host_outputs: bool = True, workers: int = 1, processes: bool = False,
-                 tables_device: str | None = None) -> None:
+                 tables_device: str | None = None, runtime: str = "python") -> None:
         if not devices:
             raise ConfigError("ReplicaSet needs at least one device")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(f"workers must be a whole number, 1 or more, got {workers!r}")
         if max_queue_delay_ms < 0:
             raise ConfigError(f"max_queue_delay_ms must be 0 or more, got {max_queue_delay_ms}")
+        if runtime not in RUNTIMES:
+            raise ConfigError(f"runtime {str(runtime)[:40]!r}: expected {' or '.join(RUNTIMES)}")
         parsed = [_device(d) for d in devices]
         options: dict[str, Any] = dict(kv_cache_bytes=kv_cache_bytes, max_time_drift=max_time_drift,
                                        kv_cuda_graphs=kv_cuda_graphs, max_batch_users=max_batch_users,
                                        max_queue_delay_ms=max_queue_delay_ms, host_outputs=host_outputs,
-                                       workers=workers, tables_device=tables_device)
+                                       workers=workers, tables_device=tables_device, runtime=runtime)
         self.replicas: list[Replica | ProcessReplica] = []
         try:
             if processes:  # all start at once (each imports torch and loads the package), then are waited for

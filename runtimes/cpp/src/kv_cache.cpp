@@ -4,6 +4,7 @@
 // inputs; tests/test_cpp_kv_cache.py compares them.
 #include "hstu_export/kv_cache.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
@@ -434,7 +435,9 @@ int64_t CachedRanker::page_size() const { return impl_->kv.page_size; }
 const Package& CachedRanker::package() const { return *impl_->package; }
 
 NamedTensors CachedRanker::run(const Tensors& request, const std::vector<int64_t>& user_ids, PhaseTimes* times) {
-  detail::PhaseClock clock(times, impl_->pkg->device);
+  const c10::Device device = impl_->pkg->device;
+  c10::OptionalDeviceGuard device_guard(device.is_cuda() ? std::optional(device) : std::nullopt);
+  detail::PhaseClock clock(times, device);
   int64_t batch = impl_->package->validate(request);
   if (static_cast<int64_t>(user_ids.size()) != batch) {
     throw RequestError(std::to_string(user_ids.size()) + " user ids for a batch of " + std::to_string(batch) + " users");

@@ -28,7 +28,7 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: hstu-export-run PACKAGE REQUEST_DIR [--out DIR] [--op-library-dir DIR]... [--no-verify-checksums]\n"
-    "                       [--tables-device cpu|cuda]\n"
+    "                       [--device cuda:N] [--tables-device cpu|cuda]\n"
     "                       [--repeat N] [--warmup N] [--threads N] [--phase-times] [--follow S] [--quiet]\n"
     "       hstu-export-run PACKAGE REQUEST_DIR... --kv-cache BUDGET --user-ids IDS... [--max-time-drift S] [...]\n"
     "\n"
@@ -41,6 +41,7 @@ constexpr const char* kUsage =
     "  --op-library-dir DIR   where op libraries such as fbgemm_gpu_py.so are (repeatable; also\n"
     "                         $HSTU_EXPORT_OP_LIBRARY_PATH, ':'-separated, and the build's defaults)\n"
     "  --no-verify-checksums  skip the per-file sha256 check (manifest.sha256 is still checked)\n"
+    "  --device cuda:N        the CUDA device a CUDA package runs on (default cuda:0)\n"
     "  --tables-device cpu|cuda\n"
     "                         where the tables stored beside a compiled sparse half live (default: the\n"
     "                         package's device); cpu: pinned host memory the GPU reads, for tables larger\n"
@@ -161,6 +162,12 @@ Args parse(int argc, char** argv) {
       args.options.op_library_dirs.push_back(value());
     } else if (arg == "--no-verify-checksums") {
       args.options.verify_checksums = false;
+    } else if (arg == "--device") {
+      std::string text = value();
+      if (text.rfind("cuda:", 0) != 0) usage_error("--device needs cuda:N, got '" + text + "'");
+      int64_t index = integer(arg, text.substr(5), 0);
+      if (index > 1023) usage_error("--device cuda:" + std::to_string(index) + " is not a device index");
+      args.options.device_index = static_cast<int>(index);
     } else if (arg == "--tables-device") {
       args.options.tables_device = value();
       if (args.options.tables_device != "cpu" && args.options.tables_device != "cuda") {

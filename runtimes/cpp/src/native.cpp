@@ -44,9 +44,11 @@ c10::Dict<std::string, at::Tensor> dict_of(const hstu_export::NamedTensors& outp
 struct NativePackage : torch::CustomClassHolder {
   std::shared_ptr<const hstu_export::Package> package;
 
-  NativePackage(const std::string& path, const std::string& tables_device, bool verify_checksums) {
+  NativePackage(const std::string& path, const std::string& tables_device, bool verify_checksums,
+                int64_t device_index) {
     hstu_export::Options options;
     options.tables_device = tables_device;
+    options.device_index = static_cast<int>(device_index);
     options.verify_checksums = verify_checksums;
     options.concurrency = 4;  // CPU model instances: Python threads may call at once
     package = named_errors([&] { return hstu_export::Package::open(path, options); });
@@ -90,7 +92,7 @@ struct NativeRanker : torch::CustomClassHolder {
 
 TORCH_LIBRARY(hstu_export_native, m) {
   m.class_<NativePackage>("Package")
-      .def(torch::init<std::string, std::string, bool>())
+      .def(torch::init<std::string, std::string, bool, int64_t>())
       .def("run", &NativePackage::run)
       .def("output_names", &NativePackage::output_names)
       .def("max_batch_size", &NativePackage::max_batch_size)

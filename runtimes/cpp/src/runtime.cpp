@@ -1,6 +1,7 @@
 // Package::open and Package::run: the package contract of docs/PACKAGE.md, read from C++.
 #include "hstu_export/runtime.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
 #include <dlfcn.h>
 #include <torch/csrc/jit/ir/constants.h>
@@ -770,7 +771,12 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
     if (!torch::cuda::is_available()) {
       throw PackageError(path + " is a CUDA package but this process has no usable CUDA device (or a CPU libtorch)");
     }
-    impl->device = c10::Device(c10::kCUDA, 0);
+    const int64_t devices = static_cast<int64_t>(torch::cuda::device_count());
+    if (options.device_index < 0 || options.device_index >= devices) {
+      throw Error("CUDA device " + std::to_string(options.device_index) + " asked for, but this process sees " +
+                  std::to_string(devices) + " (cuda:0 to cuda:" + std::to_string(devices - 1) + ")");
+    }
+    impl->device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(options.device_index));
   } else if (device_type != "cpu") {
     fields.fail("device.type", "is " + in_quotes(device_type) + ", expected cpu or cuda");
   }
@@ -1411,6 +1417,7 @@ std::optional<RequestError> Package::Impl::range_refusal(const std::exception& e
 }
 
 NamedTensors Package::run(const Tensors& request, PhaseTimes* times) const {
+  c10::OptionalDeviceGuard device_guard(impl_->device.is_cuda() ? std::optional(impl_->device) : std::nullopt);
   detail::PhaseClock clock(times, impl_->device);
   validate(request);
   c10::InferenceMode guard;

@@ -55,6 +55,8 @@ struct Options {
   // device; "cpu" for a CUDA package: in pinned host memory, read by the program over the bus (unified addressing),
   // so tables larger than the GPU's memory serve. A package that keeps its tables inside its programs refuses it.
   std::string tables_device;
+  // The CUDA device a CUDA package runs on (its programs, tables and KV cache); a CPU package ignores it.
+  int device_index = 0;
 };
 
 // One request feature, as the manifest's input_schema describes it.
