@@ -92,6 +92,42 @@ def test_a_layout_check_leaves_values_to_the_request_they_are_batched_into():
         schema.validate(dict(batch, uih_item_ids=batch["uih_item_ids"][1:]), values=False)
 
 
+def test_many_requests_are_checked_as_each_alone(monkeypatch):
+    """``validate_each`` (a server's batch of requests) answers for each request what ``validate(values=False)``
+    answers for it alone, in the same words; requests whose errors cancel out when concatenated (one user's
+    items moved to the next request) are refused each; good requests are never validated one by one."""
+    schema = build_preset("tiny").input_schema()
+    good = [generate_batch(schema, 1 + i % 3, seed=20 + i) for i in range(6)]
+    moved = dict(good[1], uih_item_ids=good[1]["uih_item_ids"][1:])  # one item fewer here ...
+    extra = dict(good[2], uih_item_ids=torch.cat([good[1]["uih_item_ids"][:1], good[2]["uih_item_ids"]]))  # ... one more
+    requests = [
+        good[0], moved, extra, good[3],
+        dict(good[4], uih_lengths=good[4]["uih_lengths"] + 100),  # a length beyond the range
+        dict(good[5], candidate_item_ids=good[5]["candidate_item_ids"] + 10**9),  # a value: left to the call
+        {k: v for k, v in good[0].items() if k != "user_id"},
+        dict(good[0], user_id=good[0]["user_id"].to(torch.int32)),
+        dict(good[0], query_time=good[0]["query_time"][:0]),
+        generate_batch(schema, 4, seed=9),  # more users than allowed
+        [1, 2],
+    ]
+    alone = []
+    for request in requests:
+        try:
+            alone.append(schema.validate(request, 3, values=False))
+        except RequestError as exc:
+            alone.append(str(exc))
+    each = schema.validate_each(requests, 3)
+    assert [r if isinstance(r, int) else str(r) for r in each] == alone
+    assert alone[0] == 1 and alone[3] == 1 and alone[5] == 3
+    assert all("values but 'uih_lengths' sums to" in alone[i] for i in (1, 2))
+    assert "'uih_lengths' has length" in alone[4] and "beyond the exported maximum" in alone[4]
+    assert all(isinstance(r, str) for r in alone[6:])
+
+    calls = []
+    monkeypatch.setattr(type(schema), "validate", lambda *a, **k: calls.append(a))
+    assert schema.validate_each(good, 3) == [1 + i % 3 for i in range(6)] and not calls
+
+
 @pytest.mark.parametrize("together", [False, True], ids=["one-by-one", "together"])
 def test_schema_reads_every_bound_and_total_the_same_way_at_once(together):
     """Validation reads its numbers one by one on the CPU and in one transfer on a device: both give the

@@ -109,14 +109,29 @@ def to_host(outputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return host
 
 
+def _sums(parts: Sequence[Tensor]) -> list[int]:
+    """The sum of each of ``parts`` (whole numbers, none empty), read at once."""
+    ends = torch.tensor([p.numel() for p in parts]).cumsum(0) - 1
+    running = torch.cat(parts).reshape(-1).to(torch.int64).cumsum(0)
+    at = running[ends.to(running.device)].tolist()
+    return [b - a for a, b in zip([0, *at[:-1]], at)]
+
+
 def split_outputs(outputs: Mapping[str, Tensor], requests: Sequence[Mapping[str, Tensor]],
                   rows: Mapping[str, OutputRows]) -> list[dict[str, Tensor]]:
     """Each request's share of the outputs of their combined call."""
     if len(requests) == 1:
         return [dict(outputs)]
     parts: list[dict[str, Tensor]] = [{} for _ in requests]
+    totals: dict[str, list[int]] = {}  # each request's sum of a lengths feature, read once for every output
     for name, value in outputs.items():
-        counts = [rows[name].rows(r) for r in requests]
+        spec = rows[name]
+        if spec.lengths is None:
+            counts = [spec.rows(r) for r in requests]
+        else:
+            if spec.lengths not in totals:
+                totals[spec.lengths] = _sums([r[spec.lengths] for r in requests])
+            counts = [spec.scale * total for total in totals[spec.lengths]]
         if sum(counts) != value.size(0):
             raise RequestError(f"output {name!r} has {value.size(0)} rows, the requests account for {sum(counts)}; "
                                "it cannot be split per request")
@@ -156,17 +171,18 @@ class BatchingPredictor:
         results: list[dict[str, Tensor] | HstuExportError] = [RequestError("not run")] * len(requests)
         valid: list[int] = []
         sizes: list[int] = []
-        for index, request in enumerate(requests):
-            try:
-                # The layout of each request; the values of a group are checked together when it runs (a value
-                # out of range then fails the call, and its requests run again one by one).
-                size = self.schema.validate(dict(request), self.max_batch_size, values=False)
-                if user_ids is not None and len(user_ids[index]) != size:
-                    raise RequestError(f"{len(user_ids[index])} user ids for a request of {size} users")
+        # The layout of each request; the values of a group are checked together when it runs (a value out of
+        # range then fails the call, and its requests run again one by one).
+        layouts = self.schema.validate_each(
+            [dict(r) if isinstance(r, Mapping) and not isinstance(r, dict) else r for r in requests], self.max_batch_size)
+        for index, size in enumerate(layouts):
+            if isinstance(size, RequestError):
+                results[index] = size
+            elif user_ids is not None and len(user_ids[index]) != size:
+                results[index] = RequestError(f"{len(user_ids[index])} user ids for a request of {size} users")
+            else:
                 sizes.append(size)
                 valid.append(index)
-            except HstuExportError as exc:
-                results[index] = exc
         groups = plan_groups(sizes, self.max_batch_size) if self.rows is not None else [[i] for i in range(len(valid))]
         for group in groups:
             members = [valid[i] for i in group]
