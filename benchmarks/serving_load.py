@@ -28,9 +28,10 @@ Per configuration (cache x GPUs x --serve x --workers x --runtime): a closed-loo
 open-loop windows of --seconds at rising shares of it; reported per rate: achieved queries/s, p50/p99 latency (from the scheduled arrival to
 the answer on the host, queueing included), the workers' busy share and the GPUs' utilisation (NVML, when
 readable), the cache's hits/misses/stale/evictions in the window, and what could explain a tail: how late
-queries were sent, p99 per tenth of the window, the garbage collector's pauses. Writes serving_load.json
-after every window. --profile adds a cProfile of the first worker's calls; --host-threads sets torch's CPU
-threads (the workers' host tensor work contends for torch's thread pool).
+queries were sent, p99 per tenth of the window, the garbage collector's pauses; with threads and no cache,
+the predictor called directly on one request of --max-batch users (``call_ms``: no queue, no batching). Writes
+serving_load.json after every window. --profile adds a cProfile of the first worker's calls; --host-threads sets
+torch's CPU threads (the workers' host tensor work contends for torch's thread pool).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import torch
 import hstu_export
 from hstu_export.models.config import preset_config
 from hstu_export.models.ranking import HstuRankingModel
+from hstu_export.serving.batching import combine, to_host
 from hstu_export.serving.replicas import ReplicaSet
 
 P99_BOUND_MS = 80.0
@@ -210,14 +212,22 @@ def run_window(replicas: ReplicaSet, queries: list, rate: float, cached: bool, g
     gc.collect()
     gc.freeze()
 
+    left = [len(queries)]
+    count = threading.Lock()
+    finished = threading.Event()
+
     def finisher(i: int):  # type: ignore[no-untyped-def]
         def finish(future) -> None:  # type: ignore[no-untyped-def]
             done[i] = time.perf_counter()
-            if future.exception() is not None:
-                failed[0] += 1
+            with count:
+                failed[0] += future.exception() is not None
+                left[0] -= 1
+                if left[0] == 0:
+                    finished.set()
         return finish
 
-    futures = []
+    # The futures are not kept: answered queries' objects die at once, as in a server, instead of piling up
+    # for the garbage collector's full collections to scan (pauses of 40-80 ms at 7,000 queries/s).
     with Utilisation(gpus) as util, GcPauses() as pauses:
         start = time.perf_counter()
         i = 0
@@ -226,14 +236,11 @@ def run_window(replicas: ReplicaSet, queries: list, rate: float, cached: bool, g
             while i < len(queries) and arrivals[i] <= now:
                 request, uid = queries[i]
                 sent[i] = time.perf_counter() - start
-                future = replicas.submit(request, [uid] if cached else None)
-                future.add_done_callback(finisher(i))
-                futures.append(future)
+                replicas.submit(request, [uid] if cached else None).add_done_callback(finisher(i))
                 i += 1
             if i < len(queries):
                 time.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
-        for future in futures:
-            future.exception()  # waits
+        finished.wait()
         elapsed = max(done) - start
     gc.unfreeze()
     unsorted = (np.array(done) - start - arrivals) * 1e3
@@ -266,6 +273,20 @@ def saturation(replicas: ReplicaSet, queries: list, cached: bool) -> float:
     for future in futures:
         future.result()
     return len(queries) / (time.perf_counter() - start)
+
+
+def direct_calls(replicas: ReplicaSet, queries: list, repeat: int = 20) -> dict[str, float]:
+    """The first replica's predictor called directly with ``queries`` combined into one request (no queue, no
+    batching, no worker): p50 and p90 of ``repeat`` calls in ms, the answers on the host."""
+    replica = replicas.replicas[0]
+    request = combine([r for r, _ in queries], replica.schema.names)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        to_host(replica.predictor(request))
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"users": len(queries), "p50": round(float(np.percentile(times, 50)), 3),
+            "p90": round(float(np.percentile(times, 90)), 3)}
 
 
 def profile_workers(replicas: ReplicaSet, out: Path) -> Any:
@@ -331,7 +352,10 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
             t = time.perf_counter()
             saturation(replicas, [(work.request(u), u.uid) for u in pool], cached)
             out["prefill_seconds"] = round(time.perf_counter() - t, 2)
-        saturation(replicas, work.queries(4 * args.max_batch * len(devices), pool), cached)  # warm-up
+        warm = work.queries(args.saturation_queries * len(devices), pool)
+        saturation(replicas, warm, cached)  # warm-up: every worker's first calls, the allocator's growth
+        if mode == "threads" and not cached:
+            out["call_ms"] = direct_calls(replicas, warm[: args.max_batch])
         write_profiles = profile_workers(replicas, args.out) if args.profile and mode == "threads" else None
         out["saturation_qps"] = sat = round(saturation(replicas, work.queries(args.saturation_queries * len(devices),
                                                                                pool), cached), 1)
