@@ -186,6 +186,45 @@ def test_model_py_serves_a_dynamic_batch(package: Path, predictor, tmp_path: Pat
             torch.testing.assert_close(got[name][0], value, rtol=1e-6, atol=1e-7)
 
 
+def test_a_native_repository_serves_with_the_cpp_runtime(package: Path, predictor, tmp_path: Path, monkeypatch,  # type: ignore[no-untyped-def]
+                                                          cpp_runtime, capsys) -> None:
+    """``--runtime native``: the config names the C++ runtime's library, found when the repository is written,
+    and model.py serves a dynamic batch through it, each request as the package answers it, a bad one refused
+    alone. A publish root, or no library, is refused in one line and nothing is written."""
+    from hstu_export.package.publish import publish
+    from hstu_export.serving.native import LIBRARY_NAME
+
+    library = cpp_runtime.path.parent / LIBRARY_NAME
+    monkeypatch.setenv("HSTU_EXPORT_NATIVE_LIBRARY", str(library))
+    assert cli_main(["serving-repo", str(package), "--out", str(tmp_path / "repo"), "--runtime", "native"]) == 0
+    model_dir = tmp_path / "repo" / "ranker"
+    config = text_format.Parse((model_dir / "config.pbtxt").read_text(), model_config_pb2().ModelConfig())
+    assert config.parameters["native_library"].string_value == str(library.resolve())
+    assert json.loads((tmp_path / "repo" / "serving.json").read_text())["runtime"] == "native"
+    model = initialized_model(model_dir, monkeypatch)
+    assert type(model.batcher.predictor).__name__ == "NativePredictor"
+    batches = [generate_batch(predictor.input_schema, 1, seed=70 + i) for i in range(3)]
+    requests = [{n: StandInTensor(n, t.unsqueeze(0)) for n, t in b.items()} for b in batches]
+    requests[1]["candidate_item_ids"] = StandInTensor("candidate_item_ids", requests[1]["candidate_item_ids"].value + 10**9)
+    responses = model.execute(requests)
+    assert responses[1].error is not None and "candidate_item_ids" in str(responses[1].error)
+    for index in (0, 2):
+        got = {t.name(): t.value for t in responses[index].output_tensors}
+        for name, value in predictor(batches[index]).items():
+            torch.testing.assert_close(got[name][0], value, rtol=1e-6, atol=1e-7)
+    capsys.readouterr()
+    root = tmp_path / "ranker"
+    publish(package, root)
+    assert cli_main(["serving-repo", str(root), "--out", str(tmp_path / "followed"), "--runtime", "native"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "the native runtime serves one version" in error and len(error.splitlines()) == 1, error
+    monkeypatch.setenv("HSTU_EXPORT_NATIVE_LIBRARY", str(tmp_path / "nowhere.so"))
+    assert cli_main(["serving-repo", str(package), "--out", str(tmp_path / "missing"), "--runtime", "native"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "is not there: build it with `bash runtimes/cpp/build.sh`" in error and len(error.splitlines()) == 1, error
+    assert not (tmp_path / "followed").exists() and not (tmp_path / "missing").exists()
+
+
 def test_repository_targets_are_checked(package: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
     foreign = tmp_path / "mine"
     foreign.mkdir()

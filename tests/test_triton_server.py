@@ -274,3 +274,23 @@ def test_a_published_version_is_picked_up_without_a_dropped_request(  # type: ig
     assert not failures, (failures[:3], log)
     for mine in seen:
         assert mine and mine[0] == 1 and mine[-1] == 2 and mine == sorted(mine), (mine[:5], mine[-5:])
+
+
+def test_a_native_repository_answers_bit_for_bit(package, predictor, cpp_runtime, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``serving-repo --runtime native``: the server's Python backend serves the package through the C++ runtime's
+    library the config names; a request alone in its execution is answered as the package answers it, bit for
+    bit, and a bad request gets its own error while the one beside it is answered."""
+    from hstu_export.serving.native import LIBRARY_NAME
+
+    monkeypatch.setenv("HSTU_EXPORT_NATIVE_LIBRARY", str(cpp_runtime.path.parent / LIBRARY_NAME))
+    assert cli_main(["serving-repo", str(package), "--out", str(tmp_path / "repo"), "--runtime", "native"]) == 0
+    requests = [generate_batch(predictor.input_schema, users, seed=500 + users) for users in (1, 4, 2)]
+    bad = dict(requests[0], candidate_item_ids=requests[0]["candidate_item_ids"] + 10**9)
+    with TritonServer(tmp_path / "repo", tmp_path) as triton, httpclient.InferenceServerClient(triton.http_url) as client:
+        for request in requests:
+            answer = _answer(client.infer(MODEL, request_inputs(httpclient, request), outputs=_outputs(httpclient)))
+            assert _bit_equal(answer, predictor(request)), triton.log()
+        answers = _send_concurrently(triton, [lambda c, r=r: request_inputs(c, r) for r in (bad, requests[1])])
+    assert isinstance(answers[0], InferenceServerException) and "candidate_item_ids" in str(answers[0])
+    assert not isinstance(answers[1], InferenceServerException)
+    torch.testing.assert_close(answers[1]["ctr"], predictor(requests[1])["ctr"], rtol=1e-5, atol=1e-6)

@@ -17,7 +17,8 @@ With the config parameter ``follow_seconds`` (``serving-repo`` of a directory ``
 the package parameter names that directory and each instance serves its current version, switching to a new
 one between requests (``hstu_export.serving.published.PublishedPredictor``). With ``tables_device``
 (``serving-repo --tables-device``), each instance keeps the tables stored beside a compiled sparse half there
-(``hstu_export.load``'s argument).
+(``hstu_export.load``'s argument). With ``native_library`` (``serving-repo --runtime native``), the C++ runtime
+of that library serves each instance's calls (``hstu_export.serving.native``), on the instance's device.
 
 Needs, in the Python environment Triton runs this file with: hstu-export and the torch the package was
 exported with (and fbgemm-gpu / torchrec when the package names them). CI runs it in a real server on CPU
@@ -37,8 +38,9 @@ from torch.utils import dlpack
 import hstu_export
 from hstu_export.errors import HstuExportError, RequestError
 from hstu_export.serving.batching import BatchingPredictor
+from hstu_export.serving.native import NativePredictor
 from hstu_export.serving.published import PublishedPredictor
-from hstu_export.serving.triton_repo import FOLLOW_PARAMETER, KV_PARAMETER, TABLES_PARAMETER
+from hstu_export.serving.triton_repo import FOLLOW_PARAMETER, KV_PARAMETER, NATIVE_PARAMETER, TABLES_PARAMETER
 
 # The KV cache's counters (CachedRanker.cache.stats()) as Triton metrics: counters, then gauges.
 KV_COUNTERS = {"hits": "requests' users served from the cache", "misses": "users with nothing cached (prefill)",
@@ -57,8 +59,15 @@ class TritonPythonModel:
         follow = parameters.get(FOLLOW_PARAMETER)
         # A publish root (serving-repo of one): the current version, followed between requests.
         tables = parameters.get(TABLES_PARAMETER) or None
-        predictor = (PublishedPredictor(package, check_seconds=float(follow), tables_device=tables) if follow
-                     else hstu_export.load(package, tables_device=tables))
+        library = parameters.get(NATIVE_PARAMETER)
+        predictor: Any
+        if library:  # the C++ runtime serves the calls, on this instance's device
+            device = f"cuda:{args['model_instance_device_id']}" if args.get("model_instance_kind") == "GPU" else None
+            predictor = NativePredictor(package, device=device, tables_device=tables, library=library)
+        elif follow:
+            predictor = PublishedPredictor(package, check_seconds=float(follow), tables_device=tables)
+        else:
+            predictor = hstu_export.load(package, tables_device=tables)
         self.ranker = None
         budget = parameters.get(KV_PARAMETER)
         if budget:

@@ -42,6 +42,7 @@ from hstu_export.package.manifest import Manifest
 from hstu_export.package.publish import current_path, current_version, is_published_root
 from hstu_export.package.tables import check_tables_device
 from hstu_export.serving.batching import output_rows
+from hstu_export.serving.native import native_library
 from hstu_export.settings import parse_size
 from hstu_export.version import __version__
 
@@ -68,6 +69,9 @@ class ServingRepoSettings:
     # Where each instance keeps the tables stored beside a compiled sparse half (hstu_export.load's tables_device:
     # "cpu" serves a CUDA package's tables from pinned host memory); None: on the instance's device.
     tables_device: str | None = None
+    # What serves each instance's calls: "python" (hstu_export.load) or "native" (the C++ runtime's library,
+    # hstu_export.serving.native, found when the repository is written and named in its config).
+    runtime: str = "python"
 
 
 KV_PARAMETER = "kv_cache_budget"  # config parameter model.py reads: serve through a KV cache of this budget
@@ -91,13 +95,15 @@ def _dims(shape: list[Any]) -> str:
 
 FOLLOW_PARAMETER = "follow_seconds"  # config parameter model.py reads: the package is a publish root to follow
 TABLES_PARAMETER = "tables_device"  # config parameter model.py reads: where an instance keeps the tables
+NATIVE_PARAMETER = "native_library"  # config parameter model.py reads: serve with the C++ runtime of this library
 
 
 def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings, package: str = "package",
-                follow_seconds: float | None = None) -> str:
+                follow_seconds: float | None = None, native_library: str | None = None) -> str:
     """config.pbtxt for the package: inputs from the request schema, outputs from the final artifact.
     ``package``: where the instances load it (relative to the version directory, or absolute);
-    ``follow_seconds``: it is a publish root, whose ``current`` they look at that often."""
+    ``follow_seconds``: it is a publish root, whose ``current`` they look at that often; ``native_library``:
+    the instances serve it with the C++ runtime of that library."""
     final = manifest.artifacts.get("dense") or manifest.artifacts.get("model") or {}
     lines = [
         f"# Written by hstu-export {__version__} for Triton Inference Server {TRITON_SERVER_VERSION} (Python backend).",
@@ -131,6 +137,8 @@ def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings, pa
         lines.append(f'parameters {{ key: "{KV_PARAMETER}" value: {{ string_value: {_quoted(settings.kv_cache_budget)} }} }}')
     if settings.tables_device is not None:
         lines.append(f'parameters {{ key: "{TABLES_PARAMETER}" value: {{ string_value: {_quoted(settings.tables_device)} }} }}')
+    if native_library is not None:
+        lines.append(f'parameters {{ key: "{NATIVE_PARAMETER}" value: {{ string_value: {_quoted(native_library)} }} }}')
     return "\n".join(lines) + "\n"
 
 
@@ -232,6 +240,15 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
                           "KV cache: export it with --kv-cache, or write the repository without --kv-cache")
     if settings.tables_device is not None:
         check_tables_device(manifest.artifacts, package, manifest.device.type, settings.tables_device)
+    library = None
+    if settings.runtime == "native":
+        if follow:
+            raise ConfigError(f"{package} holds published versions: the native runtime serves one version, so give "
+                              f"it one package, e.g. {package}/{current_version(package)} (the python runtime "
+                              "follows the root)")
+        library = str(native_library())
+    elif settings.runtime != "python":
+        raise ConfigError(f"runtime {settings.runtime[:40]!r}: expected python or native")
     check_out(out, force, package)
     # Built beside ``out`` and renamed in; a full or read-only disk is one line and leaves nothing behind.
     with parent_dirs(out, "the serving repository"), staging_dir(out, "the serving repository") as staged:
@@ -242,14 +259,14 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
         shutil.copyfile(MODEL_FILE, model_dir / "1" / "model.py")
         where = str(package.resolve()) if follow else "package"
         (model_dir / "config.pbtxt").write_text(config_text(manifest, name, settings, where,
-                                                           settings.follow_seconds if follow else None))
+                                                           settings.follow_seconds if follow else None, library))
         batching = output_rows(manifest) is not None
         (staged / "README.md").write_text(_readme(name, manifest, batching, settings.kv_cache_budget))
         (staged / MARKER).write_text(json.dumps({
             "written_by": f"hstu-export {__version__}", "triton_server": TRITON_SERVER_VERSION, "model": name,
             "package": str(package.resolve()), "backend": "python", "batches_requests": batching,
             "kv_cache_budget": settings.kv_cache_budget, "follows_published_versions": follow,
-            "tables_device": settings.tables_device,
+            "tables_device": settings.tables_device, "runtime": settings.runtime, "native_library": library,
         }, indent=2) + "\n")
         check_out(out, force, package)  # again: something may have appeared meanwhile
         rename_into_place(staged, out)  # an old repository is moved aside first and removed after
