@@ -232,17 +232,34 @@ def test_refusals_are_clear(tiny_serving_package, tmp_path) -> None:  # type: ig
         ReplicaSet(tiny_serving_package, ["cpu"], runtime="rust")
 
 
-def test_native_replicas_refuse_to_follow_a_publish_root(tiny_serving_package, native_library, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_native_replicas_follow_a_publish_root(tiny_serving_package, tiny_serving_package_v2, native_library,  # type: ignore[no-untyped-def]
+                                               tmp_path) -> None:
+    """runtime="native" on a publish root: the C++ runtime's PublishedPackage serves its current version and moves to
+    a newly published one, each answer bit for bit the version's own; a KV cache is refused on a followed root."""
     from hstu_export.package.publish import publish
+    from hstu_export.serving.native import NativePredictor
 
     root = tmp_path / "ranker"
     publish(tiny_serving_package, root)
-    with pytest.raises(ConfigError, match="is a publish root: the native runtime serves one version"):
-        ReplicaSet(root, ["cpu"], runtime="native")
-    with ReplicaSet(root / "1", ["cpu"], runtime="native") as replicas:  # one version: served
-        request = _requests(replicas.schema, 1)[0]
-        expected = hstu_export.load(tiny_serving_package)(request)
-        assert all(torch.equal(replicas(request)[k], v) for k, v in expected.items())
+    request = _requests(hstu_export.load(root).input_schema, 1)[0]
+    old, new = (hstu_export.load(p)(request) for p in (tiny_serving_package, tiny_serving_package_v2))
+    with ReplicaSet(root, ["cpu", "cpu"], runtime="native") as replicas:
+        assert all(r.predictor.version == 1 for r in replicas.replicas)
+        for name, value in replicas(request).items():
+            assert torch.equal(value, old[name])
+        publish(tiny_serving_package_v2, root)
+        for replica in replicas.replicas:
+            assert replica.predictor.refresh() == 2 and replica.predictor.path.name == "2"
+        for _ in range(4):  # both replicas (the least loaded takes each)
+            for name, value in replicas(request).items():
+                assert torch.equal(value, new[name])
+    followed = NativePredictor(root, follow_seconds=0)
+    with pytest.raises(ConfigError, match="a KV cache serves one version"):
+        followed.kv_cache("1MiB")
+    with pytest.raises(ConfigError, match="refresh\\(\\) follows a publish root"):
+        NativePredictor(tiny_serving_package).refresh()
+    with pytest.raises(PackageError):
+        NativePredictor(tiny_serving_package, follow_seconds=1)
 
 
 def test_tensors_travel_to_a_replica_process_unchanged() -> None:

@@ -190,7 +190,8 @@ def test_a_native_repository_serves_with_the_cpp_runtime(package: Path, predicto
                                                           cpp_runtime, capsys) -> None:
     """``--runtime native``: the config names the C++ runtime's library, found when the repository is written,
     and model.py serves a dynamic batch through it, each request as the package answers it, a bad one refused
-    alone. A publish root, or no library, is refused in one line and nothing is written."""
+    alone; a publish root's repository follows it through the C++ runtime. No library: refused in one line and
+    nothing is written."""
     from hstu_export.package.publish import publish
     from hstu_export.serving.native import LIBRARY_NAME
 
@@ -213,16 +214,16 @@ def test_a_native_repository_serves_with_the_cpp_runtime(package: Path, predicto
         for name, value in predictor(batches[index]).items():
             torch.testing.assert_close(got[name][0], value, rtol=1e-6, atol=1e-7)
     capsys.readouterr()
-    root = tmp_path / "ranker"
+    root = tmp_path / "ranker"  # a publish root: followed by the C++ runtime's PublishedPackage
     publish(package, root)
-    assert cli_main(["serving-repo", str(root), "--out", str(tmp_path / "followed"), "--runtime", "native"]) == 2
-    error = capsys.readouterr().err.strip()
-    assert "the native runtime serves one version" in error and len(error.splitlines()) == 1, error
+    assert cli_main(["serving-repo", str(root), "--out", str(tmp_path / "followed"), "--runtime", "native"]) == 0
+    model = initialized_model(tmp_path / "followed" / "ranker", monkeypatch)
+    assert model.batcher.predictor.version == 1
     monkeypatch.setenv("HSTU_EXPORT_NATIVE_LIBRARY", str(tmp_path / "nowhere.so"))
     assert cli_main(["serving-repo", str(package), "--out", str(tmp_path / "missing"), "--runtime", "native"]) == 2
     error = capsys.readouterr().err.strip()
     assert "is not there: build it with `bash runtimes/cpp/build.sh`" in error and len(error.splitlines()) == 1, error
-    assert not (tmp_path / "followed").exists() and not (tmp_path / "missing").exists()
+    assert not (tmp_path / "missing").exists()
 
 
 def test_repository_targets_are_checked(package: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -5,6 +5,7 @@ by runtimes/cpp/build.sh beside ``hstu-export-run``), with no Python between the
                                                         # (a CUDA package on device=, else the current device)
     scores = predictor(request)                         # Package::run: validation, sparse and dense halves
     ranker = predictor.kv_cache()                       # CachedRanker::open (a package exported with --kv-cache)
+    followed = NativePredictor("/srv/ranker", follow_seconds=1)   # PublishedPackage: a publish root, followed
     scores = ranker(request, user_ids)
 
 What ``hstu_export.load`` does in Python, the C++ runtime does in C++ (docs/PACKAGE.md "The C++ runtime"): the
@@ -97,23 +98,52 @@ class NativePredictor:
     tensors (on the host or the package's device) and answering its outputs in ``output_names`` order."""
 
     def __init__(self, path: str | Path, *, device: str | torch.device | None = None, tables_device: str | None = None,
-                 verify_checksums: bool = True, library: str | Path | None = None) -> None:
+                 verify_checksums: bool = True, library: str | Path | None = None,
+                 follow_seconds: float | None = None) -> None:
         if tables_device not in (None, "cpu", "cuda"):
             raise ConfigError(f"tables device {str(tables_device)[:40]!r}: expected cpu or cuda")
+        if follow_seconds is not None and not 0 <= follow_seconds <= 86400:
+            raise ConfigError(f"follow_seconds must be from 0 to 86400, got {follow_seconds!r}")
         wanted = _device(device)
         classes = _load(library)
         index = wanted.index if wanted is not None and wanted.index is not None else _current_cuda_device()
-        self._package = _call(classes.Package, str(path), tables_device or "", verify_checksums, index)
+        self.following = follow_seconds is not None
+        if self.following:
+            self._package = _call(classes.Published, str(path), tables_device or "", verify_checksums, index,
+                                  float(follow_seconds))  # type: ignore[arg-type]
+        else:
+            self._package = _call(classes.Package, str(path), tables_device or "", verify_checksums, index)
         self._classes = classes
         self.output_names: list[str] = list(self._package.output_names())
         self.max_batch_size: int = self._package.max_batch_size()
         self.device = torch.device(self._package.device())
-        self.path = Path(self._package.path())
         if wanted is not None and wanted.type != self.device.type:
             raise ConfigError(f"{self.path} is a {self.device.type} package; it cannot be served on {wanted}")
         # What BatchingPredictor and the serving paths read of a predictor; the C++ runtime checked it all already.
         self.package_manifest = load_manifest(self.path, verify_checksums=False)
         self.input_schema = self.package_manifest.input_schema
+
+    @property
+    def path(self) -> Path:
+        """The package served now (with ``follow_seconds``: the current version's directory)."""
+        return Path(self._package.path())
+
+    @property
+    def version(self) -> int | None:
+        """With ``follow_seconds``: the published version served now."""
+        return self._package.version() if self.following else None
+
+    def refresh(self) -> int:
+        """With ``follow_seconds``: looks at ``current`` now, opens a newly named version before returning, and
+        returns the version served (``PublishedPackage::refresh``)."""
+        if not self.following:
+            raise ConfigError("refresh() follows a publish root: open it with follow_seconds=")
+        return _call(self._package.refresh)
+
+    @property
+    def last_error(self) -> str:
+        """With ``follow_seconds``: why the version ``current`` names is not served ("" when it is)."""
+        return self._package.last_error() if self.following else ""
 
     def __call__(self, request: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return dict(_call(self._package.run, dict(request)))
@@ -129,6 +159,9 @@ class NativePredictor:
                 raise ConfigError(f"KV cache budget must be a positive number of bytes, got {budget_bytes!r}")
         if isinstance(max_time_drift, bool) or not isinstance(max_time_drift, int) or max_time_drift < 0:
             raise ConfigError(f"max_time_drift must be a whole number of seconds, 0 or more, got {max_time_drift!r}")
+        if self.following:
+            raise ConfigError("a KV cache serves one version (a new one's weights would not match the cached K/V): "
+                              "open one version's directory, without follow_seconds")
         graphs = "auto" if cuda_graphs is None else "on" if cuda_graphs else "off"
         return NativeCachedRanker(_call(self._classes.CachedRanker, self._package, budget, max_time_drift, graphs))
 

@@ -73,10 +73,8 @@ class Replica:
             follow = kv_cache_bytes is None and is_published_root(Path(path))
             predictor: Any
             if runtime == "native":
-                if follow:
-                    raise ConfigError(f"{path} is a publish root: the native runtime serves one version, so give "
-                                      f"one of its versions, {Path(path)}/<N> (the python runtime follows the root)")
-                predictor = NativePredictor(path, device=device, tables_device=tables_device)
+                predictor = NativePredictor(path, device=device, tables_device=tables_device,
+                                            follow_seconds=1.0 if follow else None)
             elif follow:
                 predictor = PublishedPredictor(path, tables_device=tables_device)
             else:

@@ -63,7 +63,8 @@ class TritonPythonModel:
         predictor: Any
         if library:  # the C++ runtime serves the calls, on this instance's device
             device = f"cuda:{args['model_instance_device_id']}" if args.get("model_instance_kind") == "GPU" else None
-            predictor = NativePredictor(package, device=device, tables_device=tables, library=library)
+            predictor = NativePredictor(package, device=device, tables_device=tables, library=library,
+                                        follow_seconds=float(follow) if follow else None)
         elif follow:
             predictor = PublishedPredictor(package, check_seconds=float(follow), tables_device=tables)
         else:

@@ -242,10 +242,6 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
         check_tables_device(manifest.artifacts, package, manifest.device.type, settings.tables_device)
     library = None
     if settings.runtime == "native":
-        if follow:
-            raise ConfigError(f"{package} holds published versions: the native runtime serves one version, so give "
-                              f"it one package, e.g. {package}/{current_version(package)} (the python runtime "
-                              "follows the root)")
         library = str(native_library())
     elif settings.runtime != "python":
         raise ConfigError(f"runtime {settings.runtime[:40]!r}: expected python or native")

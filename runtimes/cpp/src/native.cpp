@@ -1,6 +1,7 @@
 // libhstu_export_native: the C++ runtime for Python, as torch custom classes (torch.classes.hstu_export_native):
-// Package (Package::open and run) and CachedRanker (CachedRanker::open and run). Python's wrapper is
-// hstu_export/serving/native.py; a request crosses as a dict of tensors, without copies.
+// Package (Package::open and run), Published (PublishedPackage: a publish root followed) and CachedRanker
+// (CachedRanker::open and run). Python's wrapper is hstu_export/serving/native.py; a request crosses as a dict of
+// tensors, without copies.
 //
 // An error of the runtime reaches Python as a RuntimeError whose text starts with its class ("RequestError: ",
 // "PackageError: ", "Error: "), which the wrapper raises as hstu-export's own exception.
@@ -64,6 +65,34 @@ struct NativePackage : torch::CustomClassHolder {
   std::string path() const { return package->path(); }
 };
 
+// A directory hstu-export publish writes, followed between calls (PublishedPackage).
+struct NativePublished : torch::CustomClassHolder {
+  std::shared_ptr<hstu_export::PublishedPackage> published;
+
+  NativePublished(const std::string& root, const std::string& tables_device, bool verify_checksums,
+                  int64_t device_index, double check_seconds) {
+    hstu_export::Options options;
+    options.tables_device = tables_device;
+    options.verify_checksums = verify_checksums;
+    options.device_index = static_cast<int>(device_index);
+    options.concurrency = 4;
+    published = named_errors([&] { return hstu_export::PublishedPackage::open(root, options, check_seconds); });
+  }
+
+  c10::Dict<std::string, at::Tensor> run(const c10::Dict<std::string, at::Tensor>& request) {
+    return named_errors([&] { return dict_of(published->run(tensors_of(request))); });
+  }
+
+  int64_t refresh() { return named_errors([&] { return published->refresh(); }); }
+  int64_t version() const { return published->version(); }
+  int64_t switches() const { return published->switches(); }
+  std::string last_error() const { return published->last_error(); }
+  std::vector<std::string> output_names() const { return published->package()->output_names(); }
+  int64_t max_batch_size() const { return published->package()->max_batch_size(); }
+  std::string device() const { return published->package()->device().str(); }
+  std::string path() const { return published->package()->path(); }
+};
+
 struct NativeRanker : torch::CustomClassHolder {
   std::shared_ptr<hstu_export::CachedRanker> ranker;
 
@@ -98,6 +127,17 @@ TORCH_LIBRARY(hstu_export_native, m) {
       .def("max_batch_size", &NativePackage::max_batch_size)
       .def("device", &NativePackage::device)
       .def("path", &NativePackage::path);
+  m.class_<NativePublished>("Published")
+      .def(torch::init<std::string, std::string, bool, int64_t, double>())
+      .def("run", &NativePublished::run)
+      .def("refresh", &NativePublished::refresh)
+      .def("version", &NativePublished::version)
+      .def("switches", &NativePublished::switches)
+      .def("last_error", &NativePublished::last_error)
+      .def("output_names", &NativePublished::output_names)
+      .def("max_batch_size", &NativePublished::max_batch_size)
+      .def("device", &NativePublished::device)
+      .def("path", &NativePublished::path);
   m.class_<NativeRanker>("CachedRanker")
       .def(torch::init<c10::intrusive_ptr<NativePackage>, int64_t, int64_t, std::string>())
       .def("run", &NativeRanker::run)
