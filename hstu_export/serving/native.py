@@ -30,7 +30,9 @@ from hstu_export.errors import ConfigError, HstuExportError, PackageError, Reque
 from hstu_export.package.directory import load_manifest
 from hstu_export.settings import parse_size
 
-__all__ = ["NativeCachedRanker", "NativePredictor", "native_library"]
+__all__ = ["RUNTIMES", "NativeCachedRanker", "NativePredictor", "check_runtime", "native_library"]
+
+RUNTIMES = ("python", "native")  # what serves a server's calls: hstu_export.load, or the C++ runtime (this module)
 
 LIBRARY_NAME = "libhstu_export_native.so"
 _ERRORS: dict[str, type[HstuExportError]] = {"RequestError": RequestError, "PackageError": PackageError,
@@ -65,6 +67,12 @@ def _load(library: str | Path | None) -> Any:
                                   f"this process's torch {torch.__version__} with `bash runtimes/cpp/build.sh`") from None
             _loaded.add(path)
     return torch.classes.hstu_export_native
+
+
+def check_runtime(runtime: str) -> None:
+    """ConfigError unless ``runtime`` is one of RUNTIMES (ReplicaSet's and serving-repo's ``runtime``)."""
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"runtime {str(runtime)[:40]!r}: expected {' or '.join(RUNTIMES)}")
 
 
 def _device(device: str | torch.device | None) -> torch.device | None:

@@ -35,12 +35,10 @@ from torch import Tensor
 from hstu_export.errors import ConfigError
 from hstu_export.package.publish import is_published_root
 from hstu_export.serving.batching import BatchingPredictor
-from hstu_export.serving.native import NativePredictor
+from hstu_export.serving.native import NativePredictor, check_runtime
 from hstu_export.serving.published import PublishedPredictor
 
-__all__ = ["RUNTIMES", "Item", "Replica"]
-
-RUNTIMES = ("python", "native")  # what serves a replica's calls: hstu_export.load, or the C++ runtime (native.py)
+__all__ = ["Item", "Replica"]
 
 _STOP = object()
 
@@ -64,8 +62,7 @@ class Replica:
                  tables_device: str | None = None, runtime: str = "python") -> None:
         import hstu_export
 
-        if runtime not in RUNTIMES:
-            raise ConfigError(f"runtime {str(runtime)[:40]!r}: expected {' or '.join(RUNTIMES)}")
+        check_runtime(runtime)
         self.device = device
         guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with guard:

@@ -32,8 +32,9 @@ from torch import Tensor
 from hstu_export.errors import ConfigError, HstuExportError, RequestError
 from hstu_export.serving.batching import batch_size
 from hstu_export.serving.kv_cache import user_keys
+from hstu_export.serving.native import check_runtime
 from hstu_export.serving.processes import ProcessReplica
-from hstu_export.serving.replica import RUNTIMES, Item, Replica
+from hstu_export.serving.replica import Item, Replica
 
 __all__ = ["ReplicaSet", "replica_of"]
 
@@ -71,8 +72,7 @@ class ReplicaSet:
             raise ConfigError(f"workers must be a whole number, 1 or more, got {workers!r}")
         if max_queue_delay_ms < 0:
             raise ConfigError(f"max_queue_delay_ms must be 0 or more, got {max_queue_delay_ms}")
-        if runtime not in RUNTIMES:
-            raise ConfigError(f"runtime {str(runtime)[:40]!r}: expected {' or '.join(RUNTIMES)}")
+        check_runtime(runtime)
         parsed = [_device(d) for d in devices]
         options: dict[str, Any] = dict(kv_cache_bytes=kv_cache_bytes, max_time_drift=max_time_drift,
                                        kv_cuda_graphs=kv_cuda_graphs, max_batch_users=max_batch_users,

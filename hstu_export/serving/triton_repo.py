@@ -42,7 +42,7 @@ from hstu_export.package.manifest import Manifest
 from hstu_export.package.publish import current_path, current_version, is_published_root
 from hstu_export.package.tables import check_tables_device
 from hstu_export.serving.batching import output_rows
-from hstu_export.serving.native import native_library
+from hstu_export.serving.native import check_runtime, native_library
 from hstu_export.settings import parse_size
 from hstu_export.version import __version__
 
@@ -240,11 +240,8 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
                           "KV cache: export it with --kv-cache, or write the repository without --kv-cache")
     if settings.tables_device is not None:
         check_tables_device(manifest.artifacts, package, manifest.device.type, settings.tables_device)
-    library = None
-    if settings.runtime == "native":
-        library = str(native_library())
-    elif settings.runtime != "python":
-        raise ConfigError(f"runtime {settings.runtime[:40]!r}: expected python or native")
+    check_runtime(settings.runtime)
+    library = str(native_library()) if settings.runtime == "native" else None
     check_out(out, force, package)
     # Built beside ``out`` and renamed in; a full or read-only disk is one line and leaves nothing behind.
     with parent_dirs(out, "the serving repository"), staging_dir(out, "the serving repository") as staged:
