@@ -10,8 +10,10 @@ AOTInductor, bf16, max batch --max-batch (or --package PKG). Served through
 processes:N (N replica processes per GPU), each replica with --workers threads that run whatever queries wait
 (up to the batch) in one call; with the cache, a user always reaches the replica caching it. --runtime
 python serves each call through ``hstu_export.load``, native through the C++ runtime's library (build it first:
-``bash runtimes/cpp/build.sh``). Not through a Triton server: the GPU machine has none installed
-(docs/SERVING.md).
+``bash runtimes/cpp/build.sh``). --serve triton:N serves it instead through a real Triton Inference Server
+(nvidia-pytriton 0.7.0's bundled tritonserver, found as tests/triton_server.py finds it): the repository
+``hstu-export serving-repo`` writes, N instances per GPU (KIND_GPU), queries sent over HTTP with binary
+tensors by --client-threads threads; with the cache, each query names its user (the correlation id).
 
 Queries: one user each, 2048 candidates, a history drawn as the DLRMv3 reference's synthetic streaming data
 builds one (generative-recommenders, dlrm_v3/streaming_synthetic_data.py): the base timestamp's segment plus
@@ -37,11 +39,14 @@ torch's CPU threads (the workers' host tensor work contends for torch's thread p
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import gc
 import itertools
 import json
 import math
+import queue
+import shutil
 import statistics
 import sys
 import tempfile
@@ -59,8 +64,13 @@ from hstu_export.models.config import preset_config
 from hstu_export.models.ranking import HstuRankingModel
 from hstu_export.serving.batching import combine, to_host
 from hstu_export.serving.replicas import ReplicaSet
+from hstu_export.serving.triton_repo import ServingRepoSettings, write_serving_repo
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # triton_server: the bundled server, HTTP
+from triton_server import HttpInference, InferenceRefused, TritonServer
 
 P99_BOUND_MS = 80.0
+NO_START = "must specify the START flag"  # Triton's refusal of a user whose sequence it does not hold
 SAMPLED = 0.7  # the reference's user_sampling_ratio
 TIMESTAMPS = range(90, 100)  # its inference timestamps (train_ratio 0.9 of 100)
 MEAN_SEGMENTS = 1 + SAMPLED * statistics.mean(TIMESTAMPS)
@@ -199,6 +209,129 @@ class GcPauses:
                 "full": sum(g == 2 for g, _ in self.pauses)}
 
 
+class TritonReplicas:
+    """What the load test calls of a ReplicaSet (``submit``, ``stats``, a context), served by a real Triton
+    Inference Server: the repository ``hstu-export serving-repo`` writes for the package (per device
+    --serve's N instances, each through --runtime; with the cache, routed by user and cached per instance), run
+    by nvidia-pytriton's bundled ``tritonserver`` (tests/triton_server.py) limited to ``devices`` by
+    CUDA_VISIBLE_DEVICES. Queries go over HTTP with binary tensors, one user each, from --client-threads
+    threads, each with its own keep-alive connection (a window's bodies are encoded before it is timed); a user
+    the server holds no sequence for is sent again with the START flag (docs/SERVING.md's client protocol)."""
+
+    MODEL = "ranker"
+
+    def __init__(self, package: Path, devices: list[str], per_device: int, cached: bool, runtime: str,
+                 args: argparse.Namespace, workdir: Path) -> None:
+        self.package, self.devices, self.cached, self.args = package, devices, cached, args
+        self.workdir = workdir
+        gpus = sorted({torch.device(d).index or 0 for d in devices}) if devices[0].startswith("cuda") else []
+        self.settings = ServingRepoSettings(
+            name=self.MODEL, max_requests_per_batch=args.max_batch,
+            max_queue_delay_us=int(args.queue_delay_ms * 1000),
+            instances=per_device if gpus else per_device * len(devices),
+            kv_cache_budget=args.kv_budget if cached else None, max_sequences=args.max_sequences or max(1024, args.users),
+            kv_max_time_drift=args.max_time_drift if cached else 0,
+            kv_cuda_graphs=args.kv_graphs if cached else "auto", runtime=runtime)
+        self.env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.threads: list[threading.Thread] = []
+        self.server: TritonServer | None = None
+        self.monitor: HttpInference | None = None
+        self.refused_starts = 0
+        self.bodies: dict[int, tuple[bytes, int]] = {}
+
+    def __enter__(self) -> TritonReplicas:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.workdir.mkdir(parents=True)
+        write_serving_repo(self.package, self.workdir / "repo", self.settings)
+        self.server = TritonServer(self.workdir / "repo", self.workdir, env=self.env)
+        self.server.start()
+        self.monitor = HttpInference(self.server.http_url, self.MODEL)
+        for _ in range(self.args.client_threads):
+            thread = threading.Thread(target=self._send, daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for _ in self.threads:
+            self.queue.put(None)
+        for thread in self.threads:
+            thread.join(timeout=60)
+        if self.monitor is not None:
+            self.monitor.close()
+        if self.server is not None:
+            self.server.stop()
+
+    def prepare(self, queries: list) -> None:
+        """Encodes the queries' bodies now, before they are timed: the senders then only post them."""
+        assert self.monitor is not None
+        self.bodies = {id(request): self.monitor.encode(request, uid if self.cached else None)
+                       for request, uid in queries}
+
+    def submit(self, request: dict[str, torch.Tensor], users: list[int] | None = None) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.queue.put((request, users[0] if users else None, future))
+        return future
+
+    def _send(self) -> None:
+        assert self.server is not None
+        client = HttpInference(self.server.http_url, self.MODEL)
+        try:
+            while (item := self.queue.get()) is not None:
+                request, user, future = item
+                try:
+                    future.set_result(self._infer(client, request, user))
+                except Exception as exc:  # the query's failure, counted by the window
+                    future.set_exception(exc)
+        finally:
+            client.close()
+
+    def _infer(self, client: HttpInference, request: dict[str, torch.Tensor], user: int | None) -> Any:
+        encoded = self.bodies.get(id(request)) or client.encode(request, user)
+        if user is None:
+            return client.post(encoded)
+        try:
+            return client.post(encoded)
+        except InferenceRefused as exc:
+            if NO_START not in str(exc):
+                raise
+            self.refused_starts += 1
+            return client.infer(request, sequence_id=user, sequence_start=True)
+
+    def stats(self) -> list[dict[str, Any]]:
+        """One entry for the server, in ReplicaSet.stats()'s terms: its requests (one user each) as users, its
+        executions as calls, the instances' compute time summed as busy seconds; with the cache, the
+        instances' counters (Triton's metrics) summed."""
+        assert self.monitor is not None and self.server is not None
+        model = self.monitor._get(f"/v2/models/{self.MODEL}/stats")["model_stats"][0]
+        busy = sum(int(b["compute_infer"]["ns"]) for b in model.get("batch_stats", []))  # per execution
+        entry: dict[str, Any] = {"users": int(model["inference_count"]), "calls": int(model["execution_count"]),
+                                 "busy_seconds": busy / 1e9, "refused_starts": self.refused_starts}
+        if self.cached:
+            samples = self.server.metrics()
+            entry["kv_cache"] = {key: sum(samples.get(f"hstu_kv_cache_{key}", {}).values())
+                                 for key in ("hits", "misses", "stale", "evictions", "bypassed")}
+        return [entry]
+
+    def check_answers(self, queries: list, repeat: int = 1) -> dict[str, Any]:
+        """Each query sent alone (nothing to batch it with), its answer compared with ``hstu_export.load`` of
+        the package on the first device: how many were equal bit for bit, and the largest difference."""
+        assert self.server is not None
+        local = hstu_export.load(self.package)  # on the current device: the first one
+        client = HttpInference(self.server.http_url, self.MODEL)
+        equal, worst = 0, 0.0
+        try:
+            for request, _ in queries:
+                answer = client.infer(request)
+                expected = to_host(local(request))
+                equal += all(torch.equal(answer[n], expected[n]) for n in expected)
+                worst = max(worst, *(float((answer[n].float() - expected[n].float()).abs().max()) for n in expected))
+        finally:
+            client.close()
+        return {"queries": len(queries), "bit_equal": equal, "max_abs_difference": worst}
+
+
 def run_window(replicas: ReplicaSet, queries: list, rate: float, cached: bool, gpus: list[int]) -> dict[str, Any]:
     """Sends ``queries`` at Poisson arrivals of ``rate`` per second; latency from each scheduled arrival.
     The queries were made before: objects that live until the window ends are frozen out of the garbage
@@ -322,10 +455,10 @@ def profile_workers(replicas: ReplicaSet, out: Path) -> Any:
 
 
 def serve_mode(text: str) -> tuple[str, int]:
-    """``threads``, ``processes`` or either with ``:N`` replicas per GPU."""
+    """``threads``, ``processes`` or ``triton``, with ``:N`` replicas (Triton instances) per GPU."""
     mode, _, count = text.partition(":")
-    if mode not in ("threads", "processes") or not (count or "1").isdigit() or int(count or 1) < 1:
-        raise argparse.ArgumentTypeError(f"--serve takes threads[:N] or processes[:N], got {text!r}")
+    if mode not in ("threads", "processes", "triton") or not (count or "1").isdigit() or int(count or 1) < 1:
+        raise argparse.ArgumentTypeError(f"--serve takes threads[:N], processes[:N] or triton[:N], got {text!r}")
     return mode, int(count or 1)
 
 
@@ -341,10 +474,16 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
     kv_bytes = args.kv_budget if cached else None
     graphs = {"auto": None, "on": True, "off": False}[args.kv_graphs]
     t = time.perf_counter()
-    with ReplicaSet(package, [d for d in devices for _ in range(per_device)], kv_cache_bytes=kv_bytes,
-                    max_batch_users=args.max_batch, max_queue_delay_ms=args.queue_delay_ms,
-                    max_time_drift=args.max_time_drift, kv_cuda_graphs=graphs, workers=workers,
-                    processes=mode == "processes", runtime=runtime) as replicas:
+    served: Any
+    if mode == "triton":
+        served = TritonReplicas(package, devices, per_device, cached, runtime, args,
+                                Path(tempfile.mkdtemp(prefix="triton-load-")))
+    else:
+        served = ReplicaSet(package, [d for d in devices for _ in range(per_device)], kv_cache_bytes=kv_bytes,
+                            max_batch_users=args.max_batch, max_queue_delay_ms=args.queue_delay_ms,
+                            max_time_drift=args.max_time_drift, kv_cuda_graphs=graphs, workers=workers,
+                            processes=mode == "processes", runtime=runtime)
+    with served as replicas:
         out["start_seconds"] = round(time.perf_counter() - t, 2)
         pool: list | None = None
         if cached:  # every pool user seen once: the cache filled before anything is timed
@@ -356,6 +495,8 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
         saturation(replicas, warm, cached)  # warm-up: every worker's first calls, the allocator's growth
         if mode == "threads" and not cached:
             out["call_ms"] = direct_calls(replicas, warm[: args.max_batch])
+        if mode == "triton" and not cached:
+            out["answers"] = replicas.check_answers(warm[: 4 * len(devices)])
         write_profiles = profile_workers(replicas, args.out) if args.profile and mode == "threads" else None
         out["saturation_qps"] = sat = round(saturation(replicas, work.queries(args.saturation_queries * len(devices),
                                                                                pool), cached), 1)
@@ -363,6 +504,8 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
         for share in args.shares:
             rate = share * sat
             queries = work.queries(max(50, int(rate * args.seconds)), pool)
+            if mode == "triton":
+                replicas.prepare(queries)
             row = run_window(replicas, queries, rate, cached, gpus)
             row["share_of_saturation"] = share
             out["rates"].append(row)
@@ -379,6 +522,9 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
         out["best"] = passed
         out["best_qps_per_device"] = round(passed["achieved_qps"] / len(devices), 1) if passed else None
         out["replicas"] = replicas.stats()
+        if mode == "triton":  # the server's log (its end), beside the results
+            log = replicas.server.log_path.read_text(errors="replace")[-200_000:]
+            (args.out / f"tritonserver_{len(devices)}gpu_cache_{'on' if cached else 'off'}_{runtime}.log").write_text(log)
 
 
 def export_package(args: argparse.Namespace, cfg: Any, device: str) -> tuple[Path, float]:
@@ -405,8 +551,15 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="GPU counts to serve on")
     parser.add_argument("--cache", nargs="+", choices=["off", "on"], default=["off", "on"])
     parser.add_argument("--serve", type=serve_mode, nargs="+", default=[("threads", 1)],
-                        help="where the replicas run, each tried: threads[:N] (N replicas a GPU in this process) or "
-                             "processes[:N] (N replica processes a GPU)")
+                        help="where the replicas run, each tried: threads[:N] (N replicas a GPU in this process), "
+                             "processes[:N] (N replica processes a GPU) or triton[:N] (a real Triton server, N "
+                             "instances a GPU, queries over HTTP; needs nvidia-pytriton's bundled tritonserver)")
+    parser.add_argument("--client-threads", type=int, default=64,
+                        help="with --serve triton: threads sending queries, each with its own connection")
+    parser.add_argument("--max-sequences", type=int,
+                        help="with --serve triton and the cache: users an instance holds a sequence slot for "
+                             "[default: --users, at least 1024]; first-time users beyond the slots wait in Triton's "
+                             "backlog until a user idles out (60 s)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1],
                         help="worker threads per replica to try (ReplicaSet's workers)")
     parser.add_argument("--runtime", nargs="+", choices=["python", "native"], default=["python"],

@@ -621,6 +621,12 @@ def publish(package: str | None, root: str, keep: int, switch_to: int | None, ve
               help="With --kv-cache: users in flight per instance (the sequence batcher's max_candidate_sequences).")
 @click.option("--sequence-idle-us", type=click.IntRange(min=1), default=60_000_000, show_default=True,
               help="With --kv-cache: a user idle this long (microseconds) gives up its slot and its instance.")
+@click.option("--kv-max-time-drift", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --kv-cache: reuse a user's cached rows while its query time moved at most this many "
+                   "seconds (0: only at the same query time; docs/KV_CACHE.md says when that is exact).")
+@click.option("--kv-cuda-graphs", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="With --kv-cache: CUDA graphs of the cached path (auto: on for a CUDA package). A graph is "
+                   "captured the first time each shape bucket comes; off avoids those slow first calls.")
 @click.option("--follow-seconds", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="PACKAGE a directory hstu-export publish writes: how often an instance looks for a new current "
                    "version (it switches between requests).")
@@ -634,7 +640,8 @@ def publish(package: str | None, root: str, keep: int, switch_to: int | None, ve
 @_verbose_option
 def serving_repo(package: str, out_dir: str, name: str | None, max_requests_per_batch: int, max_queue_delay_us: int,
                  instances: int, kv_cache: str | None, max_sequences: int, sequence_idle_us: int,
-                 follow_seconds: float, tables_device: str | None, runtime: str, force: bool, verbose: bool) -> None:
+                 kv_max_time_drift: int, kv_cuda_graphs: str, follow_seconds: float, tables_device: str | None,
+                 runtime: str, force: bool, verbose: bool) -> None:
     """Write a Triton Inference Server model repository for PACKAGE (Python backend, dynamic batching of
     ragged requests; with --kv-cache, the sequence batcher routing each user to its instance's KV cache).
     PACKAGE may be a directory hstu-export publish writes: the instances then serve its current version and
@@ -646,7 +653,8 @@ def serving_repo(package: str, out_dir: str, name: str | None, max_requests_per_
     from hstu_export.serving.triton_repo import TRITON_SERVER_VERSION, ServingRepoSettings, write_serving_repo
 
     given = click.get_current_context().get_parameter_source
-    unused = [f"--{n.replace('_', '-')}" for n in ("max_sequences", "sequence_idle_us")
+    unused = [f"--{n.replace('_', '-')}" for n in ("max_sequences", "sequence_idle_us", "kv_max_time_drift",
+                                                   "kv_cuda_graphs")
               if given(n) is not click.core.ParameterSource.DEFAULT]
     if kv_cache is None and unused:
         verb = "applies" if len(unused) == 1 else "apply"
@@ -657,7 +665,8 @@ def serving_repo(package: str, out_dir: str, name: str | None, max_requests_per_
     settings = ServingRepoSettings(name=name, max_requests_per_batch=max_requests_per_batch,
                                    max_queue_delay_us=max_queue_delay_us, instances=instances,
                                    kv_cache_budget=kv_cache, max_sequences=max_sequences,
-                                   sequence_idle_us=sequence_idle_us, follow_seconds=follow_seconds,
+                                   sequence_idle_us=sequence_idle_us, kv_max_time_drift=kv_max_time_drift,
+                                   kv_cuda_graphs=kv_cuda_graphs, follow_seconds=follow_seconds,
                                    tables_device=tables_device, runtime=runtime)
     model_dir = write_serving_repo(package, out_dir, settings, force=force)
     console.print(f"wrote {escape(str(model_dir.parent))}: model {escape(model_dir.name)} for Triton Inference "

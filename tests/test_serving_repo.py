@@ -115,7 +115,32 @@ def test_kv_cache_repository_needs_a_kv_package_and_a_budget(package: Path, tmp_
     assert cli_main(["serving-repo", str(package), "--out", str(out), "--max-sequences", "8"]) == 2
     error = capsys.readouterr().err.strip()
     assert "--max-sequences applies to a KV-cached repository only" in error and len(error.splitlines()) == 1, error
+    assert cli_main(["serving-repo", str(package), "--out", str(out), "--kv-max-time-drift", "600",
+                     "--kv-cuda-graphs", "off"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "--kv-max-time-drift and --kv-cuda-graphs apply to a KV-cached repository only" in error, error
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kv_package", ["no-context"], indirect=True)
+def test_a_kv_repository_passes_the_caches_settings_to_its_instances(kv_package, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                     monkeypatch) -> None:
+    package = kv_package[1]
+    for extra, drift, graphs in (([], 0, None), (["--kv-max-time-drift", "600", "--kv-cuda-graphs", "off"], 600, "off")):
+        out = tmp_path / f"repo-{drift}"
+        assert cli_main(["serving-repo", str(package), "--out", str(out), "--name", "ranker", "--kv-cache", "8MiB",
+                         *extra]) == 0
+        config = text_format.Parse((out / "ranker" / "config.pbtxt").read_text(), model_config_pb2().ModelConfig())
+        parameters = {k: v.string_value for k, v in config.parameters.items()}
+        assert parameters.get("kv_max_time_drift") == (str(drift) if drift else None), parameters
+        assert parameters.get("kv_cuda_graphs") == graphs, parameters
+        model = initialized_model(out / "ranker", monkeypatch)
+        assert model.ranker.max_time_drift == drift
+    with pytest.raises(ConfigError, match="max time drift must be a whole number"):
+        write_serving_repo(package, tmp_path / "bad", ServingRepoSettings(kv_cache_budget="8MiB", kv_max_time_drift=-1))
+    with pytest.raises(ConfigError, match="kv_cuda_graphs must be one of auto, on, off"):
+        write_serving_repo(package, tmp_path / "bad", ServingRepoSettings(kv_cache_budget="8MiB", kv_cuda_graphs="yes"))
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_repository_of_a_publish_root_follows_it(package: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from torch import Tensor
-from triton_server import TritonServer, python_library_dir, request_inputs
+from triton_server import HttpInference, InferenceRefused, TritonServer, python_library_dir, request_inputs
 from tritonclient.utils import InferenceServerException
 
 import hstu_export
@@ -174,6 +174,24 @@ def test_answers_are_the_packages_bit_for_bit(server: TritonServer, predictor, p
             answer, expected = _answer(result), predictor(request)
             assert answer["ctr"].shape == (int(request["candidate_lengths"].sum()),)
             assert _bit_equal(answer, expected), f"request {index} ({users} users) over {protocol}"
+
+
+def test_the_plain_http_client_gets_the_packages_answers(server: TritonServer, predictor) -> None:  # type: ignore[no-untyped-def]
+    """tests/triton_server.py's HttpInference (binary tensors over http.client, what the GPU load test sends
+    with) against the same server: bit for bit, and a refusal carries model.py's words."""
+    client = HttpInference(server.http_url, MODEL)
+    try:
+        for index, users in enumerate([1, 3]):
+            request = generate_batch(predictor.input_schema, users, seed=350 + index)
+            assert _bit_equal(client.infer(request), predictor(request)), f"request {index} ({users} users)"
+        bad = generate_batch(predictor.input_schema, 1, seed=360)
+        bad["candidate_item_ids"][0] = 5000  # the package's item ids end at 999
+        with pytest.raises(InferenceRefused, match="candidate_item_ids"):
+            client.infer(bad)
+        request = generate_batch(predictor.input_schema, 2, seed=361)  # the connection still serves
+        assert _bit_equal(client.infer(request), predictor(request))
+    finally:
+        client.close()
 
 
 def test_the_dynamic_batcher_groups_concurrent_requests(server: TritonServer, predictor) -> None:  # type: ignore[no-untyped-def]

@@ -75,8 +75,9 @@ class TritonServer:
     """``tritonserver --model-repository REPO`` on free HTTP, gRPC and metrics ports; its log goes to
     ``workdir/tritonserver.log``. ``start()`` returns once every model is ready; ``stop()`` always ends it."""
 
-    def __init__(self, repository: Path, workdir: Path) -> None:
+    def __init__(self, repository: Path, workdir: Path, env: dict[str, str] | None = None) -> None:
         self.repository, self.workdir = Path(repository), Path(workdir)
+        self.extra_env = dict(env or {})  # e.g. CUDA_VISIBLE_DEVICES: the GPUs the server may use
         self.log_path = self.workdir / "tritonserver.log"
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
         self.process: subprocess.Popen[bytes] | None = None
@@ -128,6 +129,7 @@ class TritonServer:
         paths = [str(p) for p in (python_library_dir(), libs) if p is not None]
         env["LD_LIBRARY_PATH"] = ":".join([*paths, env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
         env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+        env.update(self.extra_env)
         return env
 
     @staticmethod
@@ -233,3 +235,96 @@ def request_inputs(client: Any, request: dict[str, Any], rows: int = 1,
         tensor_input.set_data_from_numpy(array)
         inputs.append(tensor_input)
     return inputs
+
+
+# Triton's names of the tensor data types the packages take and return (KServe v2 binary tensors).
+TORCH_TYPES = {"INT64": "int64", "INT32": "int32", "FP32": "float32", "BF16": "bfloat16", "FP16": "float16",
+               "FP64": "float64", "BOOL": "bool"}
+
+
+class InferenceRefused(RuntimeError):
+    """The server answered a request with an error (its words are the message)."""
+
+
+class HttpInference:
+    """A client of one model over Triton's HTTP protocol with binary tensors (the KServe v2 binary extension),
+    built on ``http.client`` alone: it runs where tritonclient is not installed (the GPU machine). One
+    keep-alive connection; not thread-safe (one per thread). Inputs go as ``[1, n, ...]`` (one package
+    request is one Triton batch element), outputs come back as ``[n, ...]`` torch tensors."""
+
+    def __init__(self, url: str, model: str, timeout: float = 120.0) -> None:
+        import http.client
+
+        host, _, port = url.rpartition(":")
+        self.model, self.path = model, f"/v2/models/{model}/infer"
+        self.connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
+        config = self._get(f"/v2/models/{model}/config")
+        self.input_types = {i["name"]: i["data_type"].removeprefix("TYPE_") for i in config["input"]}
+        self.output_names = [o["name"] for o in config["output"]]
+
+    def _get(self, path: str) -> Any:
+        import json
+
+        self.connection.request("GET", path)
+        answer = self.connection.getresponse()
+        body = answer.read()
+        if answer.status != 200:
+            raise InferenceRefused(f"GET {path}: HTTP {answer.status}: {body[:300]!r}")
+        return json.loads(body)
+
+    def infer(self, request: dict[str, Any], sequence_id: int | None = None,
+              sequence_start: bool = False) -> dict[str, Any]:
+        return self.post(self.encode(request, sequence_id, sequence_start))
+
+    def encode(self, request: dict[str, Any], sequence_id: int | None = None,
+               sequence_start: bool = False) -> tuple[bytes, int]:
+        """The request's body and the length of its JSON header (``post`` sends it): one user's request named
+        by ``sequence_id`` (the correlation id) for a KV-cached model, with the START flag when asked."""
+        import json
+
+        import numpy as np
+
+        header: dict[str, Any] = {"inputs": [], "outputs": [{"name": n, "parameters": {"binary_data": True}}
+                                                           for n in self.output_names]}
+        if sequence_id is not None:
+            header["parameters"] = {"sequence_id": sequence_id, "sequence_start": sequence_start}
+        blobs = []
+        for name, tensor in request.items():
+            datatype = self.input_types[name]
+            array = np.ascontiguousarray(tensor.cpu().numpy().astype(TORCH_TYPES[datatype]))
+            blobs.append(array.tobytes())
+            header["inputs"].append({"name": name, "shape": [1, *array.shape], "datatype": datatype,
+                                     "parameters": {"binary_data_size": len(blobs[-1])}})
+        head = json.dumps(header).encode()
+        return b"".join([head, *blobs]), len(head)
+
+    def post(self, encoded: tuple[bytes, int]) -> dict[str, Any]:
+        """Sends a request ``encode`` made; its outputs by name, or InferenceRefused with the server's words."""
+        import json
+
+        import torch
+
+        body, head = encoded
+        self.connection.request("POST", self.path, body=body,
+                                headers={"Inference-Header-Content-Length": str(head),
+                                         "Content-Type": "application/octet-stream"})
+        answer = self.connection.getresponse()
+        body = answer.read()
+        if answer.status != 200:
+            try:
+                words = json.loads(body)["error"]
+            except (ValueError, KeyError, TypeError):
+                words = body[:300].decode(errors="replace")
+            raise InferenceRefused(words)
+        length = int(answer.getheader("Inference-Header-Content-Length") or len(body))
+        meta, offset, outputs = json.loads(body[:length]), length, {}
+        for output in meta["outputs"]:
+            size = int(output["parameters"]["binary_data_size"])
+            dtype = getattr(torch, TORCH_TYPES[output["datatype"]])
+            values = torch.frombuffer(bytearray(body[offset:offset + size]), dtype=dtype)
+            outputs[output["name"]] = values.reshape(output["shape"])[0]
+            offset += size
+        return outputs
+
+    def close(self) -> None:
+        self.connection.close()

@@ -42,6 +42,16 @@ def stand_in_backend_utils() -> types.ModuleType:
     class TritonError(Exception):
         pass
 
+    class MetricFamily:
+        COUNTER, GAUGE = "counter", "gauge"
+
+        def __init__(self, name, description, kind):  # type: ignore[no-untyped-def]
+            self.name, self.kind = name, kind
+
+        def Metric(self, labels):  # type: ignore[no-untyped-def]
+            return types.SimpleNamespace(labels=labels, increment=lambda by: None, set=lambda value: None)
+
+    module.MetricFamily = MetricFamily  # type: ignore[attr-defined]
     module.Tensor = StandInTensor  # type: ignore[attr-defined]
     module.InferenceResponse = InferenceResponse  # type: ignore[attr-defined]
     module.TritonError = TritonError  # type: ignore[attr-defined]
@@ -68,5 +78,6 @@ def initialized_model(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     config = text_format.Parse((model_dir / "config.pbtxt").read_text(), model_config_pb2().ModelConfig())
     model = module.TritonPythonModel()
     model.initialize({"model_config": json.dumps(json_format.MessageToDict(config, preserving_proto_field_name=True)),
-                      "model_repository": str(model_dir), "model_version": "1", "model_instance_kind": "CPU"})
+                      "model_repository": str(model_dir), "model_version": "1", "model_instance_kind": "CPU",
+                      "model_name": model_dir.name, "model_instance_name": f"{model_dir.name}_0_0"})
     return model

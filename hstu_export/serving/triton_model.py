@@ -40,7 +40,14 @@ from hstu_export.errors import HstuExportError, RequestError
 from hstu_export.serving.batching import BatchingPredictor
 from hstu_export.serving.native import NativePredictor
 from hstu_export.serving.published import PublishedPredictor
-from hstu_export.serving.triton_repo import FOLLOW_PARAMETER, KV_PARAMETER, NATIVE_PARAMETER, TABLES_PARAMETER
+from hstu_export.serving.triton_repo import (
+    DRIFT_PARAMETER,
+    FOLLOW_PARAMETER,
+    GRAPHS_PARAMETER,
+    KV_PARAMETER,
+    NATIVE_PARAMETER,
+    TABLES_PARAMETER,
+)
 
 # The KV cache's counters (CachedRanker.cache.stats()) as Triton metrics: counters, then gauges.
 KV_COUNTERS = {"hits": "requests' users served from the cache", "misses": "users with nothing cached (prefill)",
@@ -72,9 +79,13 @@ class TritonPythonModel:
         self.ranker = None
         budget = parameters.get(KV_PARAMETER)
         if budget:
-            self.ranker = predictor.kv_cache(budget)
+            graphs = {"on": True, "off": False}.get(parameters.get(GRAPHS_PARAMETER, ""))
+            self.ranker = predictor.kv_cache(budget, max_time_drift=int(parameters.get(DRIFT_PARAMETER) or 0),
+                                             cuda_graphs=graphs)
             self.metrics = _KVMetrics(args["model_name"], args["model_instance_name"])
-        self.batcher = BatchingPredictor(predictor, self.ranker)
+        # Outputs go to the host once per package call, then split per request: the answers leave by the host
+        # anyway, and a GPU tensor handed to Triton costs a CUDA IPC handle per request and output.
+        self.batcher = BatchingPredictor(predictor, self.ranker, host_outputs=True)
         self.inputs = [i["name"] for i in config["input"]]
         self.outputs = [o["name"] for o in config["output"]]
         # The feature whose rows count a request's users (its first lengths or per-user feature).

@@ -65,6 +65,11 @@ class ServingRepoSettings:
     kv_cache_budget: str | None = None
     max_sequences: int = 1024  # users in flight per instance (the sequence batcher's max_candidate_sequences)
     sequence_idle_us: int = 60_000_000  # a user's slot (and its routing to an instance) ends after this idle time
+    # With the KV cache: a user's cached rows are reused while its query time moved at most this many seconds
+    # (CachedRanker's max_time_drift; 0: only at the same query time), and CUDA graphs of the cached path
+    # ("auto": the package's default, on for CUDA; "on"; "off": no capture when a new shape first comes).
+    kv_max_time_drift: int = 0
+    kv_cuda_graphs: str = "auto"
     follow_seconds: float = 1.0  # PKG a publish root: how often an instance looks at its current version
     # Where each instance keeps the tables stored beside a compiled sparse half (hstu_export.load's tables_device:
     # "cpu" serves a CUDA package's tables from pinned host memory); None: on the instance's device.
@@ -75,6 +80,9 @@ class ServingRepoSettings:
 
 
 KV_PARAMETER = "kv_cache_budget"  # config parameter model.py reads: serve through a KV cache of this budget
+DRIFT_PARAMETER = "kv_max_time_drift"  # ... the cache's max_time_drift, in seconds
+GRAPHS_PARAMETER = "kv_cuda_graphs"  # ... "on" or "off": CUDA graphs of the cached path (absent: the default)
+KV_CUDA_GRAPHS = ("auto", "on", "off")
 
 
 def model_name(package: Path, settings: ServingRepoSettings) -> str:
@@ -135,6 +143,10 @@ def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings, pa
         lines.append(f'parameters {{ key: "{FOLLOW_PARAMETER}" value: {{ string_value: "{follow_seconds:g}" }} }}')
     if settings.kv_cache_budget is not None:
         lines.append(f'parameters {{ key: "{KV_PARAMETER}" value: {{ string_value: {_quoted(settings.kv_cache_budget)} }} }}')
+        if settings.kv_max_time_drift:
+            lines.append(f'parameters {{ key: "{DRIFT_PARAMETER}" value: {{ string_value: "{settings.kv_max_time_drift}" }} }}')
+        if settings.kv_cuda_graphs != "auto":
+            lines.append(f'parameters {{ key: "{GRAPHS_PARAMETER}" value: {{ string_value: "{settings.kv_cuda_graphs}" }} }}')
     if settings.tables_device is not None:
         lines.append(f'parameters {{ key: "{TABLES_PARAMETER}" value: {{ string_value: {_quoted(settings.tables_device)} }} }}')
     if native_library is not None:
@@ -219,6 +231,12 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
         raise ConfigError("max requests per batch and instances must be >= 1, the queue delay >= 0")
     if settings.max_sequences < 1 or settings.sequence_idle_us < 1:
         raise ConfigError("max sequences and the sequence idle time must be >= 1")
+    if isinstance(settings.kv_max_time_drift, bool) or not isinstance(settings.kv_max_time_drift, int) \
+            or settings.kv_max_time_drift < 0:
+        raise ConfigError(f"the KV cache's max time drift must be a whole number of seconds, 0 or more, got "
+                          f"{settings.kv_max_time_drift!r}")
+    if settings.kv_cuda_graphs not in KV_CUDA_GRAPHS:
+        raise ConfigError(f"kv_cuda_graphs must be one of {', '.join(KV_CUDA_GRAPHS)}, got {settings.kv_cuda_graphs!r}")
     if settings.kv_cache_budget is not None:
         try:
             parse_size(settings.kv_cache_budget)
