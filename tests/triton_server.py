@@ -321,7 +321,8 @@ class HttpInference:
         for output in meta["outputs"]:
             size = int(output["parameters"]["binary_data_size"])
             dtype = getattr(torch, TORCH_TYPES[output["datatype"]])
-            values = torch.frombuffer(bytearray(body[offset:offset + size]), dtype=dtype)
+            values = (torch.frombuffer(bytearray(body[offset:offset + size]), dtype=dtype) if size
+                      else torch.empty(0, dtype=dtype))  # frombuffer refuses an empty buffer
             outputs[output["name"]] = values.reshape(output["shape"])[0]
             offset += size
         return outputs
