@@ -237,7 +237,7 @@ class TritonReplicas:
         self.threads: list[threading.Thread] = []
         self.server: TritonServer | None = None
         self.monitor: HttpInference | None = None
-        self.refused_starts = 0
+        self.refused_starts, self.counting = 0, threading.Lock()
         self.bodies: dict[int, tuple[bytes, int]] = {}
 
     def __enter__(self) -> TritonReplicas:
@@ -262,6 +262,7 @@ class TritonReplicas:
             self.monitor.close()
         if self.server is not None:
             self.server.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)  # the repository holds a copy of the package
 
     def prepare(self, queries: list) -> None:
         """Encodes the queries' bodies now, before they are timed: the senders then only post them."""
@@ -296,7 +297,8 @@ class TritonReplicas:
         except InferenceRefused as exc:
             if NO_START not in str(exc):
                 raise
-            self.refused_starts += 1
+            with self.counting:
+                self.refused_starts += 1
             return client.infer(request, sequence_id=user, sequence_start=True)
 
     def stats(self) -> list[dict[str, Any]]:
@@ -314,7 +316,7 @@ class TritonReplicas:
                                  for key in ("hits", "misses", "stale", "evictions", "bypassed")}
         return [entry]
 
-    def check_answers(self, queries: list, repeat: int = 1) -> dict[str, Any]:
+    def check_answers(self, queries: list) -> dict[str, Any]:
         """Each query sent alone (nothing to batch it with), its answer compared with ``hstu_export.load`` of
         the package on the first device: how many were equal bit for bit, and the largest difference."""
         assert self.server is not None
