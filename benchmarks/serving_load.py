@@ -209,6 +209,56 @@ class GcPauses:
                 "full": sum(g == 2 for g, _ in self.pauses)}
 
 
+def _with_start(encoded: tuple[bytes, int]) -> tuple[bytes, int]:
+    """An encoded request of one user again, with the START flag."""
+    body, head = encoded
+    header = json.loads(body[:head])
+    header["parameters"]["sequence_start"] = True
+    text = json.dumps(header).encode()
+    return text + body[head:], len(text)
+
+
+def _client_process(url: str, model: str, threads: int, inbox: Any, outbox: Any) -> None:
+    """A process of --client-processes: ``threads`` senders post the bodies the main process handed over
+    (("bodies", {key: encoded}), then ("send", (key, user)) per query) and answer (key, time.perf_counter() when
+    the answer came, the error's words or None, whether START was needed); perf_counter is CLOCK_MONOTONIC,
+    the same clock in every process."""
+    bodies: dict[int, tuple[bytes, int]] = {}
+    work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def send() -> None:
+        client = HttpInference(url, model)
+        while (item := work.get()) is not None:
+            key, user = item
+            encoded, error, started = bodies.pop(key), None, False
+            try:
+                try:
+                    client.post(encoded)
+                except InferenceRefused as exc:
+                    if user is None or NO_START not in str(exc):
+                        raise
+                    started = True
+                    client.post(_with_start(encoded))
+            except Exception as exc:  # the query's failure, counted by the window
+                error = f"{type(exc).__name__}: {exc}"
+            outbox.put((key, time.perf_counter(), error, started))
+        client.close()
+
+    senders = [threading.Thread(target=send, daemon=True) for _ in range(threads)]
+    for sender in senders:
+        sender.start()
+    while (message := inbox.get()) is not None:
+        kind, payload = message
+        if kind == "bodies":
+            bodies.update(payload)
+        else:
+            work.put(payload)
+    for _ in senders:
+        work.put(None)
+    for sender in senders:
+        sender.join()
+
+
 class TritonReplicas:
     """What the load test calls of a ReplicaSet (``submit``, ``stats``, a context), served by a real Triton
     Inference Server: the repository ``hstu-export serving-repo`` writes for the package (per device
@@ -239,6 +289,14 @@ class TritonReplicas:
         self.monitor: HttpInference | None = None
         self.refused_starts, self.counting = 0, threading.Lock()
         self.bodies: dict[int, tuple[bytes, int]] = {}
+        # --client-processes: the senders in processes of their own, each query's body handed over before
+        # its window (``prepare``), so that this process only schedules.
+        self.processes: list[Any] = []
+        self.inboxes: list[Any] = []
+        self.outbox: Any = None
+        self.keys: dict[int, tuple[int, int]] = {}  # id(request) -> (process, key)
+        self.futures: dict[int, concurrent.futures.Future] = {}
+        self.next_key = itertools.count()
 
     def __enter__(self) -> TritonReplicas:
         shutil.rmtree(self.workdir, ignore_errors=True)
@@ -247,15 +305,53 @@ class TritonReplicas:
         self.server = TritonServer(self.workdir / "repo", self.workdir, env=self.env)
         self.server.start()
         self.monitor = HttpInference(self.server.http_url, self.MODEL)
-        for _ in range(self.args.client_threads):
-            thread = threading.Thread(target=self._send, daemon=True)
-            thread.start()
-            self.threads.append(thread)
+        count = self.args.client_processes
+        if not count:
+            for _ in range(self.args.client_threads):
+                thread = threading.Thread(target=self._send, daemon=True)
+                thread.start()
+                self.threads.append(thread)
+            return self
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.outbox = context.Queue()
+        for _ in range(count):
+            inbox = context.Queue()
+            process = context.Process(target=_client_process, daemon=True,
+                                      args=(self.server.http_url, self.MODEL,
+                                            max(1, self.args.client_threads // count), inbox, self.outbox))
+            process.start()
+            self.inboxes.append(inbox)
+            self.processes.append(process)
+        reader = threading.Thread(target=self._read_answers, daemon=True)
+        reader.start()
+        self.threads.append(reader)
         return self
 
+    def _read_answers(self) -> None:
+        while (message := self.outbox.get()) is not None:
+            key, stamp, error, started = message
+            future = self.futures.pop(key)
+            future.done_at = stamp  # type: ignore[attr-defined]
+            if started:
+                with self.counting:
+                    self.refused_starts += 1
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(InferenceRefused(error))
+
     def __exit__(self, *exc: object) -> None:
-        for _ in self.threads:
-            self.queue.put(None)
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for process in self.processes:
+            process.join(timeout=60)
+        if self.outbox is not None:
+            self.outbox.put(None)
+        else:
+            for _ in self.threads:
+                self.queue.put(None)
         for thread in self.threads:
             thread.join(timeout=60)
         if self.monitor is not None:
@@ -267,12 +363,32 @@ class TritonReplicas:
     def prepare(self, queries: list) -> None:
         """Encodes the queries' bodies now, before they are timed: the senders then only post them."""
         assert self.monitor is not None
-        self.bodies = {id(request): self.monitor.encode(request, uid if self.cached else None)
-                       for request, uid in queries}
+        encoded = {id(request): self.monitor.encode(request, uid if self.cached else None) for request, uid in queries}
+        if not self.processes:
+            self.bodies = encoded
+            return
+        self.keys = {}
+        handed: list[dict[int, tuple[bytes, int]]] = [{} for _ in self.processes]
+        for index, (request, _) in enumerate(queries):
+            where = (index % len(self.processes), next(self.next_key))
+            self.keys[id(request)] = where
+            handed[where[0]][where[1]] = encoded[id(request)]
+        for inbox, bodies in zip(self.inboxes, handed):
+            inbox.put(("bodies", bodies))
 
     def submit(self, request: dict[str, torch.Tensor], users: list[int] | None = None) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self.queue.put((request, users[0] if users else None, future))
+        user = users[0] if users else None
+        if not self.processes:
+            self.queue.put((request, user, future))
+            return future
+        where = self.keys.pop(id(request), None)
+        if where is None:  # not prepared (the warm-up): its body goes with it
+            assert self.monitor is not None
+            where = (next(self.next_key) % len(self.processes), next(self.next_key))
+            self.inboxes[where[0]].put(("bodies", {where[1]: self.monitor.encode(request, user)}))
+        self.futures[where[1]] = future
+        self.inboxes[where[0]].put(("send", (where[1], user)))
         return future
 
     def _send(self) -> None:
@@ -353,7 +469,7 @@ def run_window(replicas: ReplicaSet, queries: list, rate: float, cached: bool, g
 
     def finisher(i: int):  # type: ignore[no-untyped-def]
         def finish(future) -> None:  # type: ignore[no-untyped-def]
-            done[i] = time.perf_counter()
+            done[i] = getattr(future, "done_at", None) or time.perf_counter()  # a client process's own stamp
             with count:
                 failed[0] += future.exception() is not None
                 left[0] -= 1
@@ -558,6 +674,9 @@ def main() -> None:
                              "instances a GPU, queries over HTTP; needs nvidia-pytriton's bundled tritonserver)")
     parser.add_argument("--client-threads", type=int, default=64,
                         help="with --serve triton: threads sending queries, each with its own connection")
+    parser.add_argument("--client-processes", type=int, default=0,
+                        help="with --serve triton: send from this many processes (--client-threads shared among "
+                             "them), each window's bodies handed to them before it starts; 0: threads of this process")
     parser.add_argument("--max-sequences", type=int,
                         help="with --serve triton and the cache: users an instance holds a sequence slot for "
                              "[default: --users, at least 1024]; first-time users beyond the slots wait in Triton's "
