@@ -67,10 +67,9 @@ from hstu_export.serving.replicas import ReplicaSet
 from hstu_export.serving.triton_repo import ServingRepoSettings, write_serving_repo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # triton_server: the bundled server, HTTP
-from triton_server import HttpInference, InferenceRefused, TritonServer
+from triton_server import NO_START, HttpInference, InferenceRefused, TritonServer
 
 P99_BOUND_MS = 80.0
-NO_START = "must specify the START flag"  # Triton's refusal of a user whose sequence it does not hold
 SAMPLED = 0.7  # the reference's user_sampling_ratio
 TIMESTAMPS = range(90, 100)  # its inference timestamps (train_ratio 0.9 of 100)
 MEAN_SEGMENTS = 1 + SAMPLED * statistics.mean(TIMESTAMPS)
@@ -218,6 +217,17 @@ def _with_start(encoded: tuple[bytes, int]) -> tuple[bytes, int]:
     return text + body[head:], len(text)
 
 
+def _post_as_user(client: HttpInference, encoded: tuple[bytes, int], user: int | None) -> tuple[Any, bool]:
+    """The answer to an encoded query, and whether it needed START: a query of a user the server holds no
+    sequence for is refused and sent again with the flag (docs/SERVING.md's client protocol)."""
+    try:
+        return client.post(encoded), False
+    except InferenceRefused as exc:
+        if user is None or NO_START not in str(exc):
+            raise
+        return client.post(_with_start(encoded)), True
+
+
 def _client_process(url: str, model: str, threads: int, inbox: Any, outbox: Any) -> None:
     """A process of --client-processes: ``threads`` senders post the bodies the main process handed over
     (("bodies", {key: encoded}), then ("send", (key, user)) per query) and answer (key, time.perf_counter() when
@@ -230,15 +240,9 @@ def _client_process(url: str, model: str, threads: int, inbox: Any, outbox: Any)
         client = HttpInference(url, model)
         while (item := work.get()) is not None:
             key, user = item
-            encoded, error, started = bodies.pop(key), None, False
+            error, started = None, False
             try:
-                try:
-                    client.post(encoded)
-                except InferenceRefused as exc:
-                    if user is None or NO_START not in str(exc):
-                        raise
-                    started = True
-                    client.post(_with_start(encoded))
+                _, started = _post_as_user(client, bodies.pop(key), user)
             except Exception as exc:  # the query's failure, counted by the window
                 error = f"{type(exc).__name__}: {exc}"
             outbox.put((key, time.perf_counter(), error, started))
@@ -405,17 +409,11 @@ class TritonReplicas:
             client.close()
 
     def _infer(self, client: HttpInference, request: dict[str, torch.Tensor], user: int | None) -> Any:
-        encoded = self.bodies.get(id(request)) or client.encode(request, user)
-        if user is None:
-            return client.post(encoded)
-        try:
-            return client.post(encoded)
-        except InferenceRefused as exc:
-            if NO_START not in str(exc):
-                raise
+        answer, started = _post_as_user(client, self.bodies.get(id(request)) or client.encode(request, user), user)
+        if started:
             with self.counting:
                 self.refused_starts += 1
-            return client.infer(request, sequence_id=user, sequence_start=True)
+        return answer
 
     def stats(self) -> list[dict[str, Any]]:
         """One entry for the server, in ReplicaSet.stats()'s terms: its requests (one user each) as users, its

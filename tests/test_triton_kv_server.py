@@ -17,7 +17,7 @@ import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from kv_requests import CONFIGS, Users
-from triton_server import TritonServer, request_inputs
+from triton_server import NO_START, TritonServer, request_inputs
 from tritonclient.utils import InferenceServerException
 
 import hstu_export
@@ -28,7 +28,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.parametrize("kv_package", ["no-conte
 MODEL = "ranker"
 OUTPUTS = ("ctr", "cvr")
 CLOSE = dict(rtol=1e-5, atol=1e-5)  # as tests/test_kv_export.py: a delta run sums over fewer rows
-NO_START = "must specify the START flag"  # Triton's answer to a request of a sequence it does not hold
 Answer = dict[str, torch.Tensor] | InferenceServerException
 
 

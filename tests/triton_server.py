@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 PYTRITON_VERSION = "0.7.0"
+NO_START = "must specify the START flag"  # Triton's refusal of a request of a sequence it does not hold
 READY_TIMEOUT_S = 180.0
 
 
