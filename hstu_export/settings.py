@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import re
 from dataclasses import dataclass, field
@@ -47,6 +48,13 @@ def parse_size(text: str | int) -> int:
     value = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
     if value < 1:
         raise ConfigError(f"size must be at least one byte, got {text!r}")
+    return int(value)
+
+
+def check_time_drift(value: Any, what: str = "max_time_drift") -> int:
+    """A KV cache's max time drift: whole seconds, 0 or more (0: a cached row's time buckets must be exact)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ConfigError(f"{what} must be a whole number of seconds, 0 or more, got {value!r}")
     return int(value)
 
 

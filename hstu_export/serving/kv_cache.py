@@ -33,7 +33,7 @@ from hstu_export.errors import ConfigError, RequestError
 from hstu_export.models.cached import DeltaRanker, KVLayout, scratch_page
 from hstu_export.models.ranking import HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES, HstuRankingModel
 from hstu_export.models.transducer import UNBOUNDED, bucket_edges, time_buckets
-from hstu_export.settings import format_bytes, machine_memory, parse_size
+from hstu_export.settings import check_time_drift, format_bytes, machine_memory, parse_size
 
 __all__ = ["CacheFull", "CachedRanker", "DeltaRunner", "EagerDelta", "EntryRecord", "PagedKVCache"]
 
@@ -354,8 +354,7 @@ class CachedRanker:
         if not isinstance(source, HstuRankingModel) and not hasattr(source, "layout"):
             raise ConfigError(f"CachedRanker serves the zoo's HstuRankingModel or a package's delta program, got "
                               f"{type(source).__name__}; for a loaded package use predictor.kv_cache(budget_bytes)")
-        if isinstance(max_time_drift, bool) or not isinstance(max_time_drift, numbers.Integral) or max_time_drift < 0:
-            raise ConfigError(f"max_time_drift must be a whole number of seconds, 0 or more, got {max_time_drift!r}")
+        check_time_drift(max_time_drift)
         self.runner: DeltaRunner = EagerDelta(source, device) if isinstance(source, HstuRankingModel) else source
         fixed = getattr(self.runner, "page_size", None)  # an exported program reads pages of one size
         if fixed is not None and fixed != page_size:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from hstu_export.errors import ConfigError, HstuExportError, PackageError, RequestError
 from hstu_export.package.directory import load_manifest
-from hstu_export.settings import parse_size
+from hstu_export.settings import check_time_drift, parse_size
 
 __all__ = ["RUNTIMES", "NativeCachedRanker", "NativePredictor", "check_runtime", "native_library"]
 
@@ -165,8 +165,7 @@ class NativePredictor:
             budget = parse_size(budget_bytes) if isinstance(budget_bytes, str) else budget_bytes
             if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
                 raise ConfigError(f"KV cache budget must be a positive number of bytes, got {budget_bytes!r}")
-        if isinstance(max_time_drift, bool) or not isinstance(max_time_drift, int) or max_time_drift < 0:
-            raise ConfigError(f"max_time_drift must be a whole number of seconds, 0 or more, got {max_time_drift!r}")
+        max_time_drift = check_time_drift(max_time_drift)
         if self.following:
             raise ConfigError("a KV cache serves one version (a new one's weights would not match the cached K/V): "
                               "open one version's directory, without follow_seconds")
