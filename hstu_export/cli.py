@@ -636,12 +636,15 @@ def publish(package: str | None, root: str, keep: int, switch_to: int | None, ve
 @click.option("--runtime", type=click.Choice(["python", "native"]), default="python", show_default=True,
               help="What serves each instance's calls: python (hstu_export.load) or native (the C++ runtime's "
                    "library, built by runtimes/cpp/build.sh; its path is written into the config).")
+@click.option("--host-threads", type=click.IntRange(min=1), default=None,
+              help="torch's host threads in each instance's process [default: 1 for a CUDA package (its host "
+                   "work is small tensors), torch's own (one per core) for a CPU package].")
 @click.option("--force", is_flag=True, help="Replace a repository this tool wrote before.")
 @_verbose_option
 def serving_repo(package: str, out_dir: str, name: str | None, max_requests_per_batch: int, max_queue_delay_us: int,
                  instances: int, kv_cache: str | None, max_sequences: int, sequence_idle_us: int,
                  kv_max_time_drift: int, kv_cuda_graphs: str, follow_seconds: float, tables_device: str | None,
-                 runtime: str, force: bool, verbose: bool) -> None:
+                 runtime: str, host_threads: int | None, force: bool, verbose: bool) -> None:
     """Write a Triton Inference Server model repository for PACKAGE (Python backend, dynamic batching of
     ragged requests; with --kv-cache, the sequence batcher routing each user to its instance's KV cache).
     PACKAGE may be a directory hstu-export publish writes: the instances then serve its current version and
@@ -667,7 +670,7 @@ def serving_repo(package: str, out_dir: str, name: str | None, max_requests_per_
                                    kv_cache_budget=kv_cache, max_sequences=max_sequences,
                                    sequence_idle_us=sequence_idle_us, kv_max_time_drift=kv_max_time_drift,
                                    kv_cuda_graphs=kv_cuda_graphs, follow_seconds=follow_seconds,
-                                   tables_device=tables_device, runtime=runtime)
+                                   tables_device=tables_device, runtime=runtime, host_threads=host_threads)
     model_dir = write_serving_repo(package, out_dir, settings, force=force)
     console.print(f"wrote {escape(str(model_dir.parent))}: model {escape(model_dir.name)} for Triton Inference "
                   f"Server {TRITON_SERVER_VERSION}\n  tritonserver --model-repository {escape(str(model_dir.parent))}")

@@ -192,6 +192,36 @@ def test_config_parses_with_tritons_protobuf_and_matches_the_manifest(package: P
     assert marker["triton_server"] == "2.73.0" and marker["batches_requests"] is True
 
 
+def test_instances_get_their_host_threads(package: Path, tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    from hstu_export.package.directory import load_manifest
+    from hstu_export.serving.triton_repo import config_text
+
+    def threads_parameter(model_dir: Path) -> str | None:
+        config = text_format.Parse((model_dir / "config.pbtxt").read_text(), model_config_pb2().ModelConfig())
+        return config.parameters["host_threads"].string_value if "host_threads" in config.parameters else None
+
+    assert threads_parameter(write_serving_repo(package, tmp_path / "cpu", ServingRepoSettings())) is None
+    manifest = load_manifest(package)
+    on_cuda = dataclasses.replace(manifest, device=dataclasses.replace(manifest.device, type="cuda"))
+    assert 'key: "host_threads" value: { string_value: "1" }' in config_text(on_cuda, "m", ServingRepoSettings())
+    assert 'key: "host_threads" value: { string_value: "3" }' in config_text(on_cuda, "m", ServingRepoSettings(host_threads=3))
+    assert cli_main(["serving-repo", str(package), "--out", str(tmp_path / "two"), "--name", "r", "--host-threads", "2"]) == 0
+    assert threads_parameter(tmp_path / "two" / "r") == "2"
+    before = torch.get_num_threads()
+    try:
+        initialized_model(tmp_path / "two" / "r", monkeypatch)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ConfigError, match="host_threads must be a whole number, 1 or more"):
+        write_serving_repo(package, tmp_path / "bad", ServingRepoSettings(host_threads=0))
+    assert cli_main(["serving-repo", str(package), "--out", str(tmp_path / "bad"), "--host-threads", "0"]) == 2
+    assert "--host-threads" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_model_py_serves_a_dynamic_batch(package: Path, predictor, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     model_dir = write_serving_repo(package, tmp_path / "repo", ServingRepoSettings(name="hstu"))
     model = initialized_model(model_dir, monkeypatch)

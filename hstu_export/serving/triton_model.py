@@ -18,7 +18,8 @@ the package parameter names that directory and each instance serves its current 
 one between requests (``hstu_export.serving.published.PublishedPredictor``). With ``tables_device``
 (``serving-repo --tables-device``), each instance keeps the tables stored beside a compiled sparse half there
 (``hstu_export.load``'s argument). With ``native_library`` (``serving-repo --runtime native``), the C++ runtime
-of that library serves each instance's calls (``hstu_export.serving.native``), on the instance's device.
+of that library serves each instance's calls (``hstu_export.serving.native``), on the instance's device. With
+``host_threads`` (``serving-repo --host-threads``), the instance's torch uses that many host threads.
 
 Needs, in the Python environment Triton runs this file with: hstu-export and the torch the package was
 exported with (and fbgemm-gpu / torchrec when the package names them). CI runs it in a real server on CPU
@@ -47,6 +48,7 @@ from hstu_export.serving.triton_repo import (
     KV_PARAMETER,
     NATIVE_PARAMETER,
     TABLES_PARAMETER,
+    THREADS_PARAMETER,
 )
 
 # The KV cache's counters (CachedRanker.cache.stats()) as Triton metrics: counters, then gauges.
@@ -61,6 +63,8 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         package = Path(args["model_repository"]) / args["model_version"] / parameters.get("package", "package")
+        if parameters.get(THREADS_PARAMETER):
+            torch.set_num_threads(int(parameters[THREADS_PARAMETER]))
         if args.get("model_instance_kind") == "GPU":
             torch.cuda.set_device(int(args["model_instance_device_id"]))
         follow = parameters.get(FOLLOW_PARAMETER)

@@ -43,7 +43,7 @@ from hstu_export.package.publish import current_path, current_version, is_publis
 from hstu_export.package.tables import check_tables_device
 from hstu_export.serving.batching import output_rows
 from hstu_export.serving.native import check_runtime, native_library
-from hstu_export.settings import parse_size
+from hstu_export.settings import check_time_drift, parse_size
 from hstu_export.version import __version__
 
 TRITON_SERVER_VERSION = "2.73.0"
@@ -77,6 +77,10 @@ class ServingRepoSettings:
     # What serves each instance's calls: "python" (hstu_export.load) or "native" (the C++ runtime's library,
     # hstu_export.serving.native, found when the repository is written and named in its config).
     runtime: str = "python"
+    # torch's host threads in each instance's process (torch.set_num_threads). None: 1 for a CUDA package's
+    # instances (their host work is small tensors; a pool of every core per instance made a GPU instance spend more
+    # time than it served: docs/PERF.md, serving under load), torch's default (every core) for a CPU package's.
+    host_threads: int | None = None
 
 
 KV_PARAMETER = "kv_cache_budget"  # config parameter model.py reads: serve through a KV cache of this budget
@@ -104,6 +108,7 @@ def _dims(shape: list[Any]) -> str:
 FOLLOW_PARAMETER = "follow_seconds"  # config parameter model.py reads: the package is a publish root to follow
 TABLES_PARAMETER = "tables_device"  # config parameter model.py reads: where an instance keeps the tables
 NATIVE_PARAMETER = "native_library"  # config parameter model.py reads: serve with the C++ runtime of this library
+THREADS_PARAMETER = "host_threads"  # config parameter model.py reads: torch's host threads in the instance
 
 
 def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings, package: str = "package",
@@ -149,6 +154,9 @@ def config_text(manifest: Manifest, name: str, settings: ServingRepoSettings, pa
             lines.append(f'parameters {{ key: "{GRAPHS_PARAMETER}" value: {{ string_value: "{settings.kv_cuda_graphs}" }} }}')
     if settings.tables_device is not None:
         lines.append(f'parameters {{ key: "{TABLES_PARAMETER}" value: {{ string_value: {_quoted(settings.tables_device)} }} }}')
+    threads = settings.host_threads if settings.host_threads is not None else 1 if kind == "KIND_GPU" else None
+    if threads is not None:
+        lines.append(f'parameters {{ key: "{THREADS_PARAMETER}" value: {{ string_value: "{threads}" }} }}')
     if native_library is not None:
         lines.append(f'parameters {{ key: "{NATIVE_PARAMETER}" value: {{ string_value: {_quoted(native_library)} }} }}')
     return "\n".join(lines) + "\n"
@@ -231,10 +239,10 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
         raise ConfigError("max requests per batch and instances must be >= 1, the queue delay >= 0")
     if settings.max_sequences < 1 or settings.sequence_idle_us < 1:
         raise ConfigError("max sequences and the sequence idle time must be >= 1")
-    if isinstance(settings.kv_max_time_drift, bool) or not isinstance(settings.kv_max_time_drift, int) \
-            or settings.kv_max_time_drift < 0:
-        raise ConfigError(f"the KV cache's max time drift must be a whole number of seconds, 0 or more, got "
-                          f"{settings.kv_max_time_drift!r}")
+    check_time_drift(settings.kv_max_time_drift, "the KV cache's max time drift")
+    if settings.host_threads is not None and (isinstance(settings.host_threads, bool)
+                                              or not isinstance(settings.host_threads, int) or settings.host_threads < 1):
+        raise ConfigError(f"host_threads must be a whole number, 1 or more, or None, got {settings.host_threads!r}")
     if settings.kv_cuda_graphs not in KV_CUDA_GRAPHS:
         raise ConfigError(f"kv_cuda_graphs must be one of {', '.join(KV_CUDA_GRAPHS)}, got {settings.kv_cuda_graphs!r}")
     if settings.kv_cache_budget is not None:
