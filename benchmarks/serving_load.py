@@ -27,13 +27,15 @@ time buckets hold for --max-time-drift seconds (CachedRanker's max_time_drift). 
 CUDA graphs unless --kv-graphs says otherwise (docs/PERF.md, serving under load, says why).
 
 Per configuration (cache x GPUs x --serve x --workers x --runtime): a closed-loop saturation estimate, then
-open-loop windows of --seconds at rising shares of it; reported per rate: achieved queries/s, p50/p99 latency (from the scheduled arrival to
+open-loop windows of --seconds at rising shares of it (or at the --rates given per GPU); reported per rate: achieved queries/s, p50/p99 latency (from the scheduled arrival to
 the answer on the host, queueing included), the workers' busy share and the GPUs' utilisation (NVML, when
 readable), the cache's hits/misses/stale/evictions in the window, and what could explain a tail: how late
 queries were sent, p99 per tenth of the window, the garbage collector's pauses; with threads and no cache,
 the predictor called directly on one request of --max-batch users (``call_ms``: no queue, no batching). Writes
 serving_load.json after every window. --profile adds a cProfile of the first worker's calls; --host-threads sets
-torch's CPU threads (the workers' host tensor work contends for torch's thread pool).
+torch's CPU threads (the workers' host tensor work contends for torch's thread pool), and with --serve triton
+each instance's. Through Triton, each window also has the server's own split of a request's time
+(``server_ms_per_request``: queued, and its execution's input, run and output phases).
 """
 
 from __future__ import annotations
@@ -283,9 +285,9 @@ class TritonReplicas:
             name=self.MODEL, max_requests_per_batch=args.max_batch,
             max_queue_delay_us=int(args.queue_delay_ms * 1000),
             instances=per_device if gpus else per_device * len(devices),
-            kv_cache_budget=args.kv_budget if cached else None, max_sequences=args.max_sequences or max(1024, args.users),
+            kv_cache_budget=args.kv_budget if cached else None, max_sequences=args.max_sequences or max(1024, 2 * args.users),
             kv_max_time_drift=args.max_time_drift if cached else 0,
-            kv_cuda_graphs=args.kv_graphs if cached else "auto", runtime=runtime)
+            kv_cuda_graphs=args.kv_graphs if cached else "auto", runtime=runtime, host_threads=args.host_threads)
         self.env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.threads: list[threading.Thread] = []
@@ -424,6 +426,10 @@ class TritonReplicas:
         busy = sum(int(b["compute_infer"]["ns"]) for b in model.get("batch_stats", []))  # per execution
         entry: dict[str, Any] = {"users": int(model["inference_count"]), "calls": int(model["execution_count"]),
                                  "busy_seconds": busy / 1e9, "refused_starts": self.refused_starts}
+        # Per request, summed: waiting in the scheduler's queue, and the phases of the execution it was in.
+        phases = model.get("inference_stats", {})
+        entry["request_seconds"] = {key: int(phases.get(key, {}).get("ns", 0)) / 1e9
+                                    for key in ("queue", "compute_input", "compute_infer", "compute_output")}
         if self.cached:
             samples = self.server.metrics()
             entry["kv_cache"] = {key: sum(samples.get(f"hstu_kv_cache_{key}", {}).values())
@@ -507,6 +513,11 @@ def run_window(replicas: ReplicaSet, queries: list, rate: float, cached: bool, g
         "users_per_call": [round((a["users"] - b["users"]) / max(1, a["calls"] - b["calls"]), 1)
                            for a, b in zip(after, before)],
     }
+    if all("request_seconds" in a for a in after):  # the server's own split of a request's time
+        requests = max(1, sum(a["users"] - b["users"] for a, b in zip(after, before)))
+        row["server_ms_per_request"] = {
+            key: round(sum(a["request_seconds"][key] - b["request_seconds"][key] for a, b in zip(after, before))
+                       * 1e3 / requests, 3) for key in after[0]["request_seconds"]}
     if cached:
         keys = ("hits", "misses", "stale", "evictions", "bypassed")
         row["kv"] = {k: sum(a["kv_cache"][k] - b["kv_cache"][k] for a, b in zip(after, before)) for k in keys}
@@ -592,6 +603,7 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
     t = time.perf_counter()
     served: Any
     if mode == "triton":
+        out["instance_host_threads"] = args.host_threads or "serving-repo's default"
         served = TritonReplicas(package, devices, per_device, cached, runtime, args,
                                 Path(tempfile.mkdtemp(prefix="triton-load-")))
     else:
@@ -601,24 +613,30 @@ def sweep(args: argparse.Namespace, package: Path, cfg: Any, devices: list[str],
                             processes=mode == "processes", runtime=runtime)
     with served as replicas:
         out["start_seconds"] = round(time.perf_counter() - t, 2)
+
+        def closed_loop(queries: list) -> float:
+            if mode == "triton":  # bodies encoded before the clock starts, as for a window
+                replicas.prepare(queries)
+            return saturation(replicas, queries, cached)
+
         pool: list | None = None
         if cached:  # every pool user seen once: the cache filled before anything is timed
             pool = [work.new_user() for _ in range(args.users)]
             t = time.perf_counter()
-            saturation(replicas, [(work.request(u), u.uid) for u in pool], cached)
+            closed_loop([(work.request(u), u.uid) for u in pool])
             out["prefill_seconds"] = round(time.perf_counter() - t, 2)
         warm = work.queries(args.saturation_queries * len(devices), pool)
-        saturation(replicas, warm, cached)  # warm-up: every worker's first calls, the allocator's growth
+        closed_loop(warm)  # warm-up: every worker's first calls, the allocator's growth
         if mode == "threads" and not cached:
             out["call_ms"] = direct_calls(replicas, warm[: args.max_batch])
         if mode == "triton" and not cached:
             out["answers"] = replicas.check_answers(warm[: 4 * len(devices)])
         write_profiles = profile_workers(replicas, args.out) if args.profile and mode == "threads" else None
-        out["saturation_qps"] = sat = round(saturation(replicas, work.queries(args.saturation_queries * len(devices),
-                                                                               pool), cached), 1)
+        out["saturation_qps"] = sat = round(closed_loop(work.queries(args.saturation_queries * len(devices), pool)), 1)
         passed = None
-        for share in args.shares:
-            rate = share * sat
+        # --rates: offered rates per device as given; otherwise shares of the closed-loop estimate.
+        offered = [(None, r * len(devices)) for r in args.rates] if args.rates else [(x, x * sat) for x in args.shares]
+        for share, rate in offered:
             queries = work.queries(max(50, int(rate * args.seconds)), pool)
             if mode == "triton":
                 replicas.prepare(queries)
@@ -677,8 +695,8 @@ def main() -> None:
                              "them), each window's bodies handed to them before it starts; 0: threads of this process")
     parser.add_argument("--max-sequences", type=int,
                         help="with --serve triton and the cache: users an instance holds a sequence slot for "
-                             "[default: --users, at least 1024]; first-time users beyond the slots wait in Triton's "
-                             "backlog until a user idles out (60 s)")
+                             "[default: twice --users, at least 1024: room for the first-time users too]; users beyond "
+                             "the slots wait in Triton's backlog until a user idles out (60 s)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1],
                         help="worker threads per replica to try (ReplicaSet's workers)")
     parser.add_argument("--runtime", nargs="+", choices=["python", "native"], default=["python"],
@@ -691,6 +709,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="length of each open-loop window")
     parser.add_argument("--shares", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 0.95, 1.0],
                         help="offered rates, as shares of the closed-loop saturation rate")
+    parser.add_argument("--rates", type=float, nargs="+",
+                        help="offered rates in queries/s per device (GPU), instead of --shares")
     parser.add_argument("--saturation-queries", type=int, default=512)
     parser.add_argument("--users", type=int, default=2048, help="returning users' pool (cache on)")
     parser.add_argument("--new-users", type=float, default=0.05, help="share of first-time users (cache on)")
@@ -700,7 +720,8 @@ def main() -> None:
     parser.add_argument("--kv-graphs", choices=["auto", "on", "off"], default="off",
                         help="CUDA graphs of the cached path (auto: the package's default, on for CUDA)")
     parser.add_argument("--seed", type=int, default=2026)
-    parser.add_argument("--host-threads", type=int, help="torch.set_num_threads for the host's tensor work")
+    parser.add_argument("--host-threads", type=int, help="torch.set_num_threads for the host's tensor work (with --serve triton, "
+                        "each instance's too: serving-repo --host-threads)")
     parser.add_argument("--profile", action="store_true", help="cProfile the first replica's workers (threads only)")
     parser.add_argument("--export-only", action="store_true", help="export (into --keep) and stop")
     parser.add_argument("--small", action="store_true", help="tiny model and workload on CPU: checks the script")
