@@ -27,14 +27,14 @@ time buckets hold for --max-time-drift seconds (CachedRanker's max_time_drift). 
 CUDA graphs unless --kv-graphs says otherwise (docs/PERF.md, serving under load, says why).
 
 Per configuration (cache x GPUs x --serve x --workers x --runtime): a closed-loop saturation estimate, then
-open-loop windows of --seconds at rising shares of it (or at the --rates given per GPU); reported per rate:
-achieved queries/s, p50/p99 latency (from the scheduled arrival to the answer on the host, queueing included), the workers' busy share and the GPUs' utilisation (NVML, when
-readable), the cache's hits/misses/stale/evictions in the window, and what could explain a tail: how late
-queries were sent, p99 per tenth of the window, the garbage collector's pauses; with threads and no cache,
-the predictor called directly on one request of --max-batch users (``call_ms``: no queue, no batching). Writes
-serving_load.json after every window. --profile adds a cProfile of the first worker's calls; --host-threads sets
-torch's CPU threads (the workers' host tensor work contends for torch's thread pool), and with --serve triton
-each instance's. Through Triton, each window also has the server's own split of a request's time
+open-loop windows of --seconds at rising shares of it (or at the --rates given per GPU); reported per rate: achieved
+queries/s, p50/p99 latency (from the scheduled arrival to the answer on the host, queueing included), the workers'
+busy share and the GPUs' utilisation (NVML, when readable), the cache's hits/misses/stale/evictions in the window,
+and what could explain a tail: how late queries were sent, p99 per tenth of the window, the garbage collector's
+pauses; with threads and no cache, the predictor called directly on one request of --max-batch users (``call_ms``:
+no queue, no batching). Writes serving_load.json after every window. --profile adds a cProfile of the first worker's
+calls; --host-threads sets torch's CPU threads (the workers' host tensor work contends for torch's thread pool), and
+with --serve triton each instance's. Through Triton, each window also has the server's own split of a request's time
 (``server_ms_per_request``: queued, and its execution's input, run and output phases).
 """
 
