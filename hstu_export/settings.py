@@ -51,11 +51,17 @@ def parse_size(text: str | int) -> int:
     return int(value)
 
 
+def check_whole_number(value: Any, what: str, least: int, unit: str = "") -> int:
+    """``value`` as an int: a whole number (not a bool) of at least ``least``; refused in one line naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        of = f" of {unit}" if unit else ""
+        raise ConfigError(f"{what} must be a whole number{of}, {least} or more, got {value!r}")
+    return int(value)
+
+
 def check_time_drift(value: Any, what: str = "max_time_drift") -> int:
     """A KV cache's max time drift: whole seconds, 0 or more (0: a cached row's time buckets must be exact)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ConfigError(f"{what} must be a whole number of seconds, 0 or more, got {value!r}")
-    return int(value)
+    return check_whole_number(value, what, 0, "seconds")
 
 
 def format_bytes(n: float) -> str:

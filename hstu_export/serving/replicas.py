@@ -35,6 +35,7 @@ from hstu_export.serving.kv_cache import user_keys
 from hstu_export.serving.native import check_runtime
 from hstu_export.serving.processes import ProcessReplica
 from hstu_export.serving.replica import Item, Replica
+from hstu_export.settings import check_whole_number
 
 __all__ = ["ReplicaSet", "replica_of"]
 
@@ -68,8 +69,7 @@ class ReplicaSet:
                  tables_device: str | None = None, runtime: str = "python") -> None:
         if not devices:
             raise ConfigError("ReplicaSet needs at least one device")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ConfigError(f"workers must be a whole number, 1 or more, got {workers!r}")
+        workers = check_whole_number(workers, "workers", 1)
         if max_queue_delay_ms < 0:
             raise ConfigError(f"max_queue_delay_ms must be 0 or more, got {max_queue_delay_ms}")
         check_runtime(runtime)

@@ -43,7 +43,7 @@ from hstu_export.package.publish import current_path, current_version, is_publis
 from hstu_export.package.tables import check_tables_device
 from hstu_export.serving.batching import output_rows
 from hstu_export.serving.native import check_runtime, native_library
-from hstu_export.settings import check_time_drift, parse_size
+from hstu_export.settings import check_time_drift, check_whole_number, parse_size
 from hstu_export.version import __version__
 
 TRITON_SERVER_VERSION = "2.73.0"
@@ -241,9 +241,8 @@ def write_serving_repo(package: str | Path, out: str | Path, settings: ServingRe
     if settings.max_sequences < 1 or settings.sequence_idle_us < 1:
         raise ConfigError("max sequences and the sequence idle time must be >= 1")
     check_time_drift(settings.kv_max_time_drift, "the KV cache's max time drift")
-    if settings.host_threads is not None and (isinstance(settings.host_threads, bool)
-                                              or not isinstance(settings.host_threads, int) or settings.host_threads < 1):
-        raise ConfigError(f"host_threads must be a whole number, 1 or more, or None, got {settings.host_threads!r}")
+    if settings.host_threads is not None:
+        check_whole_number(settings.host_threads, "host_threads", 1)
     if settings.kv_cuda_graphs not in KV_CUDA_GRAPHS:
         raise ConfigError(f"kv_cuda_graphs must be one of {', '.join(KV_CUDA_GRAPHS)}, got {settings.kv_cuda_graphs!r}")
     if settings.kv_cache_budget is not None:
