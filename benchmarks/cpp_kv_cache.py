@@ -18,9 +18,9 @@ caches are timed with CUDA graphs (their default; the C++ runtime's when built w
 without; each C++ run writes every timed request's latency to latencies_*.txt.
 Outputs: the C++ cache's first whole answer without graphs against Python's cache without graphs (the
 same program on the same inputs: bit for bit) and against the package without cache (relative L2).
-With ``--baseline-src DIR`` it also builds a baseline runtime and, per batch, runs both runtimes' --phase-times
-requests in turn, three times each, without cache and cached (``same_run_ab``): a change against its baseline in
-the same run. DIR is either a copy of runtimes/cpp from another commit (a runtime change: both runtimes serve
+With ``--baseline-src DIR`` it also builds a baseline runtime and, per batch, runs both runtimes' requests in
+turn, three times each, without cache and cached, with --phase-times and without (``same_run_ab``): a change
+against its baseline in the same run; where both serve one package, their answers must be equal bit for bit. DIR is either a copy of runtimes/cpp from another commit (a runtime change: both runtimes serve
 this code's package) or a whole checkout of another commit (``git archive REV | tar -x -C DIR``; a change to
 the exported program too): its runtimes/cpp is built and its own code exports the baseline package, in a
 subprocess alongside this code's export. ``--ab-only`` times nothing else per batch.
@@ -108,26 +108,53 @@ def rel_l2(a: dict, b: dict) -> float:
 
 
 def same_run_ab(setups: dict[str, tuple[Path, Path]], request_args: list[object], kv_args: list[object],
-                iters: int) -> dict:
-    """Each (runtime, package)'s --phase-times requests, without cache and cached, in turn, three times: p50s by
-    label. ``request_args``: the request's folders (the last one is the one sent without cache);
-    ``kv_args``: what follows them for the cache."""
+                iters: int, answers_dir: Path) -> dict:
+    """Each (runtime, package)'s requests, without cache and cached, in turn, three times: p50s by label, with
+    --phase-times (``<label>_no_cache``, ``<label>_kv``: the device synchronised between phases) and without
+    (``..._whole``: the request as served). ``request_args``: the request's folders (the last one is the one
+    sent without cache); ``kv_args``: what follows them for the cache. The first round writes every answer
+    under ``answers_dir``; where all setups serve one package, ``answers_equal`` says whether their answers are
+    equal bit for bit."""
     out: dict = {}
-    for _ in range(3):
+    for round_ in range(3):
         for label, (runner, package) in setups.items():
             for name, args in (("no_cache", [package, request_args[-1]]),
                                ("kv", [package, *request_args, *kv_args, "--kv-graphs", "auto"])):
-                _, got = cpp(runner, *args, "--repeat", iters, "--warmup", 5, "--phase-times")
+                keep = ("--out", answers_dir / f"{label}_{name}") if round_ == 0 else ()
+                _, got = cpp(runner, *args, "--repeat", iters, "--warmup", 5, "--phase-times", *keep)
                 out.setdefault(f"{label}_{name}", []).append(got)
+                _, got = cpp(runner, *args, "--repeat", iters, "--warmup", 5)
+                out.setdefault(f"{label}_{name}_whole", []).append(got)
+    if len({package for _, package in setups.values()}) == 1:
+        out["answers_equal"] = {name: answers_equal([answers_dir / f"{label}_{name}" for label in setups])
+                                for name in ("no_cache", "kv")}
     return out
 
 
+def answers_equal(dirs: list[Path]) -> bool:
+    """Whether the answers written under each of ``dirs`` (``--out``: one tensor folder, or one per request) are
+    the same folders with equal tensors, bit for bit."""
+    def folders(root: Path) -> dict[str, dict[str, torch.Tensor]]:
+        found = sorted({p.parent for p in root.rglob("*.pt")})
+        return {str(f.relative_to(root)): load_tensors(f) for f in found}
+
+    first, *others = [folders(d) for d in dirs]
+    return bool(first) and all(
+        other.keys() == first.keys() and all(
+            other[f].keys() == first[f].keys() and all(torch.equal(other[f][k], first[f][k]) for k in first[f])
+            for f in first)
+        for other in others)
+
+
 def ab_summary(ab: dict) -> dict:
-    """The median over rounds of each label's phases (ms), and the dense half's ratios: no cache over cached per
-    label, and baseline over new, cached."""
+    """The median over rounds of each label's phases and whole-request p50 (``request``), ms; the dense half's
+    ratios: no cache over cached per label, and baseline over new, cached; and baseline over new of whole requests
+    (``request_baseline_over_new``, without cache and cached)."""
     out: dict = {}
     for label, runs in ab.items():
-        phases = [r["phases_p50_ms"] for r in runs if "phases_p50_ms" in r]
+        if not isinstance(runs, list):
+            continue
+        phases = [{**r.get("phases_p50_ms", {}), "request": r["p50_ms"]} for r in runs if "p50_ms" in r]
         if phases:
             out[label] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
     for label in ("new", "baseline"):
@@ -135,6 +162,9 @@ def ab_summary(ab: dict) -> dict:
             out[f"{label}_dense_no_cache_over_kv"] = out[f"{label}_no_cache"]["dense"] / out[f"{label}_kv"]["dense"]
     if "new_kv" in out and "baseline_kv" in out:
         out["dense_kv_baseline_over_new"] = out["baseline_kv"]["dense"] / out["new_kv"]["dense"]
+    out["request_baseline_over_new"] = {name: out[f"baseline_{name}"]["request"] / out[f"new_{name}"]["request"]
+                                        for name in ("no_cache", "kv", "no_cache_whole", "kv_whole")
+                                        if f"new_{name}" in out and f"baseline_{name}" in out}
     return out
 
 
@@ -174,7 +204,7 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
     ab_kv_args: list[object] = ["--kv-cache", "auto", *(a for _ in dirs for a in ("--user-ids", ids))]
     if baseline is not None:
         row["same_run_ab"] = same_run_ab({"new": (runner, package_root), "baseline": baseline}, dirs, ab_kv_args,
-                                         iters)
+                                         iters, work_dir / f"b{batch}_ab_answers")
         row["same_run_ab_p50_of_rounds"] = ab_summary(row["same_run_ab"])
     if ab_only:
         return row

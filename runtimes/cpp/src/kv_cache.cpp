@@ -114,6 +114,23 @@ std::vector<int64_t> bucket_edges(double base, int64_t num_buckets) {
   return edges;
 }
 
+// time_buckets of each token i (its user owner[i]'s query time against stamps[i]) read from `edges`, with
+// integer comparisons only: the bucket is the number of inner edges at or below the difference, which is what
+// time_buckets gives, its edges being where it steps up. nullopt when a difference is beyond the edges' search
+// range (kUnbounded), where that does not hold.
+std::optional<std::vector<int64_t>> buckets_from_edges(const int64_t* query_time, const std::vector<int64_t>& owner,
+                                        const int64_t* stamps, const std::vector<int64_t>& edges) {
+  std::vector<int64_t> out(owner.size());
+  for (size_t i = 0; i < owner.size(); ++i) {
+    // As the tensors subtract: wrapping, then at least 1.
+    int64_t d = static_cast<int64_t>(static_cast<uint64_t>(query_time[owner[i]]) - static_cast<uint64_t>(stamps[i]));
+    d = std::max<int64_t>(d, 1);
+    if (d >= kUnbounded) return std::nullopt;
+    out[i] = std::upper_bound(edges.begin() + 1, edges.end() - 1, d) - (edges.begin() + 1);
+  }
+  return out;
+}
+
 // Consecutive history tokens of a user (kTokenRows side by side), never changed once made: the records of
 // a user's successive requests share their earlier runs, so that a request that adds tokens copies only
 // those (the whole history, copied at each request, was most of a served call's host time at many users).
@@ -545,7 +562,6 @@ void CachedRanker::Impl::commit(int64_t user, int64_t length, std::shared_ptr<co
 NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<int64_t>& users, int64_t batch,
                                      detail::PhaseClock& clock) {
   const int64_t c = static_cast<int64_t>(kv.contextual_features.size());
-  const c10::Device device = pkg->device;
   // On the host: what the bookkeeping reads.
   HostInts hist_len(request.at(kHistoryLengths));
   HostInts query_time(request.at(kQueryTime));
@@ -609,10 +625,22 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
   }
   delta[kHistoryLengths] = at::tensor(new_len, at::kLong).to(request.at(kHistoryLengths).scalar_type());
 
+  // What goes to the device besides the delta request, in the same transfer: the users' cached counts, the
+  // page table, the users with nothing cached (with contextual features), and the padded history below.
+  std::vector<at::Tensor> also = {at::tensor(cached, at::kLong), table};
+  enum Also : size_t { kCached, kTable };
+  std::optional<size_t> fresh_users_at, padded_at;
+  if (c > 0) {  // [F, contextual features, D] for the F users with nothing cached, in batch order
+    std::vector<int64_t> uncached;  // from the host's counts: nonzero() on the device would wait for it
+    for (int64_t b = 0; b < batch; ++b) {
+      if (cached[b] == 0) uncached.push_back(b);
+    }
+    fresh_users_at = also.size();
+    also.push_back(at::tensor(uncached, at::kLong));
+  }
   // The sparse half takes at least the exported minimum of history tokens per user: placeholder tokens
-  // (id 0) fill a user's up, and their embeddings are dropped.
-  Tensors sparse_request = delta;
-  std::optional<at::Tensor> keep;
+  // (id 0) fill a user's up, and their embeddings are dropped. Moved: the real rows to keep, the padded
+  // token rows (kTokenRows' order) and lengths.
   bool padded = std::any_of(new_len.begin(), new_len.end(), [&](int64_t n) { return n < kv.min_history; });
   if (padded) {
     std::vector<int64_t> padded_len(batch), real;
@@ -623,52 +651,53 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
       start += padded_len[b];
     }
     at::Tensor real_rows = at::tensor(real, at::kLong);
+    padded_at = also.size();
+    also.push_back(real_rows);
     for (const char* name : kTokenRows) {
       const at::Tensor& value = delta.at(name);
       std::vector<int64_t> shape = value.sizes().vec();
       shape[0] = start;
-      sparse_request[name] = at::zeros(shape, value.options()).index_copy_(0, real_rows, value);
+      also.push_back(at::zeros(shape, value.options()).index_copy_(0, real_rows, value));
     }
-    sparse_request[kHistoryLengths] = at::tensor(padded_len, at::kLong).to(request.at(kHistoryLengths).scalar_type());
-    keep = real_rows.to(device);
+    also.push_back(at::tensor(padded_len, at::kLong).to(request.at(kHistoryLengths).scalar_type()));
   }
   clock.begin_part();
-  Tensors on_device = pkg->plain(delta);
-  Tensors sparse_in = padded ? pkg->plain(sparse_request) : on_device;
+  Tensors on_device = pkg->plain(delta, &also);
+  Tensors sparse_in = on_device;
+  if (padded_at) {
+    for (size_t row = 0; row < kTokenRows.size(); ++row) sparse_in[kTokenRows[row]] = also[*padded_at + 1 + row];
+    sparse_in[kHistoryLengths] = also[*padded_at + 1 + kTokenRows.size()];
+  }
   clock.end_part(&PhaseTimes::to_device_ms);
   clock.begin_part();
   NamedTensors boundary = pkg->sparse_outputs(sparse_in);
   clock.end_part(&PhaseTimes::sparse_ms);
   std::map<std::string, at::Tensor> emb;
   for (auto& [name, value] : boundary) emb[name] = value;
-  if (keep) {
-    for (const char* name : kHistoryEmbeddings) emb[name] = emb.at(name).index_select(0, *keep);
+  if (padded_at) {
+    for (const char* name : kHistoryEmbeddings) emb[name] = emb.at(name).index_select(0, also[*padded_at]);
   }
-  at::Tensor cached_tensor = at::tensor(cached, at::kLong).to(device);
   at::Tensor contextual;
   if (c == 0) {
     const at::Tensor& like = emb.at(kHistoryEmbeddings[0]);
     contextual = at::zeros({0, 0, like.size(-1)}, like.options());
-  } else {  // [F, contextual features, D] for the F users with nothing cached, in batch order
-    std::vector<int64_t> uncached;  // from the host's counts: nonzero() on the device would wait for it
-    for (int64_t b = 0; b < batch; ++b) {
-      if (cached[b] == 0) uncached.push_back(b);
-    }
-    at::Tensor fresh_users = at::tensor(uncached, at::kLong).to(device);
+  } else {
     std::vector<at::Tensor> columns;
-    for (const auto& name : kv.contextual_features) columns.push_back(emb.at(name + "_emb").index_select(0, fresh_users));
+    for (const auto& name : kv.contextual_features) {
+      columns.push_back(emb.at(name + "_emb").index_select(0, also[*fresh_users_at]));
+    }
     contextual = at::stack(columns, 1);
   }
   detail::ProgramInputs inputs;
   for (const auto& name : kv.inputs) {
     if (name == "kv_cached") {
-      inputs[name] = cached_tensor;
+      inputs[name] = also[kCached];
     } else if (name == "kv_k_pages") {
       inputs[name] = k;
     } else if (name == "kv_v_pages") {
       inputs[name] = v;
     } else if (name == "kv_page_table") {
-      inputs[name] = table.to(device);
+      inputs[name] = also[kTable];
     } else if (name == "contextual_emb") {
       inputs[name] = contextual.contiguous();
     } else if (auto it = emb.find(name); it != emb.end()) {
@@ -693,10 +722,15 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
     std::vector<int64_t> owner;
     for (int64_t b = 0; b < batch; ++b) owner.insert(owner.end(), new_len[b], b);
     HostInts stamps(delta.at(kTokenRows[kTimestampRow]));
-    at::Tensor owner_rows = at::tensor(owner, at::kLong);
-    at::Tensor buckets = time_buckets(query_time.tensor.index_select(0, owner_rows), stamps.tensor,
-                                      kv.time_bucket_base, kv.num_time_buckets).contiguous();
-    const int64_t* bucket = buckets.data_ptr<int64_t>();
+    std::vector<int64_t> bucket;
+    if (auto found = buckets_from_edges(query_time.data, owner, stamps.data, edges)) {
+      bucket = std::move(*found);
+    } else {  // a difference beyond the edges' range: the bucket function itself
+      at::Tensor owner_rows = at::tensor(owner, at::kLong);
+      at::Tensor buckets = time_buckets(query_time.tensor.index_select(0, owner_rows), stamps.tensor,
+                                        kv.time_bucket_base, kv.num_time_buckets).contiguous();
+      bucket.assign(buckets.data_ptr<int64_t>(), buckets.data_ptr<int64_t>() + buckets.numel());
+    }
     std::vector<int64_t> lo(batch, -kUnbounded), hi(batch, kUnbounded);
     for (size_t i = 0; i < owner.size(); ++i) {
       lo[owner[i]] = std::max(lo[owner[i]], stamps.data[i] + edges[bucket[i]]);
@@ -806,10 +840,12 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
       auto* row = table.data_ptr<int32_t>() + b * width;
       for (size_t i = 0; i < tables[b].size(); ++i) row[i] = static_cast<int32_t>(tables[b][i]);
     }
+    std::vector<at::Tensor> moved = {at::tensor(cached, at::kLong), table};  // in one transfer
+    detail::to_device(moved, device);
     std::vector<at::Tensor> ordered;
     for (const auto& name : d.inputs) {
       if (name == "kv_cached") {
-        ordered.push_back(at::tensor(cached, at::kLong).to(device));
+        ordered.push_back(moved[0]);
       } else if (name == "kv_k_pages") {
         ordered.push_back(k);
       } else if (name == "kv_v_pages") {
@@ -817,7 +853,7 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
       } else if (name == "kv_x_pages") {
         ordered.push_back(x);
       } else if (name == "kv_page_table") {
-        ordered.push_back(table.to(device));
+        ordered.push_back(moved[1]);
       } else {
         ordered.push_back(dense.at(name));
       }

@@ -124,6 +124,11 @@ struct DerivedKVSection {
   at::ScalarType dtype = at::kFloat;  // the package's dtype: the K/V pages'
 };
 
+// Each tensor not on `device` replaced by its copy there, row-major. To a CUDA device, the small host tensors
+// (up to 256 KiB each) go in one transfer: packed into one pinned buffer and copied with one asynchronous copy
+// into one device buffer, of which they are views (a request's separate small copies each wait on the host).
+void to_device(std::vector<at::Tensor>& tensors, c10::Device device);
+
 // Times a run's phases into a PhaseTimes (nothing without one): synchronises the device on construction
 // and at every lap, and adds the time since the last mark to a field.
 class PhaseClock {
@@ -171,7 +176,8 @@ struct Package::Impl {
   std::optional<detail::DerivedKVSection> derived_kv;
   std::string kv_problem;
 
-  Tensors plain(const Tensors& request) const;
+  // `also`: more tensors for the device, moved in the same transfer (replaced in place; must be row-major).
+  Tensors plain(const Tensors& request, std::vector<at::Tensor>* also = nullptr) const;
   // The sparse artifact on a plain request: its outputs by name (aoti packages).
   NamedTensors sparse_outputs(const Tensors& request) const;
   // A compiled sparse program's refusal `exc` as check_ranges' TorchScript assert words it, when sparse_checks
