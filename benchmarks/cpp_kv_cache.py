@@ -20,7 +20,8 @@ Outputs: the C++ cache's first whole answer without graphs against Python's cach
 same program on the same inputs: bit for bit) and against the package without cache (relative L2).
 With ``--baseline-src DIR`` it also builds a baseline runtime and, per batch, runs both runtimes' requests in
 turn, three times each, without cache and cached, with --phase-times and without (``same_run_ab``): a change
-against its baseline in the same run; where both serve one package, their answers must be equal bit for bit. DIR is either a copy of runtimes/cpp from another commit (a runtime change: both runtimes serve
+against its baseline in the same run; where both serve one package, their answers are compared bit for bit.
+DIR is either a copy of runtimes/cpp from another commit (a runtime change: both runtimes serve
 this code's package) or a whole checkout of another commit (``git archive REV | tar -x -C DIR``; a change to
 the exported program too): its runtimes/cpp is built and its own code exports the baseline package, in a
 subprocess alongside this code's export. ``--ab-only`` times nothing else per batch.
