@@ -267,6 +267,11 @@ def _stage_progress(quiet: bool) -> Any:
               help="An Inductor config option for the AOTInductor compiles (repeatable), e.g. combo_kernels=true; "
                    "checked against the installed torch. Applies to the dense program and, with --kv-cache, the "
                    "delta program (which uses combo_kernels=true on CUDA unless told otherwise).")
+@click.option("--prechecked-sparse", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="With the aoti backend: also compile the sparse half with its ids clamped to the tables instead of "
+                   "checked, which the runtimes run after checking the manifest's ranges on the host, so the host "
+                   "does not wait for the GPU before the dense half (stock loaders still get the checked program). "
+                   "auto: on for CUDA.")
 @click.option("--no-verify", is_flag=True, help="Skip the parity check (the manifest records that).")
 @click.option("--reference-device", type=click.Choice(["cpu"]), default=None,
               help="Run your model (the verification reference, and while tracing) on the CPU in fp32, for models "
@@ -289,7 +294,7 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
                    score_outputs: tuple[str, ...], leaf_module: tuple[str, ...], opaque_function: tuple[str, ...], map_function: tuple[str, ...],
                    attention_scale: str, max_length: tuple[str, ...], skip_pass: tuple[str, ...],
                    passes: str | None, check_each_pass: bool, force: bool, kv_cache: bool, kv_page_size: int,
-                   kv_splits: int, aoti_option: tuple[str, ...], no_verify: bool, reference_device: str | None,
+                   kv_splits: int, aoti_option: tuple[str, ...], prechecked_sparse: str, no_verify: bool, reference_device: str | None,
                    verify_batches: int, rtol: float | None, atol: float | None, allow_pickle: bool, quantize_embeddings: str,
                    quantize_table: tuple[str, ...], imports: tuple[str, ...], quiet: bool, verbose: bool) -> None:
     """Export MODEL (a model bundle) to a verified package.
@@ -328,6 +333,7 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
         reference_device=reference_device,
         quantization=_quantization(quantize_embeddings, quantize_table), force=force, kv_cache=kv_cache,
         kv_page_size=kv_page_size, kv_splits=kv_splits, aoti_options=_parse_inductor_options(aoti_option),
+        prechecked_sparse=prechecked_sparse,
     )
     target = Path(out) if out else Path(model).with_suffix(f".{backend}")
     if serving_repo:  # refused before the export, not after it

@@ -364,6 +364,10 @@ class ExportSettings:
     # Inductor config options for the AOTInductor compiles (--aoti-option KEY=VALUE): the dense program's and
     # the delta program's (which has defaults of its own on CUDA: kv_export.DELTA_INDUCTOR_OPTIONS)
     aoti_options: dict[str, Any] = field(default_factory=dict)
+    # The aoti backend's compiled sparse half also as a second model whose ids are clamped instead of checked, which
+    # the runtimes run after checking the manifest's ranges on the host (--prechecked-sparse): "auto" (for CUDA, where
+    # the checked one makes the host wait for the device), "on", "off".
+    prechecked_sparse: str = "auto"
     # Where the user's model runs as verification's reference, in fp32, and while the graph is traced and
     # observed (--reference-device): for models whose own ops do not run on the export device (fbgemm's
     # jagged ops on a GPU machine with fbgemm's CPU build). None: on the export device, in the export dtype.
@@ -406,6 +410,8 @@ class ExportSettings:
         self.aoti_options = checked_inductor_options(self.aoti_options)
         if self.aoti_options and self.backend != "aoti":
             raise ConfigError(f"--aoti-option configures AOTInductor's compile; it needs --backend aoti (not {self.backend})")
+        if self.prechecked_sparse not in ("auto", "on", "off"):
+            raise ConfigError(f"--prechecked-sparse must be auto, on or off, got {self.prechecked_sparse!r}")
         if isinstance(self.quantization, str):  # Python API shorthand: quantization="int8"
             self.quantization = EmbeddingQuantization(self.quantization)
         elif not isinstance(self.quantization, EmbeddingQuantization):
@@ -413,6 +419,11 @@ class ExportSettings:
         if self.max_batch_size > MAX_BATCH_SIZE:
             raise ConfigError(f"--max-batch-size {self.max_batch_size} is beyond {MAX_BATCH_SIZE:,}; "
                               "serving batches are split long before that")
+
+    @property
+    def prechecked_for_device(self) -> bool:
+        """Whether the compiled sparse half gets its prechecked model (``prechecked_sparse``; auto: on CUDA)."""
+        return self.prechecked_sparse == "on" or (self.prechecked_sparse == "auto" and self.device != "cpu")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx
 
-from hstu_export.capture.graph_functions import NO_LIMIT, check_ranges
+from hstu_export.capture.graph_functions import CLAMPABLE, NO_LIMIT, check_ranges
 from hstu_export.passes.boundary import DENSE, SPARSE
 
 if TYPE_CHECKING:
@@ -36,10 +36,11 @@ class GuardRanges:
         if schema is None or ranges is None or not isinstance(sparse, torch.fx.GraphModule):
             ctx.add_stat("skipped", "no exported ranges (inspect) or no split")
             return gm
-        limits = {}
+        limits, lengths = {}, set()
         for f in schema.features:
             if f.kind == "lengths":
                 limits[f.graph_name] = (ranges.min_lengths[f.name], ranges.max_lengths[f.name], f.name)
+                lengths.add(f.graph_name)
             elif f.min_value is not None or f.max_value is not None:
                 if f.torch_dtype.is_floating_point:
                     continue
@@ -65,6 +66,9 @@ class GuardRanges:
                 with graph_module.graph.inserting_after(placeholders[-1]):
                     check = graph_module.graph.call_function(
                         check_ranges, (list(nodes), lows, highs, rows, [feature for _, _, feature in bounds]))
+                # Which values are ids a program may clamp instead (a lengths feature is never clamped: runtimes/aoti.py
+                # prechecked_sparse).
+                check.meta[CLAMPABLE] = [str(n.target) not in lengths for n in nodes]
                 for index, node in enumerate(nodes):
                     with graph_module.graph.inserting_after(check):
                         value = graph_module.graph.call_function(operator.getitem, (check, index))

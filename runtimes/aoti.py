@@ -50,6 +50,9 @@ from hstu_export.runtimes.unbacked_ranges import unbacked_ranges_hold_at_one
 DENSE_FILE = "dense/dense.pt2"
 SPARSE_PROGRAM_FILE = "sparse/sparse.pt2"
 TABLES_FILE = "sparse/tables.safetensors"
+# The sparse program's second model, beside the checked one a stock loader takes ("model"): ids clamped, not
+# checked (prechecked_sparse).
+PRECHECKED_MODEL = "prechecked"
 # The sparse program is compiled without its constants (its tables), which are stored in TABLES_FILE instead.
 _WITHOUT_CONSTANTS = {"aot_inductor.package_constants_in_so": False}
 # The helpers whose results are torchrec objects: a sparse graph that calls them is not plain tensor code.
@@ -105,13 +108,14 @@ def _outputs_in_order(gm: GraphModule, names: list[str]) -> GraphModule:
     return ordered
 
 
-def export_sparse(inputs: CompileInputs) -> torch.export.ExportedProgram:
-    """torch.export of the sparse graph, returning the boundary tensors in the artifact's output order (the
-    manifest's ``artifacts.sparse.outputs``)."""
+def export_sparse(inputs: CompileInputs, sparse: GraphModule | None = None) -> torch.export.ExportedProgram:
+    """torch.export of the sparse graph (``sparse``, else ``inputs.sparse``), returning the boundary tensors in the
+    artifact's output order (the manifest's ``artifacts.sparse.outputs``)."""
     from hstu_export.capture.opaque import export_builtins
 
     names = inputs.sparse_input_names
-    graph = export_ready(_outputs_in_order(inputs.sparse, list(inputs.example_sparse_outputs)))
+    graph = export_ready(_outputs_in_order(inputs.sparse if sparse is None else sparse,
+                                           list(inputs.example_sparse_outputs)))
     dynamic = torch_dynamic_shapes(names, inputs.sparse_dynamic_dims)
     with torch.no_grad(), export_builtins(set(inputs.user_packages)), unbacked_ranges_hold_at_one():
         return torch.export.export(graph, args=(), kwargs={n: inputs.example_features[n] for n in names},
@@ -147,6 +151,51 @@ def compiled_range_checks(program: torch.export.ExportedProgram, sparse: GraphMo
     return out if len(copies) == 1 else {}  # reads of one copy only, else not check_ranges' (name nothing)
 
 
+def prechecked_sparse(sparse: GraphModule) -> tuple[GraphModule, dict[str, list[int | None]]] | None:
+    """The sparse graph as the runtimes run it after checking the manifest's ranges on the host: its check_ranges
+    call replaced by :func:`clamp_to_ranges` (no read from the device, so the host does not wait for the GPU before
+    the dense half; ids still cannot leave the tables), and the ranges it was checked against, by feature:
+    ``[low, high, rows]``, None for no bound. The runtimes run it only when the manifest's ranges lie within these.
+    None when the graph checks nothing."""
+    from hstu_export.capture.graph_functions import CLAMPABLE, NO_LIMIT, check_ranges, clamp_to_ranges
+
+    graph = copy.deepcopy(sparse)
+    check = next((n for n in graph.graph.nodes if n.op == "call_function" and n.target is check_ranges), None)
+    if check is None or CLAMPABLE not in check.meta:
+        return None
+    values, lows, highs, rows, names = check.args
+    check.target, check.args = clamp_to_ranges, (values, lows, highs, list(check.meta[CLAMPABLE]))
+    graph.recompile()
+
+    def bound(value: int) -> int | None:
+        return None if abs(value) >= NO_LIMIT else int(value)
+
+    return graph, {str(name): [bound(low), bound(high), bound(most)]
+                   for name, low, high, most in zip(names, lows, highs, rows, strict=True)}
+
+
+def prechecked_applies(meta: Any, features: dict[str, tuple[float | None, float | None]], max_batch_size: int) -> str | None:
+    """The model of the sparse program to run after the host has checked a request against the manifest's ranges
+    (``features``: each feature's min_value and max_value; ``max_batch_size``): ``meta``'s prechecked model
+    (backend.meta.sparse_program.prechecked) when every range its check was replaced for holds the manifest's,
+    else None (the checked model then runs, and refuses what the manifest lets past)."""
+    prechecked = meta.get("prechecked") if isinstance(meta, dict) else None
+    if not isinstance(prechecked, dict) or not isinstance(prechecked.get("model"), str):
+        return None
+    ranges = prechecked.get("ranges")
+    if not isinstance(ranges, dict):
+        return None
+    for feature, bounds in ranges.items():
+        if feature not in features or not (isinstance(bounds, list) and len(bounds) == 3
+                                           and all(b is None or type(b) is int for b in bounds)):
+            return None
+        (low, high, rows), (least, most) = bounds, features[feature]
+        if ((low is not None and (least is None or least < low)) or (high is not None and (most is None or most > high))
+                or (rows is not None and max_batch_size > rows)):
+            return None
+    return prechecked["model"]
+
+
 def named_range_refusal(exc: BaseException, checks: dict[str, list[str]]) -> BaseException:
     """``exc`` from a compiled sparse program, as check_ranges' TorchScript assert words it when it is one of
     the range checks ``checks`` names (``compiled_range_checks``); else ``exc`` itself."""
@@ -159,10 +208,24 @@ def named_range_refusal(exc: BaseException, checks: dict[str, list[str]]) -> Bas
     return RuntimeError(f"AssertionError: {feature}{suffix}\n{text}")
 
 
-def _compile(program: torch.export.ExportedProgram, path: Path, options: dict[str, Any]) -> None:
+def _compile(program: torch.export.ExportedProgram | dict[str, torch.export.ExportedProgram], path: Path,
+             options: dict[str, Any]) -> None:
+    """One program into the package ``path``, or several by model name into one package (loaded by name; the stock
+    loader takes the one named "model")."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with unbacked_ranges_hold_at_one():
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(options))
+        if not isinstance(program, dict):
+            torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(options))
+            return
+        from torch._inductor.package import package_aoti
+
+        files = {}
+        for name, each in program.items():
+            args, kwargs = each.example_inputs
+            module = each.module(check_guards=False) if "check_guards" in inspect.signature(each.module).parameters \
+                else each.module()  # torch before 2.12 has no guards to leave out
+            files[name] = torch._inductor.aot_compile(module, args, kwargs, options={**options, "aot_inductor.package": True})
+        package_aoti(str(path), files)
 
 
 class AotiBackend(Backend):
@@ -196,7 +259,10 @@ class AotiBackend(Backend):
         if reason is None:
             try:
                 program = export_sparse(inputs)
-                _compile(program, out_dir / SPARSE_PROGRAM_FILE, {**options, **_WITHOUT_CONSTANTS})
+                prechecked = prechecked_sparse(inputs.sparse) if inputs.settings.prechecked_for_device else None
+                programs = program if prechecked is None else {
+                    "model": program, PRECHECKED_MODEL: export_sparse(inputs, prechecked[0])}
+                _compile(programs, out_dir / SPARSE_PROGRAM_FILE, {**options, **_WITHOUT_CONSTANTS})
                 tables = {"file": TABLES_FILE, "format": TABLES_FORMAT,
                           "tensors": write_tables(out_dir / TABLES_FILE, _program_tables(program, out_dir))}
             except Exception as exc:  # a sparse graph torch.export or Inductor refuses still serves as TorchScript
@@ -207,9 +273,11 @@ class AotiBackend(Backend):
                 reason = f"AOTInductor could not compile it: {plain_first_line(exc)[:300]}"
                 shutil.rmtree(out_dir / Path(SPARSE_PROGRAM_FILE).parent, ignore_errors=True)
             else:
-                return (SPARSE_PROGRAM_FILE, sorted(package_op_libraries(out_dir / SPARSE_PROGRAM_FILE)),
-                        {"format": "aoti", "exported_nodes": len(program.graph.nodes),
-                         "range_checks": compiled_range_checks(program, inputs.sparse)}, tables)
+                meta = {"format": "aoti", "exported_nodes": len(program.graph.nodes),
+                        "range_checks": compiled_range_checks(program, inputs.sparse)}
+                if prechecked is not None:
+                    meta["prechecked"] = {"model": PRECHECKED_MODEL, "ranges": prechecked[1]}
+                return (SPARSE_PROGRAM_FILE, sorted(package_op_libraries(out_dir / SPARSE_PROGRAM_FILE)), meta, tables)
         sparse_file, libraries = compile_sparse(inputs, out_dir)
         return sparse_file, libraries, {"format": "torchscript", "reason": reason}, None
 
@@ -217,9 +285,15 @@ class AotiBackend(Backend):
              tables_device: torch.device | None = None) -> Runner:
         fields = backend_fields(manifest, root)
         path = fields.artifact(root, "dense")
+        sparse_model = None
         if fields.backend.files.get("sparse", "").endswith(".pt2"):
-            sparse = load_sparse_program(root, fields, fields.backend.meta.get("sparse_program"),
-                                         _sparse_constants(manifest), device, tables_device)
+            meta = fields.backend.meta.get("sparse_program")
+            if isinstance(manifest, Manifest):  # its ranges are what the predictor checks each request against
+                limits = {f.name: (f.min_value, f.max_value) for f in manifest.input_schema.features}
+                sparse_model = prechecked_applies(meta, limits, manifest.ranges.max_batch_size)
+            sparse = load_sparse_program(root, fields, meta, _sparse_constants(manifest), device, tables_device,
+                                         model=sparse_model)
+            sparse_model = sparse_model or "model"
         else:
             sparse = load_sparse(root, fields, device)
         try:
@@ -227,7 +301,8 @@ class AotiBackend(Backend):
         except Exception as exc:
             raise PackageError(f"{root}: AOTInductor could not load {fields.backend.files['dense']}: "
                                f"{plain_first_line(exc)}") from exc
-        return SplitRunner(sparse, dense, list(fields.dense_passthrough_inputs), list(fields.output_names))
+        return SplitRunner(sparse, dense, list(fields.dense_passthrough_inputs), list(fields.output_names),
+                           sparse_model=sparse_model)
 
 
 def _program_tables(program: torch.export.ExportedProgram, out_dir: Path) -> dict[str, torch.Tensor]:
@@ -252,12 +327,14 @@ def _sparse_constants(manifest: BackendFields | dict[str, Any]) -> dict[str, Any
 
 
 def load_sparse_program(root: Path, fields: BackendFields, meta: Any, constants: dict[str, Any] | None = None,
-                        device: torch.device | None = None, tables_device: torch.device | None = None) -> Runner:
+                        device: torch.device | None = None, tables_device: torch.device | None = None,
+                        model: str | None = None) -> Runner:
     """The compiled sparse half: features -> the boundary tensors by name (its outputs are in the order of
     ``sparse_output_names``). A refusal by one of its range checks is worded as the TorchScript sparse half
     words it (``meta``: the manifest's backend.meta.sparse_program, whose ``range_checks`` name them).
     ``constants`` (``artifacts.sparse.constants``): its tables, read from their file and handed to it, on
-    ``device`` or, with ``tables_device`` cpu for a CUDA program, in pinned host memory."""
+    ``device`` or, with ``tables_device`` cpu for a CUDA program, in pinned host memory. ``model``: the package's
+    model to run (:func:`prechecked_applies`), else the checked one a stock loader takes."""
     checks = meta.get("range_checks") if isinstance(meta, dict) else None
     bounds = [which for _, which in RANGE_CHECK_MESSAGES]
     checks = {str(k): v for k, v in checks.items() if isinstance(v, list) and len(v) == 2
@@ -265,10 +342,10 @@ def load_sparse_program(root: Path, fields: BackendFields, meta: Any, constants:
     path = fields.artifact(root, "sparse")
     input_names, output_names = list(fields.sparse_input_names), list(fields.sparse_output_names)
     try:
-        program = _load_pt2(path)
+        program = _load_pt2(path, model or "model")
     except Exception as exc:
-        raise PackageError(f"{root}: AOTInductor could not load {fields.backend.files['sparse']}: "
-                           f"{plain_first_line(exc)}") from exc
+        raise PackageError(f"{root}: AOTInductor could not load {fields.backend.files['sparse']}"
+                           f"{f' (its model {model!r})' if model else ''}: {plain_first_line(exc)}") from exc
     if constants is not None:
         _hand_tables(program, root, constants, device or torch.device("cpu"), tables_device)
 
@@ -346,7 +423,7 @@ def package_op_libraries(path: Path) -> set[str]:
     return {OP_LIBRARY_MODULES.get(ns, ns) for ns in namespaces - BUILTIN_NAMESPACES}
 
 
-def _load_pt2(path: Path) -> Any:
+def _load_pt2(path: Path, model: str = "model") -> Any:
     """A compiled program (dense half, sparse half, KV-cache programs), called with keyword tensors and
     without a host sync between calls.
 
@@ -359,8 +436,8 @@ def _load_pt2(path: Path) -> Any:
     from torch._inductor.package import load_package
 
     if "run_single_threaded" not in inspect.signature(load_package).parameters:
-        return _Serialised(load_package(str(path)))  # older torch
-    return _Serialised(load_package(str(path), run_single_threaded=True))
+        return _Serialised(load_package(str(path), model))  # older torch
+    return _Serialised(load_package(str(path), model, run_single_threaded=True))
 
 
 def _keyword_call(compiled: Any) -> list[str] | None:

@@ -94,6 +94,8 @@ class SplitRunner:
     dense: Callable[..., Any]
     passthrough: list[str]
     output_names: list[str]
+    # A compiled sparse half's model that runs (runtimes/aoti.py prechecked_applies); None for any other sparse half.
+    sparse_model: str | None = None
 
     def dense_inputs(self, features: Features) -> Features:
         with torch.no_grad():

@@ -80,7 +80,9 @@ def cpp_runtime() -> CppRuntime:
 @pytest.fixture(scope="session", params=["context", "no-context"])
 def kv_package(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     """(config name, package path, manifest): the zoo model of kv_requests.CONFIGS exported on CPU with
-    --kv-cache (pages of kv_requests.PAGE tokens), once a session for every test that serves one."""
+    --kv-cache (pages of kv_requests.PAGE tokens), once a session for every test that serves one. "no-context"
+    also has the prechecked sparse model (--prechecked-sparse on, as a CUDA export has by default), so the tests
+    that serve both run both sparse models."""
     from kv_requests import CONFIGS, PAGE, bundle_of
 
     from hstu_export import ExportSettings
@@ -89,7 +91,8 @@ def kv_package(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     name = request.param
     work = tmp_path_factory.mktemp(f"kv-{name}")
     bundle = bundle_of(CONFIGS[name], work / "model.pt")
-    result = export(bundle, work / "pkg", ExportSettings(max_batch_size=4, kv_cache=True, kv_page_size=PAGE))
+    result = export(bundle, work / "pkg", ExportSettings(max_batch_size=4, kv_cache=True, kv_page_size=PAGE,
+                                                         prechecked_sparse="on" if name == "no-context" else "auto"))
     return name, work / "pkg", result.manifest
 
 

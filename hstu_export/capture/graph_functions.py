@@ -201,6 +201,24 @@ def check_ranges(values: list[Tensor], lows: list[int], highs: list[int], rows: 
     return values
 
 
+# The meta key of a check_ranges node listing, per value, whether it may be clamped to its range instead of checked
+# (ids may; lengths may not: a clamped length would no longer match its values).
+CLAMPABLE = "clampable"
+
+
+def clamp_to_ranges(values: list[Tensor], lows: list[int], highs: list[int], clampable: list[bool]) -> list[Tensor]:
+    """``values``, each clamped into [lows[i], highs[i]] where ``clampable[i]`` (a bound of NO_LIMIT is none): what a
+    program takes in place of :func:`check_ranges` when its callers check the ranges on the host before. It needs no
+    read from the device, and no id it passes on can be outside the tables, whatever the caller checked."""
+    out = []
+    for value, low, high, clamp in zip(values, lows, highs, clampable, strict=True):
+        low_bound, high_bound = (low if low > -NO_LIMIT else None), (high if high < NO_LIMIT else None)
+        if clamp and (low_bound is not None or high_bound is not None):
+            value = value.clamp(low_bound, high_bound)
+        out.append(value)
+    return out
+
+
 def to_dtype_of(value: Tensor, like: Tensor) -> Tensor:
     """A floating ``value`` in ``like``'s dtype (the cast autocast makes before a layer;
     passes/follow_parameter_dtypes.py); any other tensor as it is."""

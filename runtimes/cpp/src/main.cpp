@@ -458,8 +458,10 @@ int serve(const Args& args) {
     synchronize(*package);
     if (args.quiet) continue;
     if (requests.size() > 1) std::printf("request %zu (%s): ", k + 1, args.requests[k].c_str());
-    std::printf("%s: %s package on %s, batch of %lld users%s\n", args.package.c_str(), package->backend().c_str(),
-                package->device().str().c_str(), static_cast<long long>(batch_size), ranker ? ", KV-cached" : "");
+    const bool prechecked = !package->sparse_model().empty() && package->sparse_model() != "model";
+    std::printf("%s: %s package on %s, batch of %lld users%s%s\n", args.package.c_str(), package->backend().c_str(),
+                package->device().str().c_str(), static_cast<long long>(batch_size), ranker ? ", KV-cached" : "",
+                prechecked ? ", sparse half prechecked on the host" : "");
     print_outputs(outputs[k]);
   }
   if (ranker && !args.quiet) std::printf("%s\n", stats_line(*ranker).c_str());

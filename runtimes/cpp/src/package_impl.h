@@ -37,7 +37,8 @@ NamedTensors named_outputs(const c10::IValue& value, const std::vector<std::stri
 // the kernels are launched. On CPU, up to `concurrency` model instances run at once.
 class AotiProgram {
  public:
-  AotiProgram(const std::string& path, c10::Device device, size_t concurrency);
+  // `model`: which of the package's compiled models (one package may hold several; a stock loader takes "model").
+  AotiProgram(const std::string& path, c10::Device device, size_t concurrency, const std::string& model = "model");
   std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) const;
   // The program reads `tables` in place from now on (AOTInductor's user-managed constants; kept alive here).
   // PackageError naming `what` when the program takes a constant `tables` lacks, or of another dtype.
@@ -165,6 +166,10 @@ struct Package::Impl {
   mutable torch::jit::Module sparse;
   // The sparse half when AOTInductor compiled it (artifacts.sparse.format "aoti"; `sparse` is then unset).
   std::unique_ptr<detail::AotiProgram> sparse_program;
+  // Which of its models runs: "model" (its ranges checked inside, reading the device), or the prechecked one (ids
+  // clamped; backend.meta.sparse_program.prechecked) when the manifest's ranges, which run() checks on the host
+  // first, lie within those it was compiled for. Empty without a compiled sparse half.
+  std::string sparse_model;
   // What each of its compiled range checks refuses, by the symbol its error names ("Expected u5 <= 999 but
   // received 1000"): the feature and "low" | "high" | "rows" (backend.meta.sparse_program.range_checks; may be
   // empty).

@@ -149,11 +149,11 @@ struct RunningProgram {
 
 }  // namespace
 
-AotiProgram::AotiProgram(const std::string& path, c10::Device device, size_t concurrency)
+AotiProgram::AotiProgram(const std::string& path, c10::Device device, size_t concurrency, const std::string& model)
     : serialised_(device.is_cuda()) {
   quiet_program_errors();
   c10::DeviceIndex index = device.is_cuda() ? device.index() : -1;
-  loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, "model", /*run_single_threaded=*/serialised_,
+  loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, model, /*run_single_threaded=*/serialised_,
                                                                      serialised_ ? 1 : concurrency, index);
 }
 
@@ -659,6 +659,7 @@ Package::~Package() = default;
 
 const std::string& Package::path() const { return impl_->root; }
 const std::string& Package::backend() const { return impl_->backend; }
+const std::string& Package::sparse_model() const { return impl_->sparse_model; }
 c10::Device Package::device() const { return impl_->device; }
 int64_t Package::max_batch_size() const { return impl_->max_batch_size; }
 const std::vector<Feature>& Package::features() const { return impl_->features; }
@@ -688,6 +689,36 @@ namespace {
 std::string published_current(const std::string& path) {
   std::optional<int64_t> version = detail::published_version(path);
   return version ? (fs::path(path) / std::to_string(*version)).string() : path;
+}
+
+// The compiled sparse half's model to run after run() has checked a request against the manifest's ranges
+// (`features`, `max_batch_size`): the prechecked model `sparse_program` (backend.meta.sparse_program) names when
+// every range its check was replaced for holds the manifest's; nullopt otherwise (the checked model then refuses
+// what a manifest wider than its programs lets past). As runtimes/aoti.py prechecked_applies decides.
+std::optional<std::string> prechecked_model(const Value* sparse_program, const std::vector<Feature>& features,
+                                            int64_t max_batch_size) {
+  const Value* prechecked = sparse_program != nullptr ? sparse_program->find("prechecked") : nullptr;
+  const Value* model = prechecked != nullptr ? prechecked->find("model") : nullptr;
+  const Value* ranges = prechecked != nullptr ? prechecked->find("ranges") : nullptr;
+  if (model == nullptr || model->type != Value::Type::String || ranges == nullptr || ranges->type != Value::Type::Object) {
+    return std::nullopt;
+  }
+  for (const auto& [name, bounds] : ranges->object) {
+    auto feature = std::find_if(features.begin(), features.end(), [&](const Feature& f) { return f.name == name; });
+    if (feature == features.end() || bounds.type != Value::Type::Array || bounds.array.size() != 3) return std::nullopt;
+    for (const auto& bound : bounds.array) {
+      if (!bound.is_null() && !bound.integer) return std::nullopt;
+    }
+    const auto& low = bounds.array[0].integer;
+    const auto& high = bounds.array[1].integer;
+    const auto& rows = bounds.array[2].integer;
+    if ((low && (!feature->min_value || *feature->min_value < static_cast<double>(*low))) ||
+        (high && (!feature->max_value || *feature->max_value > static_cast<double>(*high))) ||
+        (rows && max_batch_size > *rows)) {
+      return std::nullopt;
+    }
+  }
+  return model->string;
 }
 
 }  // namespace
@@ -955,16 +986,20 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
   if (impl->backend == "torchscript") {
     impl->model = load_script("model");
   } else {
-    auto load_program = [&](const std::string& role) {
+    auto load_program = [&](const std::string& role, const std::string& model = "model") {
       try {
         return std::make_unique<detail::AotiProgram>(listed.at(impl->artifacts[role].file).string(), impl->device,
-                                                     impl->concurrency);
+                                                     impl->concurrency, model);
       } catch (const std::exception& exc) {
-        throw PackageError(path + ": AOTInductor could not load " + impl->artifacts[role].file + ": " + error_text(exc));
+        throw PackageError(path + ": AOTInductor could not load " + impl->artifacts[role].file +
+                           (model == "model" ? "" : " (its model " + in_quotes(model) + ")") + ": " + error_text(exc));
       }
     };
+    const Value* meta = backend.find("meta");
+    const Value* program = meta != nullptr ? meta->find("sparse_program") : nullptr;
     if (impl->artifacts["sparse"].format == "aoti") {
-      impl->sparse_program = load_program("sparse");
+      impl->sparse_model = prechecked_model(program, impl->features, impl->max_batch_size).value_or("model");
+      impl->sparse_program = load_program("sparse", impl->sparse_model);
       const Artifact& sparse = impl->artifacts["sparse"];
       if (!sparse.constants_file.empty()) {
         const std::string what = path + ": " + sparse.constants_file;
@@ -1004,8 +1039,6 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
         }
       }
       // Only to word a refusal: a map that does not read well names no feature, and serving is unchanged.
-      const Value* meta = backend.find("meta");
-      const Value* program = meta != nullptr ? meta->find("sparse_program") : nullptr;
       const Value* checks = program != nullptr ? program->find("range_checks") : nullptr;
       if (checks != nullptr && checks->type == Value::Type::Object) {
         for (const auto& [key, entry] : checks->object) {

@@ -108,6 +108,10 @@ class Package {
 
   const std::string& path() const;
   const std::string& backend() const;
+  // Which model of a compiled sparse half runs: "model" (checks its ranges itself, reading them from the device) or
+  // "prechecked" (ids clamped; the manifest's ranges, checked by run() on the host, lie within its own). Empty when
+  // the sparse half is not compiled (TorchScript).
+  const std::string& sparse_model() const;
   c10::Device device() const;
   int64_t max_batch_size() const;
   const std::vector<Feature>& features() const;
