@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -143,14 +144,15 @@ class PackageDelta:
         """A delta request may bring fewer new history tokens than the sparse half accepts (often none:
         only new candidates). Each such user gets placeholder tokens (id 0) up to the exported minimum;
         returns the request so padded, and the rows of the real tokens (None: nothing padded)."""
-        lengths = features[HISTORY_LENGTHS].cpu().to(torch.int64)
-        pad = (self._min_history - lengths).clamp(min=0)
-        if not bool(pad.any()):
+        # In NumPy: a few numbers a user, where each torch op on the host costs more than the work.
+        lengths = features[HISTORY_LENGTHS].cpu().numpy().astype(np.int64)
+        pad = np.maximum(self._min_history - lengths, 0)
+        if not pad.any():
             return features, None
         padded_lengths = lengths + pad
-        start = torch.cumsum(padded_lengths, 0) - padded_lengths
-        real = torch.repeat_interleave(start, lengths) + torch.arange(int(lengths.sum())) - torch.repeat_interleave(
-            torch.cumsum(lengths, 0) - lengths, lengths)
+        # A real token's row: its user's start in the padded request, plus its place among the user's tokens.
+        shift = (np.cumsum(padded_lengths) - padded_lengths) - (np.cumsum(lengths) - lengths)
+        real = torch.from_numpy(np.repeat(shift, lengths) + np.arange(int(lengths.sum())))
         total = int(padded_lengths.sum())
         out = dict(features)
         for name in HISTORY_TOKEN_FEATURES:
@@ -158,5 +160,6 @@ class PackageDelta:
             filled = value.new_zeros((total, *value.shape[1:]))
             filled[real.to(value.device)] = value
             out[name] = filled
-        out[HISTORY_LENGTHS] = padded_lengths.to(features[HISTORY_LENGTHS].device, features[HISTORY_LENGTHS].dtype)
+        out[HISTORY_LENGTHS] = torch.from_numpy(padded_lengths).to(features[HISTORY_LENGTHS].device,
+                                                                  features[HISTORY_LENGTHS].dtype)
         return out, real.to(self.device)

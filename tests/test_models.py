@@ -136,11 +136,14 @@ def test_schema_reads_every_bound_and_total_the_same_way_at_once(together):
 
     bounded = [torch.tensor([5, -3, 9], dtype=torch.int32), torch.tensor([2.5, -0.25], dtype=torch.float16),
                torch.tensor([True, False]), torch.tensor([2**40, 7], dtype=torch.int64),
-               torch.tensor([0.5], dtype=torch.bfloat16)]
+               torch.tensor([0.5], dtype=torch.bfloat16),
+               # longer than what is read as a list: a tensor reduction
+               torch.arange(-100, 4000, dtype=torch.int32).flip(0), torch.linspace(-2.0, 3.0, 500, dtype=torch.float16)]
     lengths = [torch.tensor([3, 4]), torch.tensor([0, 0, 9], dtype=torch.int32)]
     extremes, totals = _read_all(bounded, lengths, together=together)
-    assert extremes == [(-3, 9), (-0.25, 2.5), (0, 1), (7, 2**40), (0.5, 0.5)]
-    assert [type(x) for pair in extremes for x in pair] == [int, int, float, float, int, int, int, int, float, float]
+    assert extremes == [(-3, 9), (-0.25, 2.5), (0, 1), (7, 2**40), (0.5, 0.5), (-100, 3999), (-2.0, 3.0)]
+    assert [type(x) for pair in extremes for x in pair] == [int, int, float, float, int, int, int, int, float, float,
+                                                           int, int, float, float]
     assert totals == [7, 9]
     schema = build_preset("tiny").input_schema()
     batch = generate_batch(schema, 3, seed=0)

@@ -571,7 +571,9 @@ def _feature_json(f: FeatureSpec) -> dict[str, Any]:
     return data
 
 
-_LISTED = 4096  # host tensors of whole numbers up to this many values are read as Python lists
+# Host tensors of whole numbers up to this many values are read as Python lists; longer ones by a tensor reduction
+# (a 4096-id history: 3.9 µs by aminmax, 164 µs through a list, 2-core VM).
+_LISTED = 64
 
 
 def _read_all(bounded: list[Tensor], lengths: list[Tensor], *, together: bool | None = None
@@ -608,7 +610,8 @@ def _read_all(bounded: list[Tensor], lengths: list[Tensor], *, together: bool | 
             if values is not None:
                 numbers += [min(values), max(values)]
                 continue
-            least, greatest = t.min().item(), t.max().item()
+            least_t, greatest_t = torch.aminmax(t) if t.dtype != torch.bool else (t.min(), t.max())
+            least, greatest = least_t.item(), greatest_t.item()
             numbers += [least, greatest] if floating else [int(least), int(greatest)]
         else:
             least_t, greatest_t = torch.aminmax(t)
