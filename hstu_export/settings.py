@@ -412,6 +412,9 @@ class ExportSettings:
             raise ConfigError(f"--aoti-option configures AOTInductor's compile; it needs --backend aoti (not {self.backend})")
         if self.prechecked_sparse not in ("auto", "on", "off"):
             raise ConfigError(f"--prechecked-sparse must be auto, on or off, got {self.prechecked_sparse!r}")
+        if self.prechecked_sparse == "on" and self.backend != "aoti":
+            raise ConfigError(f"--prechecked-sparse on adds a model to the sparse half AOTInductor compiles; it needs "
+                              f"--backend aoti (not {self.backend})")
         if isinstance(self.quantization, str):  # Python API shorthand: quantization="int8"
             self.quantization = EmbeddingQuantization(self.quantization)
         elif not isinstance(self.quantization, EmbeddingQuantization):

@@ -263,8 +263,11 @@ class AotiBackend(Backend):
                 programs = program if prechecked is None else {
                     "model": program, PRECHECKED_MODEL: export_sparse(inputs, prechecked[0])}
                 _compile(programs, out_dir / SPARSE_PROGRAM_FILE, {**options, **_WITHOUT_CONSTANTS})
+                values = _program_tables(program, out_dir)
+                if prechecked is not None:
+                    _models_agree(out_dir / SPARSE_PROGRAM_FILE, values, inputs)
                 tables = {"file": TABLES_FILE, "format": TABLES_FORMAT,
-                          "tensors": write_tables(out_dir / TABLES_FILE, _program_tables(program, out_dir))}
+                          "tensors": write_tables(out_dir / TABLES_FILE, values)}
             except Exception as exc:  # a sparse graph torch.export or Inductor refuses still serves as TorchScript
                 from hstu_export.package.directory import is_file_system_failure
 
@@ -315,6 +318,22 @@ def _program_tables(program: torch.export.ExportedProgram, out_dir: Path) -> dic
     if unknown:
         raise ExportError(f"the compiled program takes a constant {unknown[0]!r} the exported program does not hold")
     return {name: values[name] for name in names}
+
+
+def _models_agree(path: Path, tables: dict[str, torch.Tensor], inputs: CompileInputs) -> None:
+    """The sparse program's two models on the export example, with its tables: the prechecked one answers as the
+    checked one does, bit for bit (inside the ranges its clamps change nothing), or the export fails."""
+    features = {name: inputs.example_features[name] for name in inputs.sparse_input_names}
+    answers = []
+    for model in ("model", PRECHECKED_MODEL):
+        program = _load_pt2(path, model)
+        program.use_constants(dict(tables))
+        with torch.no_grad():
+            answers.append(tuple(program(**features)))
+    checked, prechecked = answers
+    if len(checked) != len(prechecked) or not all(torch.equal(a, b) for a, b in zip(checked, prechecked, strict=False)):
+        raise ExportError("the sparse half's prechecked model answers the export example differently from its checked "
+                          "model; export with --prechecked-sparse off")
 
 
 def _sparse_constants(manifest: BackendFields | dict[str, Any]) -> dict[str, Any] | None:

@@ -134,6 +134,69 @@ def test_ranges_widened_in_the_manifest_and_its_meta_clamp_ids_to_the_table(kv_p
     assert done.returncode == 0 and PRECHECKED_PHRASE in done.stdout, done.stdout + done.stderr
 
 
+@pytest.mark.parametrize("kv_package", ["no-context"], indirect=True)
+@pytest.mark.parametrize("edit", ["ranges not a map", "a bound not a whole number", "an unknown feature"])
+def test_a_prechecked_section_that_does_not_read_well_runs_the_checked_model(kv_package, cpp_runtime, tmp_path,
+                                                                             edit) -> None:  # type: ignore[no-untyped-def]
+    _, root, _ = kv_package
+    package = tmp_path / "pkg"
+    shutil.copytree(root, package)
+
+    def spoil(manifest: dict) -> None:
+        section = manifest["backend"]["meta"]["sparse_program"]["prechecked"]
+        if edit == "ranges not a map":
+            section["ranges"] = "all"
+        elif edit == "a bound not a whole number":
+            section["ranges"]["uih_item_ids"][1] = 999.5
+        else:
+            section["ranges"]["no_such_feature"] = [0, 1, None]
+
+    rewrite_manifest(package, spoil)
+    assert hstu_export.load(package).split.sparse_model == "model"
+    done = cpp_runtime.run(package, save_tensors(_request("no-context"), tmp_path / "request"))
+    assert done.returncode == 0 and PRECHECKED_PHRASE not in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("kv_package", ["no-context"], indirect=True)
+def test_a_prechecked_model_the_program_lacks_is_refused_in_one_line(kv_package, cpp_runtime, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hstu_export.errors import PackageError
+
+    _, root, _ = kv_package
+    package = tmp_path / "pkg"
+    shutil.copytree(root, package)
+    rewrite_manifest(package, lambda m: m["backend"]["meta"]["sparse_program"]["prechecked"].update(model="other"))
+    with pytest.raises(PackageError, match=r"could not load sparse/sparse\.pt2 \(its model 'other'\)"):
+        hstu_export.load(package)
+    done = cpp_runtime.run(package, save_tensors(_request("no-context"), tmp_path / "request"))
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "could not load sparse/sparse.pt2 (its model 'other')" in done.stderr, done.stderr
+
+
+def test_an_export_whose_two_models_disagree_fails(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """What export checks of the two models (runtimes/aoti.py _models_agree): the same answers, bit for bit."""
+    from types import SimpleNamespace
+
+    from hstu_export.errors import ExportError
+    from hstu_export.runtimes import aoti
+
+    class Program:
+        def __init__(self, path: Path, model: str) -> None:
+            self.model = model
+
+        def use_constants(self, tables: dict) -> None:
+            self.tables = tables
+
+        def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
+            return (self.tables["t"][ids] + (1 if self.model == "prechecked" else 0),)
+
+    monkeypatch.setattr(aoti, "_load_pt2", Program)
+    inputs = SimpleNamespace(example_features={"ids": torch.tensor([0, 2])}, sparse_input_names=["ids"])
+    with pytest.raises(ExportError, match="prechecked model answers the export example differently"):
+        aoti._models_agree(tmp_path / "sparse.pt2", {"t": torch.arange(6.0).reshape(3, 2)}, inputs)  # type: ignore[arg-type]
+    monkeypatch.setattr(Program, "__call__", lambda self, ids: (self.tables["t"][ids],))
+    aoti._models_agree(tmp_path / "sparse.pt2", {"t": torch.arange(6.0).reshape(3, 2)}, inputs)  # type: ignore[arg-type]
+
+
 def test_the_setting_takes_auto_on_or_off() -> None:
     assert ExportSettings(device="cuda").prechecked_for_device
     assert not ExportSettings().prechecked_for_device
@@ -141,3 +204,5 @@ def test_the_setting_takes_auto_on_or_off() -> None:
     assert not ExportSettings(device="cuda", prechecked_sparse="off").prechecked_for_device
     with pytest.raises(ConfigError, match="--prechecked-sparse must be auto, on or off, got 'yes'"):
         ExportSettings(prechecked_sparse="yes")
+    with pytest.raises(ConfigError, match="--prechecked-sparse on .* needs --backend aoti \\(not onnx\\)"):
+        ExportSettings(backend="onnx", prechecked_sparse="on")
