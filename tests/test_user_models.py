@@ -261,8 +261,10 @@ def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.parametrize("which", ["dlrm_hstu", "pooled"])
 def test_export_matches_the_model(bundles: dict[str, Path], tmp_path: Path, which: str, backend: str,
                                   request: pytest.FixtureRequest) -> None:
+    # aoti: with the sparse half's prechecked model too (a CUDA export's default), served by both runtimes below.
     settings = ExportSettings(backend=backend, max_batch_size=MAX_BATCH, verify=VerifySettings(num_random_batches=2),
-                              op_mappings={USER_ATTENTION: GR_ATTENTION} if which == "dlrm_hstu" else {})
+                              op_mappings={USER_ATTENTION: GR_ATTENTION} if which == "dlrm_hstu" else {},
+                              prechecked_sparse="on" if backend == "aoti" else "auto")
     result = hstu_export.export(bundles[which], tmp_path / "pkg", settings)
     parity = result.parity
     assert parity["passed"] and parity["worst"]["rel_l2"] <= 1e-5
@@ -279,6 +281,8 @@ def test_export_matches_the_model(bundles: dict[str, Path], tmp_path: Path, whic
 
     # A fresh predictor on a request of other sizes, against the user's own model.
     predictor = hstu_export.load(result.path)
+    split = predictor.split
+    assert (split.sparse_model if split else None) == {"aoti": "prechecked", "onnx": None, "torchscript": None}[backend]
     model = hstu_export.load_bundle(bundles[which]).model
     module = dlrm_hstu if which == "dlrm_hstu" else pooled
     example = module.example_inputs(2, seed=42)
