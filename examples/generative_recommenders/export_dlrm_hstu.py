@@ -33,6 +33,7 @@ def main() -> int:
     parser.add_argument("--backend", nargs="+", default=["aoti", "torchscript", "onnx"])
     parser.add_argument("--attention-scale", default="batch")
     parser.add_argument("--quantize-embeddings", default="none", choices=["none", "fp16", "int8", "int4"])
+    parser.add_argument("--prechecked-sparse", default="auto", choices=["auto", "on", "off"])
     args = parser.parse_args()
 
     # --- user code: a bundle naming the factory, with the lengths the serving requests may have ---
@@ -47,7 +48,8 @@ def main() -> int:
         settings = hstu_export.ExportSettings(backend=backend, max_batch_size=8, force=True,
                                               attention_scale=args.attention_scale,
                                               output_names={"output_0": "user_embeddings", "output_1": "item_embeddings"},
-                                              quantization=args.quantize_embeddings)
+                                              quantization=args.quantize_embeddings,
+                                              prechecked_sparse=args.prechecked_sparse if backend == "aoti" else "auto")
         start = time.perf_counter()
         try:
             result = hstu_export.export(bundle, args.out / f"dlrm_hstu.{backend}", settings)
@@ -72,6 +74,7 @@ def main() -> int:
             # With fixed:N the model's own scale differs by design; verification compared the corners with the
             # model run with the same divisor.
             "corners": serve_corners(result.path, model) if args.attention_scale == "batch" else "in parity",
+            "sparse_model": getattr(hstu_export.load(result.path).split, "sparse_model", None),
         }
         print(f"{backend}: ok in {results[backend]['seconds']} s, worst rel. L2 {result.parity['worst']['rel_l2']:.2e}")
     (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
