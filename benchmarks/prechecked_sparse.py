@@ -4,8 +4,9 @@ same package (``--prechecked-sparse``; docs/PERF.md).
     PYTHONPATH=$PWD python benchmarks/prechecked_sparse.py --out $OUT [--batches 1 8 32]
 
 The package is benchmarks/kv_cache.py's dlrmv3-shaped one ("long" workload: history 4096, 256 candidates; bf16,
-Triton kernels, --kv-cache), exported here on CUDA, where it gets the prechecked model by default. One predictor runs the model the loader picks ("prechecked"); the other is the same
-predictor with its sparse half loaded as the checked model ("model", what a stock loader runs). Per batch size,
+Triton kernels, --kv-cache), exported here on CUDA, where it gets the prechecked model by default. One predictor
+runs the model the loader picks ("prechecked"); the other is the same predictor with its sparse half loaded as the
+checked model ("model", what a stock loader runs). Per batch size,
 three rounds in turn: the whole request from host tensors without cache (``predictor(request)``), and through each
 predictor's own KV cache, the same request again (every user a hit: the 256 candidates are its new tokens).
 Writes prechecked_sparse.json.

@@ -159,7 +159,9 @@ def prechecked_sparse(sparse: GraphModule) -> tuple[GraphModule, dict[str, list[
     None when the graph checks nothing."""
     from hstu_export.capture.graph_functions import CLAMPABLE, NO_LIMIT, check_ranges, clamp_to_ranges
 
-    graph = copy.deepcopy(sparse)
+    # A copy of the graph only: the module's tables stay shared with ``sparse`` (a deep copy would double them).
+    graph = GraphModule(sparse, copy.deepcopy(sparse.graph), class_name=type(sparse).__name__)
+    graph.meta.update(sparse.meta)
     check = next((n for n in graph.graph.nodes if n.op == "call_function" and n.target is check_ranges), None)
     if check is None or CLAMPABLE not in check.meta:
         return None
