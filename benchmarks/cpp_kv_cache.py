@@ -16,6 +16,9 @@ half alone is timed too (``--phase-times``): the C++ no-cache dense program agai
 served (its shape bucket's copies and CUDA-graph replay), the device synchronised around each. Both
 caches are timed with CUDA graphs (their default; the C++ runtime's when built with CUDA headers) and
 without; each C++ run writes every timed request's latency to latencies_*.txt.
+The Python paths (``hstu_export.load`` with and without its cache, and ``NativePredictor``) are timed in a
+fresh process, as a serving process is (``python_*``), and in this one, which has just exported
+(``python_*_exporting_process``; ``..._workers_shut``: again after its compile workers are shut down).
 Outputs: the C++ cache's first whole answer without graphs against Python's cache without graphs (the
 same program on the same inputs: bit for bit) and against the package without cache (relative L2).
 With ``--baseline-src DIR`` it also builds a baseline runtime and, per batch, runs both runtimes' requests in
@@ -43,6 +46,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch._inductor.async_compile import shutdown_compile_workers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_cache import PAGE, WORKLOADS, failure, request
@@ -193,6 +197,33 @@ def kv_parity(package: Path) -> dict:
     return {key: found.get(key) for key in ("passed", "worst", "tolerances")}
 
 
+def python_paths(predictor, native: NativePredictor, steps: list[dict[str, torch.Tensor]], users: list[int],  # type: ignore[no-untyped-def]
+                 iters: int) -> tuple[dict, dict]:
+    """The Python paths on the same requests (the last one timed, the others run untimed before each call):
+    ``hstu_export.load``'s predictor without cache and its cache with CUDA graphs and without, and the C++
+    runtime called from Python (``NativePredictor``) without cache and cached. Returns the timings (with the
+    caches' counters) and each cache's first answer to the last request."""
+    whole = steps[-1]
+    timed: dict = {}
+    first: dict = {}
+    with torch.no_grad():
+        timed["python_no_cache"] = python_latency(lambda: predictor(whole), iters)
+        rankers = {"python_kv": lambda: predictor.kv_cache(cuda_graphs=True),
+                   "python_kv_no_graphs": lambda: predictor.kv_cache(cuda_graphs=False),
+                   "python_native_kv": native.kv_cache}
+        for name, make in rankers.items():
+            if name == "python_native_kv":
+                timed["python_native_no_cache"] = python_latency(lambda: native(whole), iters)
+            ranker = make()
+            first[name] = [ranker(step, users) for step in steps][-1]
+            before = (lambda r=ranker: r(steps[0], users)) if len(steps) > 1 else None
+            timed[name] = python_latency(lambda r=ranker: r(whole, users), iters, before=before)
+            timed[f"{name}_stats"] = ranker.cache.stats()
+            del ranker
+            torch.cuda.empty_cache()
+    return timed, first
+
+
 def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingModel, work: dict, batch: int,  # type: ignore[no-untyped-def]
               iters: int, work_dir: Path, log_dir: Path, baseline: tuple[Path, Path] | None = None,
               ab_only: bool = False) -> dict:
@@ -243,7 +274,6 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
     row["cpp_kv_replayed_stdout_tail"] = (done.stdout + done.stderr)[-700:]
 
     with torch.no_grad():
-        row["python_no_cache"] = python_latency(lambda: predictor(whole), iters)
         full = predictor(whole)
         if done.returncode == 0:
             ranker = predictor.kv_cache(cuda_graphs=True)
@@ -260,31 +290,32 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
                                      for k in wholes],
             }
             del ranker
-        for name, graphs in (("python_kv", True), ("python_kv_no_graphs", False)):
-            ranker = predictor.kv_cache(cuda_graphs=graphs)
-            first = [ranker(step, users) for step in steps][-1]
-            if len(steps) > 1:
-                row[name] = python_latency(lambda r=ranker: r(whole, users), iters,
-                                           before=lambda r=ranker: r(steps[0], users))
-            else:
-                row[name] = python_latency(lambda r=ranker: r(whole, users), iters)
-            row[f"{name}_stats"] = ranker.cache.stats()
-            row[f"rel_l2_{name}_vs_no_cache"] = rel_l2(first, full)
-            if not graphs and out.exists():
-                cpp_first = load_tensors(out / str(len(steps)) if len(steps) > 1 else out)
-                row["cpp_kv_equal_python_kv_no_graphs"] = all(torch.equal(cpp_first[k], first[k].cpu()) for k in first)
-                row["rel_l2_cpp_kv_vs_no_cache"] = rel_l2({k: v.cuda() for k, v in cpp_first.items()}, full)
-            del ranker
-            torch.cuda.empty_cache()
-        # The C++ runtime called from Python (hstu_export.serving.native), the same requests.
-        native = NativePredictor(package_root, library=runner.parent / LIBRARY_NAME)
-        row["python_native_no_cache"] = python_latency(lambda: native(whole), iters)
-        native_ranker = native.kv_cache()
-        first = [native_ranker(step, users) for step in steps][-1]
-        before = (lambda: native_ranker(steps[0], users)) if len(steps) > 1 else None
-        row["python_native_kv"] = python_latency(lambda: native_ranker(whole, users), iters, before=before)
-        row["python_native_kv_stats"] = native_ranker.stats()
-        row["rel_l2_python_native_kv_vs_no_cache"] = rel_l2(first, full)
+        # The Python paths timed in this process, which has just exported (their first answers are checked here),
+        # and in a fresh one, as a serving process is (what the python_* keys report).
+        timed, first = python_paths(predictor, NativePredictor(package_root, library=runner.parent / LIBRARY_NAME),
+                                    steps, users, iters)
+        row.update({f"{name}_exporting_process": value for name, value in timed.items()})
+        # The same after this process's compile workers (AOTInductor's, from the export) are shut down.
+        shutdown_compile_workers()
+        timed, _ = python_paths(predictor, NativePredictor(package_root, library=runner.parent / LIBRARY_NAME),
+                                steps, users, iters)
+        row.update({f"{name}_exporting_process_workers_shut": value for name, value in timed.items()
+                    if not name.endswith("_stats")})
+        for name in ("python_kv", "python_kv_no_graphs", "python_native_kv"):
+            row[f"rel_l2_{name}_vs_no_cache"] = rel_l2(first[name], full)
+        if out.exists():
+            cpp_first = load_tensors(out / str(len(steps)) if len(steps) > 1 else out)
+            row["cpp_kv_equal_python_kv_no_graphs"] = all(torch.equal(cpp_first[k], first["python_kv_no_graphs"][k].cpu())
+                                                          for k in cpp_first)
+            row["rel_l2_cpp_kv_vs_no_cache"] = rel_l2({k: v.cuda() for k, v in cpp_first.items()}, full)
+    torch.cuda.empty_cache()
+    fresh = subprocess.run([sys.executable, __file__, "--out", str(work_dir), "--time-python", str(package_root),
+                            "--iters", str(iters), "--users", ids, *map(str, dirs)],
+                           capture_output=True, text=True, timeout=900)  # fmt: skip
+    if fresh.returncode == 0:
+        row.update(json.loads(fresh.stdout.strip().splitlines()[-1]))
+    else:
+        row["python_fresh_process"] = {"error": (fresh.stdout + fresh.stderr)[-2000:]}
     ratios = {"cpp_no_cache_over_cpp_kv": ("cpp_no_cache", "cpp_kv"),
               "python_no_cache_over_python_kv": ("python_no_cache", "python_kv"),
               "python_no_cache_over_cpp_kv": ("python_no_cache", "cpp_kv"),
@@ -294,9 +325,12 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
               "cpp_kv_no_graphs_over_cpp_kv": ("cpp_kv_no_graphs", "cpp_kv"),
               "python_native_no_cache_over_python_native_kv": ("python_native_no_cache", "python_native_kv"),
               "python_native_kv_over_cpp_kv": ("python_native_kv", "cpp_kv"),
-              "python_native_no_cache_over_cpp_no_cache": ("python_native_no_cache", "cpp_no_cache")}
+              "python_native_no_cache_over_cpp_no_cache": ("python_native_no_cache", "cpp_no_cache"),
+              "python_kv_exporting_process_over_python_kv": ("python_kv_exporting_process", "python_kv"),
+              "python_native_kv_exporting_process_over_python_native_kv": ("python_native_kv_exporting_process",
+                                                                           "python_native_kv")}
     for name, (base, new) in ratios.items():
-        if "p50_ms" in row[base] and "p50_ms" in row[new]:
+        if "p50_ms" in row.get(base, {}) and "p50_ms" in row.get(new, {}):
             row[name] = row[base]["p50_ms"] / row[new]["p50_ms"]
     return row
 
@@ -311,7 +345,17 @@ def main() -> None:
                         help="a copy of runtimes/cpp, or a whole checkout, of the commit to time against (same run)")
     parser.add_argument("--ab-only", action="store_true", help="with --baseline-src: time only the same-run A/B")
     parser.add_argument("--export-only", metavar="WORKLOAD", help=argparse.SUPPRESS)  # the baseline's export
+    parser.add_argument("--time-python", metavar="PACKAGE", help=argparse.SUPPRESS)  # the fresh process's timings
+    parser.add_argument("--users", help=argparse.SUPPRESS)
+    parser.add_argument("requests", nargs="*", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.time_python:  # in a fresh process, as a serving process is: the timings as JSON, last line
+        steps = [load_tensors(path) for path in args.requests]
+        native = NativePredictor(args.time_python, library=args.out / "build" / LIBRARY_NAME)
+        timed, _ = python_paths(hstu_export.load(args.time_python), native, steps,
+                                [int(u) for u in args.users.split(",")], args.iters)
+        print(json.dumps(timed))
+        return
     if args.export_only:  # in a subprocess whose hstu_export is the baseline's: the package's path, last line
         args.out.mkdir(parents=True, exist_ok=True)
         print(export_package(args.export_only, max(args.batches), args.out)[1])
