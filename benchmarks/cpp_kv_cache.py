@@ -18,7 +18,7 @@ caches are timed with CUDA graphs (their default; the C++ runtime's when built w
 without; each C++ run writes every timed request's latency to latencies_*.txt.
 The Python paths (``hstu_export.load`` with and without its cache, and ``NativePredictor``) are timed in a
 fresh process, as a serving process is (``python_*``), and in this one, which has just exported
-(``python_*_exporting_process``; ``..._workers_shut``: again after its compile workers are shut down).
+(``python_*_exporting_process``).
 Outputs: the C++ cache's first whole answer without graphs against Python's cache without graphs (the
 same program on the same inputs: bit for bit) and against the package without cache (relative L2).
 With ``--baseline-src DIR`` it also builds a baseline runtime and, per batch, runs both runtimes' requests in
@@ -46,7 +46,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch._inductor.async_compile import shutdown_compile_workers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_cache import PAGE, WORKLOADS, failure, request
@@ -295,12 +294,6 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
         timed, first = python_paths(predictor, NativePredictor(package_root, library=runner.parent / LIBRARY_NAME),
                                     steps, users, iters)
         row.update({f"{name}_exporting_process": value for name, value in timed.items()})
-        # The same after this process's compile workers (AOTInductor's, from the export) are shut down.
-        shutdown_compile_workers()
-        timed, _ = python_paths(predictor, NativePredictor(package_root, library=runner.parent / LIBRARY_NAME),
-                                steps, users, iters)
-        row.update({f"{name}_exporting_process_workers_shut": value for name, value in timed.items()
-                    if not name.endswith("_stats")})
         for name in ("python_kv", "python_kv_no_graphs", "python_native_kv"):
             row[f"rel_l2_{name}_vs_no_cache"] = rel_l2(first[name], full)
         if out.exists():

@@ -27,9 +27,11 @@ outputs to copy.
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +52,21 @@ _MAX_SEEN = 4096
 # capture with it (benchmarks/investigations/capture_threads.py measures both modes). Our captures run on a
 # stream of their own and their thread makes no such call, so the narrower mode is safe.
 CAPTURE_MODE = "thread_local"
+
+
+@contextmanager
+def collection_paused() -> Iterator[None]:
+    """Python's garbage collector held off for the block (a capture). A collection inside a capture runs
+    the finalisers of whatever it frees on the capturing thread, so an unreachable predictor's compiled
+    program would be torn down there: CUDA refuses that teardown's calls mid-capture, and AOTInductor, whose
+    destructor raises the error, ends the process. The garbage waits for the next collection instead."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -368,7 +385,7 @@ class GraphCache:
             # tensors before its replay: runtimes/graph_copies.py).
             sources = {name: value for name, value in inputs.items() if name not in STATIC_INPUTS and value.numel()}
             graph = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_MODE):
+            with collection_paused(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_MODE):
                 for name, value in sources.items():
                     static[name].copy_(value)
                 outputs = self._run_bucket(static)
@@ -378,6 +395,6 @@ class GraphCache:
                 return _Graph(graph, static, outputs, graph_copies=copies, sources=sources)
             # A copy that is not a memcpy node: captured again without them.
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_MODE):
+        with collection_paused(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_MODE):
             outputs = self._run_bucket(static)
         return _Graph(graph, static, outputs)
