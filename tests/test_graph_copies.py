@@ -3,14 +3,17 @@ docs/KV_CACHE.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 from pathlib import Path
 
 import pytest
 import torch
 
+from hstu_export.runtimes import kv_graphs
 from hstu_export.runtimes.graph_copies import Memcpy3DParms, direct_copy, graph_copies, loaded_library
-from hstu_export.runtimes.kv_graphs import copy_alone
+from hstu_export.runtimes.kv_graphs import collection_paused, copy_alone
 
 
 def test_memcpy_params_have_the_cuda_runtimes_layout() -> None:
@@ -64,3 +67,64 @@ def test_an_input_a_node_cannot_take_is_written_into_the_bucket() -> None:
     assert static["uih_item_emb"][4:].eq(-1).all()  # the padding user's rows are left as they were
     copy_alone(static, request, "kv_page_table")  # narrower than the bucket: its later columns the scratch page
     assert static["kv_page_table"].tolist() == [[1, 2, 3, 9, 9, 9, 9, 9], [4, 5, 6, 9, 9, 9, 9, 9], [5] * 8]
+
+
+def test_no_garbage_collection_runs_inside_the_block() -> None:
+    collections: list[str] = []
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append("inside" if inside else "after")
+
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(note)
+    try:
+        gc.set_threshold(1, 1, 1)  # a collection falls due at nearly every allocation
+        inside = False
+        with collection_paused():
+            inside = True
+            assert not gc.isenabled()
+            made = [[] for _ in range(1000)]
+            inside = False
+        made = [[] for _ in range(1000)]
+        del made
+    finally:
+        gc.callbacks.remove(note)
+        gc.set_threshold(*thresholds)
+    assert "inside" not in collections and "after" in collections
+    assert gc.isenabled()
+    gc.disable()  # a collector already off stays off, also when the block raises
+    try:
+        with pytest.raises(ValueError), collection_paused():
+            raise ValueError
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_bucket_is_captured_with_the_collector_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CUDA calls faked: what is checked is that the collector is off while the capture runs the program,
+    # and on while it warms up and afterwards (a collection mid-capture aborted the process on the H200:
+    # benchmarks/investigations/capture_collection.py).
+    class Stream:
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda **kwargs: object())
+    monkeypatch.setattr(torch.cuda, "graph", lambda *args, **kwargs: contextlib.nullcontext())
+    monkeypatch.setattr(kv_graphs, "cuda_runtime", lambda: None)
+    runs: list[bool] = []
+
+    class Cache(kv_graphs.GraphCache):
+        def _run_bucket(self, static: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            runs.append(gc.isenabled())
+            return {}
+
+    cache = Cache(lambda **inputs: {}, kv_graphs.Buckets(history=8, candidates=8, max_width=4), contextual=0)
+    cache._capture({"kv_cached": torch.zeros(2, dtype=torch.int64)})
+    assert runs == [True, True, False]  # two warm-up runs, then the capture
+    assert gc.isenabled()
