@@ -54,19 +54,43 @@ _MAX_SEEN = 4096
 CAPTURE_MODE = "thread_local"
 
 
+class _CollectorPause:
+    """Counts the blocks that hold the collector off, from any thread: the first turns it off, the last turns
+    it back on if it was on (captures in two threads overlap)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._was_enabled = False
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._holders += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._was_enabled:
+                gc.enable()
+
+
+_PAUSE = _CollectorPause()
+
+
 @contextmanager
 def collection_paused() -> Iterator[None]:
     """Python's garbage collector held off for the block (a capture). A collection inside a capture runs
     the finalisers of whatever it frees on the capturing thread, so an unreachable predictor's compiled
     program would be torn down there: CUDA refuses that teardown's calls mid-capture, and AOTInductor, whose
     destructor raises the error, ends the process. The garbage waits for the next collection instead."""
-    enabled = gc.isenabled()
-    gc.disable()
+    _PAUSE.enter()
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        _PAUSE.leave()
 
 
 @dataclass(frozen=True)

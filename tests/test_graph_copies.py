@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import threading
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,32 @@ def test_no_garbage_collection_runs_inside_the_block() -> None:
     finally:
         gc.enable()
 
+
+
+def test_overlapping_captures_keep_the_collector_off_until_the_last_ends() -> None:
+    # Two threads' captures overlap: the first to end must not turn the collector back on under the other.
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def first() -> None:
+        with collection_paused():
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(5)
+        with collection_paused():
+            second_in.set()
+            first_out.wait(5)
+            seen.append(gc.isenabled())
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert seen == [False] and gc.isenabled()
 
 def test_a_bucket_is_captured_with_the_collector_paused(monkeypatch: pytest.MonkeyPatch) -> None:
     # The CUDA calls faked: what is checked is that the collector is off while the capture runs the program,
