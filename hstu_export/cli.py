@@ -263,6 +263,9 @@ def _stage_progress(quiet: bool) -> Any:
 @click.option("--kv-splits", type=int, default=0, show_default=True,
               help="With --kv-cache on CUDA: key slices of the paged attention kernel; 0 chooses per call from the "
                    "request's size (more slices fill the GPU at small batches).")
+@click.option("--kv-program", type=click.Choice(["auto", "written", "derived"]), default="auto", show_default=True,
+              help="With --kv-cache: the delta program written for the zoo's HstuRankingModel, or one derived from "
+                   "the model's traced graph (any model). auto: written for the zoo, derived for any other model.")
 @click.option("--aoti-option", "aoti_option", multiple=True, metavar="KEY=VALUE",
               help="An Inductor config option for the AOTInductor compiles (repeatable), e.g. combo_kernels=true; "
                    "checked against the installed torch. Applies to the dense program and, with --kv-cache, the "
@@ -294,7 +297,7 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
                    score_outputs: tuple[str, ...], leaf_module: tuple[str, ...], opaque_function: tuple[str, ...], map_function: tuple[str, ...],
                    attention_scale: str, max_length: tuple[str, ...], skip_pass: tuple[str, ...],
                    passes: str | None, check_each_pass: bool, force: bool, kv_cache: bool, kv_page_size: int,
-                   kv_splits: int, aoti_option: tuple[str, ...], prechecked_sparse: str, no_verify: bool, reference_device: str | None,
+                   kv_splits: int, kv_program: str, aoti_option: tuple[str, ...], prechecked_sparse: str, no_verify: bool, reference_device: str | None,
                    verify_batches: int, rtol: float | None, atol: float | None, allow_pickle: bool, quantize_embeddings: str,
                    quantize_table: tuple[str, ...], imports: tuple[str, ...], quiet: bool, verbose: bool) -> None:
     """Export MODEL (a model bundle) to a verified package.
@@ -332,7 +335,7 @@ def export_command(model: str, backend: str, device: str, dtype: str, max_batch_
         verify=VerifySettings(enabled=not no_verify, num_random_batches=verify_batches, rtol=rtol, atol=atol),
         reference_device=reference_device,
         quantization=_quantization(quantize_embeddings, quantize_table), force=force, kv_cache=kv_cache,
-        kv_page_size=kv_page_size, kv_splits=kv_splits, aoti_options=_parse_inductor_options(aoti_option),
+        kv_page_size=kv_page_size, kv_splits=kv_splits, kv_program=kv_program, aoti_options=_parse_inductor_options(aoti_option),
         prechecked_sparse=prechecked_sparse,
     )
     target = Path(out) if out else Path(model).with_suffix(f".{backend}")

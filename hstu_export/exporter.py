@@ -367,13 +367,15 @@ def export(
 
     weight_bytes = _refuse_what_the_machine_cannot_hold(bundle, settings, out)
     _check_quantization(bundle, settings)
+    if settings.kv_cache:
+        _written_delta(bundle.model, settings)  # --kv-program written on another model: refused before tracing
     op_target = settings.op_target or backend.default_op_target(device)
     doing = f"writing the graph dumps to {settings.dump_dir}" if settings.dump_dir is not None else "the export"
     with file_system_errors(settings.dump_dir, doing):
         captured = capture(bundle, settings, op_target, timings=timings, progress=progress, extra_passes=extra_passes)
     result, schema, ranges, example = captured.result, captured.schema, captured.ranges, captured.example
     _check_sequence_length(result, schema, ranges, settings, bundle.model)
-    if settings.kv_cache and _is_zoo_ranker(bundle.model) and not captured.output_plan.keeps_model_names:
+    if settings.kv_cache and _written_delta(bundle.model, settings) and not captured.output_plan.keeps_model_names:
         raise ConfigError("--kv-cache serves the zoo model's outputs under the model's own names: export without "
                           "--output-names (or the model's output_names hints)")
     assert ranges is not None  # capture() raises without ranges when need_ranges
@@ -383,7 +385,7 @@ def export(
     with running_model(device, "while its split graphs ran"):
         inputs = _compile_inputs(result, schema.to_graph_inputs(example), schema, ranges, settings)
     derived = None
-    if settings.kv_cache and not _is_zoo_ranker(bundle.model):
+    if settings.kv_cache and not _written_delta(bundle.model, settings):
         from hstu_export.kv_derived_export import derive_for_export
 
         with _timed(timings, progress, "kv-cache derivation"), torch.no_grad():
@@ -407,7 +409,7 @@ def export(
             artifacts = backend.compile(inputs, staged)
         _check_op_libraries(artifacts.op_libraries)
         kv_section = None
-        if settings.kv_cache and _is_zoo_ranker(bundle.model):
+        if settings.kv_cache and _written_delta(bundle.model, settings):
             from hstu_export.kv_export import compile_kv_delta
 
             with _timed(timings, progress, "kv-cache program"), torch.no_grad():
@@ -744,11 +746,16 @@ def _output_shapes(result: Any, schema: InputSchema, ranges: ExportRanges, input
     return name_dims(inputs.example_outputs, first, second_outputs, second)
 
 
-def _is_zoo_ranker(model: nn.Module) -> bool:
-    """The zoo's ranking model, whose delta program models/cached.py writes by hand."""
+def _written_delta(model: nn.Module, settings: ExportSettings) -> bool:
+    """Whether the delta program is the one models/cached.py writes by hand for the zoo's ranking model
+    (``kv_program``: written, or auto for the zoo's model), rather than one derived from the traced graph."""
     from hstu_export.models.ranking import HstuRankingModel
 
-    return isinstance(model, HstuRankingModel)
+    zoo = isinstance(model, HstuRankingModel)
+    if settings.kv_program == "written" and not zoo:
+        raise ConfigError(f"--kv-program written: the hand-written delta program is hstu-export's HstuRankingModel's; "
+                          f"this model is a {type(model).__name__[:60]}: use --kv-program auto or derived")
+    return zoo and settings.kv_program != "derived"
 
 
 def _replace(settings: ExportSettings, **changes: Any) -> ExportSettings:

@@ -307,13 +307,16 @@ def _what(n: torch.fx.Node) -> str:
 
 
 def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, frontier: list[Tensor],
-               x_pages: Tensor, page_table: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+               x_pages: Tensor, page_table: Tensor, whole_history: bool = False,
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """One delta call's row bookkeeping: ``(new_rows, q_offsets, seq_lens, num_targets, stale)``.
 
     ``cached[b]`` tokens of user b are taken as cached (a count beyond its non-target tokens is 0). Its
     frontier rows before that are compared with ``x_pages`` (stale: a row differs beyond its rounding,
     :func:`row_tolerance`); its new non-target frontier rows are stored there (others to the scratch page,
-    the pool's last). ``new_rows`` indexes the rows past each cached prefix, in order."""
+    the pool's last). ``new_rows`` indexes the rows past each cached prefix, in order. ``whole_history``:
+    the attention's contextual rows see every history row, so every later row of a layer depends on the whole
+    history through them, and a user whose history grew is stale too."""
     offsets = seq_offsets.to(torch.int64)
     lengths = offsets[1:] - offsets[:-1]
     targets = torch.zeros_like(lengths) if num_targets is None else num_targets.to(torch.int64)
@@ -335,6 +338,8 @@ def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, 
     running = torch.cat([differs.new_zeros(1), differs.cumsum(0)])
     bounds = offsets.clamp(0, total)
     stale = (running[bounds[1:]] - running[bounds[:-1]]) > 0
+    if whole_history:
+        stale = stale | ((cached > 0) & (cached < stored))
     new_total = q_offsets[-1].item()  # a size read from the data (unbacked in an exported program)
     torch._check(new_total >= 0)
     q_user, q_step = jagged_positions_by_search(q_offsets, new_total)
@@ -418,6 +423,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
     row_dtype = torch.float32 if len(row_dtypes) > 1 else row_dtypes.pop()
     row_width = sum(recorder.values[f][0].numel() for f in frontier)
     seq_offsets, num_targets = bound0["seq_offsets"], bound0.get("num_targets")
+    contextual = int(bound0.get("contextual_seq_len", 0) or 0)
 
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, Any] = {}   # original node -> its value in the delta graph (whole rows)
@@ -442,7 +448,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
     def bookkeeping() -> None:
         out = graph.call_function(delta_rows, (env[seq_offsets], env[num_targets] if num_targets is not None else None,
                                                extra["kv_cached"], [env[f] for f in frontier], extra["kv_x_pages"],
-                                               extra["kv_page_table"]))
+                                               extra["kv_page_table"], contextual > 0))
         for i, name in enumerate(("new_rows", "q_offsets", "seq_lens", "num_targets", "stale")):
             book[name] = graph.call_function(operator.getitem, (out, i))
         for f in frontier:
@@ -523,5 +529,37 @@ def generic_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             if node.op == "call_function" and parts[0] == "hstu_export" and parts[1].endswith("_triton"):
                 packet = getattr(torch.ops.hstu_export, parts[1].removesuffix("_triton"))
                 node.target = packet.default if parts[2:] == ["default"] else packet
+        ungate(module)
         module.recompile()
     return gm
+
+
+GATED = "hstu_export.hstu_mha_gated.default"
+
+
+def ungate(gm: torch.fx.GraphModule) -> None:
+    """Each gated attention (``hstu_mha_gated``: the STU layer between its projections, one op) written as
+    what it computes: the split of uvqk, ``hstu_mha``, and the gate (SiLU(u), the attention and SiLU(u) times
+    its layer norm, side by side; :func:`~hstu_export.ops.reference.stu_gate`): the attention is then one node
+    the derivation reads, the gate row-local ops around it."""
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in (GATED, GATED[:-8])]:
+        op = torch.ops.hstu_export.hstu_mha_gated.default  # the node's target, or its packet's overload
+        b = normalize_function(op, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+        h, dqk, dv = b["num_heads"], b["attention_dim"], b["linear_dim"]
+        g = gm.graph
+        with g.inserting_before(node):
+            parts = g.call_function(torch.split, (b["uvqk"], [dv * h, dv * h, dqk * h, dqk * h]), {"dim": -1})
+            u, v, q, k = (g.call_function(operator.getitem, (parts, i)) for i in range(4))
+            q, k, v = (g.call_method("reshape", (t, -1, h, d)) for t, d in ((q, dqk), (k, dqk), (v, dv)))
+            a = g.call_function(torch.ops.hstu_export.hstu_mha.default, (q, k, v, b["seq_offsets"], b["max_seq_len"],
+                                b["scaling_seqlen"], b["alpha"], b.get("causal", True), b.get("num_targets"),
+                                b.get("contextual_seq_len", 0), b.get("max_attn_len", 0)))  # fmt: skip
+            a = g.call_method("reshape", (a, -1, h * dv))
+            u = g.call_function(F.silu, (u,))
+            normed = g.call_function(F.layer_norm, (g.call_method("float", (a,)), (h * dv,),
+                                                    g.call_method("float", (b["norm_weight"],)),
+                                                    g.call_method("float", (b["norm_bias"],)), b.get("eps", 1e-6)))
+            gate = g.call_function(operator.mul, (u, g.call_method("type_as", (normed, a))))
+            out = g.call_function(torch.cat, ([u, a, gate],), {"dim": -1})
+        node.replace_all_uses_with(out)
+        g.erase_node(node)

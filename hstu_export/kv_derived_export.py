@@ -20,6 +20,7 @@ from hstu_export.runtimes.base import DimSpec, torch_dynamic_shapes
 KV_DELTA_FILE = "kv/delta.pt2"
 KV_COUNTS_FILE = "kv/counts.pt2"  # AOTInductor, as the delta program: C++ loads both
 DERIVED = "derived"
+GROWN = "the histories grown by a token"
 NEW_CANDIDATES = "the same histories with new candidates"
 
 
@@ -127,8 +128,9 @@ def _batch_dim(counts: torch.fx.GraphModule, inputs: Any) -> DimSpec:
 
 def verification_requests(schema: Any, target_inputs: list[str], max_batch: int, seed: int,
                           ) -> list[tuple[str, list[Hashable], dict[str, Tensor]]]:  # fmt: skip
-    """(what it checks, user ids, request) in serving order, within the package's ranges: a prefill; the
-    same users reordered (every one a hit); their histories with new candidates (the lengths the target
+    """(what it checks, user ids, request) in serving order, within the package's ranges: a prefill whose
+    histories are a token shorter, then the whole histories (a hit where the model lets a grown history keep
+    its prefix, stale otherwise); the same users reordered (every one a hit); their histories with new candidates (the lengths the target
     counts come from, ``target_inputs``, and the features that share or follow them, drawn again); new
     content under known ids (stale, or a hit where the rows the layers start from did not change); a new
     user beside a cached one."""
@@ -142,8 +144,11 @@ def verification_requests(schema: Any, target_inputs: list[str], max_batch: int,
     kept = {f.name: first[f.name] for f in schema.lengths_features() if f.name not in candidates and not f.same_as}
     again = generate_batch(schema, n, seed=seed + 2, lengths=kept)
     ids = [f"verify-user-{i}" for i in range(n)]
-    steps = [
-        ("prefill (every user a miss)", ids, first),
+    shorter = _shortened(schema, first, candidates)
+    steps = [("prefill (every user a miss)", ids, first if shorter is None else shorter)]
+    if shorter is not None:
+        steps.append((GROWN, ids, first))
+    steps += [
         ("the same users reordered (hits)", [ids[i] for i in order],
          {name: _users(schema, first, order, name) for name in first}),
     ]
@@ -157,6 +162,36 @@ def verification_requests(schema: Any, target_inputs: list[str], max_batch: int,
         steps.append(("a new user with a cached one", ["verify-user-new", ids[0]],
                       {name: torch.cat([newcomer[name], _users(schema, first, [0], name)]) for name in first}))
     return steps
+
+
+def _shortened(schema: Any, batch: dict[str, Tensor], candidates: set[str]) -> dict[str, Tensor] | None:
+    """``batch`` with each user's history a token shorter where its lengths allow (the jagged features of every
+    lengths feature but the candidates'), None where no history can be."""
+    cut: dict[str, Tensor] = {}
+    for f in schema.lengths_features():
+        if f.name in candidates or f.same_as:
+            continue
+        lengths = batch[f.name].to(torch.int64)
+        shorter = torch.clamp(lengths - 1, min=max(f.min_value or 0, 0))
+        if not torch.equal(shorter, lengths):
+            cut[f.name] = shorter
+    if not cut:
+        return None
+    out = dict(batch)
+    for f in schema.features:
+        source = schema.canonical_lengths(f.name) if f.kind == "lengths" else (
+            schema.canonical_lengths(f.jagged_by) if f.kind == "jagged" else None)
+        if source not in cut:
+            continue
+        if f.kind == "lengths":
+            out[f.name] = cut[source].to(batch[f.name].dtype)
+            continue
+        lengths = batch[f.jagged_by].to(torch.int64)
+        starts = torch.cumsum(lengths, 0) - lengths
+        keep = torch.cat([torch.arange(int(start), int(start + n), dtype=torch.int64)
+                          for start, n in zip(starts, cut[source], strict=True)])
+        out[f.name] = batch[f.name][keep]
+    return out
 
 
 def _users(schema: Any, batch: dict[str, Tensor], order: list[int], name: str) -> Tensor:

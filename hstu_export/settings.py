@@ -361,6 +361,9 @@ class ExportSettings:
     kv_cache: bool = False  # also export the delta program for KV-cached serving (hstu_export.kv_export)
     kv_page_size: int = 64  # tokens per cache page the delta program reads (a power of two >= 16)
     kv_splits: int = 0  # key slices of the Triton paged attention in the delta program; 0: chosen per call
+    # Which delta program (--kv-program): "written" (models/cached.py, for the zoo's HstuRankingModel only),
+    # "derived" (hstu_export.kv_derive, from the traced dense half: any model), "auto" (written for the zoo).
+    kv_program: str = "auto"
     # Inductor config options for the AOTInductor compiles (--aoti-option KEY=VALUE): the dense program's and
     # the delta program's (which has defaults of its own on CUDA: kv_export.DELTA_INDUCTOR_OPTIONS)
     aoti_options: dict[str, Any] = field(default_factory=dict)
@@ -407,6 +410,10 @@ class ExportSettings:
             raise ConfigError(f"--kv-page-size must be a power of two >= 16, got {self.kv_page_size!r}")
         if not (isinstance(self.kv_splits, int) and 0 <= self.kv_splits <= 64):
             raise ConfigError(f"--kv-splits must be a whole number from 0 (chosen per call) to 64, got {self.kv_splits!r}")
+        if self.kv_program not in ("auto", "written", "derived"):
+            raise ConfigError(f"--kv-program must be auto, written or derived, got {str(self.kv_program)[:40]!r}")
+        if self.kv_program != "auto" and not self.kv_cache:
+            raise ConfigError(f"--kv-program {self.kv_program} chooses the delta program of --kv-cache; add --kv-cache")
         self.aoti_options = checked_inductor_options(self.aoti_options)
         if self.aoti_options and self.backend != "aoti":
             raise ConfigError(f"--aoti-option configures AOTInductor's compile; it needs --backend aoti (not {self.backend})")

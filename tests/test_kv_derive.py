@@ -364,13 +364,13 @@ def test_a_page_size_other_than_the_programs_is_refused() -> None:
 
 
 def test_verification_requests_check_new_candidates_only_where_targets_are_counted() -> None:
-    from hstu_export.kv_derived_export import NEW_CANDIDATES, verification_requests
+    from hstu_export.kv_derived_export import GROWN, NEW_CANDIDATES, verification_requests
 
     schema = gr_setup().schema
     with_targets = verification_requests(schema, ["candidates_features__cand_item_id__lengths"], 4, seed=0)
     without = verification_requests(schema, [], 4, seed=0)
     assert [what for what, _, _ in with_targets if what not in {w for w, _, _ in without}] == [NEW_CANDIDATES]
-    _, _, first = with_targets[0]
+    first = next(batch for what, _, batch in with_targets if what == GROWN)  # the whole histories
     _, _, fresh = next(step for step in with_targets if step[0] == NEW_CANDIDATES)
     for name in ("uih_features.uih_item_id.values", "uih_features.uih_item_id.lengths"):
         assert torch.equal(fresh[name], first[name])  # the same histories
@@ -405,3 +405,122 @@ def test_the_cpp_runtime_refuses_a_damaged_derived_section_in_one_line(derived_p
     assert done.stderr.startswith("hstu-export-run: error: ") and message in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1
     assert cpp_runtime.run(package, request, "-q").returncode == 0
+
+
+def test_with_contextual_rows_that_see_the_history_a_grown_history_is_stale() -> None:
+    """delta_rows with ``whole_history`` (an attention's contextual rows see every history row): a user whose
+    whole history is cached is not stale; one whose history grew past its cached prefix is, though its cached
+    rows are unchanged; without the flag it is a hit."""
+    lengths, targets = torch.tensor([6, 6]), torch.tensor([2, 2])  # 4 history rows and 2 candidates each
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    rows = torch.arange(12, dtype=torch.float32).reshape(12, 1).repeat(1, 3)
+    pages, table = torch.zeros(5, 4, 3), torch.arange(4, dtype=torch.int32).reshape(2, 2)
+    delta_rows(offsets, targets, torch.zeros(2, dtype=torch.int64), [rows], pages, table)  # stores the rows
+    cached = torch.tensor([4, 3])  # user 0: its whole history; user 1: all but its last history row
+    assert delta_rows(offsets, targets, cached, [rows], pages.clone(), table, True)[4].tolist() == [False, True]
+    assert delta_rows(offsets, targets, cached, [rows], pages.clone(), table)[4].tolist() == [False, False]
+
+
+def test_verification_grows_each_history_by_a_token() -> None:
+    """The derived program's verification first serves every history a token shorter, then whole: the grown
+    step keeps the candidates and each user's earlier history tokens as they were."""
+    from hstu_export.kv_derived_export import GROWN, verification_requests
+
+    schema = gr_setup().schema
+    steps = verification_requests(schema, ["candidates_features__cand_item_id__lengths"], 4, seed=0)
+    (first_what, _, shorter), (grown_what, _, whole) = steps[:2]
+    assert first_what.startswith("prefill") and grown_what == GROWN
+    lengths, values = "uih_features.uih_item_id.lengths", "uih_features.uih_item_id.values"
+    assert torch.equal(shorter[lengths], torch.clamp(whole[lengths] - 1, min=1))
+    ends = whole[lengths].cumsum(0)
+    keep = torch.cat([torch.arange(int(end - n), int(end - n + m)) for end, n, m in
+                      zip(ends, whole[lengths], shorter[lengths], strict=True)])
+    assert torch.equal(shorter[values], whole[values][keep])
+    for name in ("candidates_features.cand_item_id.values", "candidates_features.cand_item_id.lengths"):
+        assert torch.equal(shorter[name], whole[name])
+
+
+def test_a_gated_attention_is_written_as_the_attention_and_its_gate() -> None:
+    """ungate: hstu_mha_gated (the zoo's STU layer between its projections) becomes one hstu_mha node and
+    row-local ops, with the same numbers."""
+    from hstu_export.kv_derive import ATTENTION, GATED, ungate
+    from hstu_export.ops import library  # noqa: F401  (registers the ops)
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight, self.bias = torch.nn.Parameter(torch.rand(8) + 0.5), torch.nn.Parameter(torch.rand(8))
+
+        def forward(self, uvqk: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+            return torch.ops.hstu_export.hstu_mha_gated(uvqk, offsets, self.weight, self.bias, 2, 4, 4, 16, 16, 0.5,
+                                                        True, None, 1, 0, 1e-6)
+
+    torch.manual_seed(0)
+    uvqk, offsets = torch.randn(9, 2 * (2 * 4 + 2 * 4)), torch.tensor([0, 5, 9])
+    gm = torch.fx.symbolic_trace(Layer())
+    want = gm(uvqk, offsets)
+    ungate(gm)
+    gm.recompile()
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert GATED not in targets and targets.count(ATTENTION) == 1
+    torch.testing.assert_close(gm(uvqk, offsets), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_delta_program_choice_is_checked(tmp_path: Path) -> None:
+    import hstu_export
+    from hstu_export.settings import ExportSettings
+
+    with pytest.raises(ConfigError, match="auto, written or derived"):
+        ExportSettings(kv_cache=True, kv_program="by hand")
+    with pytest.raises(ConfigError, match="add --kv-cache"):
+        ExportSettings(kv_program="derived")
+    bundle = _cacheable_bundle(tmp_path / "gr.pt")
+    with pytest.raises(ConfigError, match="--kv-program written: the hand-written delta program is hstu-export's"):
+        hstu_export.export(bundle, tmp_path / "pkg", ExportSettings(backend="aoti", kv_cache=True, kv_program="written"))
+    assert not (tmp_path / "pkg").exists()
+
+
+@pytest.mark.slow
+def test_the_zoo_model_serves_through_a_derived_delta_program(cpp_runtime: Any, tmp_path: Path) -> None:
+    """The zoo's tiny preset exported with --kv-program derived (its gated attention read as the attention and
+    its gate; its contextual rows see the whole history): verified at export, a grown history is stale, and
+    every answer of its cache, in Python and C++, equals the package's without the cache."""
+    import hstu_export
+    from hstu_export.models import build_preset
+    from hstu_export.package.tensor_dir import load_tensors, save_tensors
+
+    model = build_preset("tiny", seed=0)
+    schema = model.input_schema()
+    bundle = hstu_export.save_bundle(model, tmp_path / "zoo.pt", hstu_export.generate_batch(schema, 2, seed=1))
+    result = hstu_export.export(bundle, tmp_path / "pkg", hstu_export.ExportSettings(
+        backend="aoti", kv_cache=True, kv_program="derived", max_batch_size=4))
+    assert result.manifest["kv_cache"]["kind"] == "derived"
+    parity = result.parity["kv_cache"]
+    assert parity["passed"] and parity["cache"]["hits"] >= 3 and parity["cache"]["stale"] >= 2
+    whole = hstu_export.generate_batch(schema, 2, seed=11, lengths={"uih_lengths": [12, 9], "candidate_lengths": [3, 2]})
+    keep = torch.cat([torch.arange(0, 10), torch.arange(12, 19)])  # each history without its last two tokens
+    shorter = {**whole, **{k: v[keep] for k, v in whole.items() if k.startswith("uih_") and v.shape[0] == 21},
+               "uih_lengths": whole["uih_lengths"] - 2}
+    new_candidates = hstu_export.generate_batch(schema, 2, seed=12, lengths={"uih_lengths": [12, 9],
+                                                                             "candidate_lengths": [2, 4]})
+    new_candidates = {**new_candidates, **{k: v for k, v in whole.items() if k.startswith("uih_") or k in
+                                           ("query_time", "user_id", "user_age")}}
+    script = [shorter, whole, whole, new_candidates]
+    predictor = hstu_export.load(result.path)
+    ranker = predictor.kv_cache()
+    answers = []
+    for request in script:
+        got, want = ranker(request, [1, 2]), predictor(request)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+        answers.append(got)
+    stats = ranker.cache.stats()
+    assert (stats["misses"], stats["stale"], stats["hits"]) == (2, 2, 4), stats  # grown: stale; then hits
+    args: list[object] = [result.path, *(save_tensors(r, tmp_path / f"request{k}") for k, r in enumerate(script))]
+    for _ in script:
+        args += ["--user-ids", "1,2"]
+    done = cpp_runtime.run(*args, "--kv-cache", "auto", "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    for k, want in enumerate(answers):
+        got = load_tensors(tmp_path / "out" / str(k + 1))
+        assert all(torch.equal(got[name], want[name]) for name in want), k
