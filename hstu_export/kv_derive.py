@@ -529,7 +529,7 @@ def generic_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             if node.op == "call_function" and parts[0] == "hstu_export" and parts[1].endswith("_triton"):
                 packet = getattr(torch.ops.hstu_export, parts[1].removesuffix("_triton"))
                 node.target = packet.default if parts[2:] == ["default"] else packet
-        ungate(module)
+        ungate(module)  # the zoo's gated attention: the attention one node, as other models' are
         module.recompile()
     return gm
 
@@ -542,7 +542,7 @@ def ungate(gm: torch.fx.GraphModule) -> None:
     what it computes: the split of uvqk, ``hstu_mha``, and the gate (SiLU(u), the attention and SiLU(u) times
     its layer norm, side by side; :func:`~hstu_export.ops.reference.stu_gate`): the attention is then one node
     the derivation reads, the gate row-local ops around it."""
-    for node in [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in (GATED, GATED[:-8])]:
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in (GATED, GATED.removesuffix(".default"))]:
         op = torch.ops.hstu_export.hstu_mha_gated.default  # the node's target, or its packet's overload
         b = normalize_function(op, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
         h, dqk, dv = b["num_heads"], b["attention_dim"], b["linear_dim"]

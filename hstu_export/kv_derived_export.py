@@ -130,10 +130,10 @@ def verification_requests(schema: Any, target_inputs: list[str], max_batch: int,
                           ) -> list[tuple[str, list[Hashable], dict[str, Tensor]]]:  # fmt: skip
     """(what it checks, user ids, request) in serving order, within the package's ranges: a prefill whose
     histories are a token shorter, then the whole histories (a hit where the model lets a grown history keep
-    its prefix, stale otherwise); the same users reordered (every one a hit); their histories with new candidates (the lengths the target
-    counts come from, ``target_inputs``, and the features that share or follow them, drawn again); new
-    content under known ids (stale, or a hit where the rows the layers start from did not change); a new
-    user beside a cached one."""
+    its prefix, stale otherwise); the same users reordered (every one a hit); their histories with new
+    candidates (the lengths the target counts come from, ``target_inputs``, and the features that share or
+    follow them, drawn again); new content under known ids (stale, or a hit where the rows the layers start
+    from did not change); a new user beside a cached one."""
     from hstu_export.verification.batch import generate_batch
 
     n = max(1, min(3, max_batch))
