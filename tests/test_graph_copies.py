@@ -103,7 +103,6 @@ def test_no_garbage_collection_runs_inside_the_block() -> None:
         gc.enable()
 
 
-
 def test_overlapping_captures_keep_the_collector_off_until_the_last_ends() -> None:
     # Two threads' captures overlap: the first to end must not turn the collector back on under the other.
     first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
@@ -128,6 +127,7 @@ def test_overlapping_captures_keep_the_collector_off_until_the_last_ends() -> No
     for thread in threads:
         thread.join(10)
     assert seen == [False] and gc.isenabled()
+
 
 def test_a_bucket_is_captured_with_the_collector_paused(monkeypatch: pytest.MonkeyPatch) -> None:
     # The CUDA calls faked: what is checked is that the collector is off while the capture runs the program,
