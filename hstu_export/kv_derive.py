@@ -46,6 +46,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from hstu_export.errors import ConfigError, ExportError
 from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offsets
+from hstu_export.ops.reference import stu_gate
 
 # The attention every mapped model calls (map_ops' generic op, before its lowering to a target).
 ATTENTION = "hstu_export.hstu_mha.default"
@@ -56,6 +57,7 @@ ELEMENTWISE = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, torch.add, torch.sub, torch.mul,
     torch.div, torch.neg, torch.sigmoid, torch.tanh, torch.relu, torch.exp, torch.rsqrt, torch.sqrt, torch.square,
     torch.where, torch.clamp, F.silu, F.relu, F.gelu, F.dropout, F.linear, F.layer_norm, F.rms_norm, F.normalize,
+    stu_gate,  # the STU gate over the rows' last axis (ungate)
 }  # fmt: skip
 ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "neg", "sigmoid", "tanh", "relu", "exp", "rsqrt", "sqrt",
                        "clamp", "to", "float", "half", "bfloat16", "type", "contiguous", "clone", "type_as"}
@@ -539,9 +541,8 @@ GATED = "hstu_export.hstu_mha_gated.default"
 
 def ungate(gm: torch.fx.GraphModule) -> None:
     """Each gated attention (``hstu_mha_gated``: the STU layer between its projections, one op) written as
-    what it computes: the split of uvqk, ``hstu_mha``, and the gate (SiLU(u), the attention and SiLU(u) times
-    its layer norm, side by side; :func:`~hstu_export.ops.reference.stu_gate`): the attention is then one node
-    the derivation reads, the gate row-local ops around it."""
+    what it computes: the split of uvqk, ``hstu_mha``, and the gate (:func:`~hstu_export.ops.reference.stu_gate`,
+    row-local): the attention is then one node the derivation reads."""
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in (GATED, GATED.removesuffix(".default"))]:
         op = torch.ops.hstu_export.hstu_mha_gated.default  # the node's target, or its packet's overload
         b = normalize_function(op, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
@@ -555,11 +556,6 @@ def ungate(gm: torch.fx.GraphModule) -> None:
                                 b["scaling_seqlen"], b["alpha"], b.get("causal", True), b.get("num_targets"),
                                 b.get("contextual_seq_len", 0), b.get("max_attn_len", 0)))  # fmt: skip
             a = g.call_method("reshape", (a, -1, h * dv))
-            u = g.call_function(F.silu, (u,))
-            normed = g.call_function(F.layer_norm, (g.call_method("float", (a,)), (h * dv,),
-                                                    g.call_method("float", (b["norm_weight"],)),
-                                                    g.call_method("float", (b["norm_bias"],)), b.get("eps", 1e-6)))
-            gate = g.call_function(operator.mul, (u, g.call_method("type_as", (normed, a))))
-            out = g.call_function(torch.cat, ([u, a, gate],), {"dim": -1})
+            out = g.call_function(stu_gate, (u, a, b["norm_weight"], b["norm_bias"], b.get("eps", 1e-6)))
         node.replace_all_uses_with(out)
         g.erase_node(node)
