@@ -27,7 +27,9 @@ against its baseline in the same run; where both serve one package, their answer
 DIR is either a copy of runtimes/cpp from another commit (a runtime change: both runtimes serve
 this code's package) or a whole checkout of another commit (``git archive REV | tar -x -C DIR``; a change to
 the exported program too): its runtimes/cpp is built and its own code exports the baseline package, in a
-subprocess alongside this code's export. ``--ab-only`` times nothing else per batch.
+subprocess alongside this code's export. ``--ab-kv-program derived`` runs the same A/B between two packages this
+code exports, one runtime: the zoo's delta program derived by the compiler (``new``) against the hand-written one
+(``baseline``). ``--ab-only`` times nothing else per batch.
 Writes cpp_kv_cache.json (after every step).
 """
 
@@ -112,18 +114,20 @@ def rel_l2(a: dict, b: dict) -> float:
 
 
 def same_run_ab(setups: dict[str, tuple[Path, Path]], request_args: list[object], kv_args: list[object],
-                iters: int, answers_dir: Path) -> dict:
+                iters: int, answers_dir: Path, kinds: tuple[str, ...] = ("no_cache", "kv")) -> dict:
     """Each (runtime, package)'s requests, without cache and cached, in turn, three times: p50s by label, with
     --phase-times (``<label>_no_cache``, ``<label>_kv``: the device synchronised between phases) and without
     (``..._whole``: the request as served). ``request_args``: the request's folders (the last one is the one
     sent without cache); ``kv_args``: what follows them for the cache. The first round writes every answer
     under ``answers_dir``; where all setups serve one package, ``answers_equal`` says whether their answers are
-    equal bit for bit."""
+    equal bit for bit. ``kinds``: which of the two to time."""
     out: dict = {}
     for round_ in range(3):
         for label, (runner, package) in setups.items():
             for name, args in (("no_cache", [package, request_args[-1]]),
                                ("kv", [package, *request_args, *kv_args, "--kv-graphs", "auto"])):
+                if name not in kinds:
+                    continue
                 keep = ("--out", answers_dir / f"{label}_{name}") if round_ == 0 else ()
                 _, got = cpp(runner, *args, "--repeat", iters, "--warmup", 5, "--phase-times", *keep)
                 out.setdefault(f"{label}_{name}", []).append(got)
@@ -131,8 +135,22 @@ def same_run_ab(setups: dict[str, tuple[Path, Path]], request_args: list[object]
                 out.setdefault(f"{label}_{name}_whole", []).append(got)
     if len({package for _, package in setups.values()}) == 1:
         out["answers_equal"] = {name: answers_equal([answers_dir / f"{label}_{name}" for label in setups])
-                                for name in ("no_cache", "kv")}
+                                for name in kinds}
+    else:  # two programs: how far apart their answers are
+        first, *others = setups
+        out["answers_rel_l2"] = {f"{other}_{name}": answers_rel_l2(answers_dir / f"{first}_{name}",
+                                                                   answers_dir / f"{other}_{name}")
+                                 for other in others for name in kinds}
     return out
+
+
+def answers_rel_l2(a: Path, b: Path) -> float:
+    """The largest relative L2 distance of ``b``'s answers from ``a``'s, over the folders and outputs both wrote."""
+    worst = 0.0
+    for folder in sorted({p.parent for p in a.rglob("*.pt")}):
+        mine, theirs = load_tensors(folder), load_tensors(b / folder.relative_to(a))
+        worst = max(worst, rel_l2(theirs, mine))
+    return worst
 
 
 def answers_equal(dirs: list[Path]) -> bool:
@@ -172,9 +190,11 @@ def ab_summary(ab: dict) -> dict:
     return out
 
 
-def export_package(name: str, max_batch: int, work_dir: Path) -> tuple[HstuRankingModel, Path, float]:
+def export_package(name: str, max_batch: int, work_dir: Path,
+                   kv_program: str = "auto") -> tuple[HstuRankingModel, Path, float]:
     """The workload's dlrmv3-shaped model (seeded: every export of it is the same model) and its package
-    (bf16, Triton kernels, --kv-cache), exported under ``work_dir``: (model, package, seconds)."""
+    (bf16, Triton kernels, --kv-cache with ``kv_program``'s delta program), exported under ``work_dir``:
+    (model, package, seconds)."""
     work = WORKLOADS[name]
     cfg = dataclasses.replace(preset_config("dlrmv3"), max_history_len=work["history"],
                               max_num_candidates=work["candidates"])
@@ -183,7 +203,7 @@ def export_package(name: str, max_batch: int, work_dir: Path) -> tuple[HstuRanki
     bundle = hstu_export.save_bundle(model, work_dir / f"{name}.pt", request(model, work, 2, 1))
     settings = hstu_export.ExportSettings(backend="aoti", device="cuda", dtype="bf16", op_target="triton",
                                           max_batch_size=max_batch, kv_cache=True, kv_page_size=PAGE,
-                                          verify=hstu_export.VerifySettings(num_random_batches=1))
+                                          kv_program=kv_program, verify=hstu_export.VerifySettings(num_random_batches=1))
     t = time.perf_counter()
     result = hstu_export.export(bundle, work_dir / f"{name}.aoti", settings)
     return model, Path(result.path), round(time.perf_counter() - t, 1)
@@ -225,7 +245,7 @@ def python_paths(predictor, native: NativePredictor, steps: list[dict[str, torch
 
 def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingModel, work: dict, batch: int,  # type: ignore[no-untyped-def]
               iters: int, work_dir: Path, log_dir: Path, baseline: tuple[Path, Path] | None = None,
-              ab_only: bool = False) -> dict:
+              ab_only: bool = False, ab_kinds: tuple[str, ...] = ("no_cache", "kv")) -> dict:
     row: dict = {}
     whole = request(model, work, batch, 100 + batch)  # on the host, as from a client
     steps = [prefix_of(whole, work, batch), whole] if work["cached"] < work["history"] else [whole]
@@ -235,7 +255,7 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
     ab_kv_args: list[object] = ["--kv-cache", "auto", *(a for _ in dirs for a in ("--user-ids", ids))]
     if baseline is not None:
         row["same_run_ab"] = same_run_ab({"new": (runner, package_root), "baseline": baseline}, dirs, ab_kv_args,
-                                         iters, work_dir / f"b{batch}_ab_answers")
+                                         iters, work_dir / f"b{batch}_ab_answers", ab_kinds)
         row["same_run_ab_p50_of_rounds"] = ab_summary(row["same_run_ab"])
     if ab_only:
         return row
@@ -336,8 +356,12 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--baseline-src", type=Path,
                         help="a copy of runtimes/cpp, or a whole checkout, of the commit to time against (same run)")
-    parser.add_argument("--ab-only", action="store_true", help="with --baseline-src: time only the same-run A/B")
+    parser.add_argument("--ab-kv-program", choices=["derived"],
+                        help="A/B the zoo's delta program derived by the compiler against its written one (same run)")
+    parser.add_argument("--ab-only", action="store_true",
+                        help="with --baseline-src or --ab-kv-program: time only the same-run A/B")
     parser.add_argument("--export-only", metavar="WORKLOAD", help=argparse.SUPPRESS)  # the baseline's export
+    parser.add_argument("--kv-program", default="auto", help=argparse.SUPPRESS)  # with --export-only
     parser.add_argument("--time-python", metavar="PACKAGE", help=argparse.SUPPRESS)  # the fresh process's timings
     parser.add_argument("--users", help=argparse.SUPPRESS)
     parser.add_argument("requests", nargs="*", type=Path, help=argparse.SUPPRESS)
@@ -351,7 +375,7 @@ def main() -> None:
         return
     if args.export_only:  # in a subprocess whose hstu_export is the baseline's: the package's path, last line
         args.out.mkdir(parents=True, exist_ok=True)
-        print(export_package(args.export_only, max(args.batches), args.out)[1])
+        print(export_package(args.export_only, max(args.batches), args.out, args.kv_program)[1])
         return
     args.out.mkdir(parents=True, exist_ok=True)
     work_dir = Path("/tmp/cpp_kv_cache")
@@ -390,12 +414,15 @@ def main() -> None:
         report["workloads"][name] = entry
         try:
             exporting = None
-            if checkout is not None:  # the baseline's own code exports its package, meanwhile
+            if checkout is not None or args.ab_kv_program:  # the other package, exported meanwhile
+                # The baseline's own code exports its package; or this code, with the derived delta program.
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")])}
+                other = (["--kv-program", args.ab_kv_program] if args.ab_kv_program else [])
                 exporting = subprocess.Popen(
                     [sys.executable, __file__, "--out", str(work_dir / "baseline"), "--export-only", name,
-                     "--batches", *map(str, args.batches)],
-                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                     "--batches", *map(str, args.batches), *other],
+                    env=env if checkout is not None else None, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    text=True)  # fmt: skip
             model, package, entry["export_seconds"] = export_package(name, max(args.batches), work_dir)
             entry["kv_parity"] = kv_parity(package)
             baseline = None
@@ -405,15 +432,21 @@ def main() -> None:
                 save()
                 if exporting.returncode != 0:
                     continue
-                baseline = (baseline_runner, Path(stdout.strip().splitlines()[-1]))
-                entry["baseline_kv_parity"] = kv_parity(baseline[1])
+                other_package = Path(stdout.strip().splitlines()[-1])
+                if args.ab_kv_program:  # new: the derived program; baseline: the written one, one runtime
+                    entry["derived_kv_parity"] = kv_parity(other_package)
+                    package, baseline = other_package, (runner, package)
+                else:
+                    baseline = (baseline_runner, other_package)
+                    entry["baseline_kv_parity"] = kv_parity(baseline[1])
             elif baseline_runner is not None:
                 baseline = (baseline_runner, package)
             predictor = None if args.ab_only else hstu_export.load(package)
             for batch in args.batches:
                 try:
                     entry["batches"][batch] = batch_row(runner, package, predictor, model, work, batch, args.iters,
-                                                        work_dir, args.out, baseline, args.ab_only)
+                                                        work_dir, args.out, baseline, args.ab_only,
+                                                        ("kv",) if args.ab_kv_program else ("no_cache", "kv"))
                 except Exception as exc:  # recorded; the rest still runs
                     entry["batches"][batch] = failure(exc)
                 save()
