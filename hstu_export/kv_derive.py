@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx.operator_schemas import normalize_function
 
+from hstu_export.capture.graph_functions import to_dtype_of, to_floating_dtype
 from hstu_export.errors import ConfigError, ExportError
 from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offsets
 from hstu_export.ops.reference import stu_gate
@@ -58,6 +59,7 @@ ELEMENTWISE = {
     torch.div, torch.neg, torch.sigmoid, torch.tanh, torch.relu, torch.exp, torch.rsqrt, torch.sqrt, torch.square,
     torch.where, torch.clamp, F.silu, F.relu, F.gelu, F.dropout, F.linear, F.layer_norm, F.rms_norm, F.normalize,
     stu_gate,  # the STU gate over the rows' last axis (ungate)
+    to_dtype_of, to_floating_dtype,  # the casts of a bf16 or fp16 export before a layer (follow_parameter_dtypes)
 }  # fmt: skip
 ELEMENTWISE_METHODS = {"add", "sub", "mul", "div", "neg", "sigmoid", "tanh", "relu", "exp", "rsqrt", "sqrt",
                        "clamp", "to", "float", "half", "bfloat16", "type", "contiguous", "clone", "type_as"}

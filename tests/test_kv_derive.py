@@ -466,6 +466,50 @@ def test_a_gated_attention_is_written_as_the_attention_and_its_gate() -> None:
     torch.testing.assert_close(gm(uvqk, offsets), want, rtol=1e-5, atol=1e-6)
 
 
+def test_the_zoo_model_in_bf16_derives_through_its_casts(tmp_path: Path) -> None:
+    """A bf16 export casts each layer's input to its weights' dtype (follow_parameter_dtypes' ``to_dtype_of``):
+    the derivation reads those casts as row-local, and the derived program answers a grown history and new
+    candidates as the dense half does, in bf16."""
+    import hstu_export
+    from hstu_export.exporter import _compile_inputs, capture
+    from hstu_export.kv_derived_export import derive_for_export
+    from hstu_export.models import build_preset
+
+    model = build_preset("tiny", seed=0)
+    schema = model.input_schema()
+    bundle = hstu_export.load_bundle(hstu_export.save_bundle(model, tmp_path / "zoo.pt",
+                                                             hstu_export.generate_batch(schema, 2, seed=1)))
+    settings = hstu_export.ExportSettings(backend="aoti", kv_cache=True, kv_program="derived", dtype="bf16",
+                                          max_batch_size=4, skip_passes=("fuse_stu_gate",))
+    with torch.no_grad():
+        captured = capture(bundle, settings, "triton")
+        result = on_the_cpu(captured.result)  # the attention as our op with its CPU kernel
+        inputs = _compile_inputs(result, captured.schema.to_graph_inputs(captured.example), captured.schema,
+                                 captured.ranges, settings)
+        derived = derive_for_export(result, inputs, "aten")  # lowered to the target that runs here
+    casts = [n for n in derived.program.graph.nodes if n.op == "call_function" and n.target.__name__ == "to_dtype_of"]
+    assert casts, "a bf16 dense half has casts before its layers"
+
+    def dense_inputs(request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        graph = captured.schema.to_graph_inputs(request)
+        sparse = result.sparse(**{t.name: graph[t.name] for t in result.boundary.sparse_inputs})
+        return {t.name: sparse[t.name] if t.source == "sparse" else graph[t.name] for t in result.boundary.dense_inputs}
+
+    ranker = DerivedCachedRanker(EagerDerived(dense_inputs, derived, dtype=torch.bfloat16), budget_bytes="4MiB",
+                                 page_size=16)
+    whole = hstu_export.generate_batch(schema, 2, seed=11, lengths={"uih_lengths": [12, 9], "candidate_lengths": [3, 2]})
+    again = hstu_export.generate_batch(schema, 2, seed=12, lengths={"uih_lengths": [12, 9], "candidate_lengths": [2, 4]})
+    again = {**again, **{k: v for k, v in whole.items() if k.startswith("uih_") or k in ("query_time", "user_id",
+                                                                                          "user_age")}}
+    for request in (whole, again):
+        with torch.no_grad():
+            got, want = ranker(request, [1, 2]), result.dense(**dense_inputs(request))
+        for name in want:
+            assert got[name].dtype == torch.bfloat16
+            torch.testing.assert_close(got[name].float(), want[name].float(), rtol=2e-2, atol=2e-2)
+    assert ranker.cache.stats()["hits"] == 2, ranker.cache.stats()
+
+
 def test_the_delta_program_choice_is_checked(tmp_path: Path) -> None:
     import hstu_export
     from hstu_export.settings import ExportSettings
