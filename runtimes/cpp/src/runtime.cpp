@@ -22,6 +22,7 @@
 #include <set>
 #include <sstream>
 #include <streambuf>
+#include <tuple>
 
 #include "json.h"
 #include "package_impl.h"
@@ -1057,6 +1058,35 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
   return std::shared_ptr<const Package>(new Package(std::move(impl)));
 }
 
+namespace {
+
+// The smallest and largest value of a non-empty tensor, in one pass (aminmax): a request's ids are read once, not once
+// for the least and again for the greatest (32 users of 4096 history tokens: 131k ids a feature).
+struct Extremes {
+  bool integral = false;
+  at::Tensor low, high;
+
+  bool below(double bound) const { return low.item<double>() < bound; }
+  bool above(double bound) const { return high.item<double>() > bound; }
+  std::string text(const at::Tensor& v) const {
+    return integral ? std::to_string(v.item<int64_t>()) : c10::str(v.item<double>());
+  }
+};
+
+Extremes extremes(const at::Tensor& t) {
+  Extremes out;
+  out.integral = !at::isFloatingType(t.scalar_type());
+  if (t.scalar_type() == at::kBool) {  // aminmax takes numbers
+    out.low = t.min();
+    out.high = t.max();
+  } else {
+    std::tie(out.low, out.high) = at::aminmax(t);
+  }
+  return out;
+}
+
+}  // namespace
+
 int64_t Package::validate(const Tensors& request) const {
   const auto& features = impl_->features;
   std::vector<std::string> missing, unknown, expected;
@@ -1098,22 +1128,15 @@ int64_t Package::validate(const Tensors& request) const {
       }
     }
     if (t.numel() > 0 && (f.min_value || f.max_value)) {
-      bool integral = !at::isFloatingType(t.scalar_type());
-      auto text = [&](const at::Tensor& v) {
-        return integral ? std::to_string(v.item<int64_t>()) : c10::str(v.item<double>());
-      };
-      if (f.min_value) {
-        at::Tensor low = t.min();
-        if (low.item<double>() < *f.min_value) {
-          throw RequestError("feature " + name + " has value " + text(low) + " below the minimum " + c10::str(*f.min_value));
-        }
+      const Extremes found = extremes(t);
+      if (f.min_value && found.below(*f.min_value)) {
+        throw RequestError("feature " + name + " has value " + found.text(found.low) + " below the minimum " +
+                           c10::str(*f.min_value));
       }
-      if (f.max_value) {
-        at::Tensor high = t.max();
-        if (high.item<double>() > *f.max_value) {
-          throw RequestError("feature " + name + " has " + (f.kind == "lengths" ? "length " : "value ") + text(high) +
-                             " beyond the exported maximum " + c10::str(static_cast<int64_t>(*f.max_value)));
-        }
+      if (f.max_value && found.above(*f.max_value)) {
+        throw RequestError("feature " + name + " has " + (f.kind == "lengths" ? "length " : "value ") +
+                           found.text(found.high) + " beyond the exported maximum " +
+                           c10::str(static_cast<int64_t>(*f.max_value)));
       }
     }
   }
