@@ -120,7 +120,7 @@ def same_run_ab(setups: dict[str, tuple[Path, Path]], request_args: list[object]
     (``..._whole``: the request as served). ``request_args``: the request's folders (the last one is the one
     sent without cache); ``kv_args``: what follows them for the cache. The first round writes every answer
     under ``answers_dir``; where all setups serve one package, ``answers_equal`` says whether their answers are
-    equal bit for bit. ``kinds``: which of the two to time."""
+    equal bit for bit, and otherwise ``answers_rel_l2`` how far apart they are. ``kinds``: which of the two to time."""
     out: dict = {}
     for round_ in range(3):
         for label, (runner, package) in setups.items():

@@ -468,8 +468,8 @@ def test_a_gated_attention_is_written_as_the_attention_and_its_gate() -> None:
 
 def test_the_zoo_model_in_bf16_derives_through_its_casts(tmp_path: Path) -> None:
     """A bf16 export casts each layer's input to its weights' dtype (follow_parameter_dtypes' ``to_dtype_of``):
-    the derivation reads those casts as row-local, and the derived program answers a grown history and new
-    candidates as the dense half does, in bf16."""
+    the derivation reads those casts as row-local, and the derived program answers a first request and the same
+    histories with new candidates (hits) as the dense half does, in bf16."""
     import hstu_export
     from hstu_export.exporter import _compile_inputs, capture
     from hstu_export.kv_derived_export import derive_for_export
