@@ -429,6 +429,7 @@ def main() -> None:
             if exporting is not None:
                 stdout, stderr = exporting.communicate(timeout=1800)
                 entry["baseline_export"] = {"returncode": exporting.returncode, "tail": (stdout + stderr)[-1500:]}
+                (args.out / f"{name}_other_export.log").write_text(stdout + stderr)  # whole: a failure's traceback
                 save()
                 if exporting.returncode != 0:
                     continue
