@@ -416,13 +416,13 @@ def main() -> None:
             exporting = None
             if checkout is not None or args.ab_kv_program:  # the other package, exported meanwhile
                 # The baseline's own code exports its package; or this code, with the derived delta program.
-                env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")])}
+                env = None if checkout is None else {
+                    **os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")])}
                 other = (["--kv-program", args.ab_kv_program] if args.ab_kv_program else [])
                 exporting = subprocess.Popen(
                     [sys.executable, __file__, "--out", str(work_dir / "baseline"), "--export-only", name,
                      "--batches", *map(str, args.batches), *other],
-                    env=env if checkout is not None else None, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    text=True)  # fmt: skip
+                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
             model, package, entry["export_seconds"] = export_package(name, max(args.batches), work_dir)
             entry["kv_parity"] = kv_parity(package)
             baseline = None
