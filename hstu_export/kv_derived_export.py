@@ -23,6 +23,13 @@ DERIVED = "derived"
 GROWN = "the histories grown by a token"
 NEW_CANDIDATES = "the same histories with new candidates"
 
+# Inductor options the derived program is compiled with on CUDA, under the user's --aoti-option. It is tuned on
+# its export example, run once (Inductor's two-pass AOT compile), not on the generated tensors of compile-time
+# autotuning: those hold zeros and size hints, from which the program's gathers compute rows outside their tables
+# (a device-side assert in a fused gather). Not the written program's `combo_kernels`
+# (kv_export.DELTA_INDUCTOR_OPTIONS): Inductor's combined kernels refuse its reductions over data-dependent sizes.
+DERIVED_CUDA_OPTIONS: dict[str, bool | int | float | str] = {"triton.autotune_at_compile_time": False}
+
 
 def derive_for_export(result: Any, inputs: Any, op_target: str) -> DerivedDelta:
     """The delta program of ``result`` (the pipeline run again at the ``triton`` target without fusions, so
@@ -40,6 +47,12 @@ def derive_for_export(result: Any, inputs: Any, op_target: str) -> DerivedDelta:
     derived.program = MapOps().run(derived.program, PassContext(example_inputs={}, op_target=op_target))
     derived.program.recompile()
     return derived
+
+
+def derived_inductor_options(device: torch.device, user: dict[str, Any]) -> dict[str, Any]:
+    """The derived program's Inductor options on ``device``: :data:`DERIVED_CUDA_OPTIONS` on CUDA, then the
+    user's (``--aoti-option``), which win."""
+    return {**(DERIVED_CUDA_OPTIONS if device.type == "cuda" else {}), **user}
 
 
 def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out_dir: Path) -> dict[str, Any]:
@@ -83,7 +96,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
     except Exception as exc:
         raise ExportError(f"torch.export of the derived KV-cache delta program failed: {plain_first_line(exc)}") from exc
     (out_dir / KV_DELTA_FILE).parent.mkdir(parents=True, exist_ok=True)
-    options = dict(settings.aoti_options)
+    options = derived_inductor_options(device, settings.aoti_options)
     try:
         with unbacked_ranges_hold_at_one():
             torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / KV_DELTA_FILE),
