@@ -1060,29 +1060,46 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
 
 namespace {
 
-// The smallest and largest value of a non-empty tensor, in one pass (aminmax): a request's ids are read once, not once
-// for the least and again for the greatest (32 users of 4096 history tokens: 131k ids a feature).
+// The smallest and largest value of a non-empty tensor, in one pass: a request's ids are read once, not once for
+// the least and again for the greatest (32 users of 4096 history tokens: 131k ids a feature). Integers on the host
+// are scanned on the calling thread: ATen's reduction fans out to torch's intra-op threads, which at 32 users took
+// three times as long on average as one thread, with a long tail (docs/PERF.md, "host round trips").
 struct Extremes {
-  bool integral = false;
-  at::Tensor low, high;
+  c10::Scalar low, high;
 
-  bool below(double bound) const { return low.item<double>() < bound; }
-  bool above(double bound) const { return high.item<double>() > bound; }
-  std::string text(const at::Tensor& v) const {
-    return integral ? std::to_string(v.item<int64_t>()) : c10::str(v.item<double>());
+  bool below(double bound) const { return low.to<double>() < bound; }
+  bool above(double bound) const { return high.to<double>() > bound; }
+  static std::string text(const c10::Scalar& v) {
+    return v.isIntegral(/*includeBool=*/true) ? std::to_string(v.to<int64_t>()) : c10::str(v.to<double>());
   }
 };
 
-Extremes extremes(const at::Tensor& t) {
-  Extremes out;
-  out.integral = !at::isFloatingType(t.scalar_type());
-  if (t.scalar_type() == at::kBool) {  // aminmax takes numbers
-    out.low = t.min();
-    out.high = t.max();
-  } else {
-    std::tie(out.low, out.high) = at::aminmax(t);
+template <typename T>
+Extremes scanned(const at::Tensor& t) {
+  const T* p = t.const_data_ptr<T>();
+  T low = p[0], high = p[0];
+  for (int64_t i = 1, n = t.numel(); i < n; ++i) {
+    low = std::min(low, p[i]);
+    high = std::max(high, p[i]);
   }
-  return out;
+  return {c10::Scalar(static_cast<int64_t>(low)), c10::Scalar(static_cast<int64_t>(high))};
+}
+
+Extremes extremes(const at::Tensor& t) {
+  if (t.is_cpu() && t.is_contiguous()) {
+    switch (t.scalar_type()) {
+      case at::kLong: return scanned<int64_t>(t);
+      case at::kInt: return scanned<int32_t>(t);
+      case at::kShort: return scanned<int16_t>(t);
+      case at::kChar: return scanned<int8_t>(t);
+      case at::kByte: return scanned<uint8_t>(t);
+      case at::kBool: return scanned<bool>(t);
+      default: break;  // floating point: NaN is handled as ATen handles it
+    }
+  }
+  if (t.scalar_type() == at::kBool) return {t.min().item(), t.max().item()};  // aminmax takes numbers
+  auto [low, high] = at::aminmax(t);
+  return {low.item(), high.item()};
 }
 
 }  // namespace
@@ -1130,12 +1147,12 @@ int64_t Package::validate(const Tensors& request) const {
     if (t.numel() > 0 && (f.min_value || f.max_value)) {
       const Extremes found = extremes(t);
       if (f.min_value && found.below(*f.min_value)) {
-        throw RequestError("feature " + name + " has value " + found.text(found.low) + " below the minimum " +
+        throw RequestError("feature " + name + " has value " + Extremes::text(found.low) + " below the minimum " +
                            c10::str(*f.min_value));
       }
       if (f.max_value && found.above(*f.max_value)) {
         throw RequestError("feature " + name + " has " + (f.kind == "lengths" ? "length " : "value ") +
-                           found.text(found.high) + " beyond the exported maximum " +
+                           Extremes::text(found.high) + " beyond the exported maximum " +
                            c10::str(static_cast<int64_t>(*f.max_value)));
       }
     }
