@@ -186,39 +186,6 @@ def test_a_history_grown_over_many_requests(cpp_runtime, kv_package, tmp_path) -
     assert (stats["misses"], stats["hits"], stats["stale"]) == (2, grown[0] + 18, grown[1] + 1)
 
 
-def test_histories_compared_on_several_threads(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """--kv-compare-threads 4: the users' cached histories are compared with the request's on up to four threads
-    (by default only beyond 256 KiB of history, more than these packages hold). Four users' histories grow, and
-    two of them change in their middle: the answers equal Python's bit for bit, and the hits and stale users are
-    the ones the calling thread alone finds."""
-    name, root, _ = kv_package
-    users = Users(CONFIGS[name], seed=13)
-    for user in IDS:
-        users.grow(user, 6)
-    steps = []
-    for k in range(6):
-        for user in IDS:
-            users.grow(user, 1)
-        if k in (2, 4):
-            for user in ("b", "d") if k == 2 else ("c",):
-                item, action, stamp = users.history[user][3]
-                users.history[user][3] = ((item + 1) % CONFIGS[name].item_vocab_size, action, stamp)
-        steps.append((list(IDS), users.request(list(IDS), [2, 1, 3, 1])))
-    ranker = hstu_export.load(root).kv_cache()
-    python = [ranker(request, [IDS[u] for u in who]) for who, request in steps]
-    counts = {}
-    for threads in (4, 1):
-        done, cpp = _run_cpp(cpp_runtime, root, steps, tmp_path / str(threads), "--kv-cache", "auto",
-                             "--kv-compare-threads", threads)
-        for k, got in enumerate(cpp):
-            for key in python[k]:
-                assert torch.equal(got[key], python[k][key]), (threads, k, key)
-        counts[threads] = _stats(done.stdout)
-    assert counts[4] == counts[1] == ranker.cache.stats()
-    if name == "no-context":  # every user a hit after the first request, but the three changed histories
-        assert (counts[4]["misses"], counts[4]["hits"], counts[4]["stale"]) == (4, 17, 3)
-
-
 def test_cpp_phase_times_of_cached_requests(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """--phase-times with --kv-cache: a line per request of the sequence, the dense half (the delta program
     as served) timed apart from the bookkeeping and the sparse half; the answers stay the first pass's."""
@@ -298,10 +265,7 @@ def test_bad_kv_arguments_are_refused_in_one_line(cpp_runtime, kv_package, tmp_p
         ((one, one, "--user-ids", "1,2"), "several only with --kv-cache"),
         ((one, "--kv-cache", "12XB", "--user-ids", "1,2"), "--kv-cache needs a positive integer, got '12XB'"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,x"), "--user-ids needs integers, got 'x'"),
-        ((one, "--user-ids", "1,2"), "--user-ids, --max-time-drift, --kv-graphs and --kv-compare-threads go with"),
-        ((one, "--kv-compare-threads", "2"), "--kv-compare-threads go with --kv-cache"),
-        ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-compare-threads", "-1"),
-         "--kv-compare-threads needs an integer of 0 or more, got '-1'"),
+        ((one, "--user-ids", "1,2"), "--user-ids, --max-time-drift and --kv-graphs go with --kv-cache"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-graphs", "always"),
          "--kv-graphs is auto, on, off or buckets, got 'always'"),
     ]

@@ -5,12 +5,10 @@
 #include "hstu_export/kv_cache.h"
 
 #include <c10/core/DeviceGuard.h>
-#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <array>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -207,38 +205,6 @@ struct HostInts {
   }
 };
 
-// Reading more than this many bytes of the request, users' histories are compared with their cache on several
-// threads (32 users of 3968 cached tokens: 3 MiB against 3 MiB, 0.54 ms on one thread, docs/PERF.md).
-constexpr int64_t kBytesPerThread = 256 * 1024;
-
-// work(b) for each b in [0, n), in contiguous slices of users on `threads` threads (KVCacheOptions::compare_threads;
-// 0: one per kBytesPerThread of `bytes` to read), this one and torch's inter-op threads (at::launch); returns when all
-// are done. `work` must not throw.
-void for_each_user(int64_t n, int64_t bytes, int64_t threads, const std::function<void(int64_t)>& work) {
-  const int64_t most = static_cast<int64_t>(at::get_num_interop_threads()) + 1;
-  int64_t slices = std::min<int64_t>({n, threads > 0 ? threads : bytes / kBytesPerThread, most});
-  if (slices < 2) {
-    for (int64_t b = 0; b < n; ++b) work(b);
-    return;
-  }
-  std::mutex mutex;
-  std::condition_variable done;
-  int64_t left = slices - 1;
-  auto slice = [&](int64_t k) {
-    for (int64_t b = n * k / slices; b < n * (k + 1) / slices; ++b) work(b);
-  };
-  for (int64_t k = 1; k < slices; ++k) {
-    at::launch([&, k] {
-      slice(k);
-      std::lock_guard<std::mutex> lock(mutex);
-      if (--left == 0) done.notify_one();
-    });
-  }
-  slice(0);
-  std::unique_lock<std::mutex> lock(mutex);
-  done.wait(lock, [&] { return left == 0; });
-}
-
 }  // namespace
 
 struct CachedRanker::Impl {
@@ -248,7 +214,6 @@ struct CachedRanker::Impl {
   std::unique_ptr<detail::AotiProgram> program;
   std::unique_ptr<detail::DeltaGraphs> graphs;  // shape buckets (CUDA graphs), or null: the program as it is
   int64_t max_time_drift = 0;
-  int64_t compare_threads = 0;  // KVCacheOptions::compare_threads
   std::vector<int64_t> edges;
   std::map<std::string, std::string> feature_of;  // delta program input -> the request feature it is fed from
   at::Tensor k, v;                                // [layers, pages + 1, page, H, D]; the last page is the scratch page
@@ -276,11 +241,8 @@ struct CachedRanker::Impl {
     for (const auto& name : kv.inputs) ordered.push_back(inputs.at(name));
     return program->run(ordered);
   }
-  // The user's entry as it stands: (tokens cached, the record that wrote them); (0, null) with nothing cached.
-  std::pair<int64_t, std::shared_ptr<const Record>> entry_of(int64_t user) const;
-  bool reusable(int64_t cached, const Record& record, const int64_t* context,
-                const std::array<const int64_t*, 3>& tokens, int64_t length, int64_t query_time) const;
-  void touch(int64_t user);
+  int64_t reusable(int64_t user, const int64_t* context, const std::array<const int64_t*, 3>& tokens, int64_t length,
+                   int64_t query_time, std::shared_ptr<const Record>* reused);
   std::vector<int64_t> reserve(int64_t user, int64_t tokens, int64_t keep);
   void commit(int64_t user, int64_t length, std::shared_ptr<const Record> record);
   void count(int64_t KVCacheStats::*counter, int64_t by = 1) {
@@ -433,10 +395,6 @@ std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> 
   const detail::KVSection& kv = impl->kv;
   if (options.max_time_drift < 0) throw Error("max_time_drift must be 0 or more seconds, got " + std::to_string(options.max_time_drift));
   impl->max_time_drift = options.max_time_drift;
-  if (options.compare_threads < 0) {
-    throw Error("compare_threads must be 0 (as many as pay) or more, got " + std::to_string(options.compare_threads));
-  }
-  impl->compare_threads = options.compare_threads;
   for (const auto& spec : pkg.artifacts.at("dense").inputs) {
     if (!spec.feature.empty()) impl->feature_of[spec.name] = spec.feature;
   }
@@ -516,33 +474,36 @@ NamedTensors CachedRanker::run(const Tensors& request, const std::vector<int64_t
 }
 
 // Tokens of the user's entry that may be reused exactly (0: recompute), counting a hit, miss or stale.
-std::pair<int64_t, std::shared_ptr<const Record>> CachedRanker::Impl::entry_of(int64_t user) const {
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = entries.find(user);
-  if (it == entries.end() || !it->second.record || it->second.length == 0) return {0, nullptr};
-  return {it->second.length, it->second.record};
-}
-
-// Whether `cached` tokens of `record` serve the user's request as they are: the same contextual ids, its history
-// a prefix of the request's, and its time buckets still the request's. Reads only: called on several threads.
-bool CachedRanker::Impl::reusable(int64_t cached, const Record& record, const int64_t* context,
-                                  const std::array<const int64_t*, 3>& tokens, int64_t length,
-                                  int64_t query_time) const {
+int64_t CachedRanker::Impl::reusable(int64_t user, const int64_t* context, const std::array<const int64_t*, 3>& tokens,
+                                     int64_t length, int64_t query_time, std::shared_ptr<const Record>* reused) {
   const int64_t c = static_cast<int64_t>(kv.contextual_features.size());
+  std::shared_ptr<const Record> record;
+  int64_t cached = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = entries.find(user);
+    if (it != entries.end()) {
+      recency.splice(recency.end(), recency, it->second.order);  // most recently used
+      record = it->second.record;
+      cached = it->second.length;
+    }
+  }
+  if (cached == 0 || !record) {
+    count(&KVCacheStats::misses);
+    return 0;
+  }
   int64_t hist = cached - c;
   // Contextual tokens see the whole history: with them, only an unchanged history is reused.
   bool ok = hist <= length && !(c > 0 && hist != length);
-  ok = ok && std::equal(record.context.begin(), record.context.end(), context);
-  ok = ok && record.history() == hist && record.prefix_of(tokens);
+  ok = ok && std::equal(record->context.begin(), record->context.end(), context);
+  ok = ok && record->history() == hist && record->prefix_of(tokens);
   // In the same time buckets, or within the allowed drift (none by default: exact).
-  bool in_buckets = record.valid_lo <= query_time && query_time < record.valid_hi;
-  return ok && (in_buckets || (max_time_drift > 0 && query_time - record.query_time <= max_time_drift));
-}
-
-// The user's entry, if it has one, becomes the most recently used.
-void CachedRanker::Impl::touch(int64_t user) {
-  std::lock_guard<std::mutex> lock(mutex);
-  if (auto it = entries.find(user); it != entries.end()) recency.splice(recency.end(), recency, it->second.order);
+  bool in_buckets = record->valid_lo <= query_time && query_time < record->valid_hi;
+  ok = ok && (in_buckets || (max_time_drift > 0 && query_time - record->query_time <= max_time_drift));
+  count(ok ? &KVCacheStats::hits : &KVCacheStats::stale);
+  if (!ok) return 0;
+  *reused = record;
+  return cached;
 }
 
 // Pages for `tokens` tokens of the user, the first `keep` already cached (0: start afresh, the old
@@ -618,39 +579,24 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
   std::vector<bool> stored(batch, false);
   std::vector<std::shared_ptr<const Record>> reused(batch);
   std::vector<std::vector<int64_t>> contexts(batch);
-  std::vector<std::pair<int64_t, std::shared_ptr<const Record>>> found(batch);  // (tokens cached, record)
-  std::vector<std::array<const int64_t*, 3>> tokens(batch);
-  int64_t compared = 0;  // bytes of cached history to compare with the request's
-  for (int64_t b = 0; b < batch; ++b) {
-    for (const auto& column : context) contexts[b].push_back(column.data[b]);
-    for (size_t row = 0; row < tokens[b].size(); ++row) tokens[b][row] = rows[row].data + hist_off[b];
-    if (seen[users[b]] > 1) continue;  // the same user twice in one batch: served, not stored
-    found[b] = entry_of(users[b]);  // the users' entries are pinned: they stay as found until the request ends
-    compared += static_cast<int64_t>(kTokenRows.size() * sizeof(int64_t)) * found[b].first;
-  }
-  std::vector<char> reuse(batch, 0);
-  for_each_user(batch, compared, compare_threads, [&](int64_t b) {
-    const auto& [length, record] = found[b];
-    reuse[b] = record && reusable(length, *record, contexts[b].data(), tokens[b], hist_len.data[b], query_time.data[b]);
-  });
   int64_t bypassed = 0;
   for (int64_t b = 0; b < batch; ++b) {
-    if (seen[users[b]] > 1) {
+    for (const auto& column : context) contexts[b].push_back(column.data[b]);
+    if (seen[users[b]] > 1) {  // the same user twice in one batch: served, not stored
       bypassed += 1;
       continue;
     }
-    touch(users[b]);
-    count(!found[b].second ? &KVCacheStats::misses : reuse[b] ? &KVCacheStats::hits : &KVCacheStats::stale);
-    if (reuse[b]) reused[b] = found[b].second;
-    int64_t keep = reuse[b] ? found[b].first : 0;
+    std::array<const int64_t*, 3> tokens;
+    for (size_t row = 0; row < tokens.size(); ++row) tokens[row] = rows[row].data + hist_off[b];
+    int64_t reuse = reusable(users[b], contexts[b].data(), tokens, hist_len.data[b], query_time.data[b], &reused[b]);
     try {
-      tables[b] = reserve(users[b], c + hist_len.data[b], keep);
+      tables[b] = reserve(users[b], c + hist_len.data[b], reuse);
     } catch (const CacheFull&) {
       reused[b].reset();
       bypassed += 1;
       continue;
     }
-    cached[b] = keep;
+    cached[b] = reuse;
     stored[b] = true;
   }
   if (bypassed > 0) count(&KVCacheStats::bypassed, bypassed);

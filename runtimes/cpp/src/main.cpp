@@ -75,8 +75,6 @@ constexpr const char* kUsage =
     "  --user-ids IDS         the users of one REQUEST_DIR, comma-separated integers in batch order; give\n"
     "                         it once per REQUEST_DIR, in the same order\n"
     "  --max-time-drift S     seconds a cached token keeps its timestamp bucket (default 0: exact)\n"
-    "  --kv-compare-threads N threads comparing cached histories with a request's (default 0: as many as pay,\n"
-    "                         one per 256 KiB of history; 1: the calling thread)\n"
     "  --kv-graphs MODE       auto (default: CUDA graphs for a CUDA package, when the runtime was built\n"
     "                         with CUDA headers), on, off, or buckets (shape buckets without graphs, any\n"
     "                         device: checks the buckets' bookkeeping)\n";
@@ -218,9 +216,6 @@ Args parse(int argc, char** argv) {
       args.kv_graphs_given = true;
     } else if (arg == "--max-time-drift") {
       args.kv_options.max_time_drift = integer(arg, value(), 0);
-    } else if (arg == "--kv-compare-threads") {
-      args.kv_options.compare_threads = integer(arg, value(), 0);
-      if (args.kv_options.compare_threads > 1024) usage_error("--kv-compare-threads is too large: " + std::to_string(args.kv_options.compare_threads));
     } else if (!arg.empty() && arg[0] == '-') {
       usage_error("unknown option " + arg);
     } else {
@@ -231,9 +226,8 @@ Args parse(int argc, char** argv) {
     usage_error(positional.size() < 2 ? "expected PACKAGE and REQUEST_DIR"
                                       : "expected PACKAGE and one REQUEST_DIR (several only with --kv-cache)");
   }
-  if (!args.kv && (!args.user_ids.empty() || args.kv_options.max_time_drift != 0 || args.kv_graphs_given ||
-                   args.kv_options.compare_threads != 0)) {
-    usage_error("--user-ids, --max-time-drift, --kv-graphs and --kv-compare-threads go with --kv-cache");
+  if (!args.kv && (!args.user_ids.empty() || args.kv_options.max_time_drift != 0 || args.kv_graphs_given)) {
+    usage_error("--user-ids, --max-time-drift and --kv-graphs go with --kv-cache");
   }
   if (args.kv && args.follow >= 0) {
     usage_error("--follow serves without --kv-cache (a new version's weights would not match the cached K/V)");

@@ -47,10 +47,6 @@ struct KVCacheOptions {
   // 0: exact, an entry whose buckets moved is recomputed.
   int64_t max_time_drift = 0;
   KVGraphs graphs = KVGraphs::kAuto;
-  // Threads that compare the users' cached histories with a request's (the zoo's delta program): 0, as many as
-  // pay (one per 256 KiB of cached history, at most torch's inter-op threads and the calling one); 1, the calling
-  // thread only; N, up to N, one user at least each.
-  int64_t compare_threads = 0;
 };
 
 struct KVCacheStats {
