@@ -206,6 +206,11 @@ def test_stale_is_found_per_user_from_its_own_rows() -> None:
         changed[row, 1] += by  # user 0's rows 0-4, user 1's 5-8, user 2's 9-14
         stale = delta_rows(offsets, None, cached, [changed], pages.clone(), table)[4]
         assert stale.tolist() == want, (row, stale)
+    # A NaN kept in the pages differs too, as does one in the request's row.
+    kept = pages.clone()
+    delta_rows(offsets, None, torch.zeros(3, dtype=torch.int64), [rows], kept, table)
+    kept[int(table[1, 0]), 1, 2] = float("nan")  # user 1's second row
+    assert delta_rows(offsets, None, cached, [rows], kept, table)[4].tolist() == [False, True, False]
 
 
 def test_outputs_never_read_the_rows_of_cached_tokens() -> None:
