@@ -14,7 +14,7 @@ from torch import Tensor
 
 from hstu_export.errors import ConfigError, ExportError
 from hstu_export.kv_derive import DELTA_INPUTS, DerivedDelta, derive_delta, generic_ops
-from hstu_export.kv_export import page_table_width_bound
+from hstu_export.kv_export import delta_inductor_options, page_table_width_bound
 from hstu_export.runtimes.base import DimSpec, torch_dynamic_shapes
 
 KV_DELTA_FILE = "kv/delta.pt2"
@@ -47,12 +47,6 @@ def derive_for_export(result: Any, inputs: Any, op_target: str) -> DerivedDelta:
     derived.program = MapOps().run(derived.program, PassContext(example_inputs={}, op_target=op_target))
     derived.program.recompile()
     return derived
-
-
-def derived_inductor_options(device: torch.device, user: dict[str, Any]) -> dict[str, Any]:
-    """The derived program's Inductor options on ``device``: :data:`DERIVED_CUDA_OPTIONS` on CUDA, then the
-    user's (``--aoti-option``), which win."""
-    return {**(DERIVED_CUDA_OPTIONS if device.type == "cuda" else {}), **user}
 
 
 def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out_dir: Path) -> dict[str, Any]:
@@ -96,7 +90,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
     except Exception as exc:
         raise ExportError(f"torch.export of the derived KV-cache delta program failed: {plain_first_line(exc)}") from exc
     (out_dir / KV_DELTA_FILE).parent.mkdir(parents=True, exist_ok=True)
-    options = derived_inductor_options(device, settings.aoti_options)
+    options = delta_inductor_options(device, settings.aoti_options, DERIVED_CUDA_OPTIONS)
     try:
         with unbacked_ranges_hold_at_one():
             torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / KV_DELTA_FILE),

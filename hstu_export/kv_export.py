@@ -61,10 +61,11 @@ EXAMPLE_USERS = 16  # the most users the export example may need to make its siz
 DELTA_INDUCTOR_OPTIONS: dict[str, bool | int | float | str] = {"combo_kernels": True}
 
 
-def delta_inductor_options(device: torch.device, user: dict[str, Any]) -> dict[str, Any]:
-    """The delta program's Inductor options on ``device``: :data:`DELTA_INDUCTOR_OPTIONS` on CUDA, then the
-    user's (``--aoti-option``), which win."""
-    return {**(DELTA_INDUCTOR_OPTIONS if device.type == "cuda" else {}), **user}
+def delta_inductor_options(device: torch.device, user: dict[str, Any],
+                           cuda_defaults: dict[str, Any] = DELTA_INDUCTOR_OPTIONS) -> dict[str, Any]:
+    """A delta program's Inductor options on ``device``: ``cuda_defaults`` (the written program's,
+    :data:`DELTA_INDUCTOR_OPTIONS`, unless given) on CUDA, then the user's (``--aoti-option``), which win."""
+    return {**(cuda_defaults if device.type == "cuda" else {}), **user}
 
 
 def check_kv_cache(backend: str) -> None:

@@ -232,12 +232,13 @@ def test_aoti_options_reach_both_compiles_and_bad_ones_are_refused(tmp_path, mon
                                                                                              "x": 1}
     assert delta_inductor_options(torch.device("cpu"), {}) == {}
     # The derived program's (any model but the zoo's): tuned on its example run once, the user's options over it.
-    from hstu_export.kv_derived_export import derived_inductor_options
+    from hstu_export.kv_derived_export import DERIVED_CUDA_OPTIONS
 
-    assert derived_inductor_options(torch.device("cuda"), {}) == {"triton.autotune_at_compile_time": False}
-    assert derived_inductor_options(torch.device("cuda"), {"triton.autotune_at_compile_time": True, "x": 1}) == {
-        "triton.autotune_at_compile_time": True, "x": 1}
-    assert derived_inductor_options(torch.device("cpu"), {"x": 1}) == {"x": 1}
+    assert DERIVED_CUDA_OPTIONS == {"triton.autotune_at_compile_time": False}
+    assert delta_inductor_options(torch.device("cuda"), {}, DERIVED_CUDA_OPTIONS) == DERIVED_CUDA_OPTIONS
+    assert delta_inductor_options(torch.device("cuda"), {"triton.autotune_at_compile_time": True, "x": 1},
+                                  DERIVED_CUDA_OPTIONS) == {"triton.autotune_at_compile_time": True, "x": 1}
+    assert delta_inductor_options(torch.device("cpu"), {"x": 1}, DERIVED_CUDA_OPTIONS) == {"x": 1}
 
     # Options Inductor does not have, values of the wrong type, and the wrong backend: one line, exit code 2.
     for bad, message in [

@@ -1,7 +1,7 @@
 """Where the zoo's derived delta program spends its GPU time, against the written one: both "long" packages of
 benchmarks/cpp_kv_cache.py (dlrmv3 shapes, bf16, Triton kernels, --kv-cache, max batch 32) exported in this run,
 the derived one in a subprocess meanwhile. Per batch size, each package's cache (``hstu_export.load(...).kv_cache()``,
-without CUDA graphs, so that each call's kernels are its own) serves a request of ``--history`` tokens a user, then
+without CUDA graphs, so that each call's kernels are its own) serves a request of the workload's 4096 history tokens and 256 candidates a user, then
 the same histories with new candidates (re-ranking: every user a hit) again and again, under torch.profiler.
 
     PYTHONPATH=$PWD python benchmarks/investigations/derived_profile.py --out DIR [--batches 1 32]
@@ -29,7 +29,7 @@ from kv_cache import WORKLOADS, bench, request
 
 import hstu_export
 
-HERE = Path(__file__).resolve().parent.parent
+BENCHMARKS = Path(__file__).resolve().parent.parent
 
 
 def gpu_table(prof: profile, calls: int) -> tuple[float, int, str]:
@@ -54,7 +54,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     work_dir = Path(tempfile.mkdtemp())
     derived_export = subprocess.Popen(
-        [sys.executable, str(HERE / "cpp_kv_cache.py"), "--out", str(work_dir / "derived"), "--export-only", "long",
+        [sys.executable, str(BENCHMARKS / "cpp_kv_cache.py"), "--out", str(work_dir / "derived"), "--export-only", "long",
          "--batches", "32", "--kv-program", "derived"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     model, written, seconds = export_package("long", 32, work_dir / "written")
     log, _ = derived_export.communicate(timeout=1200)
