@@ -4,11 +4,13 @@
 The dense graph is read along its token axis: the rows of the jagged sequence every attention runs over.
 Walking back from each attention's q, k and v, a node is
 
-- *row-local*: a projection, norm, activation, elementwise op, cast, or a reshape or split that keeps the
-  first axis; row ``i`` of its output depends on row ``i`` of its inputs only;
+- *row-local*: a projection, norm, activation, elementwise op, cast, embedding lookup, or a reshape or split
+  that keeps the first axis; row ``i`` of its output depends on row ``i`` of its inputs only;
 - the *attention* (``hstu_export::hstu_mha`` after map_ops, whichever library it came from);
-- *row-mixing*: anything else that makes token rows (jagged concatenations, gathers, position and time
-  encodings). Those nodes are the *frontier*: the rows the layers start from.
+- *row-mixing*: anything else that makes token rows (jagged concatenations, gathers, the arithmetic of
+  positions and time buckets). Those nodes are the *frontier*: the rows the layers start from. The walk also
+  stops at integer rows (a position or time bucket an embedding looks up, a mask): those are compared exactly,
+  a few bytes a row, and the float work they feed runs on the new rows only.
 
 The layers are the row-local nodes and attentions reached from the frontier. Because the attention is
 causal and a history row never attends to a candidate, a row's K/V in every layer depends only on the
@@ -53,7 +55,10 @@ from hstu_export.ops.reference import stu_gate
 ATTENTION = "hstu_export.hstu_mha.default"
 
 ROW_LOCAL_MODULES = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.SiLU, nn.ReLU, nn.GELU, nn.Sigmoid, nn.Tanh,
-                     nn.Dropout, nn.Identity)  # fmt: skip
+                     nn.Dropout, nn.Identity, nn.Embedding)  # fmt: skip
+# Lookups of a table (not of the request) by per-row indices: row i of the output is the row index i names.
+# (F.embedding takes the indices first, torch.embedding the table first.)
+LOOKUPS = {F.embedding: 0, torch.embedding: 1}
 ELEMENTWISE = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, torch.add, torch.sub, torch.mul,
     torch.div, torch.neg, torch.sigmoid, torch.tanh, torch.relu, torch.exp, torch.rsqrt, torch.sqrt, torch.square,
@@ -173,6 +178,10 @@ class _Analysis:
             return False
         if n.op == "call_module":
             return isinstance(self.gm.get_submodule(str(n.target)), ROW_LOCAL_MODULES)
+        if n.op == "call_function" and n.target in LOOKUPS:
+            at = LOOKUPS[n.target]
+            indices, table = n.args[at], n.args[1 - at] if len(n.args) > 1 else n.kwargs.get("weight")
+            return self.rowish(indices) and not self.rowish(table)
         if n.op == "call_function" and n.target is operator.getitem:
             source, index = n.args
             if isinstance(self.values.get(source), (tuple, list)):
@@ -210,6 +219,12 @@ class _Analysis:
             return self._dim(n, dim) not in (0, None)
         return False
 
+    def exact(self, n: torch.fx.Node) -> bool:
+        """Integer or boolean rows: the walk stops there (compared bit for bit; whatever computed them from the
+        batch's layout, such as a position counted from the user's first row, stays before the frontier)."""
+        v = self.values.get(n)
+        return isinstance(v, Tensor) and not v.is_floating_point() and not v.is_complex()
+
     def walk(self) -> None:
         """Region (row-local nodes and attentions) and frontier, from the attentions backward, then forward
         over whatever row-local work follows them."""
@@ -225,7 +240,7 @@ class _Analysis:
                     self.region.add(m)
                     bound = self.args[self.attentions.index(m)]
                     stack.extend(bound[name] for name in ("q", "k", "v"))
-                elif self.row_local(m):
+                elif self.row_local(m) and not self.exact(m):
                     self.region.add(m)
                     stack.extend(a for a in m.all_input_nodes if self.rowish(a))
                 else:
@@ -236,7 +251,8 @@ class _Analysis:
         for n in self.gm.graph.nodes:  # topological: what the layers' rows feed, row by row
             if n in self.region or n in frontier or n.op == "output":
                 continue
-            if any(a in self.region for a in n.all_input_nodes) and (n in self.attentions or self.row_local(n)):
+            if any(a in self.region for a in n.all_input_nodes) and (n in self.attentions or (
+                    self.row_local(n) and not self.exact(n))):
                 for a in n.all_input_nodes:
                     if self.rowish(a) and a not in self.region:
                         visit(a)
@@ -267,9 +283,9 @@ class _Analysis:
                               f"delta program can run only row-local work and the attention there")
         for f in self.frontier:
             v = self.values[f]
-            if not isinstance(v, Tensor) or not v.is_floating_point():
+            if not isinstance(v, Tensor) or v.is_complex():
                 raise ConfigError(f"--kv-cache: the layers start from {f.name} ({_what(f)}), which is not a tensor of "
-                                  f"floating rows; only floating token rows can be compared with the cached ones")
+                                  f"real or integer rows; only those can be compared with the cached ones")
         for n in self.region:
             if n in self.attentions:
                 continue
@@ -316,9 +332,9 @@ def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, 
     """One delta call's row bookkeeping: ``(new_rows, q_offsets, seq_lens, num_targets, stale)``.
 
     ``cached[b]`` tokens of user b are taken as cached (a count beyond its non-target tokens is 0). Its
-    frontier rows before that are compared with ``x_pages`` (stale: a row differs beyond its rounding,
-    :func:`row_tolerance`); its new non-target frontier rows are stored there (others to the scratch page,
-    the pool's last). ``new_rows`` indexes the rows past each cached prefix, in order. ``whole_history``:
+    frontier rows before that are compared with ``x_pages`` (stale: a floating row differs beyond its rounding,
+    :func:`row_tolerance`, or an integer one in any bit); its new non-target frontier rows are stored there
+    (others to the scratch page, the pool's last): :func:`frontier_row`'s layout. ``new_rows`` indexes the rows past each cached prefix, in order. ``whole_history``:
     the attention's contextual rows see every history row, so every later row of a layer depends on the whole
     history through them, and a user whose history grew is stale too."""
     offsets = seq_offsets.to(torch.int64)
@@ -330,13 +346,13 @@ def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, 
     q_offsets = lengths_to_offsets(lengths - cached)
     total = frontier[0].shape[0]
     user, pos = jagged_positions_by_search(offsets, total)
-    x = torch.cat([f.reshape(total, -1).to(x_pages.dtype) for f in frontier], dim=1)
+    x, floating = frontier_row(frontier, x_pages.dtype)
     page_size, width, scratch = x_pages.shape[1], page_table.shape[1], x_pages.shape[0] - 1
     col = pos // page_size
     page = page_table.to(torch.int64)[user, col.clamp(0, max(width - 1, 0))].clamp(0, scratch)
     slot = pos % page_size
     before = cached[user]
-    differs = (_rows_differ(x_pages[page, slot], x) & (pos < before) & (col < width)).to(torch.int32)
+    differs = (_rows_differ(x_pages[page, slot], x, floating) & (pos < before) & (col < width)).to(torch.int32)
     # per user: its differing rows added up by user (`user` is within the batch). In int32, which Inductor adds
     # with atomics in the kernel; an int64 sum by index falls back to aten's, a sort on CUDA, and a running count
     # over the rows is one long scan (0.33 ms of a 32-user call on an H200, docs/PERF.md).
@@ -360,14 +376,41 @@ def row_tolerance(dtype: torch.dtype) -> float:
     return max(4 * torch.finfo(dtype).eps, 1e-5)
 
 
-def _rows_differ(cached: Tensor, rows: Tensor) -> Tensor:
-    """Per row: whether ``rows`` differs from ``cached`` beyond :func:`row_tolerance` (NaN differs). The row's
-    largest difference and largest value are two reductions of one pass over both rows (a bound computed
-    first, then each element held against it, would read the rows twice)."""
-    current = rows.to(torch.float32)
-    gap = (cached.to(torch.float32) - current).abs().amax(dim=1)
-    bound = row_tolerance(rows.dtype) * current.abs().amax(dim=1)
-    return ~(gap <= bound)
+def frontier_row(frontier: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, int]:
+    """The frontier rows as one row of ``dtype`` a token, and how many of its leading values are floating: the
+    floating frontier tensors cast to ``dtype``, then the integer ones as int64, their bytes read as ``dtype``
+    (8 bytes a value: :func:`row_width`), so that a stored row gives them back bit for bit."""
+    total = frontier[0].shape[0]
+    floats = [f.reshape(total, -1).to(dtype) for f in frontier if f.is_floating_point()]
+    ints = [f.reshape(total, -1).to(torch.int64) for f in frontier if not f.is_floating_point()]
+    parts = [*floats, *([torch.cat(ints, dim=1).view(dtype)] if ints else [])]
+    return torch.cat(parts, dim=1), sum(f.shape[1] for f in floats)
+
+
+def row_width(frontier: list[Tensor], dtype: torch.dtype) -> int:
+    """The width of :func:`frontier_row`'s rows (of one token's frontier tensors ``frontier``)."""
+    lanes = torch.empty((), dtype=torch.int64).element_size() // torch.empty((), dtype=dtype).element_size()
+    return sum(f.numel() * (1 if f.is_floating_point() else lanes) for f in frontier)
+
+
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _rows_differ(cached: Tensor, rows: Tensor, floating: int) -> Tensor:
+    """Per row: whether ``rows`` differs from ``cached``: its first ``floating`` values beyond
+    :func:`row_tolerance` (NaN differs), the rest (integer rows' bytes) in any bit. The row's largest difference
+    and largest value are two reductions of one pass over both rows (a bound computed first, then each element
+    held against it, would read the rows twice)."""
+    differs = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    if floating:
+        current = rows[:, :floating].to(torch.float32)
+        gap = (cached[:, :floating].to(torch.float32) - current).abs().amax(dim=1)
+        bound = row_tolerance(rows.dtype) * current.abs().amax(dim=1)
+        differs = ~(gap <= bound)
+    if rows.shape[1] > floating:
+        bits = _SAME_SIZE_INT[rows.element_size()]
+        differs = differs | (cached[:, floating:].view(bits) != rows[:, floating:].view(bits)).any(dim=1)
+    return differs
 
 
 def rows_back(new: Tensor, new_rows: Tensor, like: Tensor, fill: float) -> Tensor:
@@ -425,9 +468,9 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         raise ConfigError(f"--kv-cache: the layers' attentions differ in shape ({sorted(set(shapes))}); one pool holds "
                           f"every layer's K/V")
     (_, heads, dqk), (_, _, dv) = shapes[0]
-    row_dtypes = {recorder.values[f].dtype for f in frontier}
-    row_dtype = torch.float32 if len(row_dtypes) > 1 else row_dtypes.pop()
-    row_width = sum(recorder.values[f][0].numel() for f in frontier)
+    row_dtypes = {recorder.values[f].dtype for f in frontier if recorder.values[f].is_floating_point()}
+    row_dtype = row_dtypes.pop() if len(row_dtypes) == 1 else torch.float32
+    width = row_width([recorder.values[f][0] for f in frontier], row_dtype)
     seq_offsets, num_targets = bound0["seq_offsets"], bound0.get("num_targets")
     contextual = int(bound0.get("contextual_seq_len", 0) or 0)
 
@@ -498,7 +541,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
     program.recompile()
     return DerivedDelta(
         program=program, counts=_counts_program(gm, seq_offsets, num_targets),
-        num_layers=len(attentions), num_heads=heads, attention_dim=dqk, linear_dim=dv, row_width=row_width,
+        num_layers=len(attentions), num_heads=heads, attention_dim=dqk, linear_dim=dv, row_width=width,
         row_dtype=row_dtype, max_seq_len=int(bound0["max_seq_len"]), frontier=[f.name for f in frontier],
         layer_nodes=len(region),
         target_inputs=[str(n.target) for n in _ancestors(_nodes_in(num_targets)) if n.op == "placeholder"])  # fmt: skip

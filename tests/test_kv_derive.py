@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_fuse_stu_gate import GR_ATTENTION, on_the_cpu
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from user_models import dlrm_hstu, gr_style, tzrec_style
 
 from hstu_export.capture import trace
 from hstu_export.errors import ConfigError
-from hstu_export.kv_derive import delta_rows, derive_delta, row_tolerance
+from hstu_export.kv_derive import delta_rows, derive_delta, row_tolerance, row_width
 from hstu_export.ops.mappings import function_mappings, imported_functions
 from hstu_export.passes.context import PassContext
 from hstu_export.passes.manager import run_passes
@@ -211,6 +212,30 @@ def test_stale_is_found_per_user_from_its_own_rows() -> None:
     delta_rows(offsets, None, torch.zeros(3, dtype=torch.int64), [rows], kept, table)
     kept[int(table[1, 0]), 1, 2] = float("nan")  # user 1's second row
     assert delta_rows(offsets, None, cached, [rows], kept, table)[4].tolist() == [False, True, False]
+
+
+def test_integer_frontier_rows_are_compared_bit_for_bit_in_the_pages_of_a_narrow_dtype() -> None:
+    """An integer frontier tensor (a position or bucket an embedding looks up) is stored in bf16 pages as its
+    int64 bytes: a change of one in a value too large for bf16 (or for float32) marks its user stale, the same
+    values do not, and the floating rows beside them keep their tolerance."""
+    lengths = torch.tensor([3, 4])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    floats = torch.linspace(-1, 1, 7 * 2).reshape(7, 2).to(torch.bfloat16)
+    ids = (2**40 + torch.arange(7, dtype=torch.int64)).reshape(7, 1)
+    mask = torch.tensor([True, False, True, True, False, False, True])
+    assert row_width([floats[0], ids[0], mask[0]], torch.bfloat16) == 2 + 4 + 4
+    pages = torch.zeros(2 * 2 + 1, 4, 10, dtype=torch.bfloat16)
+    table = torch.arange(4, dtype=torch.int32).reshape(2, 2)
+    delta_rows(offsets, None, torch.zeros(2, dtype=torch.int64), [floats, ids, mask], pages, table)
+    stored = pages[int(table[1, 0]), 1, 2:6].view(torch.int64)  # user 1's second row: request row 4
+    assert stored.tolist() == [2**40 + 4]
+    cached = torch.tensor([3, 3])
+    for name, change, want in (("ids", 1, [False, True]), ("mask", True, [True, False]), ("floats", 0.0, [False, False])):
+        parts = {"floats": floats.clone(), "ids": ids.clone(), "mask": mask.clone()}
+        row = 4 if name == "ids" else 1
+        parts[name][row] = parts[name][row] + change if name != "mask" else ~parts[name][row]
+        stale = delta_rows(offsets, None, cached, [parts["floats"], parts["ids"], parts["mask"]], pages.clone(), table)[4]
+        assert stale.tolist() == want, name
 
 
 def test_outputs_never_read_the_rows_of_cached_tokens() -> None:
@@ -494,6 +519,11 @@ def test_the_zoo_model_in_bf16_derives_through_its_casts(tmp_path: Path) -> None
         derived = derive_for_export(result, inputs, "aten")  # lowered to the target that runs here
     casts = [n for n in derived.program.graph.nodes if n.op == "call_function" and n.target.__name__ == "to_dtype_of"]
     assert casts, "a bf16 dense half has casts before its layers"
+    # The position and time-bucket lookups run in the layers: the frontier holds their indices (8 bytes each, as
+    # 4 bf16 lanes) beside the token rows, not the looked-up rows.
+    lookups = [n for n in derived.program.graph.nodes if n.op == "call_function" and n.target is F.embedding]
+    assert len(lookups) == 2 and all(n.args[0].target is torch.index_select for n in lookups), lookups
+    assert derived.row_width == model.config.embedding_dim + 2 * 4, (derived.frontier, derived.row_width)
 
     def dense_inputs(request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         graph = captured.schema.to_graph_inputs(request)
