@@ -230,11 +230,13 @@ def test_integer_frontier_rows_are_compared_bit_for_bit_in_the_pages_of_a_narrow
     stored = pages[int(table[1, 0]), 1, 2:6].view(torch.int64)  # user 1's second row: request row 4
     assert stored.tolist() == [2**40 + 4]
     cached = torch.tensor([3, 3])
-    for name, change, want in (("ids", 1, [False, True]), ("mask", True, [True, False]), ("floats", 0.0, [False, False])):
+    for name, change, want in (("ids", 1, [False, True]), ("mask", True, [True, False]),
+                               ("floats", 0.0, [False, False])):
         parts = {"floats": floats.clone(), "ids": ids.clone(), "mask": mask.clone()}
         row = 4 if name == "ids" else 1
         parts[name][row] = parts[name][row] + change if name != "mask" else ~parts[name][row]
-        stale = delta_rows(offsets, None, cached, [parts["floats"], parts["ids"], parts["mask"]], pages.clone(), table)[4]
+        frontier = [parts["floats"], parts["ids"], parts["mask"]]
+        stale = delta_rows(offsets, None, cached, frontier, pages.clone(), table)[4]
         assert stale.tolist() == want, name
 
 

@@ -381,3 +381,55 @@ def test_flat_entry_exports_and_serves_the_batch_models_predictions(bundles: dic
     got = predictor({f"data.{k}": v for k, v in data.items()})
     with torch.no_grad():
         _assert_same(got, tzrec_style.build_ranker()(batch), tol=1e-5)
+
+
+@pytest.mark.slow
+def test_exports_with_its_derived_kv_program_served_the_same_by_python_and_cpp(tmp_path: Path,
+                                                                               cpp_runtime: object) -> None:
+    """--kv-cache on the TorchEasyRec-style model (its attention's length fixed, as TorchEasyRec's): verified
+    through its cache at export; a script of requests (a first one, the same again, new candidates for the same
+    histories, new histories of the same lengths) served through the package's cache equals the package without
+    it, with hits and stale users where they belong; the C++ runtime's cache answers bit for bit with the same
+    counters."""
+    import re
+
+    bundle = hstu_export.save_bundle(
+        tzrec_style.build_cacheable_ranker(), tmp_path / "cacheable.pt",
+        example_inputs=(tzrec_style.example_batch(*EXAMPLE),), factory="user_models.tzrec_style:build_cacheable_ranker",
+        ranges=tzrec_style.RANGES)
+    result = hstu_export.export(bundle, tmp_path / "pkg", dataclasses.replace(_settings("aoti"), kv_cache=True))
+    section, parity = result.manifest["kv_cache"], result.parity["kv_cache"]
+    assert section["kind"] == "derived" and section["layout"]["num_layers"] == 2
+    assert parity["passed"] and parity["cache"]["hits"] >= 1, parity
+
+    predictor = hstu_export.load(result.path)
+    model = hstu_export.load_bundle(bundle).model
+    ranker = predictor.kv_cache()
+    lengths = ([6, 2, 8], [1, 4, 2])
+    first = tzrec_style.example_batch(*lengths, seed=7)
+    other = tzrec_style.example_batch(*lengths, seed=8)
+    new_candidates = dataclasses.replace(first, sparse_features={**first.sparse_features,
+                                                                 "candidate": other.sparse_features["candidate"]})
+    script = [first, first, new_candidates, tzrec_style.example_batch(*lengths, seed=9)]
+    counts, expected, args = [], [], [result.path]
+    for k, batch in enumerate(script):
+        request = flatten_example(predictor.input_schema, (batch,), None, model)
+        got, want = ranker(request, [1, 2, 3]), predictor(request)
+        assert set(got) == set(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+        stats = ranker.cache.stats()
+        counts.append((stats["misses"], stats["hits"], stats["stale"]))
+        expected.append(got)
+        args.append(save_tensors(request, tmp_path / f"request{k}"))
+    assert counts == [(3, 0, 0), (3, 3, 0), (3, 6, 0), (3, 6, 3)], counts
+
+    for _ in script:
+        args += ["--user-ids", "1,2,3"]
+    done = cpp_runtime.run(*args, "--kv-cache", "auto", "--out", tmp_path / "out")  # type: ignore[attr-defined]
+    assert done.returncode == 0, done.stderr
+    for k, want in enumerate(expected):
+        got = load_tensors(tmp_path / "out" / str(k + 1))
+        assert set(got) == set(want) and all(torch.equal(got[name], want[name]) for name in want), k
+    found = re.findall(r"kv cache: (\d+) hits, (\d+) misses, (\d+) stale", done.stdout)
+    assert found and tuple(map(int, found[-1])) == (stats["hits"], stats["misses"], stats["stale"]), done.stdout

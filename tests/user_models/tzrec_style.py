@@ -84,8 +84,9 @@ class MultiTaskTower(nn.Module):
 
 
 class TzrecStyleRanker(nn.Module):
-    def __init__(self, dim: int = 16, heads: int = 2, layers: int = 2) -> None:
+    def __init__(self, dim: int = 16, heads: int = 2, layers: int = 2, attention_len: int | None = None) -> None:
         super().__init__()
+        self.attention_len = attention_len  # the attention's length (its padding and divisor); None: the batch's
         self.contextual_ebc = EmbeddingBagCollection(
             tables=[
                 EmbeddingBagConfig(name="user", embedding_dim=dim, num_embeddings=USERS, feature_names=["user_id"],
@@ -152,7 +153,7 @@ class TzrecStyleRanker(nn.Module):
         x = jagged_concat(x, left_offsets, c + max_uih, candidates, candidate_offsets, max_candidates)
         offsets = left_offsets + candidate_offsets
         for layer in self.layers:
-            x = layer(x, offsets, c + max_uih + max_candidates, num_targets)
+            x = layer(x, offsets, self.attention_len or c + max_uih + max_candidates, num_targets)
         return jagged_take_right(x, left_offsets, candidate_offsets, candidates.size(0))
 
     def predict(self, batch: Batch) -> dict[str, Tensor]:
@@ -198,16 +199,23 @@ class ScriptWrapper(nn.Module):
         return self.model.predict(self.get_batch(data))
 
 
-def build_ranker(dim: int = 16, heads: int = 2, layers: int = 2, seed: int = 0) -> TzrecStyleRanker:
+def build_ranker(dim: int = 16, heads: int = 2, layers: int = 2, seed: int = 0,
+                 attention_len: int | None = None) -> TzrecStyleRanker:
     """The factory a bundle names: ``user_models.tzrec_style:build_ranker``."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = TzrecStyleRanker(dim, heads, layers)
+        model = TzrecStyleRanker(dim, heads, layers, attention_len)
         for module in (model.contextual_ebc, model.sequence_ec):
             for table in module.embedding_bags.values() if isinstance(module, EmbeddingBagCollection) \
                     else module.embeddings.values():
                 nn.init.normal_(table.weight, std=0.1)
     return model.eval()
+
+
+def build_cacheable_ranker() -> TzrecStyleRanker:
+    """``user_models.tzrec_style:build_cacheable_ranker``: the attention's length fixed, as TorchEasyRec configures
+    it, at the longest sequence ``RANGES`` allow (3 contextual tokens, 8 history items, 4 candidates)."""
+    return build_ranker(attention_len=len(CONTEXTUAL_KEYS) + 1 + 8 + 4)
 
 
 def build_script_wrapper(dim: int = 16, heads: int = 2, layers: int = 2, seed: int = 0) -> ScriptWrapper:
