@@ -389,10 +389,10 @@ def export(
         from hstu_export.kv_derived_export import derive_for_export
 
         with _timed(timings, progress, "kv-cache derivation"), torch.no_grad():
-            # The pipeline again with each attention one node (our Triton op, read back as the generic op):
-            # the derivation reads the layers around it, then lowers the program to op_target.
-            again = capture(bundle, _replace(settings, dump_dir=None, skip_passes=(*settings.skip_passes, "fuse_stu_gate")),
-                            "triton")
+            # The pipeline again at the triton target, so that each attention is one node (our Triton op, read
+            # back as the generic op; a gated one as the attention and its gate, whichever model wrote it): the
+            # derivation reads the layers around it, then lowers the program to op_target.
+            again = capture(bundle, _replace(settings, dump_dir=None), "triton")
             with running_model(device, "while its delta program was derived"):
                 derived = derive_for_export(again.result, inputs, op_target)
     if settings.dryrun:

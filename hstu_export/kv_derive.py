@@ -21,7 +21,8 @@ frontier rows up to it. So the delta program
    whose prefix differs in any bit is *stale* (the program says so and the caller recomputes it; stale
    K/V are never served),
 3. runs the layers on the rows past each user's cached prefix only, each attention reading the cached
-   K/V from the pages and storing the new rows' K/V (and frontier rows) there,
+   K/V from the pages and storing the new rows' K/V (and frontier rows) there (on the ``triton`` target an
+   attention between a projection's column slices and the STU gate is one op, the written program's),
 4. puts the layers' rows back in their places (cached rows zero) for whatever reads them after the last
    layer: the heads, which read the candidates' rows, never cached.
 
@@ -36,6 +37,7 @@ value of the whole batch or mix rows between layers; :func:`derive_delta` refuse
 
 from __future__ import annotations
 
+import inspect
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -441,6 +443,78 @@ def paged_attention_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k
         contextual_seq_len, max_attn_len, max_seq_len, max_seq_len, 0)
 
 
+def paged_gated_attention_triton(uvqk: Tensor, q_offsets: Tensor, k_pool: Tensor, v_pool: Tensor, layer: int,
+                                 page_table: Tensor, seq_lens: Tensor, num_targets: Tensor, norm_weight: Tensor,
+                                 norm_bias: Tensor, eps: float, num_heads: int, attention_dim: int, linear_dim: int,
+                                 scaling_seqlen: int, alpha: float, contextual_seq_len: int, max_attn_len: int,
+                                 max_seq_len: int) -> Tensor:  # fmt: skip
+    """The paged attention and its STU gate in one op (two kernels; the attention's output is written once, into
+    the gate's concat): what :func:`paged_attention_triton` then :func:`~hstu_export.ops.reference.stu_gate`
+    compute from one uvqk projection's columns (u, v, q, k)."""
+    import hstu_export.ops._triton  # noqa: F401  (registers hstu_export::paged_hstu_mha_gated_store_triton)
+
+    return torch.ops.hstu_export.paged_hstu_mha_gated_store_triton(
+        uvqk, q_offsets, k_pool, v_pool, layer, page_table, seq_lens, num_targets, norm_weight, norm_bias, eps,
+        num_heads, attention_dim, linear_dim, scaling_seqlen, alpha, contextual_seq_len, max_attn_len, max_seq_len,
+        max_seq_len, 0)
+
+
+@dataclass
+class _GatedBlock:
+    """An attention whose q, k and v are column slices of one projection (u, v, q, k) and whose output feeds only
+    the STU gate with that u: the shape :func:`ungate` writes, which the derived program runs as one op."""
+
+    uvqk: torch.fx.Node
+    reshape: torch.fx.Node
+    gate: torch.fx.Node
+    num_heads: int
+    attention_dim: int
+    linear_dim: int
+
+
+def _gated_block(attention: torch.fx.Node, bound: dict[str, Any]) -> _GatedBlock | None:
+    """``attention``'s gated block, or None when the graph around it is anything else."""
+
+    def column(node: Any) -> tuple[torch.fx.Node, int] | None:  # (split, index) of reshape(getitem(split, index))
+        if not (isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in ("reshape", "view")):
+            return None
+        item = node.args[0]
+        if not (isinstance(item, torch.fx.Node) and item.target is operator.getitem and isinstance(item.args[1], int)):
+            return None
+        split = item.args[0]
+        if not (isinstance(split, torch.fx.Node) and split.op == "call_function" and split.target is torch.split):
+            return None
+        return split, item.args[1]
+
+    found = [column(bound[name]) for name in ("v", "q", "k")]
+    if any(f is None for f in found) or len({f[0] for f in found}) != 1 or [f[1] for f in found] != [1, 2, 3]:
+        return None
+    split = found[0][0]
+    sizes, dim = split.args[1], split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
+    if not (isinstance(sizes, (list, tuple)) and len(sizes) == 4 and dim in (-1, 1)):
+        return None
+    heads, dv = bound["v"].args[-2:] if len(bound["v"].args) == 4 else (None, None)
+    _, dqk = bound["q"].args[-2:] if len(bound["q"].args) == 4 else (None, None)
+    if not all(isinstance(x, int) and x > 0 for x in (heads, dv, dqk)) or list(sizes) != [dv * heads, dv * heads,
+                                                                                       dqk * heads, dqk * heads]:
+        return None
+    users = list(attention.users)
+    if len(users) != 1 or users[0].op != "call_method" or users[0].target not in ("reshape", "view"):
+        return None
+    reshape = users[0]
+    gates = list(reshape.users)
+    if len(gates) != 1 or gates[0].op != "call_function" or gates[0].target is not stu_gate:
+        return None
+    gate = gates[0]
+    u = gate.args[0] if gate.args else gate.kwargs.get("u")
+    if not (isinstance(u, torch.fx.Node) and u.target is operator.getitem and u.args == (split, 0)):
+        return None
+    if (gate.args[1] if len(gate.args) > 1 else gate.kwargs.get("a")) is not reshape:
+        return None
+    return _GatedBlock(uvqk=split.args[0], reshape=reshape, gate=gate, num_heads=heads, attention_dim=dqk,
+                       linear_dim=dv)
+
+
 # ---- the derivation ------------------------------------------------------------------------------------
 
 
@@ -454,6 +528,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
     attention (``triton``: our kernel; else plain aten); ``fill`` is what the rows of cached tokens read
     after the last layer (a check may pass NaN: no output may read them). Raises ConfigError naming why a
     model cannot be cached."""
+    gm = _without_dtype_reads(gm, example)
     recorder = _Recorder(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     with torch.no_grad():
@@ -503,13 +578,29 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         for f in frontier:
             rows[f] = graph.call_function(torch.index_select, (env[f], 0, book["new_rows"]))
 
+    # With our kernels, an attention between a projection's column slices and the STU gate runs as one op.
+    gated = {n: block for n, bound in zip(attentions, analysis.args, strict=True)
+             if op_target == "triton" and (block := _gated_block(n, bound)) is not None}  # fmt: skip
+    at_gate = {block.gate: n for n, block in gated.items()}
+    folded = {block.reshape for block in gated.values()}
     size_of_rows = analysis.rows
     for n in ordered:
-        if n.op in ("placeholder", "output"):
+        if n.op in ("placeholder", "output") or n in folded or n in gated:
             continue
         if n in region and not book:
             bookkeeping()
-        if n in attentions:
+        if n in at_gate:
+            a = at_gate[n]
+            b, block = analysis.args[attentions.index(a)], gated[a]
+            gate = inspect.signature(stu_gate).bind(*n.args, **n.kwargs)
+            gate.apply_defaults()
+            norm = (env[gate.arguments["norm_weight"]], env[gate.arguments["norm_bias"]], gate.arguments["eps"])
+            rows[n] = graph.call_function(paged_gated_attention_triton, (
+                rows[block.uvqk], book["q_offsets"], extra["kv_k_pages"], extra["kv_v_pages"], attentions.index(a),
+                extra["kv_page_table"], book["seq_lens"], book["num_targets"], *norm, block.num_heads,
+                block.attention_dim, block.linear_dim, b["scaling_seqlen"], b["alpha"], b.get("contextual_seq_len", 0),
+                b.get("max_attn_len", 0), b["max_seq_len"]))
+        elif n in attentions:
             b = analysis.args[attentions.index(n)]
             rows[n] = graph.call_function(attention, (
                 rows[b["q"]], rows[b["k"]], rows[b["v"]], book["q_offsets"], extra["kv_k_pages"],
@@ -545,6 +636,39 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         row_dtype=row_dtype, max_seq_len=int(bound0["max_seq_len"]), frontier=[f.name for f in frontier],
         layer_nodes=len(region),
         target_inputs=[str(n.target) for n in _ancestors(_nodes_in(num_targets)) if n.op == "placeholder"])  # fmt: skip
+
+
+def _without_dtype_reads(gm: torch.fx.GraphModule, example: dict[str, Tensor]) -> torch.fx.GraphModule:
+    """``gm``'s graph (a copy, over the same parameters) with each tensor's ``.dtype`` read replaced by the dtype it
+    had on ``example``, and what nothing reads then removed: a value read only for its dtype (a model casting its
+    next input to its attention's dtype, after fuse_stu_gate took the attention's place in the gate) is not
+    computed, and an attention left so is not taken for a layer."""
+    recorder = _Recorder(gm)
+    with torch.no_grad():
+        recorder.run(*[example[n.target] for n in gm.graph.nodes if n.op == "placeholder"])
+    graph = torch.fx.Graph()
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    copied = torch.fx.GraphModule(gm, graph)
+    folded = []
+    for n, copy in copies.items():
+        value = recorder.values.get(n.args[0]) if n.op == "call_function" and n.target is getattr and len(
+            n.args) == 2 and n.args[1] == "dtype" else None
+        if isinstance(value, Tensor):
+            for user in list(copy.users):
+                user.args = torch.fx.node.map_arg(user.args, lambda a, c=copy, d=value.dtype: d if a is c else a)
+                user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a, c=copy, d=value.dtype: d if a is c else a)
+            folded.append(copy)
+    stack = folded  # what the folded reads alone kept, back to a value something else reads (never an effect)
+    while stack:
+        m = stack.pop()
+        if m.users or m.op in ("placeholder", "output") or m.is_impure() or str(m.target).endswith("_"):
+            continue
+        inputs = m.all_input_nodes
+        graph.erase_node(m)
+        stack.extend(inputs)
+    copied.recompile()
+    return copied
 
 
 def sequence_counts(seq_offsets: Tensor, num_targets: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -216,3 +216,109 @@ def test_cached_ranker_with_the_residual_kernel(config: HSTUConfig, monkeypatch:
 
     monkeypatch.setattr(cached, "residual_then_norm", residual_for("triton"))
     check_every_kind_of_delta(config)
+
+
+def test_a_derived_program_runs_each_attention_and_its_gate_as_one_op_and_answers_the_same() -> None:
+    """The zoo's tiny model derived for the triton target: each layer's paged attention and STU gate become the
+    fused op (no stu_gate and no separate paged attention left), and its cached answers (a first request, then
+    the same histories with new candidates: hits) equal the model's, as the aten program's do."""
+    import tempfile
+    from pathlib import Path
+
+    from test_fuse_stu_gate import on_the_cpu
+
+    import hstu_export
+    from hstu_export.exporter import _compile_inputs, capture
+    from hstu_export.kv_derive import paged_gated_attention_triton, stu_gate
+    from hstu_export.kv_derived_export import derive_for_export
+    from hstu_export.models import build_preset
+    from hstu_export.serving.kv_derived import DerivedCachedRanker, EagerDerived
+
+    model = build_preset("tiny", seed=0)
+    schema = model.input_schema()
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = hstu_export.load_bundle(hstu_export.save_bundle(model, Path(tmp) / "zoo.pt",
+                                                                 hstu_export.generate_batch(schema, 2, seed=1)))
+    settings = hstu_export.ExportSettings(backend="aoti", kv_cache=True, kv_program="derived", max_batch_size=4)
+    with torch.no_grad():
+        captured = capture(bundle, settings, "triton")
+        result = on_the_cpu(captured.result)
+        inputs = _compile_inputs(result, captured.schema.to_graph_inputs(captured.example), captured.schema,
+                                 captured.ranges, settings)
+        programs = {target: derive_for_export(on_the_cpu(capture(bundle, settings, "triton").result), inputs, target)
+                    for target in ("triton", "aten")}
+    calls = [n.target for n in programs["triton"].program.graph.nodes if n.op == "call_function"]
+    assert calls.count(paged_gated_attention_triton) == model.config.num_layers and stu_gate not in calls
+
+    def dense_inputs(request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        graph = captured.schema.to_graph_inputs(request)
+        sparse = result.sparse(**{t.name: graph[t.name] for t in result.boundary.sparse_inputs})
+        return {t.name: sparse[t.name] if t.source == "sparse" else graph[t.name] for t in result.boundary.dense_inputs}
+
+    whole = hstu_export.generate_batch(schema, 2, seed=11, lengths={"uih_lengths": [12, 9], "candidate_lengths": [3, 2]})
+    again = hstu_export.generate_batch(schema, 2, seed=12, lengths={"uih_lengths": [12, 9], "candidate_lengths": [2, 4]})
+    again = {**again, **{k: v for k, v in whole.items() if k.startswith("uih_") or k in ("query_time", "user_id",
+                                                                                          "user_age")}}
+    rankers = {target: DerivedCachedRanker(EagerDerived(dense_inputs, derived), budget_bytes="4MiB", page_size=16)
+               for target, derived in programs.items()}
+    for request in (whole, again):
+        with torch.no_grad():
+            want = result.dense(**dense_inputs(request))
+            got = {target: ranker(request, [1, 2]) for target, ranker in rankers.items()}
+        for name in want:
+            for target in got:
+                torch.testing.assert_close(got[target][name], want[name], rtol=1e-4, atol=1e-5)
+    assert [r.cache.stats()["hits"] for r in rankers.values()] == [2, 2]
+
+
+def test_a_layer_written_out_by_the_model_is_fused_in_its_derived_program_too() -> None:
+    """gr_style writes its gate out (split, SiLU, the attention, concat of u, a and u * LN(a)): fuse_stu_gate makes
+    it our gated op, the derivation reads that as the attention and its gate, and the derived program for the
+    triton target runs them as one op; its cached answers (a first request, then a hit) equal the model's."""
+    from test_fuse_stu_gate import GR_ATTENTION, on_the_cpu
+    from test_kv_derive import gr_user, new_candidates
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    from user_models import gr_style
+
+    from hstu_export.capture import trace
+    from hstu_export.kv_derive import derive_delta, generic_ops, paged_gated_attention_triton, stu_gate
+    from hstu_export.ops.mappings import function_mappings, imported_functions
+    from hstu_export.passes.context import PassContext
+    from hstu_export.passes.manager import run_passes
+    from hstu_export.serving.kv_derived import DerivedCachedRanker, EagerDerived
+    from hstu_export.sources.schema_inference import flatten_example, infer_schema
+
+    model = gr_style.build_cacheable_ranker()
+    example = gr_style.example_inputs([10, 5, 7], [3, 1, 2])
+    schema = infer_schema(model, example, ranges=gr_style.RANGES)
+    flat = flatten_example(schema, example, None, model)
+    mappings = {gr_style.ATTENTION: GR_ATTENTION}
+    gm = trace(model, flat, schema=schema, opaque_functions=imported_functions(list(function_mappings(mappings))))
+    result = on_the_cpu(run_passes(gm, PassContext(example_inputs=schema.to_graph_inputs(flat), schema=schema,
+                                                   op_mappings=mappings, op_target="triton")))
+
+    def dense_inputs(request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        graph = schema.to_graph_inputs(request)
+        sparse = result.sparse(**{t.name: graph[t.name] for t in result.boundary.sparse_inputs})
+        return {t.name: sparse[t.name] if t.source == "sparse" else graph[t.name] for t in result.boundary.dense_inputs}
+
+    derived = derive_delta(generic_ops(result.dense), dense_inputs(flat), op_target="triton")
+    calls = [n.target for n in derived.program.graph.nodes if n.op == "call_function"]
+    assert calls.count(paged_gated_attention_triton) == 2 and stu_gate not in calls
+
+    def request(users: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        kjts = [KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=torch.cat([torch.tensor(u[k], dtype=torch.int64) for k in keys for u in users]),
+            lengths=torch.tensor([len(u[k]) for k in keys for u in users]))
+            for keys in (gr_style.UIH_KEYS, gr_style.CANDIDATE_KEYS)]
+        return flatten_example(schema, tuple(kjts), None, model)
+
+    ranker = DerivedCachedRanker(EagerDerived(dense_inputs, derived), budget_bytes="4MiB", page_size=16)
+    a, b = gr_user(1, 8, 3), gr_user(2, 4, 1)
+    for users in ([a, b], [new_candidates(a, 5, ["cand_item_id"]), b]):
+        batch = request(users)
+        with torch.no_grad():
+            got, want = ranker(batch, [1, 2]), result.dense(**dense_inputs(batch))
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5)
+    assert ranker.cache.stats()["hits"] == 2

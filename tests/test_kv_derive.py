@@ -253,6 +253,36 @@ def test_outputs_never_read_the_rows_of_cached_tokens() -> None:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
 
 
+def test_an_attention_read_only_for_its_dtype_is_not_a_layer() -> None:
+    """A model may read a value only for its dtype (generative-recommenders casts a layer's next input to its
+    attention's dtype; after fuse_stu_gate that attention is left with nothing else reading it): the derivation
+    reads the dtype off the example, so that attention is neither computed nor taken for a layer."""
+    from hstu_export.kv_derive import ATTENTION
+
+    setup = gr_setup()
+    gm = setup.result.dense
+    before = derive_delta(gm, setup.example)
+    attention = next(n for n in gm.graph.nodes if str(n.target) == ATTENTION)
+    reader = next(iter(attention.users))
+    with gm.graph.inserting_before(reader.next):  # in this order, after the reader
+        twin = gm.graph.call_function(attention.target, attention.args, attention.kwargs)
+        dtype = gm.graph.call_function(getattr, (twin, "dtype"))
+        cast = gm.graph.call_method("to", (reader, dtype))
+    reader.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+    gm.recompile()
+    after = derive_delta(gm, setup.example)
+    assert after.num_layers == before.num_layers == 2
+    attentions = [n for n in after.program.graph.nodes if n.op == "call_function" and "paged" in str(n.target)]
+    assert len(attentions) == 2, attentions
+    request = setup.request([gr_user(1, 8, 2), gr_user(2, 3, 1)])
+    ranker = DerivedCachedRanker(EagerDerived(setup.dense_inputs, after), budget_bytes="4MiB", page_size=16)
+    for _ in range(2):
+        got, want = ranker(request, [1, 2]), setup.full(request)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert ranker.cache.stats()["hits"] == 2
+
+
 def test_an_attention_scaled_by_the_batch_is_refused() -> None:
     setup = gr_setup(attention_scale="batch")
     with pytest.raises(ConfigError, match="--attention-scale fixed:N"):
