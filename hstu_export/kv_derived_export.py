@@ -34,9 +34,9 @@ DERIVED_CUDA_OPTIONS: dict[str, bool | int | float | str] = {"triton.autotune_at
 def derive_for_export(result: Any, inputs: Any, op_target: str) -> DerivedDelta:
     """The delta program of ``result`` (the pipeline run again at the ``triton`` target, so that each attention
     is one node; a gated one is read as the attention and its gate, :func:`~hstu_export.kv_derive.ungate`),
-    lowered to ``op_target``; ConfigError when the model cannot be
-    cached. ``inputs``: the no-cache export's CompileInputs (whose dense inputs, example and dynamic dims
-    are the delta program's too). Runs before anything is compiled, so that a refusal comes at once."""
+    lowered to ``op_target``; ConfigError when the model cannot be cached. ``inputs``: the no-cache export's
+    CompileInputs (whose dense inputs, example and dynamic dims are the delta program's too). Runs before
+    anything is compiled, so that a refusal comes at once."""
     from hstu_export.passes.context import PassContext
     from hstu_export.passes.map_ops import MapOps
 
