@@ -65,6 +65,7 @@ ELEMENTWISE = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, torch.add, torch.sub, torch.mul,
     torch.div, torch.neg, torch.sigmoid, torch.tanh, torch.relu, torch.exp, torch.rsqrt, torch.sqrt, torch.square,
     torch.where, torch.clamp, F.silu, F.relu, F.gelu, F.dropout, F.linear, F.layer_norm, F.rms_norm, F.normalize,
+    F.group_norm,  # statistics of each sample (the first axis: a row) over its groups
     stu_gate,  # the STU gate over the rows' last axis (ungate)
     to_dtype_of, to_floating_dtype,  # the casts of a bf16 or fp16 export before a layer (follow_parameter_dtypes)
 }  # fmt: skip
@@ -118,7 +119,9 @@ def _nodes_in(value: Any) -> list[torch.fx.Node]:
     return found
 
 
-def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+def _ancestors(nodes: list[torch.fx.Node], through_metadata: bool = True) -> set[torch.fx.Node]:
+    """``nodes`` and what they are computed from; without ``through_metadata``, not what a size, shape or dtype
+    is read from (the value behind a metadata read is not an input of what reads it)."""
     seen: set[torch.fx.Node] = set()
     stack = list(nodes)
     while stack:
@@ -126,8 +129,21 @@ def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
         if n in seen:
             continue
         seen.add(n)
-        stack.extend(n.all_input_nodes)
+        if through_metadata or not _metadata(n):
+            stack.extend(n.all_input_nodes)
     return seen
+
+
+def _metadata(n: torch.fx.Node) -> bool:
+    """A read of a tensor's size, shape, dimensions, dtype or device."""
+    return (n.op == "call_method" and n.target in METADATA_METHODS) or (
+        n.op == "call_function" and n.target is getattr and len(n.args) == 2
+        and n.args[1] in ("shape", "dtype", "device", "ndim"))  # fmt: skip
+
+
+def _rows_shape(rows: Any, shape: Any) -> torch.Size:
+    """``shape`` with its first size ``rows``: a layer value's shape read outside the layers, on the whole request."""
+    return torch.Size((rows, *shape[1:]))
 
 
 class _Analysis:
@@ -278,9 +294,9 @@ class _Analysis:
                 if bound.get(name) is not first.get(name):
                     raise ConfigError(f"--kv-cache: attentions {self.attentions[0].name} and {node.name} run over "
                                       f"different sequences ({name}); the cache holds one sequence a user")
-        region_ancestors = _ancestors(self.frontier) & self.region
+        region_ancestors = _ancestors(self.frontier, through_metadata=False) & self.region
         if region_ancestors:
-            mixed = next(f for f in self.frontier if _ancestors([f]) & self.region)
+            mixed = next(f for f in self.frontier if _ancestors([f], through_metadata=False) & self.region)
             raise ConfigError(f"--kv-cache: {mixed.name} ({_what(mixed)}) mixes token rows between the layers; the "
                               f"delta program can run only row-local work and the attention there")
         for f in self.frontier:
@@ -557,7 +573,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         env[p] = graph.placeholder(p.target)
         env[p].meta = dict(p.meta)
     extra = {name: graph.placeholder(name) for name in DELTA_INPUTS}
-    early = _ancestors([*frontier, *_nodes_in((seq_offsets, num_targets))]) - set(placeholders)
+    early = _ancestors([*frontier, *_nodes_in((seq_offsets, num_targets))], through_metadata=False) - set(placeholders)
     ordered = [n for n in gm.graph.nodes if n in early] + [n for n in gm.graph.nodes if n not in early]
     book: dict[str, torch.fx.Node] = {}
     attention = paged_attention_triton if op_target == "triton" else paged_attention_reference
@@ -568,6 +584,20 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
                 backs[n] = graph.call_function(rows_back, (rows[n], book["new_rows"], env[frontier[0]], fill))
             return backs[n]
         return env[n]
+
+    def layer_metadata(n: torch.fx.Node) -> Any:
+        """A size, shape or device read of a layer value outside the layers: read off the whole request's rows
+        (the frontier's: as many), the other sizes as recorded; it can then come before the layers run."""
+        rows = graph.call_method("size", (env[frontier[0]], 0))
+        value = recorder.values[n]
+        if n.target == "size" and isinstance(value, int):
+            dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
+            return rows if dim % recorder.values[n.args[0]].dim() == 0 else value
+        if isinstance(value, torch.Size):
+            return graph.call_function(_rows_shape, (rows, tuple(value)))
+        if n.target == "device" or (isinstance(n.args[-1], str) and n.args[-1] == "device"):
+            return graph.call_function(getattr, (env[frontier[0]], "device"))
+        return value  # dim(), ndim, dtype: the same on every request
 
     def bookkeeping() -> None:
         out = graph.call_function(delta_rows, (env[seq_offsets], env[num_targets] if num_targets is not None else None,
@@ -620,7 +650,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
 
             rows[n] = graph.node_copy(n, arg)
         else:
-            env[n] = graph.node_copy(n, whole)
+            env[n] = layer_metadata(n) if _metadata(n) and n.all_input_nodes[0] in region else graph.node_copy(n, whole)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     (result,) = output.args
     if not isinstance(result, dict):

@@ -283,6 +283,40 @@ def test_an_attention_read_only_for_its_dtype_is_not_a_layer() -> None:
     assert ranker.cache.stats()["hits"] == 2
 
 
+def test_sizes_read_off_the_layers_values_and_group_norms_are_not_row_mixing() -> None:
+    """TorchEasyRec builds its position encoding from the token rows' count (``x.size(0)`` of a value already in
+    the layers) and normalises each row by groups (``F.group_norm`` over rows of [heads, dim]): a size read is
+    not a value read, so the encoding stays before the layers (read off the request's rows), and a group norm is
+    row-local. Both inserted into gr_style's graph: derived, served, the model's answers."""
+    from hstu_export.kv_derive import ATTENTION
+
+    setup = gr_setup()
+    gm = setup.result.dense
+    layers = derive_delta(gm, setup.example).num_layers
+    frontier = next(n for n in gm.graph.nodes if n.name == derive_delta(gm, setup.example).frontier[0])
+    first = next(iter(frontier.users))  # a layer value, before the first attention
+    assert str(first.target) != ATTENTION
+    with gm.graph.inserting_before(first.next):
+        rows = gm.graph.call_method("size", (first, 0))
+        encoding = gm.graph.call_function(torch.zeros, (rows, 1))  # computed from the count alone
+        shifted = gm.graph.call_function(torch.add, (first, encoding))
+        grouped = gm.graph.call_function(torch.nn.functional.group_norm,
+                                         (gm.graph.call_method("reshape", (shifted, rows, 2, -1)), 2))
+        back = gm.graph.call_method("reshape", (grouped, rows, -1))
+        kept = gm.graph.call_function(torch.add, (shifted, gm.graph.call_function(torch.mul, (back, 0.0))))
+    first.replace_all_uses_with(kept, delete_user_cb=lambda user: user not in (rows, shifted))
+    gm.recompile()
+    derived = derive_delta(gm, setup.example)
+    assert derived.num_layers == layers and "zeros" in derived.frontier, derived.frontier
+    ranker = DerivedCachedRanker(EagerDerived(setup.dense_inputs, derived), budget_bytes="4MiB", page_size=16)
+    for users in ([gr_user(1, 8, 2), gr_user(2, 3, 1)], [gr_user(1, 8, 2), gr_user(2, 3, 1)]):
+        request = setup.request(users)
+        got, want = ranker(request, [1, 2]), setup.full(request)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert ranker.cache.stats()["hits"] == 2
+
+
 def test_an_attention_scaled_by_the_batch_is_refused() -> None:
     setup = gr_setup(attention_scale="batch")
     with pytest.raises(ConfigError, match="--attention-scale fixed:N"):

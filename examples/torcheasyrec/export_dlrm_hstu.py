@@ -2,7 +2,7 @@
 """Export TorchEasyRec's DlrmHSTU with hstu-export, unedited, and check it against the model.
 
     PYTHONPATH=/path/to/TorchEasyRec python examples/torcheasyrec/export_dlrm_hstu.py \
-        --out out/tzrec [--backend aoti torchscript onnx]
+        --out out/tzrec [--backend aoti torchscript onnx] [--kv-cache]
 
 The user code is tzrec_ranker.py (factory + example inputs) and the few lines of main() below that save a
 bundle and export it. It is not run in CI: TorchEasyRec is not on the package index.
@@ -31,6 +31,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("out/tzrec"))
     parser.add_argument("--backend", nargs="+", default=["aoti", "torchscript", "onnx"])
+    parser.add_argument("--kv-cache", action="store_true", help="export with --kv-cache (its derived delta program, "
+                        "verified through the package's cache); results go to results_kv_cache.json")
     args = parser.parse_args()
 
     # --- user code: a bundle naming the factory, with the lengths the serving requests may have ---
@@ -41,7 +43,7 @@ def main() -> int:
                                                      "batch.sparse_features.__BASE__.cand_seq__video_id": (1, 8)})
     results = {}
     for backend in args.backend:
-        settings = hstu_export.ExportSettings(backend=backend, max_batch_size=8, force=True)
+        settings = hstu_export.ExportSettings(backend=backend, max_batch_size=8, force=True, kv_cache=args.kv_cache)
         start = time.perf_counter()
         try:
             result = hstu_export.export(bundle, args.out / f"dlrm_hstu.{backend}", settings)
@@ -64,8 +66,14 @@ def main() -> int:
             "narrowed": result.manifest["ranges"].get("narrowed", []),
             "corners": serve_corners(result.path, model),
         }
+        if args.kv_cache:
+            section, checked = result.manifest["kv_cache"], result.parity["kv_cache"]
+            results[backend]["kv_cache"] = {
+                **{k: section.get(k) for k in ("kind", "layout", "frontier", "layer_nodes")},
+                **{k: checked.get(k) for k in ("passed", "worst", "cache", "not_checked")}}
         print(f"{backend}: ok in {results[backend]['seconds']} s, worst rel. L2 {result.parity['worst']['rel_l2']:.2e}")
-    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    name = "results_kv_cache.json" if args.kv_cache else "results.json"
+    (args.out / name).write_text(json.dumps(results, indent=2, default=str))
     return 0 if all(r["ok"] for r in results.values()) else 1
 
 
