@@ -321,12 +321,7 @@ class _Analysis:
 
         def static(m: torch.fx.Node) -> bool:
             if m not in memo:
-                if m.op == "get_attr":
-                    memo[m] = True
-                elif m.op == "call_method" and m.target in METADATA_METHODS:
-                    memo[m] = True
-                elif m.op == "call_function" and m.target is getattr and m.args[1] in ("shape", "dtype", "device",
-                                                                                          "ndim"):
+                if m.op == "get_attr" or _metadata(m):
                     memo[m] = True
                 elif m.op == "placeholder" or m in self.region:
                     memo[m] = False
@@ -401,8 +396,21 @@ def frontier_row(frontier: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, in
     total = frontier[0].shape[0]
     floats = [f.reshape(total, -1).to(dtype) for f in frontier if f.is_floating_point()]
     ints = [f.reshape(total, -1).to(torch.int64) for f in frontier if not f.is_floating_point()]
-    parts = [*floats, *([torch.cat(ints, dim=1).view(dtype)] if ints else [])]
+    parts = [*floats, *([_int64_lanes(torch.cat(ints, dim=1), dtype)] if ints else [])]
     return torch.cat(parts, dim=1), sum(f.shape[1] for f in floats)
+
+
+def _int64_lanes(ints: Tensor, dtype: torch.dtype) -> Tensor:
+    """``ints`` [N, k] (int64) as [N, k * 8 / size] values of ``dtype`` holding their bytes, low bytes first (as a
+    view of the int64s would). Cut by shifts and masks into integers of ``dtype``'s size, then viewed as
+    ``dtype``: a view of one size as another, which a compiler can fuse with what reads it."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if size == ints.element_size():
+        return ints.view(dtype)
+    bits, lanes = 8 * size, ints.element_size() // size
+    mask = (1 << bits) - 1
+    parts = [((ints >> (bits * i)) & mask).to(_SAME_SIZE_INT[size]) for i in range(lanes)]
+    return torch.stack(parts, dim=-1).reshape(ints.shape[0], -1).view(dtype)
 
 
 def row_width(frontier: list[Tensor], dtype: torch.dtype) -> int:
@@ -544,24 +552,21 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
     attention (``triton``: our kernel; else plain aten); ``fill`` is what the rows of cached tokens read
     after the last layer (a check may pass NaN: no output may read them). Raises ConfigError naming why a
     model cannot be cached."""
-    gm = _without_dtype_reads(gm, example)
-    recorder = _Recorder(gm)
+    gm, values = _without_dtype_reads(gm, example)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    with torch.no_grad():
-        recorder.run(*[example[n.target] for n in placeholders])
-    analysis = _Analysis(gm, recorder.values)
+    analysis = _Analysis(gm, values)
     analysis.walk()
     analysis.check()
     region, frontier, attentions = analysis.region, analysis.frontier, analysis.attentions
     bound0 = analysis.args[0]
-    shapes = [(tuple(recorder.values[b["k"]].shape), tuple(recorder.values[b["v"]].shape)) for b in analysis.args]
+    shapes = [(tuple(values[b["k"]].shape), tuple(values[b["v"]].shape)) for b in analysis.args]
     if len({s for s in shapes}) != 1:
         raise ConfigError(f"--kv-cache: the layers' attentions differ in shape ({sorted(set(shapes))}); one pool holds "
                           f"every layer's K/V")
     (_, heads, dqk), (_, _, dv) = shapes[0]
-    row_dtypes = {recorder.values[f].dtype for f in frontier if recorder.values[f].is_floating_point()}
+    row_dtypes = {values[f].dtype for f in frontier if values[f].is_floating_point()}
     row_dtype = row_dtypes.pop() if len(row_dtypes) == 1 else torch.float32
-    width = row_width([recorder.values[f][0] for f in frontier], row_dtype)
+    width = row_width([values[f][0] for f in frontier], row_dtype)
     seq_offsets, num_targets = bound0["seq_offsets"], bound0.get("num_targets")
     contextual = int(bound0.get("contextual_seq_len", 0) or 0)
 
@@ -589,10 +594,10 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         """A size, shape or device read of a layer value outside the layers: read off the whole request's rows
         (the frontier's: as many), the other sizes as recorded; it can then come before the layers run."""
         rows = graph.call_method("size", (env[frontier[0]], 0))
-        value = recorder.values[n]
+        value = values[n]
         if n.target == "size" and isinstance(value, int):
             dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
-            return rows if dim % recorder.values[n.args[0]].dim() == 0 else value
+            return rows if dim % values[n.args[0]].dim() == 0 else value
         if isinstance(value, torch.Size):
             return graph.call_function(_rows_shape, (rows, tuple(value)))
         if n.target == "device" or (isinstance(n.args[-1], str) and n.args[-1] == "device"):
@@ -643,7 +648,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
             def arg(a: torch.fx.Node, n: torch.fx.Node = n, first_row: torch.fx.Node = first_row) -> Any:
                 if a in rows:
                     return rows[a]
-                value = recorder.values.get(a)
+                value = values.get(a)
                 if isinstance(value, int) and not isinstance(value, bool) and value == size_of_rows:
                     return graph.call_method("size", (rows[first_row], 0))  # the row count: the new rows'
                 return env[a]
@@ -668,11 +673,13 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         target_inputs=[str(n.target) for n in _ancestors(_nodes_in(num_targets)) if n.op == "placeholder"])  # fmt: skip
 
 
-def _without_dtype_reads(gm: torch.fx.GraphModule, example: dict[str, Tensor]) -> torch.fx.GraphModule:
+def _without_dtype_reads(gm: torch.fx.GraphModule, example: dict[str, Tensor],
+                         ) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, Any]]:  # fmt: skip
     """``gm``'s graph (a copy, over the same parameters) with each tensor's ``.dtype`` read replaced by the dtype it
     had on ``example``, and what nothing reads then removed: a value read only for its dtype (a model casting its
     next input to its attention's dtype, after fuse_stu_gate took the attention's place in the gate) is not
-    computed, and an attention left so is not taken for a layer."""
+    computed, and an attention left so is not taken for a layer. With the copy, each of its nodes' value on
+    ``example``."""
     recorder = _Recorder(gm)
     with torch.no_grad():
         recorder.run(*[example[n.target] for n in gm.graph.nodes if n.op == "placeholder"])
@@ -698,7 +705,8 @@ def _without_dtype_reads(gm: torch.fx.GraphModule, example: dict[str, Tensor]) -
         graph.erase_node(m)
         stack.extend(inputs)
     copied.recompile()
-    return copied
+    kept = set(graph.nodes)
+    return copied, {copy: recorder.values[n] for n, copy in copies.items() if copy in kept and n in recorder.values}
 
 
 def sequence_counts(seq_offsets: Tensor, num_targets: Tensor | None) -> tuple[Tensor, Tensor]:
