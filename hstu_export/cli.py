@@ -392,6 +392,11 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
     if "kv_cache" in manifest:
         kv, checked = manifest["kv_cache"], parity.get("kv_cache")
         line = f"delta program {kv['program']}, pages of {kv['page_size']} tokens"
+        if kv.get("kind") == "derived" and isinstance(kv.get("layout"), dict):
+            layers = kv["layout"].get("num_layers")
+            fused = kv.get("fused", {}).get("gated_attention", 0) if isinstance(kv.get("fused"), dict) else 0
+            line += (f"; derived from the graph: {layers} layers ({fused} with the attention and gate as one op), "
+                     f"frontier rows of {kv['layout'].get('row_width')} values")
         if checked:
             w = checked["worst"]
             line += (f"; served {len(checked['batches'])} requests through its cache ({checked['cache']['hits']} hits): "

@@ -95,6 +95,7 @@ class DerivedDelta:
     frontier: list[str]
     layer_nodes: int
     target_inputs: list[str]  # the dense inputs the target counts are computed from (the candidates' lengths)
+    gated_fused: int = 0  # layers whose attention and STU gate run as one op (the triton target's gated op)
 
     def layout(self) -> dict[str, Any]:
         return {"num_layers": self.num_layers, "num_heads": self.num_heads, "attention_dim": self.attention_dim,
@@ -669,7 +670,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         program=program, counts=_counts_program(gm, seq_offsets, num_targets),
         num_layers=len(attentions), num_heads=heads, attention_dim=dqk, linear_dim=dv, row_width=width,
         row_dtype=row_dtype, max_seq_len=int(bound0["max_seq_len"]), frontier=[f.name for f in frontier],
-        layer_nodes=len(region),
+        layer_nodes=len(region), gated_fused=len(gated),
         target_inputs=[str(n.target) for n in _ancestors(_nodes_in(num_targets)) if n.op == "placeholder"])  # fmt: skip
 
 

@@ -115,6 +115,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
         "frontier": derived.frontier,
         "target_inputs": derived.target_inputs,
         "layer_nodes": derived.layer_nodes,
+        "fused": {"gated_attention": derived.gated_fused},
         "inductor_options": options,
         "compile_seconds": round(time.perf_counter() - start, 3),
     }

@@ -249,6 +249,7 @@ def test_a_derived_program_runs_each_attention_and_its_gate_as_one_op_and_answer
                     for target in ("triton", "aten")}
     calls = [n.target for n in programs["triton"].program.graph.nodes if n.op == "call_function"]
     assert calls.count(paged_gated_attention_triton) == model.config.num_layers and stu_gate not in calls
+    assert (programs["triton"].gated_fused, programs["aten"].gated_fused) == (model.config.num_layers, 0)
 
     def dense_inputs(request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         graph = captured.schema.to_graph_inputs(request)

@@ -391,12 +391,20 @@ def _package_request(predictor: Any, users: list[User]) -> dict[str, torch.Tenso
 
 
 @pytest.mark.slow
-def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_it(derived_package: Any) -> None:
-    """Every answer served through the package's cache equals the package's without the cache."""
+def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_it(
+        derived_package: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every answer served through the package's cache equals the package's without the cache; the export's
+    summary says what the derivation found (no fused layer on the CPU's aten target)."""
     import hstu_export
+    from hstu_export.cli import _print_summary
 
     section, parity = derived_package.manifest["kv_cache"], derived_package.parity["kv_cache"]
     assert section["kind"] == "derived" and section["layout"]["num_layers"] == 2
+    assert section["fused"] == {"gated_attention": 0}
+    _print_summary(derived_package.manifest, derived_package.path)
+    summary = " ".join(capsys.readouterr().out.split())
+    assert (f"derived from the graph: 2 layers (0 with the attention and gate as one op), frontier rows of "
+            f"{section['layout']['row_width']} values") in summary, summary
     assert section["target_inputs"] == ["candidates_features__cand_item_id__lengths"]
     assert parity["passed"] and parity["cache"]["hits"] >= 3 and parity["cache"]["stale"] >= 1
     assert "not_checked" not in parity
