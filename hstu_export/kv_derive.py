@@ -403,8 +403,8 @@ def frontier_row(frontier: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, in
 
 def _int64_lanes(ints: Tensor, dtype: torch.dtype) -> Tensor:
     """``ints`` [N, k] (int64) as [N, k * 8 / size] values of ``dtype`` holding their bytes, low bytes first (as a
-    view of the int64s would). Cut by shifts and masks into integers of ``dtype``'s size, then viewed as
-    ``dtype``: a view of one size as another, which a compiler can fuse with what reads it."""
+    view of the int64s would), cut by shifts and masks into integers of ``dtype``'s size and viewed as ``dtype``:
+    a view between types of one size, where a view of the int64s would change the rows' length."""
     size = torch.empty((), dtype=dtype).element_size()
     if size == ints.element_size():
         return ints.view(dtype)
