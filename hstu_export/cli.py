@@ -71,8 +71,8 @@ def _capture_options(f: Any) -> Any:
                      help="Record this function as one call instead of tracing into it. Repeatable."),
         click.option("--map-function", "map_function", multiple=True, metavar="NAME=RULE",
                      help="Map your function NAME (module.function) like a known one, RULE being its qualified "
-                          "name (it takes the same arguments), or fn:module:function (a rewrite of your own). "
-                          "Repeatable."),
+                          "name (it takes the same arguments), or fn:module:function (a rewrite of your own); "
+                          "NAME=keep traces a function we map through as its library wrote it. Repeatable."),
         click.option("--attention-scale", default="batch", show_default=True, metavar="batch|fixed:N",
                      help="Divisor of mapped foreign HSTU attention: the model's own max length of the batch, "
                           "or a fixed N (the same for every request; verified against the model run with N)."),

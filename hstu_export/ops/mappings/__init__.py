@@ -16,7 +16,8 @@ Two kinds of entries:
    ops, which are then mapped to the target like any other. Tables: ``generative_recommenders.py``,
    ``torcheasyrec.py``. A model or a user adds entries with ``--map-function NAME=RULE`` or the
    model's export hints, where RULE is a qualified name from these tables (the user's function takes
-   the same arguments) or ``fn:module:function`` (a rewrite of their own, taking a ``MappingCall``).
+   the same arguments), ``fn:module:function`` (a rewrite of their own, taking a ``MappingCall``), or
+   ``keep`` (a table's function is not mapped: it is traced through as its library wrote it).
 
 Adding a mapping for another library is one table entry (plus one line in ``FUNCTION_TABLES``).
 """
@@ -40,6 +41,8 @@ from hstu_export.ops.mappings import fbgemm, ours
 from hstu_export.sources.qualified_names import import_object, split_name
 
 MAPPINGS: dict[str, dict[str, str]] = {**ours.OPS, **fbgemm.OPS}
+
+KEEP = "keep"  # --map-function NAME=keep: leave a table's function unmapped
 
 # Modules holding foreign-function tables (each defines FUNCTIONS: dict[str, FunctionMapping]).
 FUNCTION_TABLES = (
@@ -146,6 +149,12 @@ def function_mappings(extra: dict[str, str] | None = None) -> dict[str, Function
     for module_name in FUNCTION_TABLES:
         table.update(importlib.import_module(module_name).FUNCTIONS)
     for name, rule in (extra or {}).items():
+        if rule == KEEP:
+            if name not in table:
+                known = ", ".join(sorted(table))
+                raise ConfigError(f"mapping for {name}: {KEEP!r} names no function we map; known: {known}")
+            del table[name]  # traced through as the model's library wrote it
+            continue
         table[name] = _user_rule(name, rule, table)
     return table
 

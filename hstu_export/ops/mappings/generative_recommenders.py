@@ -15,6 +15,17 @@ Facts this table relies on (read from the library's public code, 2026-07 snapsho
   combined sequences to ``max_seq_len`` (its ``max_len_*`` only size a dense side; DlrmHSTU passes a
   ``max_len_left`` without the contextual tokens there). Rows past a padding bound would be dropped,
   which our ops never do, so the mapped graph checks at run time that none are.
+- ``pytorch_add_timestamp_positional_embeddings`` (and ``triton_add_...``, the same arguments) pads the
+  rows to ``max_seq_len``, adds to each row a position embedding and a time embedding, and cuts the
+  padding away again. The position counts back from the user's last history row (``seq_lengths``
+  less ``num_targets``, twice that with ``interleave_targets``; every target row takes position 0),
+  shifted by ``max_contextual_seq_len`` and capped at the table's last row; the first
+  ``max_contextual_seq_len`` rows of a user take their own index. The time bucket is
+  ``int(f(max(q - t, 1e-6) / 60))``, where ``q`` is the timestamp of the user's last row
+  (``seq_lengths - 1``), ``t`` the row's and ``f`` sqrt or log, capped by the Triton function at the
+  time table's last row and by the PyTorch one at the table's width less one (``size(1) - 1``). The sum is
+  ``row + (time + position).to(row dtype)``. We compute the same per row on the jagged rows, with no
+  padded copy.
 """
 
 from __future__ import annotations
@@ -32,6 +43,8 @@ Divisor = Callable[[MappingCall, Any], Any]
 _PT = "generative_recommenders.ops.pytorch.pt_hstu_attention."
 _TRITON = "generative_recommenders.ops.triton.triton_hstu_attention."
 _JAGGED = "generative_recommenders.ops.pytorch.pt_jagged_tensors."
+_POSITION = "generative_recommenders.ops.pytorch.pt_position."
+_TRITON_POSITION = "generative_recommenders.ops.triton.triton_position."
 
 
 def hstu_mha(call: MappingCall) -> Any:
@@ -125,6 +138,49 @@ def _offsets(call: MappingCall, offsets_key: str, max_len_key: str, rows_total: 
     return offsets
 
 
+def timestamp_positional_embeddings(call: MappingCall) -> Any:
+    return positional_embeddings_on_rows(call, time_cap_axis=1)
+
+
+def triton_timestamp_positional_embeddings(call: MappingCall) -> Any:
+    return positional_embeddings_on_rows(call, time_cap_axis=0)
+
+
+def positional_embeddings_on_rows(call: MappingCall, time_cap_axis: int) -> Any:
+    """The position and time encodings of every jagged row, computed on the rows themselves: each row
+    finds its user and index (``hstu_export::jagged_positions``), then both embedding rows are looked
+    up and added as the library does on its padded copy (the arithmetic is the same, element by
+    element, so the answers are too)."""
+    bucket_fn = call["time_bucket_fn"]
+    if bucket_fn not in ("sqrt", "log"):
+        raise Unmappable(f"time_bucket_fn={bucket_fn!r}: only sqrt and log are known")
+    contextual, interleave = call["max_contextual_seq_len"], call["interleave_targets"]
+    if not isinstance(contextual, int) or not isinstance(interleave, bool):
+        raise Unmappable("max_contextual_seq_len and interleave_targets must be constants of the model")
+    rows, offsets, lengths = call["seq_embeddings"], call["seq_offsets"], call["seq_lengths"]
+    pos_table, time_table = call["pos_embeddings"], call["ts_embeddings"]
+    # The library cuts a user's rows past max_seq_len off; ours would keep them, so refuse such a batch.
+    offsets = call.record(check_lengths_at_most, offsets, call["max_seq_len"])
+    users, index = torch.ops.hstu_export.jagged_positions.default(offsets, rows.size(0))
+    length = lengths[users]
+    targets = call["num_targets"]
+    if targets is None:
+        position = length - index
+    else:
+        last_history = length - targets[users] * (2 if interleave else 1)
+        position = last_history - torch.minimum(index, last_history)
+    position = torch.clamp(position + contextual, max=pos_table.size(0) - 1)
+    if contextual > 0:
+        position = torch.where(index < contextual, index, position)
+    timestamps = call["timestamps"]
+    query_time = timestamps[offsets[users] + torch.clamp(length - 1, min=0)]
+    elapsed = torch.clamp(query_time - timestamps, min=1e-6) / 60.0
+    elapsed = torch.log(elapsed) if bucket_fn == "log" else torch.sqrt(elapsed)
+    bucket = torch.clamp(torch.clamp(elapsed, min=0).int(), min=0, max=time_table.size(time_cap_axis) - 1)
+    looked_up = torch.index_select(time_table, 0, bucket) + torch.index_select(pos_table, 0, position)
+    return rows + looked_up.to(rows.dtype)
+
+
 def _fixed_scale_attention(original: Any, arguments: dict[str, Any], n: int) -> Any:
     q = arguments["q"]
     return original(**{**arguments, "attn_scale": torch.tensor(1.0 / n, device=q.device)})
@@ -148,4 +204,10 @@ FUNCTIONS: dict[str, FunctionMapping] = {
                                                           description="→ hstu_export::concat_2D_jagged"),
     _JAGGED + "pytorch_split_2D_jagged": FunctionMapping(LIBRARY, split_2D_jagged, {},
                                                          description="→ hstu_export::split_2D_jagged"),
+    _POSITION + "pytorch_add_timestamp_positional_embeddings": FunctionMapping(
+        LIBRARY, timestamp_positional_embeddings, {},
+        description="position and time encodings → computed on the jagged rows (no padded copy)"),
+    _TRITON_POSITION + "triton_add_timestamp_positional_embeddings": FunctionMapping(
+        LIBRARY, triton_timestamp_positional_embeddings, {},
+        description="position and time encodings (Triton) → computed on the jagged rows (no padded copy)"),
 }
