@@ -59,7 +59,8 @@ ATTENTION = "hstu_export.hstu_mha.default"
 ROW_LOCAL_MODULES = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.SiLU, nn.ReLU, nn.GELU, nn.Sigmoid, nn.Tanh,
                      nn.Dropout, nn.Identity, nn.Embedding)  # fmt: skip
 # Lookups of a table (not of the request) by per-row indices: row i of the output is the row index i names.
-# (F.embedding takes the indices first, torch.embedding the table first.)
+# (F.embedding takes the indices first, torch.embedding the table first; index_select along the table's first
+# axis is read in row_local.)
 LOOKUPS = {F.embedding: 0, torch.embedding: 1}
 ELEMENTWISE = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, torch.add, torch.sub, torch.mul,
@@ -201,6 +202,12 @@ class _Analysis:
             at = LOOKUPS[n.target]
             indices, table = n.args[at], n.args[1 - at] if len(n.args) > 1 else n.kwargs.get("weight")
             return self.rowish(indices) and not self.rowish(table)
+        if (n.op == "call_function" and n.target is torch.index_select) or (
+                n.op == "call_method" and n.target == "index_select"):
+            # table.index_select(0, indices): a lookup as above (a table that is not static is refused below).
+            bound = dict(zip(("input", "dim", "index"), n.args), **n.kwargs)
+            table, dim, indices = bound.get("input"), bound.get("dim"), bound.get("index")
+            return dim == 0 and self.rowish(indices) and not self.rowish(table)
         if n.op == "call_function" and n.target is operator.getitem:
             source, index = n.args
             if isinstance(self.values.get(source), (tuple, list)):
@@ -580,7 +587,11 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         env[p].meta = dict(p.meta)
     extra = {name: graph.placeholder(name) for name in DELTA_INPUTS}
     early = _ancestors([*frontier, *_nodes_in((seq_offsets, num_targets))], through_metadata=False) - set(placeholders)
-    ordered = [n for n in gm.graph.nodes if n in early] + [n for n in gm.graph.nodes if n not in early]
+    # Parameters first: an early node may read one's size (a table's rows capping an index) without the walk
+    # above, which does not go through such reads, having counted the parameter as early.
+    attrs = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    ordered = [*attrs, *(n for n in gm.graph.nodes if n in early and n.op != "get_attr"),
+               *(n for n in gm.graph.nodes if n not in early and n.op != "get_attr")]
     book: dict[str, torch.fx.Node] = {}
     attention = paged_attention_triton if op_target == "triton" else paged_attention_reference
 

@@ -5,6 +5,7 @@ cached are refused naming why."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -311,6 +312,45 @@ def test_sizes_read_off_the_layers_values_and_group_norms_are_not_row_mixing() -
     ranker = DerivedCachedRanker(EagerDerived(setup.dense_inputs, derived), budget_bytes="4MiB", page_size=16)
     for users in ([gr_user(1, 8, 2), gr_user(2, 3, 1)], [gr_user(1, 8, 2), gr_user(2, 3, 1)]):
         request = setup.request(users)
+        got, want = ranker(request, [1, 2]), setup.full(request)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    assert ranker.cache.stats()["hits"] == 2
+
+
+def test_a_table_looked_up_by_index_select_runs_in_the_layers() -> None:
+    """A position table read with ``index_select`` by per-row indices (as generative-recommenders' encodings are,
+    once mapped onto the jagged rows) is a lookup like ``F.embedding``: the frontier holds the integer positions,
+    not the looked-up rows, and the lookup runs in the layers. Inserted into gr_style's graph: served, the
+    model's answers."""
+    from hstu_export.kv_derive import ATTENTION
+
+    setup = gr_setup()
+    gm = setup.result.dense
+    before = derive_delta(gm, setup.example)
+    frontier = next(n for n in gm.graph.nodes if n.name == before.frontier[0])
+    first = next(iter(frontier.users))
+    offsets = next(n for n in gm.graph.nodes if str(n.target) == ATTENTION).args[3]
+    assert len(before.frontier) == 1  # the token rows, as wide as the layers' rows
+    gm.register_parameter("position_table", torch.nn.Parameter(torch.randn(4, before.row_width)))
+    with gm.graph.inserting_before(first.next):
+        rows = gm.graph.call_method("size", (first, 0))
+        positions = gm.graph.call_function(operator.getitem, (
+            gm.graph.call_function(torch.ops.hstu_export.jagged_positions.default, (offsets, rows)), 1))
+        # Capped at the table's last row, read off the table (a size read of a parameter before the frontier).
+        table = gm.graph.get_attr("position_table")
+        last = gm.graph.call_function(operator.sub, (gm.graph.call_method("size", (table, 0)), 1))
+        capped = gm.graph.call_function(torch.clamp, (positions,), {"max": last})
+        shifted = gm.graph.call_function(torch.add, (first, gm.graph.call_function(torch.index_select,
+                                                                                   (table, 0, capped))))
+    first.replace_all_uses_with(shifted, delete_user_cb=lambda user: user is not shifted and user is not rows)
+    gm.recompile()
+    derived = derive_delta(gm, setup.example)
+    assert not any(name.startswith("index_select") for name in derived.frontier), derived.frontier
+    assert derived.row_width == before.row_width + 2, (before.frontier, derived.frontier)  # int64: 2 fp32 lanes
+    ranker = DerivedCachedRanker(EagerDerived(setup.dense_inputs, derived), budget_bytes="4MiB", page_size=16)
+    for _ in range(2):
+        request = setup.request([gr_user(1, 8, 2), gr_user(2, 3, 1)])
         got, want = ranker(request, [1, 2]), setup.full(request)
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
