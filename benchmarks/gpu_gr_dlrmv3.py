@@ -17,8 +17,9 @@ Steps (each writes into ``--work``, so later steps can run in another call on th
   tolerance: our Triton attention's fp32 products run in TF32).
 - ``export``: exported in bf16 with the timed workload's ranges, unverified (its corners on the CPU would
   take hours), then compared with the verified fp32 package on small requests (the same model, other
-  ranges and dtype: the difference is bf16's); again without the ``fuse_stu_gate`` pass; the zoo's dlrmv3
-  exported with the same ranges.
+  ranges and dtype: the difference is bf16's); again for each of ``--variants`` (without the ``fuse_stu_gate``
+  pass; with the position and time encodings as the library wrote them); the zoo's dlrmv3 exported with the
+  same ranges.
 - ``time``: the packages' dense halves on the same workload: 32 users, history lengths uniform over
   [1, 2047] (mean about 1024), 2048 candidates each, bf16; median of ``--iters`` synced calls (CUDA events)
   after warm-up, and the same calls back to back. Tokens are history plus candidate tokens (contextual
@@ -149,7 +150,18 @@ def step_verify(work: Path, device: str, small: bool) -> dict[str, Any]:
             "triton_configs": result.manifest.get("triton_configs", {})}
 
 
-def step_export(work: Path, device: str, small: bool) -> dict[str, Any]:
+# The same model exported with one step of ours left out, timed beside the default export:
+# - unfused: without fuse_stu_gate, each layer's gate as Inductor compiles the model's own code;
+# - padded_positions: its position and time encodings traced as the library wrote them (a padded copy and
+#   back), not computed on the jagged rows.
+POSITIONS = "generative_recommenders.ops.pytorch.pt_position.pytorch_add_timestamp_positional_embeddings"
+VARIANTS: dict[str, dict[str, Any]] = {
+    "unfused": {"skip_passes": ("fuse_stu_gate",)},
+    "padded_positions": {"op_mappings": {POSITIONS: "keep"}},
+}
+
+
+def step_export(work: Path, device: str, small: bool, variants: list[str]) -> dict[str, Any]:
     ranges = sizes(small)
     out: dict[str, Any] = {}
     bundle = gr_bundle(work, small, ranges, "gr_timed")
@@ -158,11 +170,11 @@ def step_export(work: Path, device: str, small: bool) -> dict[str, Any]:
     out["gr_export_seconds"] = round(time.perf_counter() - start, 1)
     if (work / "gr_small.aoti").is_dir():  # the timed package against the verified one, on requests both take
         out["gr_timed_vs_verified"] = compare_with_verified(work, bundle, ranges)
-    # The same model without fuse_stu_gate: its layers' gate as Inductor compiles the model's own code.
-    start = time.perf_counter()
-    hstu_export.export(bundle, work / "gr_unfused.aoti", settings(device, ranges, False, reference_device="cpu",
-                                                                  skip_passes=("fuse_stu_gate",)))
-    out["gr_unfused_export_seconds"] = round(time.perf_counter() - start, 1)
+    for variant in variants:
+        start = time.perf_counter()
+        hstu_export.export(bundle, work / f"gr_{variant}.aoti",
+                           settings(device, ranges, False, reference_device="cpu", **VARIANTS[variant]))
+        out[f"gr_{variant}_export_seconds"] = round(time.perf_counter() - start, 1)
     out["zoo_export_seconds"] = export_zoo(work, device, small)
     return out
 
@@ -258,8 +270,9 @@ def step_time(work: Path, small: bool, iters: int, warmup: int) -> dict[str, Any
         gr_request = flatten_example(gr.input_schema, gr_ranker.example_inputs(history, candidates, seed=5), None,
                                      model)
         sides.append(("gr", gr, gr_request))
-        if (work / "gr_unfused.aoti").is_dir():
-            sides.append(("gr_unfused", hstu_export.load(work / "gr_unfused.aoti"), gr_request))
+        for variant in VARIANTS:
+            if (work / f"gr_{variant}.aoti").is_dir():
+                sides.append((f"gr_{variant}", hstu_export.load(work / f"gr_{variant}.aoti"), gr_request))
     if (work / "tzrec_timed.aoti").is_dir():
         tzrec = hstu_export.load(work / "tzrec_timed.aoti")
         tzrec_model = hstu_export.load_bundle(work / "tzrec_timed.pt").model
@@ -317,6 +330,8 @@ def main() -> int:
     parser.add_argument("--small", action="store_true", help="small shapes and sizes (a dry run)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="GR exported again with one step left out, timed beside the default [all]")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or args.out
@@ -333,7 +348,7 @@ def main() -> int:
             if step == "verify":
                 results[step] = step_verify(work, args.device, args.small)
             elif step == "export":
-                results[step] = step_export(work, args.device, args.small)
+                results[step] = step_export(work, args.device, args.small, args.variants)
             elif step == "tzrec":
                 results[step] = step_tzrec(work, args.device, args.small)
             elif step == "time":
