@@ -884,12 +884,12 @@ def test_foreign_cached_attention_and_jagged_helpers_are_mapped(gr_helpers: None
 # ---- a foreign position and time encoding, computed on the jagged rows ----------------------------
 
 
-def gr_pytorch_add_timestamp_positional_embeddings(  # type: ignore[no-untyped-def]
-        seq_embeddings, seq_offsets, pos_embeddings, ts_embeddings, timestamps, max_seq_len, max_contextual_seq_len,
-        seq_lengths, num_targets, interleave_targets, time_bucket_fn):
-    """A stand-in written by us from the documented semantics: each user padded to ``max_seq_len``
-    rows, the indices computed on the padded grid, the padding cut away again (rows past the bound are
-    dropped to zeros, as the padded round trip does)."""
+def _padded_encodings(seq_embeddings, seq_offsets, pos_embeddings, ts_embeddings, timestamps, max_seq_len,  # type: ignore[no-untyped-def]
+                      max_contextual_seq_len, seq_lengths, num_targets, interleave_targets, time_bucket_fn,
+                      increments, query_time, bucket):
+    """The stand-ins' common part, written by us from the documented semantics: each user padded to
+    ``max_seq_len`` rows, the indices computed on the padded grid, the padding cut away again (rows
+    past the bound are dropped to zeros, as the padded round trip does)."""
     width = max_seq_len
     batch = seq_offsets.numel() - 1
     padded_rows = seq_embeddings.new_zeros(batch, width, seq_embeddings.size(1))
@@ -906,11 +906,13 @@ def gr_pytorch_add_timestamp_positional_embeddings(  # type: ignore[no-untyped-d
         positions = last - torch.clamp(columns, max=last)
     positions = torch.clamp(positions + max_contextual_seq_len, max=pos_embeddings.size(0) - 1)
     positions[:, :max_contextual_seq_len] = torch.arange(max_contextual_seq_len)[:width]
-    query = torch.gather(padded_times, 1, (seq_lengths - 1).clamp(min=0).view(-1, 1))
-    elapsed = torch.clamp(query - padded_times, min=1e-6) / 60.0
+    if query_time is None:
+        query = torch.gather(padded_times, 1, (seq_lengths - 1).clamp(min=0).view(-1, 1))
+    else:
+        query = query_time.view(-1, 1).to(padded_times.dtype)
+    elapsed = torch.clamp(query - padded_times, min=1e-6) / increments
     elapsed = torch.log(elapsed) if time_bucket_fn == "log" else torch.sqrt(elapsed)
-    # The library's PyTorch function caps the bucket at the table's width less one, not its rows.
-    buckets = torch.clamp(elapsed.clamp(min=0).int(), 0, ts_embeddings.size(1) - 1)
+    buckets = bucket(elapsed, ts_embeddings)
     # Without targets, the padding columns of a shorter user count below zero; they are cut away below.
     positions = positions.clamp(min=0)
     summed = padded_rows + (ts_embeddings[buckets] + pos_embeddings[positions]).to(seq_embeddings.dtype)
@@ -921,31 +923,60 @@ def gr_pytorch_add_timestamp_positional_embeddings(  # type: ignore[no-untyped-d
     return out
 
 
-class ForeignPositions(nn.Module):
-    """A ranker's input stage as generative-recommenders writes it: item rows plus their position and
-    time encodings, with the settings of one ``case``."""
+def gr_pytorch_add_timestamp_positional_embeddings(  # type: ignore[no-untyped-def]
+        seq_embeddings, seq_offsets, pos_embeddings, ts_embeddings, timestamps, max_seq_len, max_contextual_seq_len,
+        seq_lengths, num_targets, interleave_targets, time_bucket_fn):
+    # generative-recommenders caps the bucket at the time table's width less one, not its rows.
+    return _padded_encodings(
+        seq_embeddings, seq_offsets, pos_embeddings, ts_embeddings, timestamps, max_seq_len, max_contextual_seq_len,
+        seq_lengths, num_targets, interleave_targets, time_bucket_fn, 60.0, None,
+        lambda elapsed, table: torch.clamp(elapsed.clamp(min=0).int(), 0, table.size(1) - 1))
 
-    def __init__(self, targets: bool, interleave: bool, contextual: int, bucket_fn: str,
+
+def tzrec_pytorch_add_timestamp_positional_embeddings(  # type: ignore[no-untyped-def]
+        seq_embeddings, seq_offsets, pos_embeddings, ts_embeddings, timestamps, max_seq_len, max_contextual_seq_len,
+        seq_lengths, num_targets, interleave_targets, time_bucket_fn, time_bucket_increments, query_time=None):
+    # TorchEasyRec scales the bucket into the time table's rows.
+    def bucket(elapsed, table):  # type: ignore[no-untyped-def]
+        n = table.size(0) - 1
+        return ((elapsed / n).clamp(min=0, max=1) * n).int()
+
+    return _padded_encodings(
+        seq_embeddings, seq_offsets, pos_embeddings, ts_embeddings, timestamps, max_seq_len, max_contextual_seq_len,
+        seq_lengths, num_targets, interleave_targets, time_bucket_fn, time_bucket_increments, query_time, bucket)
+
+
+POSITION_MODULES = {"generative_recommenders": ("generative_recommenders.ops.pytorch",
+                                                gr_pytorch_add_timestamp_positional_embeddings),
+                    "tzrec": ("tzrec.ops._pytorch", tzrec_pytorch_add_timestamp_positional_embeddings)}
+
+
+class ForeignPositions(nn.Module):
+    """A ranker's input stage as generative-recommenders or TorchEasyRec write it: item rows plus their
+    position and time encodings, with the settings of one case."""
+
+    def __init__(self, library: str, targets: bool, interleave: bool, contextual: int, bucket_fn: str,
                  max_seq_len: int | None) -> None:
         super().__init__()
         self.proj = nn.Linear(4, 8)
         self.pos = nn.Parameter(torch.randn(9, 8))  # fewer rows than the longest user: the cap applies
-        self.time = nn.Parameter(torch.randn(12, 8))  # buckets capped at 7 (the width less one)
-        self.targets, self.interleave, self.contextual = targets, interleave, contextual
+        self.time = nn.Parameter(torch.randn(12, 8))  # GR's buckets capped at 7 (the width less one), tzrec's at 11
+        self.library, self.targets, self.interleave, self.contextual = library, targets, interleave, contextual
         self.bucket_fn, self.max_seq_len = bucket_fn, max_seq_len
 
     def forward(self, features: dict[str, Tensor]) -> Tensor:
-        from generative_recommenders.ops.pytorch import pt_position
-
+        pt_position = sys.modules[POSITION_MODULES[self.library][0] + ".pt_position"]
         lengths = features["item_lengths"]
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
         longest = int(lengths.max().item()) if self.max_seq_len is None else self.max_seq_len
+        extra = {} if self.library == "generative_recommenders" else {
+            "time_bucket_increments": 90.0, "query_time": features["query_time"] if self.targets else None}
         rows = pt_position.pytorch_add_timestamp_positional_embeddings(
             seq_embeddings=self.proj(features["item"]) * 2.0, seq_offsets=offsets, pos_embeddings=self.pos,
             ts_embeddings=self.time, timestamps=features["item_time"], max_seq_len=longest,
             max_contextual_seq_len=self.contextual, seq_lengths=lengths,
             num_targets=features["num_candidates"] if self.targets else None,
-            interleave_targets=self.interleave, time_bucket_fn=self.bucket_fn)
+            interleave_targets=self.interleave, time_bucket_fn=self.bucket_fn, **extra)
         return rows.sum(-1)
 
 
@@ -953,25 +984,27 @@ def _position_batch(lengths: list[int], seed: int) -> dict[str, Tensor]:
     gen = torch.Generator().manual_seed(seed)
     lengths_t = torch.tensor(lengths)
     n = int(lengths_t.sum())
-    # Seconds apart over a wide range, so the buckets (sqrt or log of minutes) vary from row to row.
-    times = torch.randint(0, 4_000_000, (n,), generator=gen)
+    # Up to 3.3 hours apart, so that the buckets (sqrt or log of minutes) span the time table and its caps.
+    times = 4_000_000 - torch.randint(0, 12_000, (n,), generator=gen)
     return {"item": torch.randn(n, 4, generator=gen), "item_lengths": lengths_t, "item_time": times,
-            "num_candidates": torch.clamp(lengths_t // 3, min=0)}
+            "num_candidates": torch.clamp(lengths_t // 3, min=0),
+            "query_time": torch.randint(4_000_000, 4_006_000, (len(lengths),), generator=gen)}
 
 
-@pytest.fixture
-def gr_positions(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    package = "generative_recommenders.ops.pytorch"
+@pytest.fixture(params=list(POSITION_MODULES))
+def foreign_positions(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The library's position module, stood in for by ours; the library's name."""
+    package, fn = POSITION_MODULES[request.param]
     parts = package.split(".")
     for i in range(1, len(parts) + 1):
         name = ".".join(parts[:i])
         monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
     module = types.ModuleType(f"{package}.pt_position")
-    fn = gr_pytorch_add_timestamp_positional_embeddings
     fn.__module__, fn.__qualname__ = module.__name__, "pytorch_add_timestamp_positional_embeddings"
     module.pytorch_add_timestamp_positional_embeddings = fn  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setattr(sys.modules[package], "pt_position", module, raising=False)
+    return request.param
 
 
 @pytest.mark.parametrize(("targets", "interleave", "contextual", "bucket_fn"), [
@@ -979,34 +1012,37 @@ def gr_positions(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-de
 ], ids=["targets-sqrt", "interleaved-contextual-log", "no-targets-contextual"])
 @pytest.mark.parametrize("op_target", ["aten", "triton"])
 def test_foreign_position_encodings_are_computed_on_the_jagged_rows(
-        gr_positions: None, targets: bool, interleave: bool, contextual: int, bucket_fn: str, op_target: str) -> None:
+        foreign_positions: str, targets: bool, interleave: bool, contextual: int, bucket_fn: str,
+        op_target: str) -> None:
     from hstu_export.ops.mappings import function_mappings, imported_functions
 
     torch.manual_seed(0)
-    model = ForeignPositions(targets, interleave, contextual, bucket_fn, max_seq_len=None).eval()
+    model = ForeignPositions(foreign_positions, targets, interleave, contextual, bucket_fn, max_seq_len=None).eval()
     batch = _position_batch([5, 3, 7], seed=0)
     gm = trace(model, batch, opaque_functions=imported_functions(list(function_mappings())))
     result = run_passes(gm, PassContext(example_inputs=batch, op_target=op_target, probe_inputs=[]),
                         passes=["observe_values", "map_ops", "eliminate_dead_code"])
     foreign = result.report["map_ops"].stats["foreign"]
-    assert [name.split(" ")[0].rsplit(".", 1)[1] for name in foreign] == ["pytorch_add_timestamp_positional_embeddings"]
+    assert [name.split(" ")[0] for name in foreign] == [
+        f"{POSITION_MODULES[foreign_positions][0]}.pt_position.pytorch_add_timestamp_positional_embeddings"]
     targets_seen = {str(n.target) for n in result.graph.graph.nodes if n.op == "call_function"}
-    assert not [t for t in targets_seen if "generative_recommenders" in t or "padded" in t or "dense_to_jagged" in t]
+    assert not [t for t in targets_seen if "generative_recommenders" in t or "tzrec" in t or "padded" in t
+                or "dense_to_jagged" in t]
     # Users longer than the position table, an empty user and one row: equal to the padded stand-in.
     for seed, lengths in enumerate([[5, 3, 7], [12, 0, 1, 4], [1], [10, 10]]):
         other = _position_batch(lengths, seed)
         with torch.no_grad():
             expected = model(other)
-            got = result.graph(**other)["output"]
+            got = result.graph(**{k: v for k, v in other.items() if k in batch})["output"]
         assert torch.equal(got, expected), (lengths, (got - expected).abs().max())
 
 
-def test_foreign_position_encodings_refuse_rows_past_the_bound(gr_positions: None) -> None:
+def test_foreign_position_encodings_refuse_rows_past_the_bound(foreign_positions: str) -> None:
     """A model with a fixed max_seq_len: the library would cut a longer user's rows, the mapped graph
     refuses the batch instead."""
     from hstu_export.ops.mappings import function_mappings, imported_functions
 
-    model = ForeignPositions(True, False, 0, "sqrt", max_seq_len=8).eval()
+    model = ForeignPositions(foreign_positions, True, False, 0, "sqrt", max_seq_len=8).eval()
     batch = _position_batch([5, 3, 7], seed=0)
     gm = trace(model, batch, opaque_functions=imported_functions(list(function_mappings())))
     result = run_passes(gm, PassContext(example_inputs=batch, op_target="aten", probe_inputs=[]),

@@ -138,25 +138,41 @@ def _offsets(call: MappingCall, offsets_key: str, max_len_key: str, rows_total: 
     return offsets
 
 
+Bucket = Callable[[Any, Any], Any]  # (elapsed time, the time table) -> the bucket each row looks up
+
+
+def _bucket_capped_at_width(elapsed: Any, table: Any) -> Any:
+    return torch.clamp(torch.clamp(elapsed, min=0).int(), min=0, max=table.size(1) - 1)
+
+
+def _bucket_capped_at_rows(elapsed: Any, table: Any) -> Any:
+    return torch.clamp(torch.clamp(elapsed, min=0).int(), min=0, max=table.size(0) - 1)
+
+
 def timestamp_positional_embeddings(call: MappingCall) -> Any:
-    return positional_embeddings_on_rows(call, time_cap_axis=1)
+    return positional_embeddings_on_rows(call, _bucket_capped_at_width)
 
 
 def triton_timestamp_positional_embeddings(call: MappingCall) -> Any:
-    return positional_embeddings_on_rows(call, time_cap_axis=0)
+    return positional_embeddings_on_rows(call, _bucket_capped_at_rows)
 
 
-def positional_embeddings_on_rows(call: MappingCall, time_cap_axis: int) -> Any:
+def positional_embeddings_on_rows(call: MappingCall, bucket_of: Bucket) -> Any:
     """The position and time encodings of every jagged row, computed on the rows themselves: each row
     finds its user and index (``hstu_export::jagged_positions``), then both embedding rows are looked
     up and added as the library does on its padded copy (the arithmetic is the same, element by
-    element, so the answers are too)."""
+    element, so the answers are too). ``time_bucket_increments`` (60 s when the function has no such
+    argument) and ``query_time`` (one per user, else the timestamp of the user's last row) are read
+    when the call has them."""
     bucket_fn = call["time_bucket_fn"]
     if bucket_fn not in ("sqrt", "log"):
         raise Unmappable(f"time_bucket_fn={bucket_fn!r}: only sqrt and log are known")
     contextual, interleave = call["max_contextual_seq_len"], call["interleave_targets"]
     if not isinstance(contextual, int) or not isinstance(interleave, bool):
         raise Unmappable("max_contextual_seq_len and interleave_targets must be constants of the model")
+    increments = call.arguments.get("time_bucket_increments", 60.0)
+    if not isinstance(increments, (int, float)):
+        raise Unmappable("time_bucket_increments must be a constant of the model")
     rows, offsets, lengths = call["seq_embeddings"], call["seq_offsets"], call["seq_lengths"]
     pos_table, time_table = call["pos_embeddings"], call["ts_embeddings"]
     # The library cuts a user's rows past max_seq_len off; ours would keep them, so refuse such a batch.
@@ -173,11 +189,15 @@ def positional_embeddings_on_rows(call: MappingCall, time_cap_axis: int) -> Any:
     if contextual > 0:
         position = torch.where(index < contextual, index, position)
     timestamps = call["timestamps"]
-    query_time = timestamps[offsets[users] + torch.clamp(length - 1, min=0)]
-    elapsed = torch.clamp(query_time - timestamps, min=1e-6) / 60.0
+    given = call.arguments.get("query_time")
+    if given is None:
+        query_time = timestamps[offsets[users] + torch.clamp(length - 1, min=0)]
+    else:
+        query_time = given.reshape(-1).to(timestamps.dtype)[users]
+    elapsed = torch.clamp(query_time - timestamps, min=1e-6) / increments
     elapsed = torch.log(elapsed) if bucket_fn == "log" else torch.sqrt(elapsed)
-    bucket = torch.clamp(torch.clamp(elapsed, min=0).int(), min=0, max=time_table.size(time_cap_axis) - 1)
-    looked_up = torch.index_select(time_table, 0, bucket) + torch.index_select(pos_table, 0, position)
+    looked_up = torch.index_select(time_table, 0, bucket_of(elapsed, time_table)) + torch.index_select(
+        pos_table, 0, position)
     return rows + looked_up.to(rows.dtype)
 
 

@@ -12,6 +12,10 @@ Facts this table relies on (read from the library's public code, 2026-08 snapsho
   offsets_right)`` and ``pytorch_split_2D_jagged(max_seq_len, values, total_len_left, total_len_right,
   max_len_left, max_len_right, offsets_left, offsets_right)`` behave as generative-recommenders' (a
   missing offsets side is dense); they are mapped by the same rewrites.
+- ``tzrec.ops._pytorch.pt_position.pytorch_add_timestamp_positional_embeddings`` is generative-recommenders'
+  function (mapped by the same rewrite) with two more arguments, ``time_bucket_increments`` (the divisor of
+  the elapsed seconds) and an optional per-user ``query_time`` (else the timestamp of the user's last row),
+  and its own bucket: ``int(clamp(f(...) / n, 0, 1) * n)`` with ``n`` the time table's rows less one.
 - With the TRITON kernel setting the graph holds ``torch.ops.tzrec.*`` ops instead; export tzrec
   models with the PYTORCH kernel setting (our mapping brings our Triton kernels back on CUDA).
 """
@@ -20,12 +24,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from hstu_export.ops.mappings import FunctionMapping, MappingCall, Unmappable
 from hstu_export.ops.mappings import generative_recommenders as gr
 
 LIBRARY = "TorchEasyRec"
 _PT = "tzrec.ops._pytorch.pt_hstu_attention."
 _JAGGED = "tzrec.ops._pytorch.pt_jagged_tensors."
+_POSITION = "tzrec.ops._pytorch.pt_position."
 
 
 def _divisor(call: MappingCall, runtime: Any) -> Any:
@@ -44,6 +51,15 @@ def hstu_mha(call: MappingCall) -> Any:
 
 def cached_hstu_mha(call: MappingCall) -> Any:
     return gr.cached_attention(call, "max_seq_len", _divisor)
+
+
+def _scaled_bucket(elapsed: Any, table: Any) -> Any:
+    n = table.size(0) - 1
+    return (torch.clamp(elapsed / n, min=0, max=1) * n).int()
+
+
+def timestamp_positional_embeddings(call: MappingCall) -> Any:
+    return gr.positional_embeddings_on_rows(call, _scaled_bucket)
 
 
 def _fixed_scale(original: Any, arguments: dict[str, Any], n: int) -> Any:
@@ -66,4 +82,7 @@ FUNCTIONS: dict[str, FunctionMapping] = {
         LIBRARY, gr.split_2D_jagged, {"total_len_left": None, "total_len_right": None, "max_len_left": None,
                                       "max_len_right": None, "offsets_left": None, "offsets_right": None},
         description="→ hstu_export::split_2D_jagged"),
+    _POSITION + "pytorch_add_timestamp_positional_embeddings": FunctionMapping(
+        LIBRARY, timestamp_positional_embeddings, {"time_bucket_increments": 60.0, "query_time": None},
+        description="position and time encodings → computed on the jagged rows (no padded copy)"),
 }
