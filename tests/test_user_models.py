@@ -1064,3 +1064,56 @@ def test_a_mapped_function_can_be_kept_as_written() -> None:
     assert name not in kept and set(function_mappings()) - set(kept) == {name}
     with pytest.raises(ConfigError, match="my_pkg.encode: 'keep' names no function we map"):
         function_mappings({"my_pkg.encode": "keep"})
+
+
+def tzrec_pytorch_add_position_embeddings(jagged, jagged_offsets, high_inds, max_seq_len, dense, scale=1.0):  # type: ignore[no-untyped-def]
+    """TorchEasyRec's encoding without timestamps, stood in for by us: each user padded to ``max_seq_len``,
+    ``dense[min(column, high_inds[u])]`` added to ``jagged * scale``, the padding cut away."""
+    out = jagged * scale
+    for b in range(jagged_offsets.numel() - 1):
+        start, end = int(jagged_offsets[b]), min(int(jagged_offsets[b + 1]), int(jagged_offsets[b]) + max_seq_len)
+        columns = torch.clamp(torch.arange(max_seq_len), max=int(high_inds[b]))
+        out[start:end] = out[start:end] + dense[columns][:end - start].to(jagged.dtype)
+    return out
+
+
+class ForeignPositionsOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 8)
+        self.pos = nn.Parameter(torch.randn(12, 8))
+
+    def forward(self, features: dict[str, Tensor]) -> Tensor:
+        pt_position = sys.modules["tzrec.ops._pytorch.pt_position"]
+        lengths = features["item_lengths"]
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+        rows = pt_position.pytorch_add_position_embeddings(
+            jagged=self.proj(features["item"]), jagged_offsets=offsets, high_inds=lengths - features["num_candidates"],
+            max_seq_len=int(lengths.max().item()), dense=self.pos, scale=2.5)
+        return rows.sum(-1)
+
+
+def test_foreign_position_only_encodings_are_computed_on_the_jagged_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hstu_export.ops.mappings import function_mappings, imported_functions
+
+    for name in ("tzrec", "tzrec.ops", "tzrec.ops._pytorch"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    module = types.ModuleType("tzrec.ops._pytorch.pt_position")
+    fn = tzrec_pytorch_add_position_embeddings
+    fn.__module__, fn.__qualname__ = module.__name__, "pytorch_add_position_embeddings"
+    module.pytorch_add_position_embeddings = fn  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    torch.manual_seed(0)
+    model = ForeignPositionsOnly().eval()
+    batch = _position_batch([5, 3, 7], seed=0)
+    gm = trace(model, batch, opaque_functions=imported_functions(list(function_mappings())))
+    result = run_passes(gm, PassContext(example_inputs=batch, op_target="aten", probe_inputs=[]),
+                        passes=["observe_values", "map_ops", "eliminate_dead_code"])
+    assert list(result.report["map_ops"].stats["foreign"]) == [
+        "tzrec.ops._pytorch.pt_position.pytorch_add_position_embeddings (TorchEasyRec)"]
+    targets = {str(n.target) for n in result.graph.graph.nodes if n.op == "call_function"}
+    assert not [t for t in targets if "tzrec" in t or "fbgemm" in t or "padded" in t]
+    for seed, lengths in enumerate([[5, 3, 7], [12, 0, 1, 4], [1]]):
+        other = _position_batch(lengths, seed)
+        with torch.no_grad():
+            assert torch.equal(result.graph(**other)["output"], model(other)), lengths

@@ -16,6 +16,9 @@ Facts this table relies on (read from the library's public code, 2026-08 snapsho
   function (mapped by the same rewrite) with two more arguments, ``time_bucket_increments`` (the divisor of
   the elapsed seconds) and an optional per-user ``query_time`` (else the timestamp of the user's last row),
   and its own bucket: ``int(clamp(f(...) / n, 0, 1) * n)`` with ``n`` the time table's rows less one.
+- ``pytorch_add_position_embeddings(jagged, jagged_offsets, high_inds, max_seq_len, dense, scale)`` (the
+  encoding without timestamps) pads the rows to ``max_seq_len`` and adds ``dense[min(i, high_inds[u])]`` to
+  ``jagged * scale`` at row ``i`` of user ``u`` (positions count forward).
 - With the TRITON kernel setting the graph holds ``torch.ops.tzrec.*`` ops instead; export tzrec
   models with the PYTORCH kernel setting (our mapping brings our Triton kernels back on CUDA).
 """
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 
+from hstu_export.capture.graph_functions import check_lengths_at_most
 from hstu_export.ops.mappings import FunctionMapping, MappingCall, Unmappable
 from hstu_export.ops.mappings import generative_recommenders as gr
 
@@ -62,6 +66,15 @@ def timestamp_positional_embeddings(call: MappingCall) -> Any:
     return gr.positional_embeddings_on_rows(call, _scaled_bucket)
 
 
+def position_embeddings(call: MappingCall) -> Any:
+    """tzrec's position encoding without timestamps, on the jagged rows (no padded copy)."""
+    rows, offsets, table = call["jagged"], call["jagged_offsets"], call["dense"]
+    offsets = call.record(check_lengths_at_most, offsets, call["max_seq_len"])
+    users, index = torch.ops.hstu_export.jagged_positions.default(offsets, rows.size(0))
+    position = torch.minimum(index, call["high_inds"][users])
+    return rows * call["scale"] + torch.index_select(table, 0, position).to(rows.dtype)
+
+
 def _fixed_scale(original: Any, arguments: dict[str, Any], n: int) -> Any:
     return original(**{**arguments, "scaling_seqlen": n})
 
@@ -82,6 +95,9 @@ FUNCTIONS: dict[str, FunctionMapping] = {
         LIBRARY, gr.split_2D_jagged, {"total_len_left": None, "total_len_right": None, "max_len_left": None,
                                       "max_len_right": None, "offsets_left": None, "offsets_right": None},
         description="→ hstu_export::split_2D_jagged"),
+    _POSITION + "pytorch_add_position_embeddings": FunctionMapping(
+        LIBRARY, position_embeddings, {"scale": 1.0},
+        description="position encodings → computed on the jagged rows (no padded copy)"),
     _POSITION + "pytorch_add_timestamp_positional_embeddings": FunctionMapping(
         LIBRARY, timestamp_positional_embeddings, {"time_bucket_increments": 60.0, "query_time": None},
         description="position and time encodings → computed on the jagged rows (no padded copy)"),
