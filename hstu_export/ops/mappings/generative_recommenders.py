@@ -30,6 +30,7 @@ Facts this table relies on (read from the library's public code, 2026-07 snapsho
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -141,20 +142,24 @@ def _offsets(call: MappingCall, offsets_key: str, max_len_key: str, rows_total: 
 Bucket = Callable[[Any, Any], Any]  # (elapsed time, the time table) -> the bucket each row looks up
 
 
-def _bucket_capped_at_width(elapsed: Any, table: Any) -> Any:
-    return torch.clamp(torch.clamp(elapsed, min=0).int(), min=0, max=table.size(1) - 1)
-
-
-def _bucket_capped_at_rows(elapsed: Any, table: Any) -> Any:
-    return torch.clamp(torch.clamp(elapsed, min=0).int(), min=0, max=table.size(0) - 1)
+def _capped_bucket(elapsed: Any, table: Any, axis: int) -> Any:
+    """The whole elapsed units, capped at the time table's size along ``axis`` less one."""
+    return torch.clamp(torch.clamp(elapsed, min=0).int(), min=0, max=table.size(axis) - 1)
 
 
 def timestamp_positional_embeddings(call: MappingCall) -> Any:
-    return positional_embeddings_on_rows(call, _bucket_capped_at_width)
+    return positional_embeddings_on_rows(call, functools.partial(_capped_bucket, axis=1))
 
 
 def triton_timestamp_positional_embeddings(call: MappingCall) -> Any:
-    return positional_embeddings_on_rows(call, _bucket_capped_at_rows)
+    return positional_embeddings_on_rows(call, functools.partial(_capped_bucket, axis=0))
+
+
+def rows_of_users(call: MappingCall, rows: Any, offsets: Any, max_len_key: str) -> tuple[Any, Any]:
+    """Each jagged row's user and index in it, once the run-time check that no user is longer than the
+    call's ``max_len_key`` is recorded (the library cuts such a user's rows off; ours would keep them)."""
+    offsets = call.record(check_lengths_at_most, offsets, call[max_len_key])
+    return torch.ops.hstu_export.jagged_positions.default(offsets, rows.size(0))
 
 
 def positional_embeddings_on_rows(call: MappingCall, bucket_of: Bucket) -> Any:
@@ -175,9 +180,7 @@ def positional_embeddings_on_rows(call: MappingCall, bucket_of: Bucket) -> Any:
         raise Unmappable("time_bucket_increments must be a constant of the model")
     rows, offsets, lengths = call["seq_embeddings"], call["seq_offsets"], call["seq_lengths"]
     pos_table, time_table = call["pos_embeddings"], call["ts_embeddings"]
-    # The library cuts a user's rows past max_seq_len off; ours would keep them, so refuse such a batch.
-    offsets = call.record(check_lengths_at_most, offsets, call["max_seq_len"])
-    users, index = torch.ops.hstu_export.jagged_positions.default(offsets, rows.size(0))
+    users, index = rows_of_users(call, rows, offsets, "max_seq_len")
     length = lengths[users]
     targets = call["num_targets"]
     if targets is None:

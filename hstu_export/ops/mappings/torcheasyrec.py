@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from hstu_export.capture.graph_functions import check_lengths_at_most
 from hstu_export.ops.mappings import FunctionMapping, MappingCall, Unmappable
 from hstu_export.ops.mappings import generative_recommenders as gr
 
@@ -68,9 +67,8 @@ def timestamp_positional_embeddings(call: MappingCall) -> Any:
 
 def position_embeddings(call: MappingCall) -> Any:
     """tzrec's position encoding without timestamps, on the jagged rows (no padded copy)."""
-    rows, offsets, table = call["jagged"], call["jagged_offsets"], call["dense"]
-    offsets = call.record(check_lengths_at_most, offsets, call["max_seq_len"])
-    users, index = torch.ops.hstu_export.jagged_positions.default(offsets, rows.size(0))
+    rows, table = call["jagged"], call["dense"]
+    users, index = gr.rows_of_users(call, rows, call["jagged_offsets"], "max_seq_len")
     position = torch.minimum(index, call["high_inds"][users])
     return rows * call["scale"] + torch.index_select(table, 0, position).to(rows.dtype)
 
