@@ -18,7 +18,8 @@ Steps (each writes into ``--work``, so later steps can run in another call on th
 - ``export``: exported in bf16 with the timed workload's ranges, unverified (its corners on the CPU would
   take hours), then compared with the verified fp32 package on small requests (the same model, other
   ranges and dtype: the difference is bf16's); again for each of ``--variants`` (without the ``fuse_stu_gate``
-  pass; with the position and time encodings as the library wrote them); the zoo's dlrmv3 exported with the
+  pass; with the position and time encodings as the library wrote them; without ``prove_length_reads``, so that
+  sizes and length checks are read from the device); the zoo's dlrmv3 exported with the
   same ranges.
 - ``time``: the packages' dense halves on the same workload: 32 users, history lengths uniform over
   [1, 2047] (mean about 1024), 2048 candidates each, bf16; median of ``--iters`` synced calls (CUDA events)
@@ -158,6 +159,7 @@ POSITIONS = "generative_recommenders.ops.pytorch.pt_position.pytorch_add_timesta
 VARIANTS: dict[str, dict[str, Any]] = {
     "unfused": {"skip_passes": ("fuse_stu_gate",)},
     "padded_positions": {"op_mappings": {POSITIONS: "keep"}},
+    "length_reads": {"skip_passes": ("prove_length_reads",)},  # sizes and proven length checks read from the device
 }
 
 

@@ -39,6 +39,8 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("map_ops", "map_ops:MapOps"),
     # The length checks map_ops records beside foreign jagged ops: read from the device once, at the end.
     PassSpec("defer_length_checks", "defer_length_checks:DeferLengthChecks"),
+    # Sizes and length checks read from the device that a valid request decides: sizes from shapes, checks dropped.
+    PassSpec("prove_length_reads", "prove_length_reads:ProveLengthReads"),
     # An HSTU layer's attention and output gate, written out by the model, as our gated op (triton target).
     PassSpec("fuse_stu_gate", "fuse_stu_gate:FuseStuGate"),
     # Sibling MLPs on one input (multi-task heads) as one product per layer; their old modules go with DCE.

@@ -204,6 +204,12 @@ def positional_embeddings_on_rows(call: MappingCall, bucket_of: Bucket) -> Any:
     return rows + looked_up.to(rows.dtype)
 
 
+def infer_max_len(call: MappingCall) -> Any:
+    """The library's ``fx_infer_max_len``: the lengths' maximum, read from the device as it does, written as plain
+    torch so that prove_length_reads sees it (a maximum read only by length checks it proves is then dropped)."""
+    return call["lengths"].max().item()
+
+
 def _fixed_scale_attention(original: Any, arguments: dict[str, Any], n: int) -> Any:
     q = arguments["q"]
     return original(**{**arguments, "attn_scale": torch.tensor(1.0 / n, device=q.device)})
@@ -214,6 +220,8 @@ _MHA_DEFAULTS = {"causal": True, "dropout_pr": 0.0, "training": True, "num_targe
 _CACHED_DEFAULTS = {"num_targets": None, "max_attn_len": 0, "contextual_seq_len": 0}
 
 FUNCTIONS: dict[str, FunctionMapping] = {
+    "generative_recommenders.common.fx_infer_max_len": FunctionMapping(
+        LIBRARY, infer_max_len, {}, description="a maximum length read → plain torch (dropped where proven unneeded)"),
     _PT + "pytorch_hstu_mha": FunctionMapping(LIBRARY, hstu_mha, _MHA_DEFAULTS, _fixed_scale_attention,
                                               "HSTU attention → hstu_export::hstu_mha", attention=True),
     _PT + "pytorch_cached_hstu_mha": FunctionMapping(LIBRARY, cached_hstu_mha, _CACHED_DEFAULTS, None,
