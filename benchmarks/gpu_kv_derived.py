@@ -67,7 +67,7 @@ def settings(device: str, w: dict[str, Any], **kwargs: Any) -> ExportSettings:
                           verify=VerifySettings(enabled=False), **kwargs)
 
 
-def export_gr(work: Path, device: str, small: bool) -> float:
+def export_gr(work: Path, device: str, small: bool, skip_passes: tuple[str, ...] = ()) -> float:
     w, shape = workload(small), SMALL if small else DLRMV3
     bundle = hstu_export.save_bundle(
         gr_ranker.build_ranker(**shape), work / "gr.pt", example_inputs=gr_ranker.example_inputs([5, 3, 7], [3, 1, 2]),
@@ -77,7 +77,7 @@ def export_gr(work: Path, device: str, small: bool) -> float:
     longest = w["history"] + w["candidates"] + GR_CONTEXTUAL
     start = time.perf_counter()
     hstu_export.export(bundle, work / "gr.aoti", settings(device, w, reference_device="cpu",
-                                                          attention_scale=f"fixed:{longest}"))
+                                                          attention_scale=f"fixed:{longest}", skip_passes=skip_passes))
     return round(time.perf_counter() - start, 1)
 
 
@@ -236,6 +236,8 @@ def main() -> int:
     parser.add_argument("--reuse", action="store_true", help="keep packages already in --work")
     parser.add_argument("--only", nargs="+", default=["zoo", "gr"], choices=["zoo", "gr"])
     parser.add_argument("--profile", action="store_true", help="also the GPU kernels of the GR package's calls")
+    parser.add_argument("--skip-passes", nargs="*", default=[], metavar="PASS",
+                        help="export the GR package without these passes (an A/B of a pass: run once with, once without)")
     args = parser.parse_args()
     global PROFILE
     PROFILE = args.profile
@@ -245,13 +247,13 @@ def main() -> int:
     result: dict[str, Any] = {"machine": {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
         "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")},
-        "workload": workload(args.small)}
+        "workload": workload(args.small), "gr_skip_passes": args.skip_passes}
 
     def save() -> None:
         (args.out / "kv_derived.json").write_text(json.dumps(result, indent=2, default=str))
 
     for name, step in (("zoo_export_seconds", lambda: export_zoo(work, args.device, args.small)),
-                       ("gr_export_seconds", lambda: export_gr(work, args.device, args.small))):
+                       ("gr_export_seconds", lambda: export_gr(work, args.device, args.small, tuple(args.skip_passes)))):
         if name.split("_")[0] not in args.only or (args.reuse and (work / f"{name.split('_')[0]}.aoti").is_dir()):
             continue
         try:

@@ -389,6 +389,9 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
         table.add_row("parity", f"[green]passed[/green] on {len(parity['batches'])} batches: worst rel. L2 "
                                 f"{w['rel_l2']:.2e} (tol {tol['rel_l2']:.0e}), max abs {w['max_abs']:.2e} "
                                 f"(tol {tol['max_abs']:.0e})")
+    reads = _device_reads(manifest)
+    if reads:
+        table.add_row("device reads", reads)
     if "kv_cache" in manifest:
         kv, checked = manifest["kv_cache"], parity.get("kv_cache")
         line = f"delta program {kv['program']}, pages of {kv['page_size']} tokens"
@@ -437,6 +440,16 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
 def _schema_features(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     schema = manifest.get("input_schema", [])
     return schema.get("features", []) if isinstance(schema, dict) else schema
+
+
+def _device_reads(manifest: dict[str, Any]) -> str:
+    """What the export's programs read back from the device a call (each a wait on a GPU), where recorded."""
+    meta = manifest.get("backend", {}).get("meta", {})
+    kv = manifest.get("kv_cache", {})
+    parts = [f"{label} {count}" for label, count in (("dense half", meta.get("dense_device_reads")),
+                                                      ("delta program", kv.get("device_reads")))
+             if isinstance(count, int)]
+    return ", ".join(parts) + " a call" if parts else ""
 
 
 def _rank_agreement(stats: dict[str, Any]) -> str:

@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import inspect
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx
 import torch.nn.functional as F
@@ -79,8 +81,9 @@ METADATA_METHODS = {"size", "dim"}
 @dataclass
 class DerivedDelta:
     """What :func:`derive_delta` makes: ``program`` (the dense inputs, then ``kv_cached [B]``,
-    ``kv_k_pages`` / ``kv_v_pages [layers, pages, page, H, D]``, ``kv_x_pages [pages, page, row_width]``
-    and ``kv_page_table [B, width]``; returns the dense half's outputs and ``kv_stale [B]``) and
+    ``kv_k_pages`` / ``kv_v_pages [layers, pages, page, H, D]``, ``kv_x_pages [pages, page, row_width]``,
+    ``kv_page_table [B, width]`` and ``kv_new_rows [new tokens]`` (:func:`new_rows_of`); returns the dense half's
+    outputs and ``kv_stale [B]``) and
     ``counts`` (the dense inputs it reads -> ``(seq_lengths [B], num_targets [B])``, what the cache sizes a
     user's pages by before the call)."""
 
@@ -348,15 +351,18 @@ def _what(n: torch.fx.Node) -> str:
 
 
 def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, frontier: list[Tensor],
-               x_pages: Tensor, page_table: Tensor, whole_history: bool = False,
+               x_pages: Tensor, page_table: Tensor, new_rows: Tensor, whole_history: bool = False,
                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """One delta call's row bookkeeping: ``(new_rows, q_offsets, seq_lens, num_targets, stale)``.
 
     ``cached[b]`` tokens of user b are taken as cached (a count beyond its non-target tokens is 0). Its
     frontier rows before that are compared with ``x_pages`` (stale: a floating row differs beyond its rounding,
     :func:`row_tolerance`, or an integer one in any bit); its new non-target frontier rows are stored there
-    (others to the scratch page, the pool's last): :func:`frontier_row`'s layout. ``new_rows`` indexes the rows past each cached prefix, in order. ``whole_history``:
-    the attention's contextual rows see every history row, so every later row of a layer depends on the whole
+    (others to the scratch page, the pool's last): :func:`frontier_row`'s layout. ``new_rows``: the rows past
+    each cached prefix, in order (:func:`new_rows_of`), given by the caller, which has the counts on the host:
+    their number sizes the layers' work, and a count read back from the device would stall it (and keep the
+    program from a CUDA graph). Rows outside the request are clamped into it. ``whole_history``: the
+    attention's contextual rows see every history row, so every later row of a layer depends on the whole
     history through them, and a user whose history grew is stale too."""
     offsets = seq_offsets.to(torch.int64)
     lengths = offsets[1:] - offsets[:-1]
@@ -380,14 +386,23 @@ def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, 
     stale = differs.new_zeros(lengths.shape[0]).index_put_((user,), differs, accumulate=True) > 0
     if whole_history:
         stale = stale | ((cached > 0) & (cached < stored))
-    new_total = q_offsets[-1].item()  # a size read from the data (unbacked in an exported program)
-    torch._check(new_total >= 0)
-    q_user, q_step = jagged_positions_by_search(q_offsets, new_total)
-    new_rows = (offsets[:-1] + cached)[q_user] + q_step
-    at = new_rows.clamp(0, max(total - 1, 0))
-    keep = (pos[at] < stored[q_user]) & (col[at] < width)  # the new rows of the history, not the candidates'
+    at = new_rows.to(torch.int64).clamp(0, max(total - 1, 0))
+    keep = (pos[at] < stored[user[at]]) & (col[at] < width)  # the new rows of the history, not the candidates'
     x_pages.index_put_((torch.where(keep, page[at], scratch), slot[at]), x[at])
-    return new_rows, q_offsets, lengths, targets, stale
+    return at, q_offsets, lengths, targets, stale
+
+
+def new_rows_of(seq_lengths: Sequence[int], stored: Sequence[int], cached: Sequence[int]) -> Tensor:
+    """``kv_new_rows`` of a delta call: the rows past each user's ``cached`` tokens (users of ``seq_lengths``
+    rows side by side, of which ``stored`` are not targets), in order; int64 on the host. A cached count
+    beyond a user's stored tokens counts as none, as :func:`delta_rows` takes it."""
+    lengths = np.asarray(seq_lengths, dtype=np.int64)
+    kept = np.asarray(cached, dtype=np.int64)
+    kept = np.where((kept >= 0) & (kept <= np.asarray(stored, dtype=np.int64)), kept, 0)
+    starts = np.cumsum(lengths) - lengths + kept
+    counts = lengths - kept
+    rows = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()), dtype=np.int64)
+    return torch.from_numpy(rows)
 
 
 def row_tolerance(dtype: torch.dtype) -> float:
@@ -550,7 +565,7 @@ def _gated_block(attention: torch.fx.Node, bound: dict[str, Any]) -> _GatedBlock
 # ---- the derivation ------------------------------------------------------------------------------------
 
 
-DELTA_INPUTS = ("kv_cached", "kv_k_pages", "kv_v_pages", "kv_x_pages", "kv_page_table")
+DELTA_INPUTS = ("kv_cached", "kv_k_pages", "kv_v_pages", "kv_x_pages", "kv_page_table", "kv_new_rows")
 
 
 def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_target: str = "aten",
@@ -619,7 +634,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
     def bookkeeping() -> None:
         out = graph.call_function(delta_rows, (env[seq_offsets], env[num_targets] if num_targets is not None else None,
                                                extra["kv_cached"], [env[f] for f in frontier], extra["kv_x_pages"],
-                                               extra["kv_page_table"], contextual > 0))
+                                               extra["kv_page_table"], extra["kv_new_rows"], contextual > 0))
         for i, name in enumerate(("new_rows", "q_offsets", "seq_lens", "num_targets", "stale")):
             book[name] = graph.call_function(operator.getitem, (out, i))
         for f in frontier:

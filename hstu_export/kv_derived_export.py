@@ -55,7 +55,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
     returns the manifest's ``kv_cache`` section."""
     from hstu_export.capture.opaque import export_builtins
     from hstu_export.runtimes.graph_io import export_ready, plain_first_line
-    from hstu_export.runtimes.unbacked_ranges import unbacked_ranges_hold_at_one
+    from hstu_export.runtimes.unbacked_ranges import device_reads, unbacked_ranges_hold_at_one
 
     start = time.perf_counter()
     program, example = derived.program, dict(inputs.example_dense_inputs)
@@ -73,11 +73,14 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
                                   dtype=settings.torch_dtype, device=device),
         "kv_x_pages": torch.zeros(pages, page_size, derived.row_width, dtype=derived.row_dtype, device=device),
         "kv_page_table": torch.arange(users * width, dtype=torch.int32, device=device).reshape(users, width),
+        # nothing cached: every row is new
+        "kv_new_rows": torch.arange(_rows(derived, example), dtype=torch.int64, device=device),
     }
     pages_dim = DimSpec("kv_pages", 2, 2**31 - 1)
     dims = {**inputs.dense_dynamic_dims, "kv_cached": {0: batch}, "kv_k_pages": {1: pages_dim},
             "kv_v_pages": {1: pages_dim}, "kv_x_pages": {0: pages_dim},
-            "kv_page_table": {0: batch, 1: DimSpec("kv_page_table_width", 1, width_bound)}}
+            "kv_page_table": {0: batch, 1: DimSpec("kv_page_table_width", 1, width_bound)},
+            "kv_new_rows": {0: DimSpec("kv_new_rows", 0, batch.max * derived.max_seq_len)}}
     all_names = [*names, *DELTA_INPUTS]
     # In the manifest's order: a caller without names (the C++ runtime) passes the inputs in that order.
     kwargs = {name: {**example, **kv_example}[name] for name in all_names}
@@ -116,9 +119,18 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
         "target_inputs": derived.target_inputs,
         "layer_nodes": derived.layer_nodes,
         "fused": {"gated_attention": derived.gated_fused},
+        "device_reads": device_reads(exported),
         "inductor_options": options,
         "compile_seconds": round(time.perf_counter() - start, 3),
     }
+
+
+def _rows(derived: DerivedDelta, example: dict[str, Tensor]) -> int:
+    """The token rows of ``example``: its sequence lengths added up (the counts program)."""
+    names = [n.target for n in derived.counts.graph.nodes if n.op == "placeholder"]
+    with torch.no_grad():
+        lengths, _ = derived.counts(**{name: example[name] for name in names})
+    return int(lengths.sum())
 
 
 def _batch_dim(counts: torch.fx.GraphModule, inputs: Any) -> DimSpec:

@@ -45,7 +45,7 @@ from hstu_export.runtimes.graph_io import (
     plain_first_line,
 )
 from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
-from hstu_export.runtimes.unbacked_ranges import unbacked_ranges_hold_at_one
+from hstu_export.runtimes.unbacked_ranges import device_reads, unbacked_ranges_hold_at_one
 
 DENSE_FILE = "dense/dense.pt2"
 SPARSE_PROGRAM_FILE = "sparse/sparse.pt2"
@@ -245,8 +245,8 @@ class AotiBackend(Backend):
                               f"{data_dependent_advice(exc)}") from exc
         return BackendArtifacts(
             files={"sparse": sparse_file, "dense": DENSE_FILE},
-            meta={"dense_exported_nodes": len(program.graph.nodes), "inductor_options": options,
-                  "sparse_program": sparse_meta},
+            meta={"dense_exported_nodes": len(program.graph.nodes), "dense_device_reads": device_reads(program),
+                  "inductor_options": options, "sparse_program": sparse_meta},
             op_libraries=sorted(set(sparse_libraries) | package_op_libraries(out_dir / DENSE_FILE)),
             formats={"sparse": sparse_meta["format"]},
             constants={"sparse": tables} if tables else {},

@@ -58,9 +58,10 @@ class PackageDerived:
         return lengths, targets
 
     def delta(self, dense: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor, x_pages: Tensor,
-              page_table: Tensor) -> dict[str, Tensor]:
+              page_table: Tensor, new_rows: Tensor) -> dict[str, Tensor]:
+        # A package whose program does not take kv_new_rows (an older export) counts its new rows itself.
         values = {**dense, "kv_cached": cached, "kv_k_pages": k_pages, "kv_v_pages": v_pages, "kv_x_pages": x_pages,
-                  "kv_page_table": page_table}
+                  "kv_page_table": page_table, "kv_new_rows": new_rows}
         try:
             with torch.no_grad():
                 return as_output_dict(self._program(**{name: values[name] for name in self._inputs}), self._outputs)

@@ -148,3 +148,10 @@ def unbacked_ranges_hold_at_one() -> Iterator[None]:
                 for name, original in _originals.items():
                     setattr(symbolic_shapes.ShapeEnv, name, original)
                 _originals.clear()
+
+
+def device_reads(program: Any) -> int:
+    """How many values an exported program reads back from its device a call: the nodes that bind a size or
+    number from tensor data (an ``item``, a ``nonzero``'s count). On a GPU each is a wait for the device, and a
+    program that reads cannot be replayed from a CUDA graph."""
+    return sum(1 for node in program.graph.nodes if node.meta.get("unbacked_bindings"))

@@ -17,9 +17,11 @@ from test_fuse_stu_gate import GR_ATTENTION, on_the_cpu
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from user_models import dlrm_hstu, gr_style, tzrec_style
 
+from hstu_export import ExportSettings
 from hstu_export.capture import trace
 from hstu_export.errors import ConfigError
-from hstu_export.kv_derive import delta_rows, derive_delta, row_tolerance, row_width
+from hstu_export.exporter import export_ranges
+from hstu_export.kv_derive import delta_rows, derive_delta, new_rows_of, row_tolerance, row_width
 from hstu_export.ops.mappings import function_mappings, imported_functions
 from hstu_export.passes.context import PassContext
 from hstu_export.passes.manager import run_passes
@@ -43,7 +45,8 @@ class Setup:
         gm = trace(model, flat, schema=self.schema,
                    opaque_functions=imported_functions(list(function_mappings(mappings))))
         ctx = PassContext(example_inputs=self.schema.to_graph_inputs(flat), schema=self.schema, op_mappings=mappings,
-                          op_target="triton", attention_scale=attention_scale)
+                          op_target="triton", attention_scale=attention_scale,
+                          ranges=export_ranges(self.schema, ExportSettings(max_batch_size=4)))
         self.result = on_the_cpu(run_passes(gm, ctx, skip=("fuse_stu_gate",)))
         self.example = self.dense_inputs(flat)
 
@@ -165,9 +168,10 @@ def test_a_torcheasyrec_style_model_is_served_through_its_derived_program() -> N
         assert seen[-1] == stats, seen
 
 
-def test_a_hit_computes_only_the_new_rows_and_a_changed_prefix_is_stale() -> None:
+def test_a_hit_computes_only_the_new_rows_and_a_changed_prefix_is_stale(monkeypatch: pytest.MonkeyPatch) -> None:
     """gr_style's time-free tokens: a user whose history is unchanged is a hit; changing one of its cached
-    tokens is found by the frontier rows (stale, recomputed, still exact)."""
+    tokens is found by the frontier rows (stale, recomputed, still exact). The delta program reads back from the
+    device only what the model's own graph reads (its count of new rows is given, not read)."""
     setup = gr_setup()
     a = gr_user(1, 8, 2)
     changed = {**a, "uih_item_id": [a["uih_item_id"][0] + 1, *a["uih_item_id"][1:]]}
@@ -175,6 +179,18 @@ def test_a_hit_computes_only_the_new_rows_and_a_changed_prefix_is_stale() -> Non
     rows: list[int] = []  # the rows each call's first projection computes (the module is the model's own)
     derived.program.get_submodule("layers.0.uvqk").register_forward_hook(lambda m, args, out: rows.append(out.shape[0]))
     ranker = DerivedCachedRanker(EagerDerived(setup.dense_inputs, derived), budget_bytes="4MiB", page_size=16)
+    running, reads = [], {"delta": 0, "model": 0}
+    for name, graph in (("delta", derived.program), ("model", setup.result.dense)):
+        graph.register_forward_pre_hook(lambda m, args, name=name: running.append(name))
+        graph.register_forward_hook(lambda m, args, out: running.clear())
+    item = torch.Tensor.item
+
+    def counted(t: torch.Tensor) -> object:
+        if running:
+            reads[running[0]] += 1
+        return item(t)
+
+    monkeypatch.setattr(torch.Tensor, "item", counted)
     for request in ([a], [a], [changed]):
         want = setup.full(setup.request(request))
         rows.pop()
@@ -185,6 +201,24 @@ def test_a_hit_computes_only_the_new_rows_and_a_changed_prefix_is_stale() -> Non
     # run as a hit, found stale by that call, and run again from nothing.
     assert rows == [11, 2, 2, 11]
     assert {k: ranker.cache.stats()[k] for k in ("hits", "misses", "stale")} == {"hits": 1, "misses": 1, "stale": 1}
+    assert reads["delta"] / 4 == reads["model"] / 3 > 0  # four program calls, three of the model
+
+
+def _delta(offsets: torch.Tensor, targets: torch.Tensor | None, cached: torch.Tensor, frontier: list[torch.Tensor],
+           pages: torch.Tensor, table: torch.Tensor, whole_history: bool = False) -> tuple:
+    """delta_rows with the new rows a runtime gives it (new_rows_of, from the counts on the host)."""
+    lengths = (offsets[1:] - offsets[:-1]).tolist()
+    stored = [n - t for n, t in zip(lengths, targets.tolist() if targets is not None else [0] * len(lengths))]
+    return delta_rows(offsets, targets, cached, frontier, pages, table, new_rows_of(lengths, stored, cached.tolist()),
+                      whole_history)
+
+
+def test_new_rows_are_the_rows_past_each_cached_prefix() -> None:
+    """new_rows_of lists, in order, each user's rows after its cached ones; a count beyond a user's stored
+    (non-target) tokens counts as none, as delta_rows takes it."""
+    assert new_rows_of([3, 5, 2], [2, 4, 2], [2, 4, 0]).tolist() == [2, 7, 8, 9]
+    assert new_rows_of([3, 5], [2, 4], [3, -1]).tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert new_rows_of([4], [4], [4]).tolist() == []
 
 
 def test_stale_is_found_per_user_from_its_own_rows() -> None:
@@ -197,7 +231,7 @@ def test_stale_is_found_per_user_from_its_own_rows() -> None:
     page_size, width = 4, 2
     pages = torch.zeros(3 * width + 1, page_size, 3)
     table = torch.arange(3 * width, dtype=torch.int32).reshape(3, width)
-    first = delta_rows(offsets, None, torch.zeros(3, dtype=torch.int64), [rows], pages, table)
+    first = _delta(offsets, None, torch.zeros(3, dtype=torch.int64), [rows], pages, table)
     assert not first[4].any() and first[0].tolist() == list(range(15))
     cached = torch.tensor([4, 3, 0])
     rounding = row_tolerance(torch.float32) * 6 / 2  # row 6's largest value is 6
@@ -206,13 +240,13 @@ def test_stale_is_found_per_user_from_its_own_rows() -> None:
                           (6, 3 * rounding, [False, True, False]), (1, float("nan"), [True, False, False])):
         changed = rows.clone()
         changed[row, 1] += by  # user 0's rows 0-4, user 1's 5-8, user 2's 9-14
-        stale = delta_rows(offsets, None, cached, [changed], pages.clone(), table)[4]
+        stale = _delta(offsets, None, cached, [changed], pages.clone(), table)[4]
         assert stale.tolist() == want, (row, stale)
     # A NaN kept in the pages differs too, as does one in the request's row.
     kept = pages.clone()
-    delta_rows(offsets, None, torch.zeros(3, dtype=torch.int64), [rows], kept, table)
+    _delta(offsets, None, torch.zeros(3, dtype=torch.int64), [rows], kept, table)
     kept[int(table[1, 0]), 1, 2] = float("nan")  # user 1's second row
-    assert delta_rows(offsets, None, cached, [rows], kept, table)[4].tolist() == [False, True, False]
+    assert _delta(offsets, None, cached, [rows], kept, table)[4].tolist() == [False, True, False]
 
 
 def test_integer_frontier_rows_are_compared_bit_for_bit_in_the_pages_of_a_narrow_dtype() -> None:
@@ -227,7 +261,7 @@ def test_integer_frontier_rows_are_compared_bit_for_bit_in_the_pages_of_a_narrow
     assert row_width([floats[0], ids[0], mask[0]], torch.bfloat16) == 2 + 4 + 4
     pages = torch.zeros(2 * 2 + 1, 4, 10, dtype=torch.bfloat16)
     table = torch.arange(4, dtype=torch.int32).reshape(2, 2)
-    delta_rows(offsets, None, torch.zeros(2, dtype=torch.int64), [floats, ids, mask], pages, table)
+    _delta(offsets, None, torch.zeros(2, dtype=torch.int64), [floats, ids, mask], pages, table)
     stored = pages[int(table[1, 0]), 1, 2:6].view(torch.int64)  # user 1's second row: request row 4
     assert stored.tolist() == [2**40 + 4]
     cached = torch.tensor([3, 3])
@@ -237,7 +271,7 @@ def test_integer_frontier_rows_are_compared_bit_for_bit_in_the_pages_of_a_narrow
         row = 4 if name == "ids" else 1
         parts[name][row] = parts[name][row] + change if name != "mask" else ~parts[name][row]
         frontier = [parts["floats"], parts["ids"], parts["mask"]]
-        stale = delta_rows(offsets, None, cached, frontier, pages.clone(), table)[4]
+        stale = _delta(offsets, None, cached, frontier, pages.clone(), table)[4]
         assert stale.tolist() == want, name
 
 
@@ -445,6 +479,11 @@ def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_
     summary = " ".join(capsys.readouterr().out.split())
     assert (f"derived from the graph: 2 layers (0 with the attention and gate as one op), frontier rows of "
             f"{section['layout']['row_width']} values") in summary, summary
+    # The derivation reads nothing the model's graph does not: the three reads are gr_style's own jagged_concat's
+    # (int(n.sum().item()) for each part); its sums, maxima and checks outside it are sizes or proven.
+    reads = derived_package.manifest["backend"]["meta"]["dense_device_reads"]
+    assert section["device_reads"] == reads == 3
+    assert "device reads dense half 3, delta program 3 a call" in summary, summary
     assert section["target_inputs"] == ["candidates_features__cand_item_id__lengths"]
     assert parity["passed"] and parity["cache"]["hits"] >= 3 and parity["cache"]["stale"] >= 1
     assert "not_checked" not in parity
@@ -559,10 +598,10 @@ def test_with_contextual_rows_that_see_the_history_a_grown_history_is_stale() ->
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     rows = torch.arange(12, dtype=torch.float32).reshape(12, 1).repeat(1, 3)
     pages, table = torch.zeros(5, 4, 3), torch.arange(4, dtype=torch.int32).reshape(2, 2)
-    delta_rows(offsets, targets, torch.zeros(2, dtype=torch.int64), [rows], pages, table)  # stores the rows
+    _delta(offsets, targets, torch.zeros(2, dtype=torch.int64), [rows], pages, table)  # stores the rows
     cached = torch.tensor([4, 3])  # user 0: its whole history; user 1: all but its last history row
-    assert delta_rows(offsets, targets, cached, [rows], pages.clone(), table, True)[4].tolist() == [False, True]
-    assert delta_rows(offsets, targets, cached, [rows], pages.clone(), table)[4].tolist() == [False, False]
+    assert _delta(offsets, targets, cached, [rows], pages.clone(), table, True)[4].tolist() == [False, True]
+    assert _delta(offsets, targets, cached, [rows], pages.clone(), table)[4].tolist() == [False, False]
 
 
 def test_verification_grows_each_history_by_a_token() -> None:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, RequestError
+from hstu_export.kv_derive import new_rows_of
 from hstu_export.serving.kv_cache import CacheFull, PagedKVCache, user_keys
 
 __all__ = ["DerivedCachedRanker", "DerivedRunner", "EagerDerived"]
@@ -38,7 +39,7 @@ class DerivedRunner(Protocol):
         """(sequence length, target count) per user, as the model's attentions see them."""
 
     def delta(self, dense: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor, x_pages: Tensor,
-              page_table: Tensor) -> dict[str, Tensor]:
+              page_table: Tensor, new_rows: Tensor) -> dict[str, Tensor]:
         """The delta program: the outputs and ``kv_stale``."""
 
 
@@ -62,10 +63,10 @@ class EagerDerived:
             return self._derived.counts(**{name: dense[name] for name in self._count_inputs})
 
     def delta(self, dense: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor, x_pages: Tensor,
-              page_table: Tensor) -> dict[str, Tensor]:
+              page_table: Tensor, new_rows: Tensor) -> dict[str, Tensor]:
         with torch.no_grad():
             return self._derived.program(**dense, kv_cached=cached, kv_k_pages=k_pages, kv_v_pages=v_pages,
-                                         kv_x_pages=x_pages, kv_page_table=page_table)
+                                         kv_x_pages=x_pages, kv_page_table=page_table, kv_new_rows=new_rows)
 
 
 class DerivedCachedRanker:
@@ -88,7 +89,9 @@ class DerivedCachedRanker:
         ids = user_keys(user_ids)
         dense = self.runner.dense_inputs(request)
         lengths, targets = self.runner.counts(dense)
-        stored = (lengths - targets).cpu().tolist()
+        # One read: pages are reserved, and the new rows listed, on the host.
+        lengths, targets = torch.stack([lengths.to(torch.int64), targets.to(torch.int64)]).cpu()
+        seq_lengths, stored = lengths.tolist(), (lengths - targets).tolist()
         batch = len(stored)
         if len(ids) != batch:
             raise RequestError(f"{len(ids)} user ids for a batch of {batch} users")
@@ -113,7 +116,7 @@ class DerivedCachedRanker:
                 cached[b], kept[b] = reuse, True
             if not all(kept):
                 cache.count("bypassed", kept.count(False))
-            outputs = self._run(dense, cached, tables)
+            outputs = self._run(dense, seq_lengths, stored, cached, tables)
             stale = outputs.pop("kv_stale").cpu().tolist()
             again = [b for b in range(batch) if stale[b] and cached[b]]
             if again:  # their frontier rows changed: recompute them from nothing
@@ -122,18 +125,20 @@ class DerivedCachedRanker:
                 for b in again:
                     cached[b] = 0
                     tables[b] = cache.reserve(ids[b], stored[b], 0)
-                outputs = self._run(dense, cached, tables)
+                outputs = self._run(dense, seq_lengths, stored, cached, tables)
                 outputs.pop("kv_stale")
             for b, user in enumerate(ids):
                 if kept[b]:
                     cache.commit(user, stored[b], None)
             return outputs
 
-    def _run(self, dense: dict[str, Tensor], cached: list[int], tables: list[list[int]]) -> dict[str, Tensor]:
-        cache = self.cache
+    def _run(self, dense: dict[str, Tensor], seq_lengths: list[int], stored: list[int], cached: list[int],
+             tables: list[list[int]]) -> dict[str, Tensor]:
+        cache, device = self.cache, self.runner.device
         width = max(1, *(len(t) for t in tables))
         table = np.full((len(tables), width), cache.scratch_page, dtype=np.int32)
         for b, pages in enumerate(tables):
             table[b, :len(pages)] = pages
-        return self.runner.delta(dense, torch.tensor(cached, dtype=torch.int64, device=self.runner.device),
-                                 cache.k, cache.v, cache.x, torch.from_numpy(table).to(self.runner.device))
+        return self.runner.delta(dense, torch.tensor(cached, dtype=torch.int64, device=device), cache.k, cache.v,
+                                 cache.x, torch.from_numpy(table).to(device),
+                                 new_rows_of(seq_lengths, stored, cached).to(device))

@@ -840,8 +840,17 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
       auto* row = table.data_ptr<int32_t>() + b * width;
       for (size_t i = 0; i < tables[b].size(); ++i) row[i] = static_cast<int32_t>(tables[b][i]);
     }
-    std::vector<at::Tensor> moved = {at::tensor(cached, at::kLong), table};  // in one transfer
-    detail::to_device(moved, device);
+    // The rows past each user's cached prefix (kv_new_rows; kv_derive.new_rows_of): their count sizes the
+    // program's layers, given here so that it reads nothing back from the device.
+    std::vector<int64_t> new_rows;
+    int64_t start = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      int64_t kept = cached[b] >= 0 && cached[b] <= stored[b] ? cached[b] : 0;
+      for (int64_t i = start + kept; i < start + lengths.data[b]; ++i) new_rows.push_back(i);
+      start += lengths.data[b];
+    }
+    std::vector<at::Tensor> moved = {at::tensor(cached, at::kLong), table, at::tensor(new_rows, at::kLong)};
+    detail::to_device(moved, device);  // in one transfer
     std::vector<at::Tensor> ordered;
     for (const auto& name : d.inputs) {
       if (name == "kv_cached") {
@@ -854,6 +863,8 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
         ordered.push_back(x);
       } else if (name == "kv_page_table") {
         ordered.push_back(moved[1]);
+      } else if (name == "kv_new_rows") {
+        ordered.push_back(moved[2]);
       } else {
         ordered.push_back(dense.at(name));
       }
