@@ -1,9 +1,10 @@
 """prove_length_reads: sizes and length checks read back from the device that a valid request already decides.
 
 HSTU models read lengths from the data: ``int(lengths.sum().item())`` or the offsets' last value for a row
-count, ``lengths.max()`` for a bound their jagged ops cut at. On a GPU each read waits for the device, which then idles while the host
-launches what follows; and a program that reads cannot be replayed from a CUDA graph. A request the package
-accepts has been checked against the export's ranges and its jagged features against their lengths, so:
+count, ``lengths.max()`` for a bound their jagged ops cut at. On a GPU each read waits for the device, which
+then idles while the host launches what follows; and a program that reads cannot be replayed from a CUDA
+graph. A request the package accepts has been checked against the export's ranges and its jagged features
+against their lengths, so:
 
 - the sum of a lengths feature is the rows of a tensor jagged by it: ``x.size(0)``, no read (a sum of
   features with counts, plus a constant a user, is the sum of their sizes and the batch's);
@@ -58,7 +59,7 @@ class Lengths:
         return Lengths(self.const + sign * other.const, tuple(sorted((k, v) for k, v in counts.items() if v)))
 
     def scaled(self, k: int) -> Lengths:
-        return Lengths(self.const * k, tuple((name, count * k) for name, count in self.counts))
+        return Lengths(self.const * k, tuple((name, count * k) for name, count in self.counts if count * k))
 
 
 @dataclass(frozen=True)

@@ -209,15 +209,17 @@ def test_a_compiled_guard_is_narrowed_at_export_and_named_by_both_runtimes(gr_bu
     """Without the fix that keeps data-read sizes at their declared minima, AOTInductor compiles a guard
     that refuses 1 user with 1 candidate (the bug this issue reported). Unverified, such a package refuses
     the request in both runtimes with one line naming the features at their limits; verified, export
-    narrows the candidates' minimum, says so and records it."""
+    narrows the candidates' minimum, says so and records it. The model's sums of lengths stay reads from the
+    data here (prove_length_reads left out: it would take them from shapes, and no guard would be compiled)."""
     import contextlib
 
     import hstu_export.runtimes.aoti as aoti
 
     monkeypatch.setattr(aoti, "unbacked_ranges_hold_at_one", contextlib.nullcontext)
-    mappings = {gr_style.ATTENTION: gr_style.GR_ATTENTION}
+    mappings, reads = {gr_style.ATTENTION: gr_style.GR_ATTENTION}, ("prove_length_reads",)
     unverified = hstu_export.export(gr_bundle, tmp_path / "unverified", ExportSettings(
-        backend="aoti", max_batch_size=4, op_mappings=mappings, verify=VerifySettings(enabled=False)))
+        backend="aoti", max_batch_size=4, op_mappings=mappings, verify=VerifySettings(enabled=False),
+        skip_passes=reads))
     predictor = hstu_export.load(unverified.path)
     model = hstu_export.load_bundle(gr_bundle).model
     one = flatten_example(predictor.input_schema, gr_style.example_inputs([3], [1], seed=1), None, model)
@@ -233,7 +235,8 @@ def test_a_compiled_guard_is_narrowed_at_export_and_named_by_both_runtimes(gr_bu
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         verified = hstu_export.export(gr_bundle, tmp_path / "verified", ExportSettings(
-            backend="aoti", max_batch_size=4, op_mappings=mappings, verify=VerifySettings(num_random_batches=1)))
+            backend="aoti", max_batch_size=4, op_mappings=mappings, verify=VerifySettings(num_random_batches=1),
+            skip_passes=reads))
     notes = [str(w.message) for w in caught if issubclass(w.category, NarrowedRangeWarning)]
     assert len(notes) == 1 and notes[0].startswith("candidates_features.cand_item_id.lengths narrowed to >= 2 "
                                                    "(declared 1): the compiled program refuses"), notes
@@ -242,6 +245,18 @@ def test_a_compiled_guard_is_narrowed_at_export_and_named_by_both_runtimes(gr_bu
     assert verified.parity["passed"]
     with pytest.raises(RequestError, match="below the minimum 2"):
         hstu_export.load(verified.path)(one)
+
+    # With prove_length_reads the sums are the sizes of the request's tensors: no such guard is compiled, and the
+    # same package, still without the fix, answers that request as the model does.
+    proven = hstu_export.export(gr_bundle, tmp_path / "proven", ExportSettings(
+        backend="aoti", max_batch_size=4, op_mappings=mappings, verify=VerifySettings(enabled=False)))
+    assert proven.manifest["backend"]["meta"]["dense_device_reads"] < unverified.manifest["backend"]["meta"][
+        "dense_device_reads"]
+    with torch.no_grad():
+        expected = call_model(model, predictor.input_schema, one)
+    got = hstu_export.load(proven.path)(one)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
