@@ -14,8 +14,10 @@ dlrmv3 through its own, on the "same history, new candidates" workload, timed in
   of the history, leave exact), at 1, 8 and 32 users.
 - Check: the cached answer against the same package without the cache on the second request (rel. L2).
 - Timed (median of CUDA-event-timed calls after warm-up): each package's no-cache dense half on the second
-  request, and its cached dense half on it (the delta program alone on a filled cache; the zoo's also replayed
-  from its CUDA graph, as served). The ratio per model, and the GR ratio over the zoo's.
+  request, and its cached dense half on it (the delta program alone on a filled cache; also replayed from its
+  CUDA graph, as served, where there is one: the zoo's bucket graph, the GR program's exact-shape graph when it
+  reads nothing from the device). The ratio per model, and the GR ratio over the zoo's. The whole request from
+  Python, with and without the GR program's graphs.
 
 Writes ``kv_derived.json`` into ``--out`` after every step.
 """
@@ -45,6 +47,7 @@ import gr_ranker  # noqa: E402  (after the paths)
 
 import hstu_export  # noqa: E402
 from hstu_export import ExportSettings, VerifySettings  # noqa: E402
+from hstu_export.kv_derive import new_rows_of  # noqa: E402
 from hstu_export.models.config import preset_config  # noqa: E402
 from hstu_export.models.ranking import HstuRankingModel  # noqa: E402
 from hstu_export.sources.schema_inference import flatten_example  # noqa: E402
@@ -147,19 +150,37 @@ def time_gr(package: Any, users: int, w: dict[str, Any], iters: int) -> dict[str
     runner = ranker.runner
     dense = runner.dense_inputs(second)
     lengths, targets = runner.counts(dense)
-    cached = (lengths - targets).to(torch.int64)
+    seq_lengths, stored = lengths.cpu().tolist(), (lengths - targets).cpu().tolist()
     width = max(len(ranker.cache.entry(u).pages) for u in ids)
     table = torch.tensor([ranker.cache.entry(u).pages + [ranker.cache.scratch_page] * (width - len(ranker.cache.entry(u).pages))
                           for u in ids], dtype=torch.int32, device=package.device)
     c = ranker.cache
+    inputs = runner.program_inputs(dense, torch.tensor(stored, dtype=torch.int64, device=package.device), c.k, c.v, c.x,
+                                   table, new_rows_of(seq_lengths, stored, stored).to(package.device))
+    row["device_reads"] = package.manifest["kv_cache"].get("device_reads")
     row["no_cache_ms"] = bench(lambda: package.split.dense(**dense), iters)
-    row["cached_ms"] = bench(lambda: runner.delta(dense, cached.to(package.device), c.k, c.v, c.x, table), iters)
+    row["cached_ms"] = bench(lambda: runner.run_program(inputs, graphed=False), iters)
+    if runner.graphs is not None:  # replayed from a CUDA graph, as served
+        row["cached_served_ms"] = bench(lambda: runner.run_program(inputs), iters)
+        row["ratio_served"] = row["no_cache_ms"] / row["cached_served_ms"]
     row["ratio"] = row["no_cache_ms"] / row["cached_ms"]
     # The whole request from Python, as served (sparse half, counts, bookkeeping, delta program), against the
     # package without the cache.
     row["request_no_cache_ms"] = bench(lambda: package(second), iters)
     row["request_cached_ms"] = bench(lambda: ranker(second, ids), iters)
     row["request_ratio"] = row["request_no_cache_ms"] / row["request_cached_ms"]
+    if runner.graphs is not None:  # the same with every delta call run as it is, in turns with the graphs
+        graphs, rounds = runner.graphs, {"graphs": [], "no_graphs": []}
+        for _ in range(2):
+            for name in rounds:
+                runner.graphs = graphs if name == "graphs" else None
+                rounds[name].append(bench(lambda: ranker(second, ids), iters))
+        runner.graphs = graphs
+        row["request_cached_rounds_ms"] = rounds
+        row["request_cached_ms"] = min(rounds["graphs"])
+        row["request_cached_no_graphs_ms"] = min(rounds["no_graphs"])
+        row["request_ratio"] = row["request_no_cache_ms"] / row["request_cached_ms"]
+        row["graph_counts"] = dict(graphs.counts)
     # The same histories with half as many candidates: a batch of another shape, whose rows before the layers
     # come out in other bits; still hits.
     before = ranker.cache.stats()
@@ -170,7 +191,7 @@ def time_gr(package: Any, users: int, w: dict[str, Any], iters: int) -> dict[str
     row["other_shape"] = {"hits": after["hits"] - before["hits"], "stale": after["stale"] - before["stale"],
                           "rel_l2_cached_vs_package": rel_l2(got, package(fewer))}
     if PROFILE:
-        row["profile_cached"] = kernels(lambda: runner.delta(dense, cached.to(package.device), c.k, c.v, c.x, table))
+        row["profile_cached"] = kernels(lambda: runner.run_program(inputs, graphed=False))
         row["profile_no_cache"] = kernels(lambda: package.split.dense(**dense))
     return row
 
@@ -278,7 +299,7 @@ def main() -> int:
         if "ratio" in zoo and "ratio" in gr:
             result.setdefault("gr_ratio_over_zoo", {})[users] = {
                 "vs_zoo_program": gr["ratio"] / zoo["ratio"],
-                "vs_zoo_served": gr["ratio"] / zoo.get("ratio_served", zoo["ratio"])}
+                "vs_zoo_served": gr.get("ratio_served", gr["ratio"]) / zoo.get("ratio_served", zoo["ratio"])}
     save()
     print(json.dumps({k: result.get(k) for k in ("gr_ratio_over_zoo", "zoo_export_seconds", "gr_export_seconds")},
                      default=str))

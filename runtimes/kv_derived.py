@@ -4,7 +4,9 @@
 
 A request goes through the package's own sparse half as it does without the cache; the counts program
 gives each user's sequence length and target count; the delta program gets the dense half's inputs and
-the cache's pages, page table and cached counts, and returns the outputs and which users were stale."""
+the cache's pages, page table and cached counts, and returns the outputs and which users were stale. On CUDA,
+a program that reads nothing back to the host replays calls of shapes it has seen before from CUDA graphs
+(:mod:`~hstu_export.runtimes.shape_graphs`)."""
 
 from __future__ import annotations
 
@@ -13,15 +15,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hstu_export.errors import HstuExportError, PackageError
+from hstu_export.errors import ConfigError, HstuExportError, PackageError
 from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
+from hstu_export.runtimes.shape_graphs import ShapeGraphs
 from hstu_export.settings import TORCH_DTYPES
 
 
 class PackageDerived:
     """A :class:`~hstu_export.serving.kv_derived.DerivedRunner` over a loaded package (``Predictor``)."""
 
-    def __init__(self, predictor: Any) -> None:
+    # The inputs that are the same tensors on every call: the cache's pages.
+    STATIC_INPUTS = ("kv_k_pages", "kv_v_pages", "kv_x_pages")
+
+    def __init__(self, predictor: Any, *, cuda_graphs: bool | None = None) -> None:
         from hstu_export.package.manifest import resolve_inside
         from hstu_export.runtimes.aoti import _load_pt2
 
@@ -46,6 +52,17 @@ class PackageDerived:
         except Exception as exc:
             raise PackageError(f"{predictor.root}: the KV-cache programs could not be loaded: "
                                f"{plain_first_line(exc)}") from exc
+        # CUDA graphs (None: on for a CUDA package whose program reads nothing from the device). A program that
+        # reads sizes back cannot be captured: the values it reads would be fixed at the capture's.
+        reads = section.get("device_reads")  # absent: an older export, which did not count them
+        if cuda_graphs and reads != 0:
+            raise ConfigError(f"{predictor.root}: its delta program reads "
+                              f"{'an unrecorded number of' if reads is None else reads} value(s) back from the "
+                              f"device, so it cannot be replayed from a CUDA graph; use cuda_graphs=None")
+        if cuda_graphs and self.device.type != "cuda":
+            raise ConfigError(f"CUDA graphs need a CUDA package; {predictor.root} is for {self.device.type}")
+        use = self.device.type == "cuda" and reads == 0 if cuda_graphs is None else cuda_graphs
+        self.graphs: ShapeGraphs | None = ShapeGraphs(self._call, self.STATIC_INPUTS) if use else None
 
     def dense_inputs(self, request: dict[str, Tensor]) -> dict[str, Tensor]:
         features = self._predictor.check_request(request)
@@ -59,14 +76,27 @@ class PackageDerived:
 
     def delta(self, dense: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor, x_pages: Tensor,
               page_table: Tensor, new_rows: Tensor) -> dict[str, Tensor]:
-        # A package whose program does not take kv_new_rows (an older export) counts its new rows itself.
-        values = {**dense, "kv_cached": cached, "kv_k_pages": k_pages, "kv_v_pages": v_pages, "kv_x_pages": x_pages,
-                  "kv_page_table": page_table, "kv_new_rows": new_rows}
+        return self.run_program(self.program_inputs(dense, cached, k_pages, v_pages, x_pages, page_table, new_rows))
+
+    def run_program(self, inputs: dict[str, Tensor], *, graphed: bool = True) -> dict[str, Tensor]:
+        """The delta program on its inputs (by name): from a CUDA graph where there are graphs, unless
+        ``graphed`` is False."""
         try:
             with torch.no_grad():
-                return as_output_dict(self._program(**{name: values[name] for name in self._inputs}), self._outputs)
+                return self.graphs(inputs) if graphed and self.graphs is not None else self._call(**inputs)
         except HstuExportError:
             raise
         except Exception as exc:  # the request passed check_request: the program or the runtime failed
             raise PackageError(f"{self._predictor.root}: running the KV-cache delta program failed: "
                                f"{plain_first_line(exc)}") from exc
+
+    def program_inputs(self, dense: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
+                       x_pages: Tensor, page_table: Tensor, new_rows: Tensor) -> dict[str, Tensor]:
+        """The delta program's inputs, by name, for :meth:`run_program` (a package whose program does not take
+        ``kv_new_rows``, an older export, counts its new rows itself)."""
+        values = {**dense, "kv_cached": cached, "kv_k_pages": k_pages, "kv_v_pages": v_pages, "kv_x_pages": x_pages,
+                  "kv_page_table": page_table, "kv_new_rows": new_rows}
+        return {name: values[name] for name in self._inputs}
+
+    def _call(self, **inputs: Tensor) -> dict[str, Tensor]:
+        return as_output_dict(self._program(**inputs), self._outputs)

@@ -140,7 +140,8 @@ class Predictor:
         running only each user's tokens past its cached prefix. ``budget_bytes`` (default: room for
         ``max_batch_size`` users at the longest sequence, and the scratch page) is allocated now, on the package's device.
         ``cuda_graphs`` (default: on for a CUDA package) replays requests from CUDA graphs, one per shape
-        bucket (``runtimes/kv_graphs.py``)."""
+        bucket (``runtimes/kv_graphs.py``); a derived delta program, one per exact shape seen twice, and only
+        when it reads nothing back from the device (``runtimes/shape_graphs.py``)."""
         from hstu_export.runtimes.kv_delta import PackageDelta
         from hstu_export.serving.kv_cache import CachedRanker, page_bytes
 
@@ -165,9 +166,7 @@ class Predictor:
         if max_time_drift:
             raise ConfigError("max_time_drift applies to the zoo model's delta program; a derived one reuses a "
                               "user's tokens only while the rows its layers start from are unchanged")
-        if cuda_graphs:
-            raise ConfigError("CUDA graphs are not built for a derived delta program yet; use cuda_graphs=None")
-        runner = PackageDerived(self)
+        runner = PackageDerived(self, cuda_graphs=cuda_graphs)
         if budget_bytes is None:
             layout, size = runner.layout, runner.page_size
             pages = self.max_batch_size * -(-layout["max_seq_len"] // size) + 1  # and the scratch page

@@ -25,6 +25,7 @@ from hstu_export.kv_derive import delta_rows, derive_delta, new_rows_of, row_tol
 from hstu_export.ops.mappings import function_mappings, imported_functions
 from hstu_export.passes.context import PassContext
 from hstu_export.passes.manager import run_passes
+from hstu_export.runtimes.shape_graphs import ShapeGraphs
 from hstu_export.serving.kv_derived import DerivedCachedRanker, EagerDerived
 from hstu_export.sources.schema_inference import flatten_example, infer_schema
 
@@ -499,6 +500,22 @@ def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_
     # User 2 twice in a batch is served without being stored; nothing is stale (the batches differ in shape
     # and order from request to request, which changes the rows' bits but not their values).
     assert (stats["misses"], stats["hits"], stats["stale"], stats["bypassed"]) == (3, 6, 0, 2), stats
+
+    # Its program reads sizes back from the device, so it is never replayed from a CUDA graph; on a program that
+    # reads none, the graphs' bookkeeping (kept without CUDA here) answers as the program does.
+    with pytest.raises(ConfigError, match="reads 3 value.s. back from the device, so it cannot be replayed"):
+        predictor.kv_cache(cuda_graphs=True)
+    ranker = predictor.kv_cache()
+    assert ranker.runner.graphs is None
+    ranker.runner.graphs = ShapeGraphs(ranker.runner._call, ranker.runner.STATIC_INPUTS, capture=False)
+    counts, before = ranker.runner.graphs.counts, 0
+    for k, (ids, users) in enumerate(_script() + [_script()[-1]] * 3):  # the last again: hits, of the same shapes
+        before = counts["replays"] if k == len(_script()) else before
+        batch = _package_request(predictor, users)
+        got, want = ranker(batch, ids), predictor(batch)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+    assert counts["replays"] - before == 2, counts  # the repeats: seen, then captured and replayed twice
 
 
 @pytest.mark.slow

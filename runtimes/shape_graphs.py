@@ -1,0 +1,136 @@
+"""CUDA graphs keyed by a call's exact input shapes, for programs that read nothing back to the host.
+
+A derived delta program (``runtimes/kv_derived.py``) takes the dense half's inputs under the model's own
+names, so the zoo's shape buckets (``runtimes/kv_graphs.py``: a padding user appended) do not apply to it.
+What does apply: a program whose compiled code reads no value from the device (``kv_cache.device_reads`` is
+0) launches the same kernels with the same grids for every call of the same input shapes, so such a call
+can be captured once and replayed. The key is each input's shape and dtype, and the addresses of the
+inputs that are the same tensors on every call (the cache's pages). Re-ranking the same users with as
+many candidates as before repeats its shapes; a request of shapes not seen before runs as it is.
+
+A key is captured the second time it is seen, into a pool shared by every graph; at most ``max_graphs``
+are kept (least recently used first out). Before a replay the call's tensors are copied into the graph's
+buffers: the floating ones (the embeddings, a row per token) each on its own, a device memcpy at the memory's
+speed, the others one ``_foreach_copy_`` per dtype (CUDA's multi-tensor copy is one kernel for many small
+tensors, but slow on large ones: ``runtimes/kv_graphs.py``); after it the outputs are copied out, so that the next replay
+cannot overwrite what a caller holds. A capture that fails (a program that syncs after all) leaves its key to
+run as it is from then on, counted as ``refused``, and the call is answered without a graph. Replays are
+serialised under one lock. ``capture=False`` keeps the
+same bookkeeping and buffers without CUDA (a replay calls the program on the buffers), which is how it is
+tested on a CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hstu_export.runtimes.kv_graphs import CAPTURE_MODE, collection_paused, first_rows
+
+_MAX_SEEN = 4096
+
+
+@dataclass
+class _Entry:
+    graph: torch.cuda.CUDAGraph | None  # None: a replay calls the program on the buffers
+    inputs: dict[str, Tensor]
+    outputs: dict[str, Tensor]
+    # The buffers copied into one by one (floating), and those of each other dtype, copied together.
+    singles: tuple[tuple[str, Tensor], ...]
+    groups: tuple[tuple[tuple[str, ...], list[Tensor]], ...]
+
+
+def shape_key(inputs: dict[str, Tensor], static: Iterable[str]) -> tuple[Any, ...]:
+    """What identifies a call's graph: every input's name, shape and dtype, and the addresses of ``static``."""
+    fixed = set(static)
+    return tuple((name, tuple(value.shape), value.dtype, value.data_ptr() if name in fixed else None)
+                 for name, value in sorted(inputs.items()))
+
+
+class ShapeGraphs:
+    """``graphs(inputs) -> dict``: ``fn(**inputs)``, replayed from a CUDA graph once its shapes were seen
+    before. ``static``: the inputs that are the same tensors on every call (used in place, never copied)."""
+
+    def __init__(self, fn: Callable[..., dict[str, Tensor]], static: Iterable[str], *, max_graphs: int = 16,
+                 capture: bool = True) -> None:
+        self._fn = fn
+        self._static = frozenset(static)
+        self._max = max_graphs
+        self._capture_cuda = capture
+        self._graphs: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
+        self._seen: dict[tuple[Any, ...], int] = {}
+        self._pool: Any = None
+        self._lock = threading.Lock()
+        self._refused: set[tuple[Any, ...]] = set()
+        self.counts = {"replays": 0, "captures": 0, "eager": 0, "refused": 0}
+
+    def __call__(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        key = shape_key(inputs, self._static)
+        with self._lock:
+            entry = self._graphs.get(key)
+            if entry is None:
+                if len(self._seen) > _MAX_SEEN:  # shapes seen once, long ago, are forgotten
+                    self._seen.clear()
+                self._seen[key] = self._seen.get(key, 0) + 1
+                if self._seen[key] < 2 or key in self._refused:
+                    self.counts["eager"] += 1
+                    return self._fn(**inputs)
+                try:
+                    entry = self._capture(inputs)
+                except Exception:  # any failure to capture: the call runs as it is
+                    self._refused.add(key)
+                    self.counts["refused"] += 1
+                    if self._capture_cuda:
+                        torch.cuda.synchronize()  # the warm-up's work done before the call runs again
+                    return self._fn(**inputs)
+                self._graphs[key] = entry
+                if len(self._graphs) > self._max:
+                    self._graphs.popitem(last=False)
+            else:
+                for name, target in entry.singles:
+                    target.copy_(inputs[name])
+                for names, targets in entry.groups:
+                    torch._foreach_copy_(targets, [inputs[name] for name in names])
+            self._graphs.move_to_end(key)
+            if entry.graph is not None:
+                entry.graph.replay()
+            else:
+                entry.outputs = self._fn(**entry.inputs)
+            self.counts["replays"] += 1
+            return first_rows(entry.outputs)
+
+    def _capture(self, inputs: dict[str, Tensor]) -> _Entry:
+        buffers = {name: value if name in self._static else value.clone() for name, value in inputs.items()}
+        singles: list[tuple[str, Tensor]] = []
+        by_dtype: dict[torch.dtype, tuple[list[str], list[Tensor]]] = {}
+        for name, value in buffers.items():
+            if name in self._static or not value.numel():
+                continue
+            if value.is_floating_point():
+                singles.append((name, value))
+            else:
+                names, targets = by_dtype.setdefault(value.dtype, ([], []))
+                names.append(name)
+                targets.append(value)
+        groups = tuple((tuple(names), targets) for names, targets in by_dtype.values())
+        if not self._capture_cuda:
+            return _Entry(None, buffers, {}, tuple(singles), groups)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up outside the capture (allocations, lazy initialisation)
+            for _ in range(2):
+                self._fn(**buffers)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with collection_paused(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_MODE):
+            outputs = self._fn(**buffers)
+        self.counts["captures"] += 1
+        return _Entry(graph, buffers, outputs, tuple(singles), groups)

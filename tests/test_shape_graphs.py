@@ -1,0 +1,80 @@
+"""ShapeGraphs' bookkeeping (runtimes/shape_graphs.py), on the CPU: capture=False keeps the buffers and the
+keys as CUDA graphs would, and a replay calls the program on the buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hstu_export.runtimes.shape_graphs import ShapeGraphs, shape_key
+
+
+def _program(calls: list[int]) -> ShapeGraphs:
+    """A program that writes its rows into ``pages`` (a static input) at ``slots`` and returns the rows doubled
+    and their sum."""
+
+    def fn(rows: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor) -> dict[str, torch.Tensor]:
+        calls.append(rows.shape[0])
+        pages[slots] = rows
+        return {"out": rows * 2, "total": rows.sum(0, keepdim=True)}
+
+    return ShapeGraphs(fn, ["pages"], max_graphs=2, capture=False)
+
+
+def test_a_shape_seen_twice_is_replayed_with_each_calls_values() -> None:
+    pages, calls = torch.zeros(8, 3), []
+    graphs = _program(calls)
+    for k in range(4):  # the same shapes, other values each time
+        rows = torch.arange(6.0).reshape(2, 3) + 10 * k
+        slots = torch.tensor([k, k + 4])
+        got = graphs({"rows": rows, "slots": slots, "pages": pages})
+        assert torch.equal(got["out"], rows * 2) and torch.equal(got["total"], rows.sum(0, keepdim=True))
+        assert torch.equal(pages[slots], rows)  # written into the caller's pages, not a copy of them
+    assert graphs.counts == {"eager": 1, "captures": 0, "replays": 3, "refused": 0}
+    got["out"].fill_(-1)  # what a caller holds is its own: the next replay is not changed by it, nor changes it
+    again = graphs({"rows": torch.ones(2, 3), "slots": torch.tensor([0, 1]), "pages": pages})
+    assert torch.equal(again["out"], torch.full((2, 3), 2.0)) and bool((got["out"] == -1).all())
+
+
+def test_keys_are_the_shapes_dtypes_and_the_static_inputs_addresses() -> None:
+    pages, other = torch.zeros(8, 3), torch.zeros(8, 3)
+    base = {"rows": torch.ones(2, 3), "slots": torch.tensor([0, 1]), "pages": pages}
+    key = shape_key(base, ["pages"])
+    assert key == shape_key({**base, "rows": torch.zeros(2, 3)}, ["pages"])  # values are not part of it
+    assert key != shape_key({**base, "rows": torch.ones(3, 3), "slots": torch.tensor([0, 1, 2])}, ["pages"])
+    assert key != shape_key({**base, "rows": torch.ones(2, 3, dtype=torch.float64)}, ["pages"])
+    assert key != shape_key({**base, "pages": other}, ["pages"])  # other pages: another graph
+
+
+def test_graphs_are_kept_for_the_most_recent_shapes_only() -> None:
+    pages, calls = torch.zeros(16, 3), []
+    graphs = _program(calls)
+
+    def call(n: int) -> None:
+        rows = torch.randn(n, 3)
+        got = graphs({"rows": rows, "slots": torch.arange(n), "pages": pages})
+        assert torch.allclose(got["out"], rows * 2)
+
+    for n in (1, 1, 2, 2, 3, 3):  # three shapes, each seen twice: two graphs kept (max_graphs=2)
+        call(n)
+    assert graphs.counts == {"eager": 3, "captures": 0, "replays": 3, "refused": 0} and len(graphs._graphs) == 2
+    call(1)  # its graph was dropped, but the shape was seen: it is taken again at once
+    assert graphs.counts["replays"] == 4 and graphs.counts["eager"] == 3
+
+
+def test_a_shape_that_cannot_be_captured_runs_as_it_is_from_then_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    graphs = _program(calls)
+    tried = []
+
+    def refuse(inputs: dict[str, torch.Tensor]) -> None:
+        tried.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", refuse)
+    pages = torch.zeros(8, 3)
+    for k in range(3):
+        rows = torch.full((2, 3), float(k))
+        got = graphs({"rows": rows, "slots": torch.tensor([0, 1]), "pages": pages})
+        assert torch.equal(got["out"], rows * 2)
+    assert graphs.counts == {"eager": 2, "captures": 0, "replays": 0, "refused": 1} and len(tried) == 1
