@@ -18,6 +18,8 @@ dlrmv3 through its own, on the "same history, new candidates" workload, timed in
   CUDA graph, as served, where there is one: the zoo's bucket graph, the GR program's exact-shape graph when it
   reads nothing from the device). The ratio per model, and the GR ratio over the zoo's. The whole request from
   Python, with and without the GR program's graphs.
+- ``--only zoo zoo_derived``: the zoo's model also exported with ``--kv-program derived`` and timed as GR's is; its
+  written program's served call over the derived one's (``zoo_derived_over_written``).
 
 Writes ``kv_derived.json`` into ``--out`` after every step.
 """
@@ -84,7 +86,9 @@ def export_gr(work: Path, device: str, small: bool, skip_passes: tuple[str, ...]
     return round(time.perf_counter() - start, 1)
 
 
-def export_zoo(work: Path, device: str, small: bool) -> float:
+def export_zoo(work: Path, device: str, small: bool, kv_program: str = "auto") -> float:
+    """The zoo's dlrmv3 with ``kv_program``'s delta program, into ``zoo.aoti`` (``zoo_derived.aoti`` for the derived
+    one)."""
     w = workload(small)
     config = dataclasses.replace(preset_config("tiny" if small else "dlrmv3"), max_history_len=w["history"],
                                  max_num_candidates=w["candidates"])
@@ -92,7 +96,8 @@ def export_zoo(work: Path, device: str, small: bool) -> float:
     model = HstuRankingModel(config).eval()
     bundle = hstu_export.save_bundle(model, work / "zoo.pt", hstu_export.generate_batch(model.input_schema(), 3, seed=1))
     start = time.perf_counter()
-    hstu_export.export(bundle, work / "zoo.aoti", settings(device, w, lengths={
+    name = "zoo_derived.aoti" if kv_program == "derived" else "zoo.aoti"
+    hstu_export.export(bundle, work / name, settings(device, w, kv_program=kv_program, lengths={
         "uih_lengths": (1, w["history"]), "candidate_lengths": (1, w["candidates"])}))
     return round(time.perf_counter() - start, 1)
 
@@ -141,7 +146,18 @@ def rel_l2(got: dict, want: dict) -> float:
 
 
 def time_gr(package: Any, users: int, w: dict[str, Any], iters: int) -> dict[str, Any]:
-    first, second = gr_requests(package, users, w)
+    return time_derived(package, users, w, iters, gr_requests, "candidates_features.")
+
+
+def time_zoo_derived(package: Any, users: int, w: dict[str, Any], iters: int) -> dict[str, Any]:
+    return time_derived(package, users, w, iters, zoo_requests, "candidate")
+
+
+def time_derived(package: Any, users: int, w: dict[str, Any], iters: int, requests: Any,
+                 candidates: str) -> dict[str, Any]:
+    """A package with a derived delta program; ``requests`` makes its two requests, ``candidates`` starts the names
+    of the candidates' features."""
+    first, second = requests(package, users, w)
     ranker = package.kv_cache()
     ids = list(range(users))
     ranker(first, ids)
@@ -184,8 +200,8 @@ def time_gr(package: Any, users: int, w: dict[str, Any], iters: int) -> dict[str
     # The same histories with half as many candidates: a batch of another shape, whose rows before the layers
     # come out in other bits; still hits.
     before = ranker.cache.stats()
-    drawn = gr_requests(package, users, {**w, "candidates": max(1, w["candidates"] // 2)})[1]
-    fewer = {k: drawn[k] if k.startswith("candidates_features.") else v for k, v in first.items()}
+    drawn = requests(package, users, {**w, "candidates": max(1, w["candidates"] // 2)})[1]
+    fewer = {k: drawn[k] if k.startswith(candidates) else v for k, v in first.items()}
     got = ranker(fewer, ids)
     after = ranker.cache.stats()
     row["other_shape"] = {"hits": after["hits"] - before["hits"], "stale": after["stale"] - before["stale"],
@@ -255,7 +271,9 @@ def main() -> int:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--reuse", action="store_true", help="keep packages already in --work")
-    parser.add_argument("--only", nargs="+", default=["zoo", "gr"], choices=["zoo", "gr"])
+    parser.add_argument("--only", nargs="+", default=["zoo", "gr"], choices=["zoo", "gr", "zoo_derived"],
+                        help="zoo_derived: the zoo's model with --kv-program derived, against its written program "
+                             "(with zoo)")
     parser.add_argument("--profile", action="store_true", help="also the GPU kernels of the GR package's calls")
     parser.add_argument("--skip-passes", nargs="*", default=[], metavar="PASS",
                         help="export the GR package without these passes (an A/B of a pass: run once with, once without)")
@@ -273,9 +291,11 @@ def main() -> int:
     def save() -> None:
         (args.out / "kv_derived.json").write_text(json.dumps(result, indent=2, default=str))
 
-    for name, step in (("zoo_export_seconds", lambda: export_zoo(work, args.device, args.small)),
-                       ("gr_export_seconds", lambda: export_gr(work, args.device, args.small, tuple(args.skip_passes)))):
-        if name.split("_")[0] not in args.only or (args.reuse and (work / f"{name.split('_')[0]}.aoti").is_dir()):
+    for model, step in (("zoo", lambda: export_zoo(work, args.device, args.small)),
+                        ("zoo_derived", lambda: export_zoo(work, args.device, args.small, "derived")),
+                        ("gr", lambda: export_gr(work, args.device, args.small, tuple(args.skip_passes)))):
+        name = f"{model}_export_seconds"
+        if model not in args.only or (args.reuse and (work / f"{model}.aoti").is_dir()):
             continue
         try:
             result[name] = step()
@@ -283,8 +303,8 @@ def main() -> int:
             result[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "trace": traceback.format_exc()[-3000:]}
         save()
     w = workload(args.small)
-    for name, timer in (("zoo", time_zoo), ("gr", time_gr)):
-        if not (work / f"{name}.aoti").is_dir():
+    for name, timer in (("zoo", time_zoo), ("zoo_derived", time_zoo_derived), ("gr", time_gr)):
+        if name not in args.only or not (work / f"{name}.aoti").is_dir():
             continue
         package = hstu_export.load(work / f"{name}.aoti")
         for users in w["users"]:
@@ -300,9 +320,13 @@ def main() -> int:
             result.setdefault("gr_ratio_over_zoo", {})[users] = {
                 "vs_zoo_program": gr["ratio"] / zoo["ratio"],
                 "vs_zoo_served": gr.get("ratio_served", gr["ratio"]) / zoo.get("ratio_served", zoo["ratio"])}
+        written, derived = zoo.get("cached_served_ms"), result.get("zoo_derived", {}).get(users, {})
+        if written and "cached_ms" in derived:  # the zoo's written program over its derived one, both as served
+            result.setdefault("zoo_derived_over_written", {})[users] = written / derived.get("cached_served_ms",
+                                                                                           derived["cached_ms"])
     save()
-    print(json.dumps({k: result.get(k) for k in ("gr_ratio_over_zoo", "zoo_export_seconds", "gr_export_seconds")},
-                     default=str))
+    print(json.dumps({k: result.get(k) for k in ("gr_ratio_over_zoo", "zoo_derived_over_written", "zoo_export_seconds",
+                                                 "zoo_derived_export_seconds", "gr_export_seconds")}, default=str))
     return 0
 
 
