@@ -75,8 +75,9 @@ class ShapeGraphs:
         with self._lock:
             entry = self._graphs.get(key)
             if entry is None:
-                if len(self._seen) > _MAX_SEEN:  # shapes seen once, long ago, are forgotten
+                if len(self._seen) > _MAX_SEEN:  # shapes seen once (or refused), long ago, are forgotten
                     self._seen.clear()
+                    self._refused.clear()
                 self._seen[key] = self._seen.get(key, 0) + 1
                 if self._seen[key] < 2 or key in self._refused:
                     self.counts["eager"] += 1
