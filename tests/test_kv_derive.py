@@ -519,10 +519,13 @@ def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("graphs", ["auto", "buckets"])
 def test_the_cpp_runtime_serves_a_derived_program_as_python_bit_for_bit(derived_package: Any, cpp_runtime: Any,
-                                                                        tmp_path: Path) -> None:  # fmt: skip
+                                                                        tmp_path: Path, graphs: str) -> None:  # fmt: skip
     """hstu-export-run --kv-cache on the derived package: the same answers as Python's cache bit for bit, and
-    the same counters."""
+    the same counters. ``--kv-graphs buckets`` keeps the exact-shape graphs' bookkeeping without CUDA, as
+    Python's ShapeGraphs(capture=False) does: the same replays (the last request three more times: seen, then
+    replayed twice) and the same answers; ``on`` is refused for a program that reads values back."""
     import re
 
     import hstu_export
@@ -530,15 +533,18 @@ def test_the_cpp_runtime_serves_a_derived_program_as_python_bit_for_bit(derived_
 
     predictor = hstu_export.load(derived_package.path)
     ranker = predictor.kv_cache()
+    if graphs == "buckets":
+        ranker.runner.graphs = ShapeGraphs(ranker.runner._call, ranker.runner.STATIC_INPUTS, capture=False)
+    script = _script() + [_script()[-1]] * 3
     args: list[object] = [derived_package.path]
     expected = []
-    for k, (ids, users) in enumerate(_script()):
+    for k, (ids, users) in enumerate(script):
         batch = _package_request(predictor, users)
         expected.append(ranker(batch, ids))
         args.append(save_tensors(batch, tmp_path / f"request{k}"))
-    for ids, _ in _script():
+    for ids, _ in script:
         args += ["--user-ids", ",".join(map(str, ids))]
-    done = cpp_runtime.run(*args, "--kv-cache", "auto", "--out", tmp_path / "out")
+    done = cpp_runtime.run(*args, "--kv-cache", "auto", "--kv-graphs", graphs, "--out", tmp_path / "out")
     assert done.returncode == 0, done.stderr
     for k, want in enumerate(expected):
         got = load_tensors(tmp_path / "out" / str(k + 1))
@@ -549,6 +555,17 @@ def test_the_cpp_runtime_serves_a_derived_program_as_python_bit_for_bit(derived_
     found = re.findall(r"kv cache: (\d+) hits, (\d+) misses, (\d+) stale, (\d+) evictions, (\d+) bypassed", done.stdout)
     assert found and tuple(map(int, found[-1])) == tuple(stats[k] for k in ("hits", "misses", "stale", "evictions",
                                                                              "bypassed")), done.stdout
+    if graphs == "auto":  # on the CPU: no graphs
+        assert "exact shapes" not in done.stdout, done.stdout
+        return
+    counts = ranker.runner.graphs.counts
+    assert counts["replays"] >= 2
+    assert (f"exact shapes: {counts['replays']} replays, 0 graphs captured, {counts['eager']} run as they are"
+            in done.stdout), (counts, done.stdout)
+    refused = cpp_runtime.run(derived_package.path, args[1], "--kv-cache", "auto", "--kv-graphs", "on",
+                              "--user-ids", ",".join(map(str, script[0][0])))
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "reads 3 value(s) back from the device, so it cannot be replayed from a CUDA graph" in refused.stderr
 
 
 def test_a_page_size_other_than_the_programs_is_refused() -> None:

@@ -37,7 +37,7 @@ plain_build() {
     graphs=(-isystem "$cuda_include" -DHSTU_EXPORT_CUDA_GRAPHS)
   fi
   c++ "${flags[@]}" "${graphs[@]}" -shared -DHSTU_EXPORT_DEFAULT_OP_LIBRARY_DIRS="\"$ops\"" \
-    "$here"/src/runtime.cpp "$here"/src/kv_cache.cpp "$here"/src/kv_graphs.cpp "$here"/src/tensor_dir.cpp "$here"/src/tables.cpp "$here"/src/published.cpp "$here"/src/json.cpp "$here"/src/sha256.cpp \
+    "$here"/src/runtime.cpp "$here"/src/kv_cache.cpp "$here"/src/kv_graphs.cpp "$here"/src/shape_graphs.cpp "$here"/src/tensor_dir.cpp "$here"/src/tables.cpp "$here"/src/published.cpp "$here"/src/json.cpp "$here"/src/sha256.cpp \
     -o "$build/libhstu_export_runtime.so" -Wl,--no-as-needed -L"$torch_dir/lib" $libs -ldl \
     -Wl,-rpath,"$torch_dir/lib"
   c++ "${flags[@]}" "$here/src/main.cpp" -o "$build/hstu-export-run" -Wl,--no-as-needed \

@@ -20,6 +20,7 @@
 #include <unordered_map>
 
 #include "kv_graphs.h"
+#include "shape_graphs.h"
 #include "package_impl.h"
 
 namespace hstu_export {
@@ -232,6 +233,7 @@ struct CachedRanker::Impl {
   std::optional<detail::DerivedKVSection> derived;
   std::unique_ptr<detail::AotiProgram> counts_program;
   at::Tensor x;
+  std::unique_ptr<detail::ShapeGraphs> shape_graphs;  // CUDA graphs by exact shapes, or null: the program as it is
 
   NamedTensors run(const Tensors& request, const std::vector<int64_t>& users, int64_t batch, detail::PhaseClock& clock);
   NamedTensors run_derived(const Tensors& request, const std::vector<int64_t>& users, int64_t batch,
@@ -336,17 +338,40 @@ void allocate_pages(CachedRanker::Impl& impl, const Package::Impl& pkg, const KV
   impl.counts.pages = impl.num_pages;
 }
 
+// KVCacheOptions::graphs made definite (kAuto: on where graphs can run and `safe`), or an Error for kOn where
+// they cannot (`unsafe`: why this package's program cannot be replayed, when it cannot).
+KVGraphs resolve_graphs(const Package::Impl& pkg, KVGraphs graphs, const std::string& unsafe) {
+  bool cuda = pkg.device.is_cuda();
+  if (graphs == KVGraphs::kOn && !unsafe.empty()) throw Error(unsafe);
+  if (graphs == KVGraphs::kOn && !cuda) {
+    throw Error("CUDA graphs need a CUDA package; " + pkg.root + " is for " + pkg.device.str());
+  }
+  if (graphs == KVGraphs::kOn && !detail::cuda_graphs_built()) {
+    throw Error("this C++ runtime was built without CUDA graph support (no CUDA headers when it was built); "
+                "rebuild it where the CUDA toolkit's headers are, or serve without graphs");
+  }
+  if (graphs != KVGraphs::kAuto) return graphs;
+  return cuda && detail::cuda_graphs_built() && unsafe.empty() ? KVGraphs::kOn : KVGraphs::kOff;
+}
+
 // A derived delta program's cache (hstu_export/serving/kv_derived.py's DerivedCachedRanker, the same pages
-// and bookkeeping): K/V pages and each cached token's frontier row; no CUDA graphs.
+// and bookkeeping): K/V pages and each cached token's frontier row. A program that reads nothing back from
+// the device replays calls of shapes seen before from CUDA graphs (shape_graphs.h); kBuckets keeps that
+// bookkeeping without graphs.
 std::unique_ptr<CachedRanker::Impl> open_derived(const Package::Impl& pkg, const KVCacheOptions& options) {
   const detail::DerivedKVSection& d = *pkg.derived_kv;
   if (options.max_time_drift != 0) {
     throw Error("max_time_drift applies to the zoo model's delta program; a derived one reuses a user's tokens only "
                 "while the rows its layers start from are unchanged");
   }
-  if (options.graphs == KVGraphs::kOn || options.graphs == KVGraphs::kBuckets) {
-    throw Error("CUDA graphs and shape buckets are not built for a derived delta program; serve it without them");
+  // The values such a program reads would be fixed at the capture's.
+  std::string unsafe;
+  if (d.device_reads != 0) {
+    unsafe = pkg.root + ": its delta program reads " +
+             (d.device_reads < 0 ? std::string("an unrecorded number of") : std::to_string(d.device_reads)) +
+             " value(s) back from the device, so it cannot be replayed from a CUDA graph; serve it with graphs auto";
   }
+  KVGraphs graphs = resolve_graphs(pkg, options.graphs, unsafe);
   auto impl = std::make_unique<CachedRanker::Impl>();
   impl->derived = d;
   detail::KVSection& kv = impl->kv;  // what the shared bookkeeping reads
@@ -370,6 +395,17 @@ std::unique_ptr<CachedRanker::Impl> open_derived(const Package::Impl& pkg, const
   };
   impl->program = load(d.program, d.program_file);
   impl->counts_program = load(d.counts, d.counts_file);
+  if (graphs != KVGraphs::kOff) {
+    const detail::AotiProgram* program = impl->program.get();
+    const std::vector<std::string>* names = &impl->derived->inputs;
+    impl->shape_graphs = std::make_unique<detail::ShapeGraphs>(
+        [program, names](const detail::ProgramInputs& inputs) {
+          std::vector<at::Tensor> ordered;
+          for (const auto& name : *names) ordered.push_back(inputs.at(name));
+          return program->run(ordered);
+        },
+        std::set<std::string>{"kv_k_pages", "kv_v_pages", "kv_x_pages"}, /*capture=*/graphs == KVGraphs::kOn);
+  }
   return impl;
 }
 
@@ -406,16 +442,7 @@ std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> 
   } catch (const std::exception& exc) {
     throw PackageError(pkg.root + ": AOTInductor could not load " + kv.program_file + ": " + detail::error_text(exc));
   }
-  bool cuda = pkg.device.is_cuda();
-  KVGraphs graphs = options.graphs;
-  if (graphs == KVGraphs::kOn && !cuda) {
-    throw Error("CUDA graphs need a CUDA package; " + pkg.root + " is for " + pkg.device.str());
-  }
-  if (graphs == KVGraphs::kOn && !detail::cuda_graphs_built()) {
-    throw Error("this C++ runtime was built without CUDA graph support (no CUDA headers when it was built); "
-                "rebuild it where the CUDA toolkit's headers are, or serve without graphs");
-  }
-  if (graphs == KVGraphs::kAuto) graphs = cuda && detail::cuda_graphs_built() ? KVGraphs::kOn : KVGraphs::kOff;
+  KVGraphs graphs = resolve_graphs(pkg, options.graphs, "");
   if (graphs != KVGraphs::kOff) {
     // The bucket steps stay within the program's bounds (runtimes/kv_delta.py chooses the same).
     detail::Buckets buckets{std::min<int64_t>(64, kv.max_history), std::min<int64_t>(32, kv.max_candidates),
@@ -429,9 +456,12 @@ std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> 
   return std::shared_ptr<CachedRanker>(new CachedRanker(std::move(impl)));
 }
 
-bool CachedRanker::bucketed() const { return impl_->graphs != nullptr; }
+bool CachedRanker::bucketed() const { return impl_->graphs != nullptr || impl_->shape_graphs != nullptr; }
+
+bool CachedRanker::derived() const { return impl_->derived.has_value(); }
 
 KVGraphCounts CachedRanker::graph_counts() const {
+  if (impl_->shape_graphs) return impl_->shape_graphs->counts();
   return impl_->graphs ? impl_->graphs->counts() : KVGraphCounts{};
 }
 
@@ -851,25 +881,22 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
     }
     std::vector<at::Tensor> moved = {at::tensor(cached, at::kLong), table, at::tensor(new_rows, at::kLong)};
     detail::to_device(moved, device);  // in one transfer
-    std::vector<at::Tensor> ordered;
+    const std::map<std::string, at::Tensor> made = {{"kv_cached", moved[0]}, {"kv_k_pages", k},
+                                                      {"kv_v_pages", v}, {"kv_x_pages", x},
+                                                      {"kv_page_table", moved[1]}, {"kv_new_rows", moved[2]}};
+    detail::ProgramInputs inputs;
     for (const auto& name : d.inputs) {
-      if (name == "kv_cached") {
-        ordered.push_back(moved[0]);
-      } else if (name == "kv_k_pages") {
-        ordered.push_back(k);
-      } else if (name == "kv_v_pages") {
-        ordered.push_back(v);
-      } else if (name == "kv_x_pages") {
-        ordered.push_back(x);
-      } else if (name == "kv_page_table") {
-        ordered.push_back(moved[1]);
-      } else if (name == "kv_new_rows") {
-        ordered.push_back(moved[2]);
-      } else {
-        ordered.push_back(dense.at(name));
-      }
+      auto it = made.find(name);
+      inputs[name] = it != made.end() ? it->second : dense.at(name);
     }
-    std::vector<at::Tensor> outputs = program->run(ordered);
+    std::vector<at::Tensor> outputs;
+    if (shape_graphs) {
+      outputs = (*shape_graphs)(inputs);
+    } else {
+      std::vector<at::Tensor> ordered;
+      for (const auto& name : d.inputs) ordered.push_back(inputs.at(name));
+      outputs = program->run(ordered);
+    }
     if (outputs.size() != d.outputs.size()) {
       throw Error(d.program_file + " returned " + std::to_string(outputs.size()) + " outputs, the manifest names " +
                   std::to_string(d.outputs.size()));

@@ -167,18 +167,14 @@ void padding_counts(ProgramInputs& buffers, int64_t batch) {
   }
 }
 
-// The outputs' first `rows` rows in new tensors (the buffers are the next replay's), copied by one
-// _foreach_copy_: one kernel on CUDA when they share a dtype, where a clone each is a copy each.
+// The outputs' first `rows` rows in new tensors (the buffers are the next replay's).
 std::vector<at::Tensor> first_rows(const std::vector<at::Tensor>& outputs, int64_t rows) {
-  std::vector<at::Tensor> parts, out;
-  for (const auto& value : outputs) {
-    parts.push_back(value.narrow(0, 0, rows));
-    out.push_back(at::empty(parts.back().sizes(), parts.back().options()));
-  }
-  at::_foreach_copy_(out, parts);
-  return out;
+  std::vector<at::Tensor> parts;
+  for (const auto& value : outputs) parts.push_back(value.narrow(0, 0, rows));
+  return copied(parts);
 }
 
+#ifdef HSTU_EXPORT_CUDA_GRAPHS
 // Writes input `name` of a request into its bucket's buffers (a kernel or memcpy launched on the stream): the
 // page table's real columns, and its later columns (a narrower table) set to the scratch page, so that no
 // write lands in an earlier request's pages.
@@ -195,7 +191,6 @@ void copy_alone(ProgramInputs& buffers, const ProgramInputs& inputs, const std::
   if (width < buffer.size(1)) rows.narrow(1, width, buffer.size(1) - width).fill_(scratch_page(inputs));
 }
 
-#ifdef HSTU_EXPORT_CUDA_GRAPHS
 // The CUDA runtime's graph functions that repoint a graph's copies, found in the process (libtorch_cuda has
 // loaded the CUDA runtime), so that the runtime needs no link to it and builds with the compiler alone. Where
 // one is missing, requests are copied before the replay instead.
@@ -231,6 +226,13 @@ void check(cudaError_t status, const char* what) {
 #endif
 
 }  // namespace
+
+std::vector<at::Tensor> copied(const std::vector<at::Tensor>& values) {
+  std::vector<at::Tensor> out;
+  for (const auto& value : values) out.push_back(at::empty(value.sizes(), value.options()));
+  at::_foreach_copy_(out, values);
+  return out;
+}
 
 bool cuda_graphs_built() {
 #ifdef HSTU_EXPORT_CUDA_GRAPHS

@@ -46,6 +46,10 @@ struct Buckets {
   bool fitted_counts = false;
 };
 
+// `values` copied into new tensors by one _foreach_copy_ (one kernel on CUDA when they share a dtype, where a
+// clone each is a copy each): a graph's outputs handed out, its buffers kept for the next replay.
+std::vector<at::Tensor> copied(const std::vector<at::Tensor>& values);
+
 // Whether this runtime was built with CUDA graph support (CUDA headers and libtorch_cuda at build time).
 bool cuda_graphs_built();
 

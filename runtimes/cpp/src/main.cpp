@@ -76,8 +76,9 @@ constexpr const char* kUsage =
     "                         it once per REQUEST_DIR, in the same order\n"
     "  --max-time-drift S     seconds a cached token keeps its timestamp bucket (default 0: exact)\n"
     "  --kv-graphs MODE       auto (default: CUDA graphs for a CUDA package, when the runtime was built\n"
-    "                         with CUDA headers), on, off, or buckets (shape buckets without graphs, any\n"
-    "                         device: checks the buckets' bookkeeping)\n";
+    "                         with CUDA headers and, for a derived delta program, when it reads nothing\n"
+    "                         back from the device), on, off, or buckets (the graphs' bookkeeping without\n"
+    "                         graphs, any device: shape buckets, or exact shapes for a derived program)\n";
 
 struct Args {
   std::string package, out, latency_log;
@@ -402,9 +403,14 @@ std::string stats_line(const hstu_export::CachedRanker& ranker) {
   std::string out = line;
   if (ranker.bucketed()) {
     hstu_export::KVGraphCounts g = ranker.graph_counts();
-    std::snprintf(line, sizeof line, "; shape buckets: %lld replays, %lld graphs captured, %lld run as they are",
-                  static_cast<long long>(g.replays), static_cast<long long>(g.captures), static_cast<long long>(g.eager));
+    std::snprintf(line, sizeof line, "; %s: %lld replays, %lld graphs captured, %lld run as they are",
+                  ranker.derived() ? "exact shapes" : "shape buckets", static_cast<long long>(g.replays),
+                  static_cast<long long>(g.captures), static_cast<long long>(g.eager));
     out += line;
+    if (g.refused > 0) {
+      std::snprintf(line, sizeof line, " (%lld captures failed)", static_cast<long long>(g.refused));
+      out += line;
+    }
     if (g.copying > 0) {
       std::snprintf(line, sizeof line, " (%lld graphs copy the requests in themselves; %lld of %lld copies repointed)",
                     static_cast<long long>(g.copying), static_cast<long long>(g.repointed),

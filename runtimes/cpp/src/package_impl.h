@@ -123,6 +123,7 @@ struct DerivedKVSection {
   int64_t row_width = 0;  // each cached token's frontier row
   at::ScalarType row_dtype = at::kFloat;
   at::ScalarType dtype = at::kFloat;  // the package's dtype: the K/V pages'
+  int64_t device_reads = -1;  // values the program reads back from its device a call; -1: not recorded
 };
 
 // Each tensor not on `device` replaced by its copy there, row-major. To a CUDA device, the small host tensors

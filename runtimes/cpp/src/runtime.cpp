@@ -588,6 +588,10 @@ detail::DerivedKVSection read_derived_kv_section(const Fields& fields, const Val
   out.attention_dim = positive(layout, "attention_dim", at);
   out.linear_dim = positive(layout, "linear_dim", at);
   out.row_width = positive(layout, "row_width", at);
+  if (const Value* reads = kv.find("device_reads"); reads != nullptr && !reads->is_null()) {
+    out.device_reads = fields.integer(*reads, where + ".device_reads");
+    if (out.device_reads < 0) fields.fail(where + ".device_reads", "is negative");
+  }
   std::string row_dtype = fields.string(layout, "row_dtype", at);
   auto row_type = scalar_type(row_dtype);
   if (!row_type || !at::isFloatingType(*row_type)) fields.fail(at + ".row_dtype", "is " + in_quotes(row_dtype) + ", not a floating dtype");

@@ -29,6 +29,8 @@ namespace hstu_export {
 // How the delta program runs (docs/KV_CACHE.md): replayed from CUDA graphs, one per shape bucket
 // (kOn; kAuto: on for a CUDA package when the runtime was built with CUDA headers), as it is (kOff), or in
 // shape buckets without graphs (kBuckets: the buckets' bookkeeping on any device, what CPU tests check).
+// A derived delta program has a graph per exact input shapes instead of buckets, and only when it reads
+// nothing back from the device (kv_cache.device_reads 0; kAuto leaves the others without graphs).
 enum class KVGraphs { kAuto, kOn, kOff, kBuckets };
 
 struct KVGraphCounts {
@@ -38,6 +40,7 @@ struct KVGraphCounts {
   int64_t copying = 0;   // graphs captured with the request's copies inside them (of `captures`)
   int64_t copies = 0;    // copies of a request's tensors those graphs made: one per input and replay
   int64_t repointed = 0;  // of `copies`: those whose node was pointed anew (the tensor was not where the last was)
+  int64_t refused = 0;    // captures that failed (a derived program's exact shapes): that shape runs as it is
 };
 
 struct KVCacheOptions {
@@ -75,8 +78,10 @@ class CachedRanker {
   NamedTensors run(const Tensors& request, const std::vector<int64_t>& user_ids, PhaseTimes* times = nullptr);
 
   KVCacheStats stats() const;
-  // Whether requests run in shape buckets (CUDA graphs or kBuckets), and how they ran; zeros without.
+  // Whether requests run in shape buckets (CUDA graphs or kBuckets), and how they ran; zeros without. A derived
+  // delta program's graphs are keyed by exact shapes instead (derived()).
   bool bucketed() const;
+  bool derived() const;
   KVGraphCounts graph_counts() const;
   int64_t bytes() const;      // of the K/V pages
   int64_t page_size() const;  // tokens per page

@@ -1,0 +1,46 @@
+// CUDA graphs keyed by a call's exact input shapes: runtimes/shape_graphs.py, in C++. Internal.
+//
+// For a derived delta program whose compiled code reads no value back from the device (kv_cache.device_reads
+// 0): such a program launches the same kernels with the same grids for every call of the same input shapes,
+// so a call can be captured once and replayed. The key is every input's name, shape and dtype, and the
+// addresses of the inputs that are the same tensors on every call (the cache's pages). A key is captured the
+// second time it is seen, into one memory pool, at most `max_graphs` are kept (least recently used out).
+// Before a replay the call's tensors are copied into the graph's buffers (the floating ones each on its own,
+// the others one _foreach_copy_ per dtype); after it the outputs are copied out. A capture that fails leaves
+// its key to run as it is from then on (counted as refused). Replays are serialised.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstddef>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "hstu_export/kv_cache.h"
+#include "kv_graphs.h"
+
+namespace hstu_export::detail {
+
+class ShapeGraphs {
+ public:
+  // `run`: the program on inputs by name (outputs in its order). capture=false keeps the keys and buffers
+  // but runs the program on the buffers instead of replaying a graph: the same bookkeeping on any device.
+  ShapeGraphs(RunProgram run, std::set<std::string> statics, bool capture, size_t max_graphs = 16);
+  ~ShapeGraphs();
+  ShapeGraphs(const ShapeGraphs&) = delete;
+  ShapeGraphs& operator=(const ShapeGraphs&) = delete;
+
+  // The program's outputs for the call, in tensors that outlive it.
+  std::vector<at::Tensor> operator()(const ProgramInputs& inputs);
+
+  KVGraphCounts counts() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hstu_export::detail
