@@ -8,6 +8,11 @@ can be captured once and replayed. The key is each input's shape and dtype, and 
 inputs that are the same tensors on every call (the cache's pages). Re-ranking the same users with as
 many candidates as before repeats its shapes; a request of shapes not seen before runs as it is.
 
+A call whose inputs (those copied into buffers) exceed ``max_bytes`` (32 MiB by default) runs as it is: the
+copies then cost more than the launches a graph saves. Measured on an H200 (docs/PERF.md, the zoo's derived
+program, 4352 rows of inputs a user): a graph made a 1-user request 1.26x faster, was even at 8 users (70 MB of
+inputs) and 5% slower at 32 (280 MB).
+
 A key is captured the second time it is seen, into a pool shared by every graph; at most ``max_graphs``
 are kept (least recently used first out). Before a replay the call's tensors are copied into the graph's
 buffers: the floating ones (the embeddings, a row per token) each on its own, a device memcpy at the memory's
@@ -34,6 +39,8 @@ from torch import Tensor
 from hstu_export.runtimes.kv_graphs import CAPTURE_MODE, collection_paused, first_rows
 
 _MAX_SEEN = 4096
+# Calls whose copied inputs exceed this run as they are (module docstring).
+MAX_COPY_BYTES = 32 << 20
 
 
 @dataclass
@@ -58,10 +65,11 @@ class ShapeGraphs:
     before. ``static``: the inputs that are the same tensors on every call (used in place, never copied)."""
 
     def __init__(self, fn: Callable[..., dict[str, Tensor]], static: Iterable[str], *, max_graphs: int = 16,
-                 capture: bool = True) -> None:
+                 capture: bool = True, max_bytes: int = MAX_COPY_BYTES) -> None:
         self._fn = fn
         self._static = frozenset(static)
         self._max = max_graphs
+        self._max_bytes = max_bytes
         self._capture_cuda = capture
         self._graphs: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
         self._seen: dict[tuple[Any, ...], int] = {}
@@ -71,6 +79,12 @@ class ShapeGraphs:
         self.counts = {"replays": 0, "captures": 0, "eager": 0, "refused": 0}
 
     def __call__(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        copied = sum(value.numel() * value.element_size() for name, value in inputs.items()
+                     if name not in self._static)
+        if copied > self._max_bytes:
+            with self._lock:
+                self.counts["eager"] += 1
+            return self._fn(**inputs)
         key = shape_key(inputs, self._static)
         with self._lock:
             entry = self._graphs.get(key)

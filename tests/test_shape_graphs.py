@@ -9,7 +9,7 @@ import torch
 from hstu_export.runtimes.shape_graphs import ShapeGraphs, shape_key
 
 
-def _program(calls: list[int]) -> ShapeGraphs:
+def _program(calls: list[int], **options: int) -> ShapeGraphs:
     """A program that writes its rows into ``pages`` (a static input) at ``slots`` and returns the rows doubled
     and their sum."""
 
@@ -18,7 +18,7 @@ def _program(calls: list[int]) -> ShapeGraphs:
         pages[slots] = rows
         return {"out": rows * 2, "total": rows.sum(0, keepdim=True)}
 
-    return ShapeGraphs(fn, ["pages"], max_graphs=2, capture=False)
+    return ShapeGraphs(fn, ["pages"], max_graphs=2, capture=False, **options)
 
 
 def test_a_shape_seen_twice_is_replayed_with_each_calls_values() -> None:
@@ -78,3 +78,13 @@ def test_a_shape_that_cannot_be_captured_runs_as_it_is_from_then_on(monkeypatch:
         got = graphs({"rows": rows, "slots": torch.tensor([0, 1]), "pages": pages})
         assert torch.equal(got["out"], rows * 2)
     assert graphs.counts == {"eager": 2, "captures": 0, "replays": 0, "refused": 1} and len(tried) == 1
+
+
+def test_a_call_with_more_input_bytes_than_the_bound_runs_as_it_is() -> None:
+    pages, calls = torch.zeros(16, 3), []
+    graphs = _program(calls, max_bytes=4 * 3 * 4 + 4 * 8)  # four float rows and four slots
+    for n in (5, 5, 5, 4, 4, 4):  # five rows are over the bound: never captured, however often seen
+        rows = torch.randn(n, 3)
+        got = graphs({"rows": rows, "slots": torch.arange(n), "pages": pages})
+        assert torch.equal(got["out"], rows * 2)
+    assert graphs.counts == {"eager": 4, "captures": 0, "replays": 2, "refused": 0}

@@ -61,6 +61,7 @@ struct ShapeGraphs::Impl {
   std::set<std::string> statics;
   bool capture = true;
   size_t max_graphs = 16;
+  int64_t max_bytes = kMaxCopyBytes;
   mutable std::mutex mutex;
   std::map<Key, Graph> graphs;
   std::list<Key> recency;  // least recently used first
@@ -134,8 +135,10 @@ struct ShapeGraphs::Impl {
   }
 };
 
-ShapeGraphs::ShapeGraphs(RunProgram run, std::set<std::string> statics, bool capture, size_t max_graphs)
+ShapeGraphs::ShapeGraphs(RunProgram run, std::set<std::string> statics, bool capture, size_t max_graphs,
+                         int64_t max_bytes)
     : impl_(std::make_unique<Impl>()) {
+  impl_->max_bytes = max_bytes;
   impl_->run = std::move(run);
   impl_->statics = std::move(statics);
   impl_->capture = capture;
@@ -151,6 +154,17 @@ KVGraphCounts ShapeGraphs::counts() const {
 
 std::vector<at::Tensor> ShapeGraphs::operator()(const ProgramInputs& inputs) {
   Impl& s = *impl_;
+  int64_t copied_bytes = 0;
+  for (const auto& [name, value] : inputs) {
+    if (!s.statics.count(name)) copied_bytes += value.numel() * static_cast<int64_t>(value.element_size());
+  }
+  if (copied_bytes > s.max_bytes) {
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.counts.eager += 1;
+    }
+    return s.run(inputs);
+  }
   Key key = key_of(inputs, s.statics);
   std::lock_guard<std::mutex> lock(s.mutex);
   auto it = s.graphs.find(key);

@@ -7,7 +7,9 @@
 // second time it is seen, into one memory pool, at most `max_graphs` are kept (least recently used out).
 // Before a replay the call's tensors are copied into the graph's buffers (the floating ones each on its own,
 // the others one _foreach_copy_ per dtype); after it the outputs are copied out. A capture that fails leaves
-// its key to run as it is from then on (counted as refused). Replays are serialised.
+// its key to run as it is from then on (counted as refused). A call whose copied inputs exceed `max_bytes`
+// runs as it is: the copies would cost more than the launches a graph saves (runtimes/shape_graphs.py has the
+// figures). Replays are serialised.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -23,11 +25,15 @@
 
 namespace hstu_export::detail {
 
+// Calls whose copied inputs exceed this run as they are (runtimes/shape_graphs.py's MAX_COPY_BYTES).
+constexpr int64_t kMaxCopyBytes = int64_t{32} << 20;
+
 class ShapeGraphs {
  public:
   // `run`: the program on inputs by name (outputs in its order). capture=false keeps the keys and buffers
   // but runs the program on the buffers instead of replaying a graph: the same bookkeeping on any device.
-  ShapeGraphs(RunProgram run, std::set<std::string> statics, bool capture, size_t max_graphs = 16);
+  ShapeGraphs(RunProgram run, std::set<std::string> statics, bool capture, size_t max_graphs = 16,
+              int64_t max_bytes = kMaxCopyBytes);
   ~ShapeGraphs();
   ShapeGraphs(const ShapeGraphs&) = delete;
   ShapeGraphs& operator=(const ShapeGraphs&) = delete;
