@@ -373,13 +373,13 @@ def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, 
     q_offsets = lengths_to_offsets(lengths - cached)
     total = frontier[0].shape[0]
     user, pos = jagged_positions_by_search(offsets, total)
-    x, floating = frontier_row(frontier, x_pages.dtype)
     page_size, width, scratch = x_pages.shape[1], page_table.shape[1], x_pages.shape[0] - 1
     col = pos // page_size
     page = page_table.to(torch.int64)[user, col.clamp(0, max(width - 1, 0))].clamp(0, scratch)
     slot = pos % page_size
     before = cached[user]
-    differs = (_rows_differ(x_pages[page, slot], x, floating) & (pos < before) & (col < width)).to(torch.int32)
+    differs = _rows_differ(x_pages[page, slot], _frontier_parts(frontier, x_pages.dtype))
+    differs = (differs & (pos < before) & (col < width)).to(torch.int32)
     # per user: its differing rows added up by user (`user` is within the batch). In int32, which Inductor adds
     # with atomics in the kernel; an int64 sum by index falls back to aten's, a sort on CUDA, and a running count
     # over the rows is one long scan (0.33 ms of a 32-user call on an H200, docs/PERF.md).
@@ -388,7 +388,8 @@ def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, 
         stale = stale | ((cached > 0) & (cached < stored))
     at = new_rows.to(torch.int64).clamp(0, max(total - 1, 0))
     keep = (pos[at] < stored[user[at]]) & (col[at] < width)  # the new rows of the history, not the candidates'
-    x_pages.index_put_((torch.where(keep, page[at], scratch), slot[at]), x[at])
+    x_new, _ = frontier_row([f.index_select(0, at) for f in frontier], x_pages.dtype)
+    x_pages.index_put_((torch.where(keep, page[at], scratch), slot[at]), x_new)
     return at, q_offsets, lengths, targets, stale
 
 
@@ -416,24 +417,32 @@ def frontier_row(frontier: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, in
     """The frontier rows as one row of ``dtype`` a token, and how many of its leading values are floating: the
     floating frontier tensors cast to ``dtype``, then the integer ones as int64, their bytes read as ``dtype``
     (8 bytes a value: :func:`row_width`), so that a stored row gives them back bit for bit."""
+    floats, lanes = _frontier_parts(frontier, dtype)
+    return (torch.cat([*floats, *([lanes.view(dtype)] if lanes is not None else [])], dim=1),
+            sum(f.shape[1] for f in floats))
+
+
+def _frontier_parts(frontier: list[Tensor], dtype: torch.dtype) -> tuple[list[Tensor], Tensor | None]:
+    """:func:`frontier_row`'s parts before they are put side by side: the floating frontier tensors as [rows, k] of
+    ``dtype``, and the integer ones' lanes (:func:`_int64_lanes`, integers of ``dtype``'s size; None without
+    any)."""
     total = frontier[0].shape[0]
     floats = [f.reshape(total, -1).to(dtype) for f in frontier if f.is_floating_point()]
     ints = [f.reshape(total, -1).to(torch.int64) for f in frontier if not f.is_floating_point()]
-    parts = [*floats, *([_int64_lanes(torch.cat(ints, dim=1), dtype)] if ints else [])]
-    return torch.cat(parts, dim=1), sum(f.shape[1] for f in floats)
+    return floats, _int64_lanes(torch.cat(ints, dim=1), dtype) if ints else None
 
 
 def _int64_lanes(ints: Tensor, dtype: torch.dtype) -> Tensor:
-    """``ints`` [N, k] (int64) as [N, k * 8 / size] values of ``dtype`` holding their bytes, low bytes first (as a
-    view of the int64s would), cut by shifts and masks into integers of ``dtype``'s size and viewed as ``dtype``:
-    a view between types of one size, where a view of the int64s would change the rows' length."""
+    """``ints`` [N, k] (int64) as [N, k * 8 / size] integers of ``dtype``'s size holding their bytes, low bytes first
+    (as a view of the int64s would), cut by shifts and masks: viewed as ``dtype`` they are a view between types of
+    one size, where a view of the int64s would change the rows' length."""
     size = torch.empty((), dtype=dtype).element_size()
     if size == ints.element_size():
-        return ints.view(dtype)
+        return ints
     bits, lanes = 8 * size, ints.element_size() // size
     mask = (1 << bits) - 1
     parts = [((ints >> (bits * i)) & mask).to(_SAME_SIZE_INT[size]) for i in range(lanes)]
-    return torch.stack(parts, dim=-1).reshape(ints.shape[0], -1).view(dtype)
+    return torch.stack(parts, dim=-1).reshape(ints.shape[0], -1)
 
 
 def row_width(frontier: list[Tensor], dtype: torch.dtype) -> int:
@@ -445,21 +454,35 @@ def row_width(frontier: list[Tensor], dtype: torch.dtype) -> int:
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _rows_differ(cached: Tensor, rows: Tensor, floating: int) -> Tensor:
-    """Per row: whether ``rows`` differs from ``cached``: its first ``floating`` values beyond
-    :func:`row_tolerance` (NaN differs), the rest (integer rows' bytes) in any bit. The row's largest difference
-    and largest value are two reductions of one pass over both rows (a bound computed first, then each element
-    held against it, would read the rows twice)."""
-    differs = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-    if floating:
-        current = rows[:, :floating].to(torch.float32)
-        gap = (cached[:, :floating].to(torch.float32) - current).abs().amax(dim=1)
-        bound = row_tolerance(rows.dtype) * current.abs().amax(dim=1)
-        differs = ~(gap <= bound)
-    if rows.shape[1] > floating:
-        bits = _SAME_SIZE_INT[rows.element_size()]
-        differs = differs | (cached[:, floating:].view(bits) != rows[:, floating:].view(bits)).any(dim=1)
+def _rows_differ(cached: Tensor, parts: tuple[list[Tensor], Tensor | None]) -> Tensor:
+    """Per row: whether the frontier row of ``parts`` (:func:`_frontier_parts`) differs from ``cached`` (rows in
+    :func:`frontier_row`'s layout): its floating values beyond :func:`row_tolerance` (NaN differs), the integer
+    lanes in any bit. Each part is held against its own columns of ``cached``, so that the request's rows are
+    read once and never put side by side (a copy of them all); a part's largest difference and largest value
+    are two reductions of one pass over both rows, and a few integer lanes are compared one by one, elementwise
+    over the rows, which joins that pass where a reduction over them would be a pass of its own."""
+    floats, lanes = parts
+    differs = torch.zeros(cached.shape[0], dtype=torch.bool, device=cached.device)
+    start, gap, top = 0, None, None
+    for f in floats:
+        current = f.to(torch.float32)
+        part_gap = (cached[:, start:start + f.shape[1]].to(torch.float32) - current).abs().amax(dim=1)
+        part_top = current.abs().amax(dim=1)
+        gap, top = (part_gap, part_top) if gap is None else (torch.maximum(gap, part_gap), torch.maximum(top, part_top))
+        start += f.shape[1]
+    if gap is not None:
+        differs = ~(gap <= row_tolerance(cached.dtype) * top)
+    if lanes is not None:  # lane by lane, a few: each a read of one value a row, in the same pass as the floats
+        held = cached[:, start:].view(_SAME_SIZE_INT[cached.element_size()])
+        if lanes.shape[1] <= _UNROLLED_LANES:
+            for j in range(lanes.shape[1]):
+                differs = differs | (held[:, j] != lanes[:, j])
+        else:
+            differs = differs | (held != lanes).any(dim=1)
     return differs
+
+
+_UNROLLED_LANES = 16
 
 
 def rows_back(new: Tensor, new_rows: Tensor, like: Tensor, fill: float) -> Tensor:

@@ -250,30 +250,35 @@ def test_stale_is_found_per_user_from_its_own_rows() -> None:
     assert _delta(offsets, None, cached, [rows], kept, table)[4].tolist() == [False, True, False]
 
 
-def test_integer_frontier_rows_are_compared_bit_for_bit_in_the_pages_of_a_narrow_dtype() -> None:
+@pytest.mark.parametrize("id_columns", [1, 5])  # 8 lanes of bf16 compared one by one; 24 in one reduction
+def test_integer_frontier_rows_are_compared_bit_for_bit_in_the_pages_of_a_narrow_dtype(id_columns: int) -> None:
     """An integer frontier tensor (a position or bucket an embedding looks up) is stored in bf16 pages as its
-    int64 bytes: a change of one in a value too large for bf16 (or for float32) marks its user stale, the same
-    values do not, and the floating rows beside them keep their tolerance."""
+    int64 bytes: a change of one in a value too large for bf16 (or for float32), in any of its columns, marks
+    its user stale, the same values do not, and the floating rows beside them keep their tolerance."""
     lengths = torch.tensor([3, 4])
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     floats = torch.linspace(-1, 1, 7 * 2).reshape(7, 2).to(torch.bfloat16)
-    ids = (2**40 + torch.arange(7, dtype=torch.int64)).reshape(7, 1)
+    ids = 2**40 + torch.arange(7 * id_columns, dtype=torch.int64).reshape(7, id_columns)
     mask = torch.tensor([True, False, True, True, False, False, True])
-    assert row_width([floats[0], ids[0], mask[0]], torch.bfloat16) == 2 + 4 + 4
-    pages = torch.zeros(2 * 2 + 1, 4, 10, dtype=torch.bfloat16)
+    width = 2 + 4 * id_columns + 4
+    assert row_width([floats[0], ids[0], mask[0]], torch.bfloat16) == width
+    pages = torch.zeros(2 * 2 + 1, 4, width, dtype=torch.bfloat16)
     table = torch.arange(4, dtype=torch.int32).reshape(2, 2)
     _delta(offsets, None, torch.zeros(2, dtype=torch.int64), [floats, ids, mask], pages, table)
-    stored = pages[int(table[1, 0]), 1, 2:6].view(torch.int64)  # user 1's second row: request row 4
-    assert stored.tolist() == [2**40 + 4]
+    stored = pages[int(table[1, 0]), 1, 2:2 + 4 * id_columns].view(torch.int64)  # user 1's second row: row 4
+    assert stored.tolist() == ids[4].tolist()
     cached = torch.tensor([3, 3])
-    for name, change, want in (("ids", 1, [False, True]), ("mask", True, [True, False]),
-                               ("floats", 0.0, [False, False])):
+    for name, column, change, want in (("ids", 0, 1, [False, True]), ("ids", id_columns - 1, 1, [False, True]),
+                                       ("mask", 0, True, [True, False]), ("floats", 0, 0.0, [False, False])):
         parts = {"floats": floats.clone(), "ids": ids.clone(), "mask": mask.clone()}
         row = 4 if name == "ids" else 1
-        parts[name][row] = parts[name][row] + change if name != "mask" else ~parts[name][row]
+        if name == "mask":
+            parts["mask"][row] = ~parts["mask"][row]
+        else:
+            parts[name][row, column] += change
         frontier = [parts["floats"], parts["ids"], parts["mask"]]
         stale = _delta(offsets, None, cached, frontier, pages.clone(), table)[4]
-        assert stale.tolist() == want, name
+        assert stale.tolist() == want, (name, column)
 
 
 def test_outputs_never_read_the_rows_of_cached_tokens() -> None:
