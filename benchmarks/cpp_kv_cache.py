@@ -361,7 +361,9 @@ def main() -> None:
     parser.add_argument("--ab-only", action="store_true",
                         help="with --baseline-src or --ab-kv-program: time only the same-run A/B")
     parser.add_argument("--export-only", metavar="WORKLOAD", help=argparse.SUPPRESS)  # the baseline's export
-    parser.add_argument("--kv-program", default="auto", help=argparse.SUPPRESS)  # with --export-only
+    parser.add_argument("--kv-program", default="auto", choices=["auto", "derived"],
+                        help="the packages' delta program (auto: the zoo's written one); with --baseline-src, the "
+                             "baseline's too")
     parser.add_argument("--time-python", metavar="PACKAGE", help=argparse.SUPPRESS)  # the fresh process's timings
     parser.add_argument("--users", help=argparse.SUPPRESS)
     parser.add_argument("requests", nargs="*", type=Path, help=argparse.SUPPRESS)
@@ -418,12 +420,13 @@ def main() -> None:
                 # The baseline's own code exports its package; or this code, with the derived delta program.
                 env = None if checkout is None else {
                     **os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")])}
-                other = (["--kv-program", args.ab_kv_program] if args.ab_kv_program else [])
+                other = ["--kv-program", args.ab_kv_program or args.kv_program]
                 exporting = subprocess.Popen(
                     [sys.executable, __file__, "--out", str(work_dir / "baseline"), "--export-only", name,
                      "--batches", *map(str, args.batches), *other],
                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-            model, package, entry["export_seconds"] = export_package(name, max(args.batches), work_dir)
+            model, package, entry["export_seconds"] = export_package(name, max(args.batches), work_dir,
+                                                                     args.kv_program)
             entry["kv_parity"] = kv_parity(package)
             baseline = None
             if exporting is not None:

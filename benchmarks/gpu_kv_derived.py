@@ -49,7 +49,7 @@ import gr_ranker  # noqa: E402  (after the paths)
 
 import hstu_export  # noqa: E402
 from hstu_export import ExportSettings, VerifySettings  # noqa: E402
-from hstu_export.kv_derive import new_rows_of  # noqa: E402
+from hstu_export.kv_derive import delta_row_inputs  # noqa: E402
 from hstu_export.models.config import preset_config  # noqa: E402
 from hstu_export.models.ranking import HstuRankingModel  # noqa: E402
 from hstu_export.sources.schema_inference import flatten_example  # noqa: E402
@@ -153,26 +153,35 @@ def time_zoo_derived(package: Any, users: int, w: dict[str, Any], iters: int) ->
     return time_derived(package, users, w, iters, zoo_requests, "candidate")
 
 
-def time_derived(package: Any, users: int, w: dict[str, Any], iters: int, requests: Any,
-                 candidates: str) -> dict[str, Any]:
-    """A package with a derived delta program; ``requests`` makes its two requests, ``candidates`` starts the names
-    of the candidates' features."""
-    first, second = requests(package, users, w)
+def hit(package: Any, first: dict, second: dict) -> tuple[Any, list[int], dict, dict, dict]:
+    """``first`` then ``second`` (the same users, new candidates: a hit) served through the package's cache:
+    (ranker, user ids, the hit's answers, its dense inputs, the delta program's inputs for that hit)."""
     ranker = package.kv_cache()
-    ids = list(range(users))
-    ranker(first, ids)
-    got = ranker(second, ids)  # a hit: the candidates only
-    row: dict[str, Any] = {"stats": ranker.cache.stats(), "rel_l2_cached_vs_package": rel_l2(got, package(second))}
     runner = ranker.runner
     dense = runner.dense_inputs(second)
     lengths, targets = runner.counts(dense)
+    ids = list(range(lengths.shape[0]))
+    ranker(first, ids)
+    got = ranker(second, ids)  # a hit: the candidates only
     seq_lengths, stored = lengths.cpu().tolist(), (lengths - targets).cpu().tolist()
     width = max(len(ranker.cache.entry(u).pages) for u in ids)
     table = torch.tensor([ranker.cache.entry(u).pages + [ranker.cache.scratch_page] * (width - len(ranker.cache.entry(u).pages))
                           for u in ids], dtype=torch.int32, device=package.device)
     c = ranker.cache
     inputs = runner.program_inputs(dense, torch.tensor(stored, dtype=torch.int64, device=package.device), c.k, c.v, c.x,
-                                   table, new_rows_of(seq_lengths, stored, stored).to(package.device))
+                                   table, {name: rows.to(package.device) for name, rows in
+                                           delta_row_inputs(seq_lengths, stored, stored).items()})
+    return ranker, ids, got, dense, inputs
+
+
+def time_derived(package: Any, users: int, w: dict[str, Any], iters: int, requests: Any,
+                 candidates: str) -> dict[str, Any]:
+    """A package with a derived delta program; ``requests`` makes its two requests, ``candidates`` starts the names
+    of the candidates' features."""
+    first, second = requests(package, users, w)
+    ranker, ids, got, dense, inputs = hit(package, first, second)
+    row: dict[str, Any] = {"stats": ranker.cache.stats(), "rel_l2_cached_vs_package": rel_l2(got, package(second))}
+    runner = ranker.runner
     row["device_reads"] = package.manifest["kv_cache"].get("device_reads")
     row["no_cache_ms"] = bench(lambda: package.split.dense(**dense), iters)
     row["cached_ms"] = bench(lambda: runner.run_program(inputs, graphed=False), iters)

@@ -397,8 +397,10 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
         line = f"delta program {kv['program']}, pages of {kv['page_size']} tokens"
         if kv.get("kind") == "derived" and isinstance(kv.get("layout"), dict):
             layers = kv["layout"].get("num_layers")
-            fused = kv.get("fused", {}).get("gated_attention", 0) if isinstance(kv.get("fused"), dict) else 0
-            line += (f"; derived from the graph: {layers} layers ({fused} with the attention and gate as one op), "
+            fusions = kv.get("fused") if isinstance(kv.get("fused"), dict) else {}
+            fused = fusions.get("gated_attention", 0)
+            last = ", the last on the targets' rows past its projection" if fusions.get("last_layer_on_targets") is True else ""
+            line += (f"; derived from the graph: {layers} layers ({fused} with the attention and gate as one op{last}), "
                      f"frontier rows of {kv['layout'].get('row_width')} values")
         if checked:
             w = checked["worst"]

@@ -24,7 +24,8 @@ frontier rows up to it. So the delta program
    K/V from the pages and storing the new rows' K/V (and frontier rows) there (on the ``triton`` target an
    attention between a projection's column slices and the STU gate is one op, the written program's),
 4. puts the layers' rows back in their places (cached rows zero) for whatever reads them after the last
-   layer: the heads, which read the candidates' rows, never cached.
+   layer: the heads, which read the candidates' rows, never cached. Where they read no other row (checked on
+   the example), the last layer past its projection runs on the targets' rows alone.
 
 With nothing cached it is the whole model. What the cache may reuse is derived too: a row is reusable
 exactly when its frontier row is unchanged, which covers whatever the model computes its tokens from
@@ -82,10 +83,10 @@ METADATA_METHODS = {"size", "dim"}
 class DerivedDelta:
     """What :func:`derive_delta` makes: ``program`` (the dense inputs, then ``kv_cached [B]``,
     ``kv_k_pages`` / ``kv_v_pages [layers, pages, page, H, D]``, ``kv_x_pages [pages, page, row_width]``,
-    ``kv_page_table [B, width]`` and ``kv_new_rows [new tokens]`` (:func:`new_rows_of`); returns the dense half's
-    outputs and ``kv_stale [B]``) and
-    ``counts`` (the dense inputs it reads -> ``(seq_lengths [B], num_targets [B])``, what the cache sizes a
-    user's pages by before the call)."""
+    ``kv_page_table [B, width]``, ``kv_new_rows [new tokens]`` and, with ``targets_only``, ``kv_target_rows``
+    (:func:`delta_row_inputs`); returns the dense half's outputs and ``kv_stale [B]``) and ``counts`` (the dense
+    inputs it reads -> ``(seq_lengths [B], num_targets [B])``, what the cache sizes a user's pages by before the
+    call)."""
 
     program: torch.fx.GraphModule
     counts: torch.fx.GraphModule
@@ -100,6 +101,7 @@ class DerivedDelta:
     layer_nodes: int
     target_inputs: list[str]  # the dense inputs the target counts are computed from (the candidates' lengths)
     gated_fused: int = 0  # layers whose attention and STU gate run as one op (the triton target's gated op)
+    targets_only: bool = False  # the last layer past its projection runs on the targets' rows (kv_target_rows)
 
     def layout(self) -> dict[str, Any]:
         return {"num_layers": self.num_layers, "num_heads": self.num_heads, "attention_dim": self.attention_dim,
@@ -406,6 +408,23 @@ def new_rows_of(seq_lengths: Sequence[int], stored: Sequence[int], cached: Seque
     return torch.from_numpy(rows)
 
 
+def target_rows_of(seq_lengths: Sequence[int], stored: Sequence[int], cached: Sequence[int]) -> Tensor:
+    """``kv_target_rows`` of a delta call: each user's target rows (its rows past the ``stored`` ones, never cached)
+    as indices into :func:`new_rows_of`'s list, in order; int64 on the host."""
+    lengths, non_targets = np.asarray(seq_lengths, dtype=np.int64), np.asarray(stored, dtype=np.int64)
+    kept = np.asarray(cached, dtype=np.int64)
+    kept = np.where((kept >= 0) & (kept <= non_targets), kept, 0)
+    targets = lengths - non_targets
+    starts = np.cumsum(lengths - kept) - targets  # where each user's targets begin among the new rows
+    rows = np.repeat(starts - (np.cumsum(targets) - targets), targets) + np.arange(int(targets.sum()), dtype=np.int64)
+    return torch.from_numpy(rows)
+
+
+def delta_row_inputs(seq_lengths: Sequence[int], stored: Sequence[int], cached: Sequence[int]) -> dict[str, Tensor]:
+    """The row lists a runtime gives a delta call, by input name (a program takes those it lists)."""
+    return {NEW_ROWS: new_rows_of(seq_lengths, stored, cached), TARGET_ROWS: target_rows_of(seq_lengths, stored, cached)}
+
+
 def row_tolerance(dtype: torch.dtype) -> float:
     """How far a frontier row may be from its cached copy, relative to the row's largest value, and still be
     the same row: the rounding of the same values computed in another order (a matrix product over a batch of
@@ -517,16 +536,17 @@ def paged_gated_attention_triton(uvqk: Tensor, q_offsets: Tensor, k_pool: Tensor
                                  page_table: Tensor, seq_lens: Tensor, num_targets: Tensor, norm_weight: Tensor,
                                  norm_bias: Tensor, eps: float, num_heads: int, attention_dim: int, linear_dim: int,
                                  scaling_seqlen: int, alpha: float, contextual_seq_len: int, max_attn_len: int,
-                                 max_seq_len: int) -> Tensor:  # fmt: skip
+                                 max_seq_len: int, target_rows: Tensor | None = None) -> Tensor:  # fmt: skip
     """The paged attention and its STU gate in one op (two kernels; the attention's output is written once, into
     the gate's concat): what :func:`paged_attention_triton` then :func:`~hstu_export.ops.reference.stu_gate`
-    compute from one uvqk projection's columns (u, v, q, k)."""
+    compute from one uvqk projection's columns (u, v, q, k); of the rows ``target_rows`` names alone, when given
+    (every row's K/V is stored)."""
     import hstu_export.ops._triton  # noqa: F401  (registers hstu_export::paged_hstu_mha_gated_store_triton)
 
     return torch.ops.hstu_export.paged_hstu_mha_gated_store_triton(
         uvqk, q_offsets, k_pool, v_pool, layer, page_table, seq_lens, num_targets, norm_weight, norm_bias, eps,
         num_heads, attention_dim, linear_dim, scaling_seqlen, alpha, contextual_seq_len, max_attn_len, max_seq_len,
-        max_seq_len, 0)
+        max_seq_len, 0, target_rows)
 
 
 @dataclass
@@ -588,15 +608,23 @@ def _gated_block(attention: torch.fx.Node, bound: dict[str, Any]) -> _GatedBlock
 # ---- the derivation ------------------------------------------------------------------------------------
 
 
-DELTA_INPUTS = ("kv_cached", "kv_k_pages", "kv_v_pages", "kv_x_pages", "kv_page_table", "kv_new_rows")
+NEW_ROWS, TARGET_ROWS = "kv_new_rows", "kv_target_rows"
+DELTA_INPUTS = ("kv_cached", "kv_k_pages", "kv_v_pages", "kv_x_pages", "kv_page_table", NEW_ROWS)
+
+
+def delta_inputs(derived: DerivedDelta) -> tuple[str, ...]:
+    """The cache inputs ``derived``'s program takes after the dense ones, in order."""
+    return (*DELTA_INPUTS, TARGET_ROWS) if derived.targets_only else DELTA_INPUTS
 
 
 def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_target: str = "aten",
-                 fill: float = 0.0) -> DerivedDelta:  # fmt: skip
+                 fill: float = 0.0, targets_only: bool = True) -> DerivedDelta:  # fmt: skip
     """The delta program of a dense graph whose attentions are ``hstu_export::hstu_mha`` nodes (map_ops'
     generic op), read on ``example`` (the dense inputs by placeholder name). ``op_target`` picks the paged
     attention (``triton``: our kernel; else plain aten); ``fill`` is what the rows of cached tokens read
-    after the last layer (a check may pass NaN: no output may read them). Raises ConfigError naming why a
+    after the last layer (a check may pass NaN: no output may read them). ``targets_only``: the last layer,
+    past its projection (every new row's K/V is stored), runs on the targets' rows alone where the outputs
+    read no other row of it (:func:`_reads_targets_only`, on ``example``). Raises ConfigError naming why a
     model cannot be cached."""
     gm, values = _without_dtype_reads(gm, example)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -615,112 +643,196 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
     width = row_width([values[f][0] for f in frontier], row_dtype)
     seq_offsets, num_targets = bound0["seq_offsets"], bound0.get("num_targets")
     contextual = int(bound0.get("contextual_seq_len", 0) or 0)
-
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, Any] = {}   # original node -> its value in the delta graph (whole rows)
-    rows: dict[torch.fx.Node, Any] = {}  # region / frontier node -> its new rows in the delta graph
-    backs: dict[torch.fx.Node, torch.fx.Node] = {}
-    for p in placeholders:
-        env[p] = graph.placeholder(p.target)
-        env[p].meta = dict(p.meta)
-    extra = {name: graph.placeholder(name) for name in DELTA_INPUTS}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    (result,) = output.args
+    if not isinstance(result, dict):
+        raise ConfigError("--kv-cache: the dense half returns no named outputs")
     early = _ancestors([*frontier, *_nodes_in((seq_offsets, num_targets))], through_metadata=False) - set(placeholders)
     # Parameters first: an early node may read one's size (a table's rows capping an index) without the walk
     # above, which does not go through such reads, having counted the parameter as early.
     attrs = [n for n in gm.graph.nodes if n.op == "get_attr"]
     ordered = [*attrs, *(n for n in gm.graph.nodes if n in early and n.op != "get_attr"),
                *(n for n in gm.graph.nodes if n not in early and n.op != "get_attr")]
-    book: dict[str, torch.fx.Node] = {}
-    attention = paged_attention_triton if op_target == "triton" else paged_attention_reference
-
-    def whole(n: torch.fx.Node) -> Any:
-        if n in region:  # a region value read outside the layers: its rows put back
-            if n not in backs:
-                backs[n] = graph.call_function(rows_back, (rows[n], book["new_rows"], env[frontier[0]], fill))
-            return backs[n]
-        return env[n]
-
-    def layer_metadata(n: torch.fx.Node) -> Any:
-        """A size, shape or device read of a layer value outside the layers: read off the whole request's rows
-        (the frontier's: as many), the other sizes as recorded; it can then come before the layers run."""
-        rows = graph.call_method("size", (env[frontier[0]], 0))
-        value = values[n]
-        if n.target == "size" and isinstance(value, int):
-            dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
-            return rows if dim % values[n.args[0]].dim() == 0 else value
-        if isinstance(value, torch.Size):
-            return graph.call_function(_rows_shape, (rows, tuple(value)))
-        if n.target == "device" or (isinstance(n.args[-1], str) and n.args[-1] == "device"):
-            return graph.call_function(getattr, (env[frontier[0]], "device"))
-        return value  # dim(), ndim, dtype: the same on every request
-
-    def bookkeeping() -> None:
-        out = graph.call_function(delta_rows, (env[seq_offsets], env[num_targets] if num_targets is not None else None,
-                                               extra["kv_cached"], [env[f] for f in frontier], extra["kv_x_pages"],
-                                               extra["kv_page_table"], extra["kv_new_rows"], contextual > 0))
-        for i, name in enumerate(("new_rows", "q_offsets", "seq_lens", "num_targets", "stale")):
-            book[name] = graph.call_function(operator.getitem, (out, i))
-        for f in frontier:
-            rows[f] = graph.call_function(torch.index_select, (env[f], 0, book["new_rows"]))
-
-    # With our kernels, an attention between a projection's column slices and the STU gate runs as one op.
-    gated = {n: block for n, bound in zip(attentions, analysis.args, strict=True)
-             if op_target == "triton" and (block := _gated_block(n, bound)) is not None}  # fmt: skip
-    at_gate = {block.gate: n for n, block in gated.items()}
-    folded = {block.reshape for block in gated.values()}
+    # The last layer past its attention: what only the outputs read (nothing after it feeds an attention).
+    tail = _computed_from(attentions[-1], region) if num_targets is not None else set()
     size_of_rows = analysis.rows
-    for n in ordered:
-        if n.op in ("placeholder", "output") or n in folded or n in gated:
-            continue
-        if n in region and not book:
-            bookkeeping()
-        if n in at_gate:
-            a = at_gate[n]
-            b, block = analysis.args[attentions.index(a)], gated[a]
-            gate = inspect.signature(stu_gate).bind(*n.args, **n.kwargs)
-            gate.apply_defaults()
-            norm = (env[gate.arguments["norm_weight"]], env[gate.arguments["norm_bias"]], gate.arguments["eps"])
-            rows[n] = graph.call_function(paged_gated_attention_triton, (
-                rows[block.uvqk], book["q_offsets"], extra["kv_k_pages"], extra["kv_v_pages"], attentions.index(a),
-                extra["kv_page_table"], book["seq_lens"], book["num_targets"], *norm, block.num_heads,
-                block.attention_dim, block.linear_dim, b["scaling_seqlen"], b["alpha"], b.get("contextual_seq_len", 0),
-                b.get("max_attn_len", 0), b["max_seq_len"]))
-        elif n in attentions:
-            b = analysis.args[attentions.index(n)]
-            rows[n] = graph.call_function(attention, (
-                rows[b["q"]], rows[b["k"]], rows[b["v"]], book["q_offsets"], extra["kv_k_pages"],
-                extra["kv_v_pages"], attentions.index(n), extra["kv_page_table"], book["seq_lens"],
-                book["num_targets"], b["scaling_seqlen"], b["alpha"], b.get("contextual_seq_len", 0),
-                b.get("max_attn_len", 0), b["max_seq_len"]))
-        elif n in region:
-            first_row = next(a for a in n.all_input_nodes if a in rows)
 
-            def arg(a: torch.fx.Node, n: torch.fx.Node = n, first_row: torch.fx.Node = first_row) -> Any:
-                if a in rows:
-                    return rows[a]
-                value = values.get(a)
-                if isinstance(value, int) and not isinstance(value, bool) and value == size_of_rows:
-                    return graph.call_method("size", (rows[first_row], 0))  # the row count: the new rows'
-                return env[a]
+    def build(target: str, on_targets: bool, fill: float) -> torch.fx.GraphModule:
+        graph = torch.fx.Graph()
+        env: dict[torch.fx.Node, Any] = {}   # original node -> its value in the delta graph (whole rows)
+        rows: dict[torch.fx.Node, Any] = {}  # region / frontier node -> its new rows (the tail's: the targets')
+        backs: dict[torch.fx.Node, torch.fx.Node] = {}
+        picked: dict[torch.fx.Node, torch.fx.Node] = {}  # a node's new rows -> the targets' among them
+        for p in placeholders:
+            env[p] = graph.placeholder(p.target)
+            env[p].meta = dict(p.meta)
+        names = (*DELTA_INPUTS, TARGET_ROWS) if on_targets else DELTA_INPUTS
+        extra = {name: graph.placeholder(name) for name in names}
+        book: dict[str, torch.fx.Node] = {}
+        attention = paged_attention_triton if target == "triton" else paged_attention_reference
+        last = on_targets and tail
 
-            rows[n] = graph.node_copy(n, arg)
-        else:
-            env[n] = layer_metadata(n) if _metadata(n) and n.all_input_nodes[0] in region else graph.node_copy(n, whole)
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    (result,) = output.args
-    if not isinstance(result, dict):
-        raise ConfigError("--kv-cache: the dense half returns no named outputs")
-    mapped = torch.fx.node.map_arg(result, whole)
-    graph.output({**mapped, "kv_stale": book["stale"]})
-    program = torch.fx.GraphModule(gm, graph)
-    program.graph.eliminate_dead_code()
-    program.recompile()
+        def whole(n: torch.fx.Node) -> Any:
+            if n in region:  # a region value read outside the layers: its rows put back
+                if n not in backs:
+                    at = book["new_rows"]
+                    if last and n in tail:
+                        if "target_rows" not in book:
+                            book["target_rows"] = graph.call_function(torch.index_select, (at, 0, extra[TARGET_ROWS]))
+                        at = book["target_rows"]
+                    backs[n] = graph.call_function(rows_back, (rows[n], at, env[frontier[0]], fill))
+                return backs[n]
+            return env[n]
+
+        def local(a: torch.fx.Node, tail_node: bool) -> Any:
+            """``a``'s rows as a node of the layers reads them: a tail node reads the targets' rows."""
+            if not tail_node or a in tail:
+                return rows[a]
+            if a not in picked:
+                picked[a] = graph.call_function(torch.index_select, (rows[a], 0, extra[TARGET_ROWS]))
+            return picked[a]
+
+        def layer_metadata(n: torch.fx.Node) -> Any:
+            """A size, shape or device read of a layer value outside the layers: read off the whole request's
+            rows (the frontier's: as many), the other sizes as recorded; it can then come before the layers run."""
+            rows = graph.call_method("size", (env[frontier[0]], 0))
+            value = values[n]
+            if n.target == "size" and isinstance(value, int):
+                dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
+                return rows if dim % values[n.args[0]].dim() == 0 else value
+            if isinstance(value, torch.Size):
+                return graph.call_function(_rows_shape, (rows, tuple(value)))
+            if n.target == "device" or (isinstance(n.args[-1], str) and n.args[-1] == "device"):
+                return graph.call_function(getattr, (env[frontier[0]], "device"))
+            return value  # dim(), ndim, dtype: the same on every request
+
+        def bookkeeping() -> None:
+            out = graph.call_function(delta_rows, (
+                env[seq_offsets], env[num_targets] if num_targets is not None else None, extra["kv_cached"],
+                [env[f] for f in frontier], extra["kv_x_pages"], extra["kv_page_table"], extra[NEW_ROWS],
+                contextual > 0))
+            for i, name in enumerate(("new_rows", "q_offsets", "seq_lens", "num_targets", "stale")):
+                book[name] = graph.call_function(operator.getitem, (out, i))
+            for f in frontier:
+                rows[f] = graph.call_function(torch.index_select, (env[f], 0, book["new_rows"]))
+
+        # With our kernels, an attention between a projection's column slices and the STU gate runs as one op.
+        gated = {n: block for n, bound in zip(attentions, analysis.args, strict=True)
+                 if target == "triton" and (block := _gated_block(n, bound)) is not None}  # fmt: skip
+        at_gate = {block.gate: n for n, block in gated.items()}
+        folded = {block.reshape for block in gated.values()}
+        for n in ordered:
+            if n.op in ("placeholder", "output") or n in folded or n in gated:
+                continue
+            if n in region and not book:
+                bookkeeping()
+            if n in at_gate:
+                a = at_gate[n]
+                b, block = analysis.args[attentions.index(a)], gated[a]
+                gate = inspect.signature(stu_gate).bind(*n.args, **n.kwargs)
+                gate.apply_defaults()
+                norm = (env[gate.arguments["norm_weight"]], env[gate.arguments["norm_bias"]], gate.arguments["eps"])
+                rows[n] = graph.call_function(paged_gated_attention_triton, (
+                    rows[block.uvqk], book["q_offsets"], extra["kv_k_pages"], extra["kv_v_pages"],
+                    attentions.index(a), extra["kv_page_table"], book["seq_lens"], book["num_targets"], *norm,
+                    block.num_heads, block.attention_dim, block.linear_dim, b["scaling_seqlen"], b["alpha"],
+                    b.get("contextual_seq_len", 0), b.get("max_attn_len", 0), b["max_seq_len"],
+                    extra[TARGET_ROWS] if last and n in tail else None))
+            elif n in attentions:
+                b = analysis.args[attentions.index(n)]
+                rows[n] = graph.call_function(attention, (
+                    rows[b["q"]], rows[b["k"]], rows[b["v"]], book["q_offsets"], extra["kv_k_pages"],
+                    extra["kv_v_pages"], attentions.index(n), extra["kv_page_table"], book["seq_lens"],
+                    book["num_targets"], b["scaling_seqlen"], b["alpha"], b.get("contextual_seq_len", 0),
+                    b.get("max_attn_len", 0), b["max_seq_len"]))
+                if last and n in tail:  # every new row's query ran; the targets' are read on
+                    rows[n] = graph.call_function(torch.index_select, (rows[n], 0, extra[TARGET_ROWS]))
+            elif n in region:
+                on = bool(last) and n in tail
+                first_row = local(next(a for a in n.all_input_nodes if a in rows), on)
+
+                def arg(a: torch.fx.Node, on: bool = on, first_row: torch.fx.Node = first_row) -> Any:
+                    if a in rows:
+                        return local(a, on)
+                    value = values.get(a)
+                    if isinstance(value, int) and not isinstance(value, bool) and value == size_of_rows:
+                        return graph.call_method("size", (first_row, 0))  # the row count: the rows computed
+                    return env[a]
+
+                rows[n] = graph.node_copy(n, arg)
+            else:
+                env[n] = (layer_metadata(n) if _metadata(n) and n.all_input_nodes[0] in region
+                          else graph.node_copy(n, whole))  # fmt: skip
+        mapped = torch.fx.node.map_arg(result, whole)
+        graph.output({**mapped, "kv_stale": book["stale"]})
+        program = torch.fx.GraphModule(gm, graph)
+        program.graph.eliminate_dead_code()
+        program.recompile()
+        return program
+
+    counts = _counts_program(gm, seq_offsets, num_targets)
+    on_targets = bool(targets_only and tail) and _reads_targets_only(
+        build("aten", True, float("nan")), counts, example,
+        {k: values.get(v) for k, v in result.items() if isinstance(v, torch.fx.Node)},
+        (len(attentions), heads, dqk, dv, values[bound0["k"]].dtype), (width, row_dtype))
     return DerivedDelta(
-        program=program, counts=_counts_program(gm, seq_offsets, num_targets),
+        program=build(op_target, on_targets, fill), counts=counts,
         num_layers=len(attentions), num_heads=heads, attention_dim=dqk, linear_dim=dv, row_width=width,
         row_dtype=row_dtype, max_seq_len=int(bound0["max_seq_len"]), frontier=[f.name for f in frontier],
-        layer_nodes=len(region), gated_fused=len(gated),
+        layer_nodes=len(region), gated_fused=sum(1 for n, b in zip(attentions, analysis.args, strict=True)
+                                                 if op_target == "triton" and _gated_block(n, b) is not None),
+        targets_only=on_targets,
         target_inputs=[str(n.target) for n in _ancestors(_nodes_in(num_targets)) if n.op == "placeholder"])  # fmt: skip
+
+
+def _computed_from(start: torch.fx.Node, region: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """``start`` and the nodes of ``region`` computed from it."""
+    seen, stack = {start}, [start]
+    while stack:
+        for user in stack.pop().users:
+            if user in region and user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return seen
+
+
+def _reads_targets_only(program: torch.fx.GraphModule, counts: torch.fx.GraphModule, example: dict[str, Tensor],
+                        want: dict[str, Any], pool: tuple[int, int, int, int, torch.dtype],
+                        row: tuple[int, torch.dtype]) -> bool:  # fmt: skip
+    """Whether ``program`` (a delta program whose last layer runs on the targets' rows, every other row of it NaN
+    where the outputs would read it) answers ``example`` with nothing cached as the model does (``want``): finite
+    wherever the model's outputs are. A model whose outputs read other rows of its last layer (a pooled history,
+    say) keeps the whole last layer."""
+    inputs = nothing_cached(counts, example, pool, row)
+    try:
+        with torch.no_grad():
+            got = program(**{n.target: inputs[n.target] for n in program.graph.nodes if n.op == "placeholder"})
+    except (RuntimeError, IndexError, ValueError):  # the outputs index rows the targets' alone do not hold
+        return False
+    return all(isinstance(got.get(k), Tensor) and got[k].shape == v.shape
+               and not bool((torch.isfinite(v) & ~torch.isfinite(got[k])).any())
+               for k, v in want.items() if isinstance(v, Tensor))  # fmt: skip
+
+
+def nothing_cached(counts: torch.fx.GraphModule, example: dict[str, Tensor], pool: tuple[int, int, int, int, torch.dtype],
+                   row: tuple[int, torch.dtype]) -> dict[str, Tensor]:  # fmt: skip
+    """A delta program's inputs for ``example`` (its dense inputs) with nothing cached, in pages of 16 tokens:
+    ``pool`` is (layers, heads, attention dim, linear dim, dtype) of the K/V pages, ``row`` (width, dtype) of
+    the frontier rows'; ``counts`` the delta program's counts program."""
+    names = [n.target for n in counts.graph.nodes if n.op == "placeholder"]
+    with torch.no_grad():
+        lengths, targets = (t.cpu() for t in counts(**{name: example[name] for name in names}))
+    layers, heads, dqk, dv, dtype = pool
+    users, page = lengths.shape[0], 16
+    width = max(1, -(-int(lengths.max()) // page)) if users else 1
+    device = next(iter(example.values())).device
+    return {**example, "kv_cached": torch.zeros(users, dtype=torch.int64, device=device),
+              "kv_k_pages": torch.zeros(layers, users * width + 1, page, heads, dqk, dtype=dtype, device=device),
+              "kv_v_pages": torch.zeros(layers, users * width + 1, page, heads, dv, dtype=dtype, device=device),
+              "kv_x_pages": torch.zeros(users * width + 1, page, row[0], dtype=row[1], device=device),
+              "kv_page_table": torch.arange(users * width, dtype=torch.int32, device=device).reshape(users, width),
+              **{name: rows.to(device) for name, rows in delta_row_inputs(
+                  lengths.tolist(), (lengths - targets).tolist(), [0] * users).items()}}  # fmt: skip
 
 
 def _without_dtype_reads(gm: torch.fx.GraphModule, example: dict[str, Tensor],

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, ExportError
-from hstu_export.kv_derive import DELTA_INPUTS, DerivedDelta, derive_delta, generic_ops
+from hstu_export.kv_derive import TARGET_ROWS, DerivedDelta, delta_inputs, derive_delta, generic_ops
 from hstu_export.kv_export import delta_inductor_options, page_table_width_bound
 from hstu_export.runtimes.base import DimSpec, torch_dynamic_shapes
 
@@ -76,12 +76,15 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
         # nothing cached: every row is new
         "kv_new_rows": torch.arange(_rows(derived, example), dtype=torch.int64, device=device),
     }
+    if derived.targets_only:  # every user's targets, at the end of its rows
+        kv_example[TARGET_ROWS] = _target_rows(derived, example).to(device)
     pages_dim = DimSpec("kv_pages", 2, 2**31 - 1)
     dims = {**inputs.dense_dynamic_dims, "kv_cached": {0: batch}, "kv_k_pages": {1: pages_dim},
             "kv_v_pages": {1: pages_dim}, "kv_x_pages": {0: pages_dim},
             "kv_page_table": {0: batch, 1: DimSpec("kv_page_table_width", 1, width_bound)},
-            "kv_new_rows": {0: DimSpec("kv_new_rows", 0, batch.max * derived.max_seq_len)}}
-    all_names = [*names, *DELTA_INPUTS]
+            "kv_new_rows": {0: DimSpec("kv_new_rows", 0, batch.max * derived.max_seq_len)},
+            TARGET_ROWS: {0: DimSpec(TARGET_ROWS, 0, batch.max * derived.max_seq_len)}}
+    all_names = [*names, *delta_inputs(derived)]
     # In the manifest's order: a caller without names (the C++ runtime) passes the inputs in that order.
     kwargs = {name: {**example, **kv_example}[name] for name in all_names}
     try:
@@ -118,7 +121,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
         "frontier": derived.frontier,
         "target_inputs": derived.target_inputs,
         "layer_nodes": derived.layer_nodes,
-        "fused": {"gated_attention": derived.gated_fused},
+        "fused": {"gated_attention": derived.gated_fused, "last_layer_on_targets": derived.targets_only},
         "device_reads": device_reads(exported),
         "inductor_options": options,
         "compile_seconds": round(time.perf_counter() - start, 3),
@@ -131,6 +134,16 @@ def _rows(derived: DerivedDelta, example: dict[str, Tensor]) -> int:
     with torch.no_grad():
         lengths, _ = derived.counts(**{name: example[name] for name in names})
     return int(lengths.sum())
+
+
+def _target_rows(derived: DerivedDelta, example: dict[str, Tensor]) -> Tensor:
+    """``kv_target_rows`` of ``example`` with nothing cached."""
+    from hstu_export.kv_derive import target_rows_of
+
+    names = [n.target for n in derived.counts.graph.nodes if n.op == "placeholder"]
+    with torch.no_grad():
+        lengths, targets = (t.cpu() for t in derived.counts(**{name: example[name] for name in names}))
+    return target_rows_of(lengths.tolist(), (lengths - targets).tolist(), [0] * lengths.shape[0])
 
 
 def _batch_dim(counts: torch.fx.GraphModule, inputs: Any) -> DimSpec:

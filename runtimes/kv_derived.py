@@ -75,8 +75,8 @@ class PackageDerived:
         return lengths, targets
 
     def delta(self, dense: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor, x_pages: Tensor,
-              page_table: Tensor, new_rows: Tensor) -> dict[str, Tensor]:
-        return self.run_program(self.program_inputs(dense, cached, k_pages, v_pages, x_pages, page_table, new_rows))
+              page_table: Tensor, rows: dict[str, Tensor]) -> dict[str, Tensor]:
+        return self.run_program(self.program_inputs(dense, cached, k_pages, v_pages, x_pages, page_table, rows))
 
     def run_program(self, inputs: dict[str, Tensor], *, graphed: bool = True) -> dict[str, Tensor]:
         """The delta program on its inputs (by name): from a CUDA graph where there are graphs, unless
@@ -91,11 +91,12 @@ class PackageDerived:
                                f"{plain_first_line(exc)}") from exc
 
     def program_inputs(self, dense: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
-                       x_pages: Tensor, page_table: Tensor, new_rows: Tensor) -> dict[str, Tensor]:
-        """The delta program's inputs, by name, for :meth:`run_program` (a package whose program does not take
-        ``kv_new_rows``, an older export, counts its new rows itself)."""
+                       x_pages: Tensor, page_table: Tensor, rows: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The delta program's inputs, by name, for :meth:`run_program`. ``rows``: the row lists by input name
+        (:func:`~hstu_export.kv_derive.delta_row_inputs`); the program takes those it lists (an older export's
+        takes no ``kv_target_rows``, or no ``kv_new_rows`` either: it counts its new rows itself)."""
         values = {**dense, "kv_cached": cached, "kv_k_pages": k_pages, "kv_v_pages": v_pages, "kv_x_pages": x_pages,
-                  "kv_page_table": page_table, "kv_new_rows": new_rows}
+                  "kv_page_table": page_table, **rows}
         return {name: values[name] for name in self._inputs}
 
     def _call(self, **inputs: Tensor) -> dict[str, Tensor]:

@@ -8,10 +8,11 @@ can be captured once and replayed. The key is each input's shape and dtype, and 
 inputs that are the same tensors on every call (the cache's pages). Re-ranking the same users with as
 many candidates as before repeats its shapes; a request of shapes not seen before runs as it is.
 
-A call whose inputs (those copied into buffers) exceed ``max_bytes`` (32 MiB by default) runs as it is: the
+A call whose inputs (those copied into buffers) exceed ``max_bytes`` (160 MiB by default) runs as it is: the
 copies then cost more than the launches a graph saves. Measured on an H200 (docs/PERF.md, the zoo's derived
-program, 4352 rows of inputs a user): a graph made a 1-user request 1.26x faster, was even at 8 users (70 MB of
-inputs) and 5% slower at 32 (280 MB).
+program re-ranking, 16.5 MiB of inputs a user: ``benchmarks/investigations/shape_graph_bound.py``): the call from
+a graph against as it is, 0.33 / 0.62 ms at 1 user, 0.42 / 0.87 at 2 (33 MiB), 0.58 / 0.91 at 4, even at 8
+(132 MiB), 1.32 / 1.22 at 16 (265 MiB) and 2.41 / 2.20 at 32.
 
 A key is captured the second time it is seen, into a pool shared by every graph; at most ``max_graphs``
 are kept (least recently used first out). Before a replay the call's tensors are copied into the graph's
@@ -40,7 +41,7 @@ from hstu_export.runtimes.kv_graphs import CAPTURE_MODE, collection_paused, firs
 
 _MAX_SEEN = 4096
 # Calls whose copied inputs exceed this run as they are (module docstring).
-MAX_COPY_BYTES = 32 << 20
+MAX_COPY_BYTES = 160 << 20
 
 
 @dataclass

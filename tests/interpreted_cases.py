@@ -250,6 +250,7 @@ def test_a_derived_program_runs_each_attention_and_its_gate_as_one_op_and_answer
     calls = [n.target for n in programs["triton"].program.graph.nodes if n.op == "call_function"]
     assert calls.count(paged_gated_attention_triton) == model.config.num_layers and stu_gate not in calls
     assert (programs["triton"].gated_fused, programs["aten"].gated_fused) == (model.config.num_layers, 0)
+    assert programs["triton"].targets_only and programs["aten"].targets_only  # the last layer: the targets' rows
 
     def dense_inputs(request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         graph = captured.schema.to_graph_inputs(request)
@@ -305,7 +306,7 @@ def test_a_layer_written_out_by_the_model_is_fused_in_its_derived_program_too() 
 
     derived = derive_delta(generic_ops(result.dense), dense_inputs(flat), op_target="triton")
     calls = [n.target for n in derived.program.graph.nodes if n.op == "call_function"]
-    assert calls.count(paged_gated_attention_triton) == 2 and stu_gate not in calls
+    assert calls.count(paged_gated_attention_triton) == 2 and stu_gate not in calls and derived.targets_only
 
     def request(users: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
         kjts = [KeyedJaggedTensor.from_lengths_sync(

@@ -21,7 +21,19 @@ from hstu_export import ExportSettings
 from hstu_export.capture import trace
 from hstu_export.errors import ConfigError
 from hstu_export.exporter import export_ranges
-from hstu_export.kv_derive import delta_rows, derive_delta, new_rows_of, row_tolerance, row_width
+from hstu_export.kv_derive import (
+    TARGET_ROWS,
+    _Analysis,
+    _computed_from,
+    _without_dtype_reads,
+    delta_rows,
+    derive_delta,
+    new_rows_of,
+    nothing_cached,
+    row_tolerance,
+    row_width,
+    target_rows_of,
+)
 from hstu_export.ops.mappings import function_mappings, imported_functions
 from hstu_export.passes.context import PassContext
 from hstu_export.passes.manager import run_passes
@@ -294,6 +306,79 @@ def test_outputs_never_read_the_rows_of_cached_tokens() -> None:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
 
 
+def test_target_rows_are_each_users_last_new_rows() -> None:
+    """target_rows_of: each user's targets (its rows past the stored ones) as indices into new_rows_of's list."""
+    lengths, stored = [5, 4, 6], [3, 4, 2]
+    assert target_rows_of(lengths, stored, [0, 0, 0]).tolist() == [3, 4, 11, 12, 13, 14]  # all rows new
+    new = new_rows_of(lengths, stored, [2, 4, 1])  # user 0: 3 new rows, user 1: none, user 2: 5
+    picked = new[target_rows_of(lengths, stored, [2, 4, 1])].tolist()
+    assert picked == [3, 4, 11, 12, 13, 14]  # the request's rows of the targets
+    assert target_rows_of([3], [3], [9]).tolist() == []
+
+
+class _Rows(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.rows: dict[str, int] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor) and out.dim():
+            self.rows[n.name] = out.shape[0]
+        return out
+
+
+def _prefill(setup: Setup, derived: Any) -> tuple[dict[str, torch.Tensor], _Rows]:
+    d = derived
+    inputs = nothing_cached(d.counts, setup.example, (d.num_layers, d.num_heads, d.attention_dim, d.linear_dim,
+                                                      torch.float32), (d.row_width, d.row_dtype))
+    rows = _Rows(d.program)
+    with torch.no_grad():
+        out = rows.run(*[inputs[n.target] for n in d.program.graph.nodes if n.op == "placeholder"])
+    return out, rows
+
+
+@pytest.mark.parametrize("make", [dlrm_setup, gr_setup], ids=["dlrm_hstu", "gr_style"])
+def test_the_last_layer_past_its_projection_runs_on_the_targets_rows(make: Callable[..., Setup]) -> None:
+    """The heads read the candidates' rows of the last layer only: past its projection, the last layer computes
+    those alone (the rows of its output product are the targets'), the others' as before; answers unchanged."""
+    setup = make()
+    derived = derive_delta(setup.result.dense, setup.example)
+    assert derived.targets_only
+    assert TARGET_ROWS in [n.target for n in derived.program.graph.nodes if n.op == "placeholder"]
+    out, rows = _prefill(setup, derived)
+    lengths, targets = derived.counts(**{n: setup.example[n] for n in
+                                         [n.target for n in derived.counts.graph.nodes if n.op == "placeholder"]})
+    assert rows.rows["layers_0_out"] == int(lengths.sum())
+    assert rows.rows["layers_1_out"] == int(targets.sum()) < int(lengths.sum())
+    want = setup.result.dense(**setup.example)
+    for k in want:
+        torch.testing.assert_close(out[k], want[k], rtol=1e-5, atol=1e-6)
+    whole = derive_delta(setup.result.dense, setup.example, targets_only=False)
+    assert not whole.targets_only and _prefill(setup, whole)[1].rows["layers_1_out"] == int(lengths.sum())
+
+
+def test_a_model_whose_outputs_read_another_row_of_its_last_layer_keeps_the_whole_layer() -> None:
+    """An output that reads a history row of the last layer (here: each batch's first row) would read a row the
+    targets-only layer leaves out: the derivation finds that on its example and keeps the whole layer."""
+    setup = gr_setup()
+    dense, values = _without_dtype_reads(setup.result.dense, setup.example)
+    analysis = _Analysis(dense, values)
+    analysis.walk()
+    tail = _computed_from(analysis.attentions[-1], analysis.region)
+    last = [n for n in dense.graph.nodes if n in tail][-1]
+    output = next(n for n in dense.graph.nodes if n.op == "output")
+    with dense.graph.inserting_before(output):
+        first = dense.graph.call_function(operator.getitem, (last, slice(0, 1)))
+    output.args = ({**output.args[0], "first_row": first},)
+    dense.recompile()
+    derived = derive_delta(dense, setup.example)
+    assert not derived.targets_only
+    out, _ = _prefill(setup, derived)
+    want = dense(**setup.example)
+    torch.testing.assert_close(out["first_row"], want["first_row"], rtol=1e-5, atol=1e-6)
+
+
 def test_an_attention_read_only_for_its_dtype_is_not_a_layer() -> None:
     """A model may read a value only for its dtype (generative-recommenders casts a layer's next input to its
     attention's dtype; after fuse_stu_gate that attention is left with nothing else reading it): the derivation
@@ -480,11 +565,11 @@ def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_
 
     section, parity = derived_package.manifest["kv_cache"], derived_package.parity["kv_cache"]
     assert section["kind"] == "derived" and section["layout"]["num_layers"] == 2
-    assert section["fused"] == {"gated_attention": 0}
+    assert section["fused"] == {"gated_attention": 0, "last_layer_on_targets": True}
     _print_summary(derived_package.manifest, derived_package.path)
     summary = " ".join(capsys.readouterr().out.split())
-    assert (f"derived from the graph: 2 layers (0 with the attention and gate as one op), frontier rows of "
-            f"{section['layout']['row_width']} values") in summary, summary
+    assert (f"derived from the graph: 2 layers (0 with the attention and gate as one op, the last on the targets' rows "
+            f"past its projection), frontier rows of {section['layout']['row_width']} values") in summary, summary
     # The derivation reads nothing the model's graph does not: the three reads are gr_style's own jagged_concat's
     # (int(n.sum().item()) for each part); its sums, maxima and checks outside it are sizes or proven.
     reads = derived_package.manifest["backend"]["meta"]["dense_device_reads"]

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, RequestError
-from hstu_export.kv_derive import new_rows_of
+from hstu_export.kv_derive import delta_row_inputs
 from hstu_export.serving.kv_cache import CacheFull, PagedKVCache, user_keys
 
 __all__ = ["DerivedCachedRanker", "DerivedRunner", "EagerDerived"]
@@ -39,8 +39,9 @@ class DerivedRunner(Protocol):
         """(sequence length, target count) per user, as the model's attentions see them."""
 
     def delta(self, dense: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor, x_pages: Tensor,
-              page_table: Tensor, new_rows: Tensor) -> dict[str, Tensor]:
-        """The delta program: the outputs and ``kv_stale``."""
+              page_table: Tensor, rows: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The delta program: the outputs and ``kv_stale``. ``rows``: the row lists by input name
+        (:func:`~hstu_export.kv_derive.delta_row_inputs`; the program takes those it lists)."""
 
 
 class EagerDerived:
@@ -63,10 +64,12 @@ class EagerDerived:
             return self._derived.counts(**{name: dense[name] for name in self._count_inputs})
 
     def delta(self, dense: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor, x_pages: Tensor,
-              page_table: Tensor, new_rows: Tensor) -> dict[str, Tensor]:
+              page_table: Tensor, rows: dict[str, Tensor]) -> dict[str, Tensor]:
+        takes = {n.target for n in self._derived.program.graph.nodes if n.op == "placeholder"}
         with torch.no_grad():
             return self._derived.program(**dense, kv_cached=cached, kv_k_pages=k_pages, kv_v_pages=v_pages,
-                                         kv_x_pages=x_pages, kv_page_table=page_table, kv_new_rows=new_rows)
+                                         kv_x_pages=x_pages, kv_page_table=page_table,
+                                         **{name: value for name, value in rows.items() if name in takes})
 
 
 class DerivedCachedRanker:
@@ -141,4 +144,5 @@ class DerivedCachedRanker:
             table[b, :len(pages)] = pages
         return self.runner.delta(dense, torch.tensor(cached, dtype=torch.int64, device=device), cache.k, cache.v,
                                  cache.x, torch.from_numpy(table).to(device),
-                                 new_rows_of(seq_lengths, stored, cached).to(device))
+                                 {name: value.to(device) for name, value in
+                                  delta_row_inputs(seq_lengths, stored, cached).items()})

@@ -872,18 +872,23 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
     }
     // The rows past each user's cached prefix (kv_new_rows; kv_derive.new_rows_of): their count sizes the
     // program's layers, given here so that it reads nothing back from the device.
-    std::vector<int64_t> new_rows;
+    // kv_target_rows (kv_derive.target_rows_of): each user's targets, its last rows, as indices into those.
+    std::vector<int64_t> new_rows, target_rows;
     int64_t start = 0;
     for (int64_t b = 0; b < batch; ++b) {
       int64_t kept = cached[b] >= 0 && cached[b] <= stored[b] ? cached[b] : 0;
       for (int64_t i = start + kept; i < start + lengths.data[b]; ++i) new_rows.push_back(i);
+      const int64_t end = static_cast<int64_t>(new_rows.size());
+      for (int64_t i = end - (lengths.data[b] - stored[b]); i < end; ++i) target_rows.push_back(i);
       start += lengths.data[b];
     }
-    std::vector<at::Tensor> moved = {at::tensor(cached, at::kLong), table, at::tensor(new_rows, at::kLong)};
+    std::vector<at::Tensor> moved = {at::tensor(cached, at::kLong), table, at::tensor(new_rows, at::kLong),
+                                     at::tensor(target_rows, at::kLong)};
     detail::to_device(moved, device);  // in one transfer
-    const std::map<std::string, at::Tensor> made = {{"kv_cached", moved[0]}, {"kv_k_pages", k},
-                                                      {"kv_v_pages", v}, {"kv_x_pages", x},
-                                                      {"kv_page_table", moved[1]}, {"kv_new_rows", moved[2]}};
+    const std::map<std::string, at::Tensor> made = {
+        {"kv_cached", moved[0]},     {"kv_k_pages", k},           {"kv_v_pages", v},
+        {"kv_x_pages", x},           {"kv_page_table", moved[1]}, {"kv_new_rows", moved[2]},
+        {"kv_target_rows", moved[3]}};
     detail::ProgramInputs inputs;
     for (const auto& name : d.inputs) {
       auto it = made.find(name);

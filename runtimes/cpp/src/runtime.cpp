@@ -606,9 +606,10 @@ detail::DerivedKVSection read_derived_kv_section(const Fields& fields, const Val
     return std::any_of(dense.begin(), dense.end(), [&](const TensorSpec& s) { return s.name == name; });
   };
   const std::set<std::string> made = {"kv_cached", "kv_k_pages", "kv_v_pages", "kv_x_pages", "kv_page_table"};
-  // kv_new_rows: the rows past each cached prefix, given by the runtime (an older export's program counts them itself).
+  // kv_new_rows: the rows past each cached prefix, given by the runtime (an older export's program counts them
+  // itself); kv_target_rows: the targets' among them (a program whose last layer runs on the targets alone).
   for (const auto& name : out.inputs) {
-    if (!is_dense(name) && !made.count(name) && name != "kv_new_rows") {
+    if (!is_dense(name) && !made.count(name) && name != "kv_new_rows" && name != "kv_target_rows") {
       fields.fail(where + ".inputs", "takes " + in_quotes(name) + ", which is neither a dense input nor a cache input");
     }
   }

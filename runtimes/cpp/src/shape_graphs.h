@@ -26,7 +26,7 @@
 namespace hstu_export::detail {
 
 // Calls whose copied inputs exceed this run as they are (runtimes/shape_graphs.py's MAX_COPY_BYTES).
-constexpr int64_t kMaxCopyBytes = int64_t{32} << 20;
+constexpr int64_t kMaxCopyBytes = int64_t{160} << 20;
 
 class ShapeGraphs {
  public:
