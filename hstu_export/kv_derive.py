@@ -656,6 +656,9 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
     # The last layer past its attention: what only the outputs read (nothing after it feeds an attention).
     tail = _computed_from(attentions[-1], region) if num_targets is not None else set()
     size_of_rows = analysis.rows
+    # With our kernels, an attention between a projection's column slices and the STU gate runs as one op.
+    blocks = {n: block for n, bound in zip(attentions, analysis.args, strict=True)
+              if (block := _gated_block(n, bound)) is not None}  # fmt: skip
 
     def build(target: str, on_targets: bool, fill: float) -> torch.fx.GraphModule:
         graph = torch.fx.Graph()
@@ -716,9 +719,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
             for f in frontier:
                 rows[f] = graph.call_function(torch.index_select, (env[f], 0, book["new_rows"]))
 
-        # With our kernels, an attention between a projection's column slices and the STU gate runs as one op.
-        gated = {n: block for n, bound in zip(attentions, analysis.args, strict=True)
-                 if target == "triton" and (block := _gated_block(n, bound)) is not None}  # fmt: skip
+        gated = blocks if target == "triton" else {}
         at_gate = {block.gate: n for n, block in gated.items()}
         folded = {block.reshape for block in gated.values()}
         for n in ordered:
@@ -779,8 +780,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         program=build(op_target, on_targets, fill), counts=counts,
         num_layers=len(attentions), num_heads=heads, attention_dim=dqk, linear_dim=dv, row_width=width,
         row_dtype=row_dtype, max_seq_len=int(bound0["max_seq_len"]), frontier=[f.name for f in frontier],
-        layer_nodes=len(region), gated_fused=sum(1 for n, b in zip(attentions, analysis.args, strict=True)
-                                                 if op_target == "triton" and _gated_block(n, b) is not None),
+        layer_nodes=len(region), gated_fused=len(blocks) if op_target == "triton" else 0,
         targets_only=on_targets,
         target_inputs=[str(n.target) for n in _ancestors(_nodes_in(num_targets)) if n.op == "placeholder"])  # fmt: skip
 
@@ -819,9 +819,7 @@ def nothing_cached(counts: torch.fx.GraphModule, example: dict[str, Tensor], poo
     """A delta program's inputs for ``example`` (its dense inputs) with nothing cached, in pages of 16 tokens:
     ``pool`` is (layers, heads, attention dim, linear dim, dtype) of the K/V pages, ``row`` (width, dtype) of
     the frontier rows'; ``counts`` the delta program's counts program."""
-    names = [n.target for n in counts.graph.nodes if n.op == "placeholder"]
-    with torch.no_grad():
-        lengths, targets = (t.cpu() for t in counts(**{name: example[name] for name in names}))
+    lengths, rows = prefill_rows(counts, example)
     layers, heads, dqk, dv, dtype = pool
     users, page = lengths.shape[0], 16
     width = max(1, -(-int(lengths.max()) // page)) if users else 1
@@ -831,8 +829,16 @@ def nothing_cached(counts: torch.fx.GraphModule, example: dict[str, Tensor], poo
               "kv_v_pages": torch.zeros(layers, users * width + 1, page, heads, dv, dtype=dtype, device=device),
               "kv_x_pages": torch.zeros(users * width + 1, page, row[0], dtype=row[1], device=device),
               "kv_page_table": torch.arange(users * width, dtype=torch.int32, device=device).reshape(users, width),
-              **{name: rows.to(device) for name, rows in delta_row_inputs(
-                  lengths.tolist(), (lengths - targets).tolist(), [0] * users).items()}}  # fmt: skip
+              **{name: value.to(device) for name, value in rows.items()}}  # fmt: skip
+
+
+def prefill_rows(counts: torch.fx.GraphModule, example: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """``example``'s sequence lengths (on the host) and :func:`delta_row_inputs` with nothing cached (every row
+    new); ``counts`` the delta program's counts program."""
+    names = [n.target for n in counts.graph.nodes if n.op == "placeholder"]
+    with torch.no_grad():
+        lengths, targets = (t.cpu() for t in counts(**{name: example[name] for name in names}))
+    return lengths, delta_row_inputs(lengths.tolist(), (lengths - targets).tolist(), [0] * lengths.shape[0])
 
 
 def _without_dtype_reads(gm: torch.fx.GraphModule, example: dict[str, Tensor],

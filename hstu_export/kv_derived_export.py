@@ -13,7 +13,14 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, ExportError
-from hstu_export.kv_derive import TARGET_ROWS, DerivedDelta, delta_inputs, derive_delta, generic_ops
+from hstu_export.kv_derive import (
+    TARGET_ROWS,
+    DerivedDelta,
+    delta_inputs,
+    derive_delta,
+    generic_ops,
+    prefill_rows,
+)
 from hstu_export.kv_export import delta_inductor_options, page_table_width_bound
 from hstu_export.runtimes.base import DimSpec, torch_dynamic_shapes
 
@@ -73,11 +80,10 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
                                   dtype=settings.torch_dtype, device=device),
         "kv_x_pages": torch.zeros(pages, page_size, derived.row_width, dtype=derived.row_dtype, device=device),
         "kv_page_table": torch.arange(users * width, dtype=torch.int32, device=device).reshape(users, width),
-        # nothing cached: every row is new
-        "kv_new_rows": torch.arange(_rows(derived, example), dtype=torch.int64, device=device),
+        # nothing cached: every row is new (kv_new_rows, and kv_target_rows where the program takes it)
+        **{name: rows.to(device) for name, rows in prefill_rows(derived.counts, example)[1].items()
+           if name in delta_inputs(derived)},
     }
-    if derived.targets_only:  # every user's targets, at the end of its rows
-        kv_example[TARGET_ROWS] = _target_rows(derived, example).to(device)
     pages_dim = DimSpec("kv_pages", 2, 2**31 - 1)
     dims = {**inputs.dense_dynamic_dims, "kv_cached": {0: batch}, "kv_k_pages": {1: pages_dim},
             "kv_v_pages": {1: pages_dim}, "kv_x_pages": {0: pages_dim},
@@ -126,24 +132,6 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
         "inductor_options": options,
         "compile_seconds": round(time.perf_counter() - start, 3),
     }
-
-
-def _rows(derived: DerivedDelta, example: dict[str, Tensor]) -> int:
-    """The token rows of ``example``: its sequence lengths added up (the counts program)."""
-    names = [n.target for n in derived.counts.graph.nodes if n.op == "placeholder"]
-    with torch.no_grad():
-        lengths, _ = derived.counts(**{name: example[name] for name in names})
-    return int(lengths.sum())
-
-
-def _target_rows(derived: DerivedDelta, example: dict[str, Tensor]) -> Tensor:
-    """``kv_target_rows`` of ``example`` with nothing cached."""
-    from hstu_export.kv_derive import target_rows_of
-
-    names = [n.target for n in derived.counts.graph.nodes if n.op == "placeholder"]
-    with torch.no_grad():
-        lengths, targets = (t.cpu() for t in derived.counts(**{name: example[name] for name in names}))
-    return target_rows_of(lengths.tolist(), (lengths - targets).tolist(), [0] * lengths.shape[0])
 
 
 def _batch_dim(counts: torch.fx.GraphModule, inputs: Any) -> DimSpec:
