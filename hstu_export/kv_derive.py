@@ -510,6 +510,28 @@ def rows_back(new: Tensor, new_rows: Tensor, like: Tensor, fill: float) -> Tenso
     return full.index_copy(0, new_rows, new)
 
 
+def rows_at(new: Tensor, new_rows: Tensor, like: Tensor, wanted: Tensor, fill: float) -> Tensor:
+    """The request's rows ``wanted`` (indices among all its rows, as many as ``like`` has; a negative one counts
+    from the end) of a layer value computed on the rows ``new_rows`` alone (``new``), the others ``fill``: what
+    :func:`rows_back` then a gather of ``wanted`` give, without the value of every row in between."""
+    total = like.shape[0]
+    at = wanted.to(torch.int64)
+    at = torch.where(at < 0, at + total, at).clamp(0, max(total - 1, 0))
+    place = torch.full((total,), -1, dtype=torch.int64, device=new.device)
+    place = place.index_put((new_rows,), torch.arange(new_rows.shape[0], device=new.device))[at]
+    got = new.index_select(0, place.clamp(min=0))
+    return torch.where((place >= 0).reshape(-1, *([1] * (new.dim() - 1))), got, torch.full_like(got, fill))
+
+
+def jagged_right_rows(offsets_left: Tensor, offsets_right: Tensor, total_right: int) -> Tensor:
+    """Where the right rows of :func:`~hstu_export.ops.reference.split_2D_jagged_reference` sit among the rows it
+    splits (each user's left rows, then its right ones): right row ``j`` of user ``b`` is row
+    ``offsets_left[b + 1] + offsets_right[b] + j``."""
+    left, right = offsets_left.to(torch.int64), offsets_right.to(torch.int64)
+    user, pos = jagged_positions_by_search(right, total_right)
+    return left[1:][user] + right[:-1][user] + pos
+
+
 def paged_attention_reference(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k_pool: Tensor, v_pool: Tensor,
                               layer: int, page_table: Tensor, seq_lens: Tensor, num_targets: Tensor,
                               scaling_seqlen: int, alpha: float, contextual_seq_len: int, max_attn_len: int,
@@ -659,6 +681,9 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
     # With our kernels, an attention between a projection's column slices and the STU gate runs as one op.
     blocks = {n: block for n, bound in zip(attentions, analysis.args, strict=True)
               if (block := _gated_block(n, bound)) is not None}  # fmt: skip
+    # Gathers of a layer value's rows outside the layers, taken from the rows computed (_row_gathers).
+    gathers = _row_gathers(gm, region, values)
+    right_splits = {n for n, bound in gathers.items() if isinstance(bound, dict)}
 
     def build(target: str, on_targets: bool, fill: float) -> torch.fx.GraphModule:
         graph = torch.fx.Graph()
@@ -675,17 +700,37 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         attention = paged_attention_triton if target == "triton" else paged_attention_reference
         last = on_targets and tail
 
+        def computed_at(n: torch.fx.Node) -> torch.fx.Node:
+            """The request's rows a region node's rows were computed for (the new ones; a tail node's: the
+            targets')."""
+            if not (last and n in tail):
+                return book["new_rows"]
+            if "target_rows" not in book:
+                book["target_rows"] = graph.call_function(torch.index_select, (book["new_rows"], 0, extra[TARGET_ROWS]))
+            return book["target_rows"]
+
         def whole(n: torch.fx.Node) -> Any:
             if n in region:  # a region value read outside the layers: its rows put back
                 if n not in backs:
-                    at = book["new_rows"]
-                    if last and n in tail:
-                        if "target_rows" not in book:
-                            book["target_rows"] = graph.call_function(torch.index_select, (at, 0, extra[TARGET_ROWS]))
-                        at = book["target_rows"]
-                    backs[n] = graph.call_function(rows_back, (rows[n], at, env[frontier[0]], fill))
+                    backs[n] = graph.call_function(rows_back, (rows[n], computed_at(n), env[frontier[0]], fill))
                 return backs[n]
             return env[n]
+
+        def picked_rows(n: torch.fx.Node) -> Any:
+            """An outside node that gathers rows of a region value (the heads taking the candidates' rows), as a
+            gather of the rows computed: None for any other node."""
+            if n.op == "call_function" and n.target is operator.getitem and n.args[0] in right_splits:
+                split = gathers[n.args[0]]
+                wanted = graph.call_function(jagged_right_rows, tuple(
+                    torch.fx.node.map_arg(split[name], whole) for name in ("offsets_left", "offsets_right",
+                                                                           "total_len_right")))
+                source = split["values"]
+            elif n in gathers:
+                source, wanted = gathers[n]
+                wanted = env[wanted]
+            else:
+                return None
+            return graph.call_function(rows_at, (rows[source], computed_at(source), env[frontier[0]], wanted, fill))
 
         def local(a: torch.fx.Node, tail_node: bool) -> Any:
             """``a``'s rows as a node of the layers reads them: a tail node reads the targets' rows."""
@@ -761,9 +806,13 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
                     return env[a]
 
                 rows[n] = graph.node_copy(n, arg)
+            elif n in right_splits:
+                continue  # only its right rows are read: picked_rows gathers them
+            elif _metadata(n) and n.all_input_nodes[0] in region:
+                env[n] = layer_metadata(n)
             else:
-                env[n] = (layer_metadata(n) if _metadata(n) and n.all_input_nodes[0] in region
-                          else graph.node_copy(n, whole))  # fmt: skip
+                got = picked_rows(n)
+                env[n] = got if got is not None else graph.node_copy(n, whole)
         mapped = torch.fx.node.map_arg(result, whole)
         graph.output({**mapped, "kv_stale": book["stale"]})
         program = torch.fx.GraphModule(gm, graph)
@@ -783,6 +832,41 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         layer_nodes=len(region), gated_fused=len(blocks) if op_target == "triton" else 0,
         targets_only=on_targets,
         target_inputs=[str(n.target) for n in _ancestors(_nodes_in(num_targets)) if n.op == "placeholder"])  # fmt: skip
+
+
+SPLIT = "hstu_export.split_2D_jagged.default"
+
+
+def _row_gathers(gm: torch.fx.GraphModule, region: set[torch.fx.Node], values: dict[torch.fx.Node, Any],
+                 ) -> dict[torch.fx.Node, Any]:  # fmt: skip
+    """The nodes outside the layers that gather rows of a layer value by an index of the request (the heads
+    taking the candidates' rows): a node read as ``value[index]`` or ``index_select(value, 0, index)`` -> (value,
+    index); a jagged split of one whose left rows nothing reads -> its arguments by name. Such a gather is taken
+    from the rows computed (:func:`rows_at`), not from the value of every row put back."""
+    found: dict[torch.fx.Node, Any] = {}
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method") or not n.args or n.args[0] not in region:
+            continue
+        if n.op == "call_function" and str(n.target) == SPLIT:
+            bound = normalize_function(n.target, n.args, n.kwargs, normalize_to_only_use_kwargs=True).kwargs
+            others = _nodes_in([v for k, v in bound.items() if k != "values"])
+            if n.users and all(u.target is operator.getitem and u.args[1] == 1 for u in n.users) and not (
+                    _ancestors(others, through_metadata=False) & region):
+                found[n] = dict(bound)
+            continue
+        if n.target is operator.getitem:
+            index = n.args[1]
+        elif n.target is torch.index_select or n.target == "index_select":
+            bound = dict(zip(("input", "dim", "index"), n.args), **n.kwargs)
+            index = bound.get("index") if bound.get("dim") == 0 else None
+        else:
+            continue
+        value = values.get(index) if isinstance(index, torch.fx.Node) else None
+        if (isinstance(value, Tensor) and value.dim() == 1 and not value.is_floating_point()
+                and value.dtype is not torch.bool and index not in region
+                and not (_ancestors([index], through_metadata=False) & region)):  # fmt: skip
+            found[n] = (n.args[0], index)
+    return found
 
 
 def _computed_from(start: torch.fx.Node, region: set[torch.fx.Node]) -> set[torch.fx.Node]:

@@ -28,13 +28,17 @@ from hstu_export.kv_derive import (
     _without_dtype_reads,
     delta_rows,
     derive_delta,
+    jagged_right_rows,
     new_rows_of,
     nothing_cached,
     row_tolerance,
     row_width,
+    rows_at,
+    rows_back,
     target_rows_of,
 )
 from hstu_export.ops.mappings import function_mappings, imported_functions
+from hstu_export.ops.reference import split_2D_jagged_reference
 from hstu_export.passes.context import PassContext
 from hstu_export.passes.manager import run_passes
 from hstu_export.runtimes.shape_graphs import ShapeGraphs
@@ -314,6 +318,40 @@ def test_target_rows_are_each_users_last_new_rows() -> None:
     picked = new[target_rows_of(lengths, stored, [2, 4, 1])].tolist()
     assert picked == [3, 4, 11, 12, 13, 14]  # the request's rows of the targets
     assert target_rows_of([3], [3], [9]).tolist() == []
+
+
+def test_rows_gathered_from_the_rows_computed_equal_a_gather_of_the_rows_put_back() -> None:
+    """rows_at: the rows a gather after the layers reads, taken from the rows computed, as rows_back then the gather
+    give them (rows not computed read the fill, a negative index counts from the end); jagged_right_rows: where
+    split_2D_jagged's right rows sit."""
+    g = torch.Generator().manual_seed(0)
+    like = torch.zeros(11, 1)
+    computed = torch.tensor([1, 4, 5, 6, 9, 10])
+    new = torch.randn(6, 3, 2, generator=g)
+    wanted = torch.tensor([10, 0, 4, 4, -1, -7, 2, 9])
+    for fill in (0.0, float("nan")):
+        torch.testing.assert_close(rows_at(new, computed, like, wanted, fill), rows_back(new, computed, like, fill)[wanted],
+                                   equal_nan=True)
+    assert rows_at(new, computed, like, wanted[:0], 0.0).shape == (0, 3, 2)
+    left, right = torch.tensor([0, 3, 3, 7]), torch.tensor([0, 2, 3, 5])
+    values = torch.arange(12.0).unsqueeze(1)
+    _, want = split_2D_jagged_reference(values, left, right, 7, 5)
+    assert values[jagged_right_rows(left, right, 5)].equal(want)
+
+
+@pytest.mark.parametrize("make", [dlrm_setup, gr_setup], ids=["dlrm_hstu", "gr_style"])
+def test_the_heads_gather_their_rows_from_the_rows_computed(make: Callable[..., Setup]) -> None:
+    """The heads' gather of the candidates' rows (a user function indexing the layers' output) reads the rows the
+    last layer computed: no value of every row is put back; answers unchanged (the other tests)."""
+    setup = make()
+    derived = derive_delta(setup.result.dense, setup.example)
+    called = [n.target for n in derived.program.graph.nodes if n.op == "call_function"]
+    assert rows_at in called and rows_back not in called
+    whole = derive_delta(setup.result.dense, setup.example, fill=float("nan"))  # every unread row NaN: none is read
+    out, _ = _prefill(setup, whole)
+    want = setup.result.dense(**setup.example)
+    for k in want:
+        torch.testing.assert_close(out[k], want[k], rtol=1e-5, atol=1e-6)
 
 
 class _Rows(torch.fx.Interpreter):
