@@ -159,7 +159,7 @@ def hit(package: Any, first: dict, second: dict) -> tuple[Any, list[int], dict, 
     ranker = package.kv_cache()
     runner = ranker.runner
     dense = runner.dense_inputs(second)
-    lengths, targets = runner.counts(dense)
+    lengths, targets = runner.counts(dense, second)
     ids = list(range(lengths.shape[0]))
     ranker(first, ids)
     got = ranker(second, ids)  # a hit: the candidates only

@@ -402,6 +402,8 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
             last = ", the last on the targets' rows past its projection" if fusions.get("last_layer_on_targets") is True else ""
             line += (f"; derived from the graph: {layers} layers ({fused} with the attention and gate as one op{last}), "
                      f"frontier rows of {kv['layout'].get('row_width')} values")
+            if kv.get("counts_on_host"):
+                line += ", counts added up on the host from the request's lengths"
         if checked:
             w = checked["worst"]
             line += (f"; served {len(checked['batches'])} requests through its cache ({checked['cache']['hits']} hits): "

@@ -102,6 +102,7 @@ class DerivedDelta:
     target_inputs: list[str]  # the dense inputs the target counts are computed from (the candidates' lengths)
     gated_fused: int = 0  # layers whose attention and STU gate run as one op (the triton target's gated op)
     targets_only: bool = False  # the last layer past its projection runs on the targets' rows (kv_target_rows)
+    host_counts: dict[str, dict[str, Any]] | None = None  # the counts as sums of their inputs (:func:`host_counts`)
 
     def layout(self) -> dict[str, Any]:
         return {"num_layers": self.num_layers, "num_heads": self.num_heads, "attention_dim": self.attention_dim,
@@ -821,6 +822,13 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         return program
 
     counts = _counts_program(gm, seq_offsets, num_targets)
+    sums = host_counts(counts)
+    if sums is not None:  # read off the graph; held against the program on the example too
+        names = [n.target for n in counts.graph.nodes if n.op == "placeholder"]
+        with torch.no_grad():
+            want = counts(**{name: example[name] for name in names})
+        got = counts_on_host(sums, example)
+        sums = sums if all(torch.equal(g, w.cpu().to(torch.int64)) for g, w in zip(got, want, strict=True)) else None
     on_targets = bool(targets_only and tail) and _reads_targets_only(
         build("aten", True, float("nan")), counts, example,
         {k: values.get(v) for k, v in result.items() if isinstance(v, torch.fx.Node)},
@@ -830,7 +838,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         num_layers=len(attentions), num_heads=heads, attention_dim=dqk, linear_dim=dv, row_width=width,
         row_dtype=row_dtype, max_seq_len=int(bound0["max_seq_len"]), frontier=[f.name for f in frontier],
         layer_nodes=len(region), gated_fused=len(blocks) if op_target == "triton" else 0,
-        targets_only=on_targets,
+        targets_only=on_targets, host_counts=sums,
         target_inputs=[str(n.target) for n in _ancestors(_nodes_in(num_targets)) if n.op == "placeholder"])  # fmt: skip
 
 
@@ -965,6 +973,175 @@ def sequence_counts(seq_offsets: Tensor, num_targets: Tensor | None) -> tuple[Te
     offsets = seq_offsets.to(torch.int64)
     lengths = offsets[1:] - offsets[:-1]
     return lengths, torch.zeros_like(lengths) if num_targets is None else num_targets.to(torch.int64)
+
+
+@dataclass(frozen=True)
+class _Sum:
+    """Per user: ``constant`` plus the inputs (per-user tensors) by name times their integer coefficients."""
+
+    terms: tuple[tuple[str, int], ...]
+    constant: int
+
+    def plus(self, other: _Sum, sign: int = 1) -> _Sum:
+        terms = dict(self.terms)
+        for name, k in other.terms:
+            terms[name] = terms.get(name, 0) + sign * k
+        return _Sum(tuple(sorted((n, k) for n, k in terms.items() if k)), self.constant + sign * other.constant)
+
+    def times(self, k: int) -> _Sum:
+        return _Sum(tuple((n, c * k) for n, c in self.terms if c * k), self.constant * k)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"terms": dict(self.terms), "constant": self.constant}
+
+
+@dataclass(frozen=True)
+class _Offsets:
+    """The offsets of per-user lengths ``lengths`` (a :class:`_Sum`): B + 1 values from 0."""
+
+    lengths: _Sum
+
+
+@dataclass(frozen=True)
+class _Running:
+    """The running (inclusive) sum over users of ``lengths``."""
+
+    lengths: _Sum
+
+
+@dataclass(frozen=True)
+class _Stacked:
+    """Per-user sums put one after another (``cat``), or as the rows of a matrix (its ``view(k, -1)``)."""
+
+    parts: tuple[_Sum, ...]
+    rows: bool = False
+
+
+@dataclass(frozen=True)
+class _Users:
+    """The number of users plus ``extra`` (a size read of per-user values)."""
+
+    extra: int
+
+
+_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.long, torch.int)
+
+
+def host_counts(counts: torch.fx.GraphModule) -> dict[str, dict[str, Any]] | None:
+    """The counts program (:func:`_counts_program`) as sums a host computes from its per-user inputs without the
+    program: ``{"seq_lengths": {"terms": {input: k}, "constant": c}, "num_targets": {...}}``, each user's value
+    ``c + sum(k * input[user])``; None when the program is anything else (a length clamped or read from
+    values). Read off the graph, exactly: placeholders, integer sums, differences and multiples, casts between
+    integer types, per-user values put one after another and read back as the rows of a matrix, the offsets of
+    lengths (a running sum padded with a zero; fbgemm's complete cumsum; a range
+    over the users times a count) and their sums; then :func:`sequence_counts` of offsets."""
+    known: dict[torch.fx.Node, Any] = {}
+
+    def scalar(a: Any) -> int | None:
+        return a if isinstance(a, int) and not isinstance(a, bool) else None
+
+    def combine(x: Any, y: Any, sign: int) -> Any:
+        if isinstance(y, int) and isinstance(x, _Sum):
+            return x.plus(_Sum((), y), sign)
+        if isinstance(x, int) and isinstance(y, _Sum) and sign == 1:
+            return y.plus(_Sum((), x))
+        if type(x) is type(y) and isinstance(x, (_Sum, _Offsets)):
+            return x.plus(y, sign) if isinstance(x, _Sum) else _Offsets(x.lengths.plus(y.lengths, sign))
+        if type(x) is type(y) and isinstance(x, _Users) and sign == 1:
+            return None
+        if isinstance(x, _Users) and isinstance(y, int):
+            return _Users(x.extra + sign * y)
+        return None
+
+    def scale(x: Any, k: int) -> Any:
+        if isinstance(x, _Sum):
+            return x.times(k)
+        if isinstance(x, _Offsets):
+            return _Offsets(x.lengths.times(k))
+        return None
+
+    for n in counts.graph.nodes:
+        if any(a not in known for a in n.all_input_nodes):
+            return None  # an input of unknown kind
+        args = list(torch.fx.node.map_aggregate(n.args, lambda a: known[a] if isinstance(a, torch.fx.Node) else a))
+        kwargs = dict(torch.fx.node.map_aggregate(n.kwargs, lambda a: known[a] if isinstance(a, torch.fx.Node) else a))
+        value: Any = None
+        target = n.target
+        if n.op == "placeholder":
+            value = _Sum(((str(target), 1),), 0)
+        elif n.op == "output":
+            out = args[0]
+            if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(o, _Sum) for o in out)):
+                return None
+            return {"seq_lengths": out[0].as_dict(), "num_targets": out[1].as_dict()}
+        elif target in (operator.add, torch.add) or (n.op == "call_method" and target == "add"):
+            value = combine(args[0], args[1], 1) if len(args) == 2 and not kwargs else None
+        elif target in (operator.sub, torch.sub) or (n.op == "call_method" and target == "sub"):
+            value = combine(args[0], args[1], -1) if len(args) == 2 and not kwargs else None
+        elif target in (operator.mul, torch.mul) or (n.op == "call_method" and target == "mul"):
+            if len(args) == 2 and not kwargs:
+                x, y = args
+                value = scale(x, y) if scalar(y) is not None else scale(y, x) if scalar(x) is not None else None
+        elif target is operator.neg:
+            value = scale(args[0], -1)
+        elif n.op == "call_method" and target in ("to", "long", "int", "contiguous"):
+            dtypes = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.dtype)]
+            plain = all(d in _INTEGER_DTYPES for d in dtypes) and len(args) - 1 == len(dtypes) and set(
+                kwargs) <= {"dtype"}
+            value = args[0] if plain and isinstance(args[0], (_Sum, _Offsets)) else None
+        elif (target is torch.cumsum or (n.op == "call_method" and target == "cumsum")) and isinstance(args[0], _Sum):
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            value = _Running(args[0]) if dim in (0, -1) and kwargs.get("dtype", torch.int64) in _INTEGER_DTYPES else None
+        elif target is F.pad and isinstance(args[0], _Running):
+            pad = kwargs.get("pad", args[1] if len(args) > 1 else None)
+            mode, fill = kwargs.get("mode", "constant"), kwargs.get("value", args[3] if len(args) > 3 else None)
+            value = _Offsets(args[0].lengths) if tuple(pad or ()) == (1, 0) and mode == "constant" and not fill else None
+        elif "asynchronous_complete_cumsum" in str(target) and isinstance(args[0], _Sum):
+            value = _Offsets(args[0])
+        elif n.op == "call_method" and target in ("numel", "size") and isinstance(args[0], (_Sum, _Offsets)):
+            if target == "numel" or kwargs.get("dim", args[1] if len(args) > 1 else None) in (0, -1):
+                value = _Users(1 if isinstance(args[0], _Offsets) else 0)
+        elif target is torch.arange and len(args) == 1 and isinstance(args[0], _Users) and args[0].extra == 1 and (
+                kwargs.get("dtype", torch.int64) in _INTEGER_DTYPES):
+            value = _Offsets(_Sum((), 1))  # 0, 1, ..., B: the offsets of one row a user
+        elif target in (torch.cat, torch.concat) and isinstance(args[0], (list, tuple)) and all(
+                isinstance(a, _Sum) for a in args[0]) and kwargs.get("dim", args[1] if len(args) > 1 else 0) in (0, -1):
+            value = _Stacked(tuple(args[0]))
+        elif n.op == "call_method" and target in ("view", "reshape") and isinstance(args[0], _Stacked) and (
+                tuple(args[1:]) == (len(args[0].parts), -1) and not args[0].rows):
+            value = _Stacked(args[0].parts, rows=True)  # row i: the i-th part
+        elif target is operator.getitem and isinstance(args[0], _Stacked) and args[0].rows and scalar(args[1]) is not None:
+            value = args[0].parts[args[1]] if -len(args[0].parts) <= args[1] < len(args[0].parts) else None
+        elif target is getattr and len(args) == 2 and args[1] in ("device", "dtype"):
+            value = args[1]
+        elif target is sequence_counts and isinstance(args[0], _Offsets):
+            targets = args[1] if len(args) > 1 else kwargs.get("num_targets")
+            if targets is None:
+                targets = _Sum((), 0)
+            value = (args[0].lengths, targets) if isinstance(targets, _Sum) else None
+        if value is None:
+            return None
+        known[n] = value
+    return None
+
+
+def counts_on_host(terms: dict[str, dict[str, Any]], inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """(sequence length, target count) per user from :func:`host_counts`' sums and their inputs by name (on the
+    host: int64)."""
+
+    def total(part: dict[str, Any]) -> Tensor:
+        out = None
+        for name, k in part["terms"].items():
+            value = inputs[name].to(torch.int64).cpu() * int(k)
+            out = value if out is None else out + value
+        if out is None:
+            raise ConfigError("the counts' sums name no input: nothing says how many users a request has")
+        return out + int(part["constant"])
+
+    lengths = total(terms["seq_lengths"])
+    targets = total(terms["num_targets"]) if terms["num_targets"]["terms"] else torch.full_like(
+        lengths, int(terms["num_targets"]["constant"]))
+    return lengths, targets
 
 
 def _counts_program(gm: torch.fx.GraphModule, seq_offsets: torch.fx.Node, num_targets: Any) -> torch.fx.GraphModule:

@@ -114,6 +114,11 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
                           f"{plain_first_line(exc)}") from exc
     with torch.no_grad():
         returned = list(program(**kwargs))  # the compiled program returns its outputs in this order
+    sums = derived.host_counts
+    # The counts as sums of request features (the runtimes add them up on the host: no counts program, no read
+    # back from the device before the delta program), where every input they read comes from the request.
+    on_host = sums if sums is not None and all(
+        name in inputs.example_features for part in sums.values() for name in part["terms"]) else None
     return {
         "kind": DERIVED,
         "program": KV_DELTA_FILE,
@@ -128,6 +133,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
         "target_inputs": derived.target_inputs,
         "layer_nodes": derived.layer_nodes,
         "fused": {"gated_attention": derived.gated_fused, "last_layer_on_targets": derived.targets_only},
+        **({"counts_on_host": on_host} if on_host is not None else {}),
         "device_reads": device_reads(exported),
         "inductor_options": options,
         "compile_seconds": round(time.perf_counter() - start, 3),

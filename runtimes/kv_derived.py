@@ -4,7 +4,8 @@
 
 A request goes through the package's own sparse half as it does without the cache; the counts program
 gives each user's sequence length and target count; the delta program gets the dense half's inputs and
-the cache's pages, page table and cached counts, and returns the outputs and which users were stale. On CUDA,
+the cache's pages, page table and cached counts, and returns the outputs and which users were stale. Where the
+counts are sums of request features (``kv_cache.counts_on_host``), they are added up on the host instead. On CUDA,
 a program that reads nothing back to the host replays calls of shapes it has seen before from CUDA graphs
 (:mod:`~hstu_export.runtimes.shape_graphs`)."""
 
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, HstuExportError, PackageError
+from hstu_export.kv_derive import counts_on_host
 from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
 from hstu_export.runtimes.shape_graphs import ShapeGraphs
 from hstu_export.settings import TORCH_DTYPES
@@ -42,6 +44,12 @@ class PackageDerived:
         self._predictor, self._split = predictor, split
         self._inputs = list(section["inputs"])
         self._counts_inputs = list(section["counts_inputs"])
+        # The counts added up on the host from the request's features (no program, no read back from the device).
+        features = {t["name"]: t.get("feature") for t in predictor.manifest["artifacts"]["dense"]["inputs"]}
+        sums = section.get("counts_on_host")
+        self._host_counts = sums if sums is not None and all(
+            features.get(name) for part in sums.values() for name in part["terms"]) else None
+        self._features = features
         self._outputs = list(section["outputs"])
         try:
             self._program = _load_pt2(resolve_inside(predictor.root, section["program"], "kv_cache.program"))
@@ -69,7 +77,10 @@ class PackageDerived:
         graph = {f.graph_name: features[f.name].to(self.device) for f in self._predictor.input_schema.features}
         return self._split.dense_inputs(graph)
 
-    def counts(self, dense: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def counts(self, dense: dict[str, Tensor], request: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        if self._host_counts is not None:
+            terms = {name for part in self._host_counts.values() for name in part["terms"]}
+            return counts_on_host(self._host_counts, {name: request[self._features[name]] for name in terms})
         with torch.no_grad():
             lengths, targets = self._counts(**{name: dense[name] for name in self._counts_inputs})
         return lengths, targets

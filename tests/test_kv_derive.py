@@ -5,6 +5,7 @@ cached are refused naming why."""
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable
 from pathlib import Path
@@ -26,8 +27,10 @@ from hstu_export.kv_derive import (
     _Analysis,
     _computed_from,
     _without_dtype_reads,
+    counts_on_host,
     delta_rows,
     derive_delta,
+    host_counts,
     jagged_right_rows,
     new_rows_of,
     nothing_cached,
@@ -35,6 +38,7 @@ from hstu_export.kv_derive import (
     row_width,
     rows_at,
     rows_back,
+    sequence_counts,
     target_rows_of,
 )
 from hstu_export.ops.mappings import function_mappings, imported_functions
@@ -318,6 +322,51 @@ def test_target_rows_are_each_users_last_new_rows() -> None:
     picked = new[target_rows_of(lengths, stored, [2, 4, 1])].tolist()
     assert picked == [3, 4, 11, 12, 13, 14]  # the request's rows of the targets
     assert target_rows_of([3], [3], [9]).tolist() == []
+
+
+@pytest.mark.parametrize("make", [dlrm_setup, gr_setup], ids=["dlrm_hstu", "gr_style"])
+def test_the_counts_are_read_off_as_sums_of_request_lengths(make: Callable[..., Setup]) -> None:
+    """host_counts: each user's sequence length and target count as sums of the counts program's inputs, equal to
+    the program on lengths it was not derived on; a count the graph clamps is not a sum, and is left to the
+    program."""
+    setup = make()
+    derived = derive_delta(setup.result.dense, setup.example)
+    sums = derived.host_counts
+    assert sums is not None and sums["num_targets"] == {"terms": {"candidates_features__cand_item_id__lengths": 1},
+                                                        "constant": 0}
+    names = [n.target for n in derived.counts.graph.nodes if n.op == "placeholder"]
+    assert set(sums["seq_lengths"]["terms"]) == set(names) and set(sums["seq_lengths"]["terms"].values()) == {1}
+    g = torch.Generator().manual_seed(3)
+    lengths = {name: torch.randint(0, 50, (7,), generator=g) for name in names}
+    for got, want in zip(counts_on_host(sums, lengths), derived.counts(**lengths), strict=True):
+        assert torch.equal(got, want)
+    clamped = copy.deepcopy(derived.counts)
+    add = next(n for n in clamped.graph.nodes if n.op == "placeholder")
+    with clamped.graph.inserting_after(add):
+        capped = clamped.graph.call_method("clamp", (add,), {"max": 40})
+    add.replace_all_uses_with(capped, delete_user_cb=lambda user: user is not capped)
+    clamped.recompile()
+    assert host_counts(clamped) is None
+
+
+def test_counts_from_lengths_read_as_rows_of_their_concatenation_are_sums() -> None:
+    """generative-recommenders' counts: the candidates' lengths of several features put one after another, viewed
+    as rows, the first row taken; two contextual tokens a user. host_counts reads that as sums too."""
+    g = torch.fx.Graph()
+    history, candidates, other = (g.placeholder(name) for name in ("history", "candidates", "other"))
+    first = g.call_function(operator.getitem, (g.call_method("view", (g.call_function(torch.cat, ([candidates, other],)),
+                                                                       2, -1)), 0))  # fmt: skip
+    lengths = g.call_function(operator.add, (g.call_function(operator.add, (history, first)), 2))
+    offsets = g.call_function(F.pad, (g.call_function(torch.cumsum, (lengths,), {"dim": 0}), (1, 0)),
+                              {"mode": "constant", "value": None})
+    g.output(g.call_function(sequence_counts, (offsets, first)))
+    counts = torch.fx.GraphModule(torch.nn.Module(), g)
+    sums = host_counts(counts)
+    assert sums == {"seq_lengths": {"terms": {"candidates": 1, "history": 1}, "constant": 2},
+                    "num_targets": {"terms": {"candidates": 1}, "constant": 0}}
+    inputs = {"history": torch.tensor([5, 0, 9]), "candidates": torch.tensor([2, 4, 1]), "other": torch.tensor([7, 7, 7])}
+    for got, want in zip(counts_on_host(sums, inputs), counts(**inputs), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_rows_gathered_from_the_rows_computed_equal_a_gather_of_the_rows_put_back() -> None:
@@ -607,13 +656,18 @@ def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_
     _print_summary(derived_package.manifest, derived_package.path)
     summary = " ".join(capsys.readouterr().out.split())
     assert (f"derived from the graph: 2 layers (0 with the attention and gate as one op, the last on the targets' rows "
-            f"past its projection), frontier rows of {section['layout']['row_width']} values") in summary, summary
+            f"past its projection), frontier rows of {section['layout']['row_width']} values, counts added up on the "
+            f"host from the request's lengths") in summary, summary
     # The derivation reads nothing the model's graph does not: the three reads are gr_style's own jagged_concat's
     # (int(n.sum().item()) for each part); its sums, maxima and checks outside it are sizes or proven.
     reads = derived_package.manifest["backend"]["meta"]["dense_device_reads"]
     assert section["device_reads"] == reads == 3
     assert "device reads dense half 3, delta program 3 a call" in summary, summary
     assert section["target_inputs"] == ["candidates_features__cand_item_id__lengths"]
+    lengths = ("uih_features__user_id__lengths", "uih_features__uih_item_id__lengths",
+               "candidates_features__cand_item_id__lengths")
+    assert section["counts_on_host"] == {"seq_lengths": {"terms": dict.fromkeys(lengths, 1), "constant": 0},
+                                         "num_targets": {"terms": {lengths[2]: 1}, "constant": 0}}
     assert parity["passed"] and parity["cache"]["hits"] >= 3 and parity["cache"]["stale"] >= 1
     assert "not_checked" not in parity
 
@@ -624,6 +678,11 @@ def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_
         got, want = ranker(batch, ids), predictor(batch)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+        # The counts added up on the host from the request are the counts program's.
+        dense = ranker.runner.dense_inputs(batch)
+        on_host = ranker.runner.counts(dense, batch)
+        program = ranker.runner._counts(**{name: dense[name] for name in section["counts_inputs"]})
+        assert all(torch.equal(a, b) for a, b in zip(on_host, program, strict=True))
     stats = ranker.cache.stats()
     # User 2 twice in a batch is served without being stored; nothing is stale (the batches differ in shape
     # and order from request to request, which changes the rows' bits but not their values).
@@ -729,7 +788,9 @@ def test_verification_requests_check_new_candidates_only_where_targets_are_count
     (lambda kv: kv["inputs"].remove("kv_x_pages"), "lacks 'kv_x_pages'"),
     (lambda kv: kv["outputs"].remove("kv_stale"), "does not end with kv_stale"),
     (lambda kv: kv["layout"].update(row_dtype="int64"), "'kv_cache.layout.row_dtype' is 'int64'"),
-], ids=["old-counts", "no-x-pages", "no-stale", "row-dtype"])
+    (lambda kv: kv["counts_on_host"]["seq_lengths"]["terms"].update(kv_cached=1),
+     "'kv_cache.counts_on_host.seq_lengths.terms' names 'kv_cached', which is not a counts input fed from the request"),
+], ids=["old-counts", "no-x-pages", "no-stale", "row-dtype", "host-counts"])
 def test_the_cpp_runtime_refuses_a_damaged_derived_section_in_one_line(derived_package: Any, cpp_runtime: Any,
                                                                        tmp_path: Path, edit: Any, message: str) -> None:  # fmt: skip
     """--kv-cache refused in one line naming the field; the package still serves requests without a cache."""
@@ -889,6 +950,11 @@ def test_the_zoo_model_serves_through_a_derived_delta_program(cpp_runtime: Any, 
     result = hstu_export.export(bundle, tmp_path / "pkg", hstu_export.ExportSettings(
         backend="aoti", kv_cache=True, kv_program="derived", max_batch_size=4))
     assert result.manifest["kv_cache"]["kind"] == "derived"
+    # Each user's sequence: its 2 contextual tokens, history and candidates (a range over the users times 2 in the
+    # graph), added up on the host.
+    assert result.manifest["kv_cache"]["counts_on_host"] == {
+        "seq_lengths": {"terms": {"candidate_lengths": 1, "uih_lengths": 1}, "constant": 2},
+        "num_targets": {"terms": {"candidate_lengths": 1}, "constant": 0}}
     parity = result.parity["kv_cache"]
     assert parity["passed"] and parity["cache"]["hits"] >= 3 and parity["cache"]["stale"] >= 2
     whole = hstu_export.generate_batch(schema, 2, seed=11, lengths={"uih_lengths": [12, 9], "candidate_lengths": [3, 2]})

@@ -451,7 +451,25 @@ def _derived_kv_cache(section: dict[str, Any], files: dict[str, str]) -> dict[st
     for key in ("num_layers", "num_heads", "attention_dim", "linear_dim", "row_width", "max_seq_len"):
         _integer(_get(layout, key, "kv_cache.layout"), f"kv_cache.layout.{key}", minimum=1)
     _string(_get(layout, "row_dtype", "kv_cache.layout"), "kv_cache.layout.row_dtype", ("float32", "bfloat16", "float16"))
+    _optional(section, "counts_on_host", "kv_cache", lambda v, n: _counts_on_host(v, n, section["counts_inputs"]))
     return section
+
+
+def _counts_on_host(value: Any, name: str, counts_inputs: list[str]) -> dict[str, Any]:
+    """``kv_cache.counts_on_host``: each user's sequence length and target count as a constant plus integer
+    multiples of counts inputs (kv_derive.host_counts)."""
+    sums = _object(value, name)
+    for part in ("seq_lengths", "num_targets"):
+        where = f"{name}.{part}"
+        entry = _object(_get(sums, part, name), where)
+        _integer(_get(entry, "constant", where), f"{where}.constant")
+        for input_name, k in _object(_get(entry, "terms", where), f"{where}.terms").items():
+            if input_name not in counts_inputs:
+                raise _FieldError(f"{where}.terms", f"names {input_name[:80]!r}, which is not one of counts_inputs")
+            _integer(k, _child(f"{where}.terms", input_name))
+    if not _object(sums["seq_lengths"]["terms"], name):
+        raise _FieldError(f"{name}.seq_lengths.terms", "is empty: the lengths read no input")
+    return sums
 
 
 def _files(value: Any) -> dict[str, str]:

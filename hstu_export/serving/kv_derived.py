@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, RequestError
-from hstu_export.kv_derive import delta_row_inputs
+from hstu_export.kv_derive import counts_on_host, delta_row_inputs
 from hstu_export.serving.kv_cache import CacheFull, PagedKVCache, user_keys
 
 __all__ = ["DerivedCachedRanker", "DerivedRunner", "EagerDerived"]
@@ -35,8 +35,9 @@ class DerivedRunner(Protocol):
     def dense_inputs(self, request: dict[str, Tensor]) -> dict[str, Tensor]:
         """The dense half's inputs for a request (validated; its sparse half run)."""
 
-    def counts(self, dense: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """(sequence length, target count) per user, as the model's attentions see them."""
+    def counts(self, dense: dict[str, Tensor], request: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """(sequence length, target count) per user, as the model's attentions see them, for ``request`` (whose
+        dense inputs are ``dense``)."""
 
     def delta(self, dense: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor, x_pages: Tensor,
               page_table: Tensor, rows: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -59,7 +60,9 @@ class EagerDerived:
         with torch.no_grad():
             return self._dense_inputs(request)
 
-    def counts(self, dense: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def counts(self, dense: dict[str, Tensor], request: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        if self._derived.host_counts is not None:  # added up from the dense inputs it names, as a package's runtime does
+            return counts_on_host(self._derived.host_counts, dense)
         with torch.no_grad():
             return self._derived.counts(**{name: dense[name] for name in self._count_inputs})
 
@@ -91,8 +94,8 @@ class DerivedCachedRanker:
     def __call__(self, request: dict[str, Tensor], user_ids: Sequence[Hashable] | Tensor) -> dict[str, Tensor]:
         ids = user_keys(user_ids)
         dense = self.runner.dense_inputs(request)
-        lengths, targets = self.runner.counts(dense)
-        # One read: pages are reserved, and the new rows listed, on the host.
+        lengths, targets = self.runner.counts(dense, request)
+        # One read (none where they were added up on the host): pages are reserved, and the new rows listed, there.
         lengths, targets = torch.stack([lengths.to(torch.int64), targets.to(torch.int64)]).cpu()
         seq_lengths, stored = lengths.tolist(), (lengths - targets).tolist()
         batch = len(stored)

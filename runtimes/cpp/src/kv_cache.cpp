@@ -815,9 +815,26 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
     auto it = std::find_if(boundary.begin(), boundary.end(), [&](const auto& item) { return item.first == spec.name; });
     dense[spec.name] = it->second.contiguous();
   }
-  std::vector<at::Tensor> count_inputs;
-  for (const auto& name : d.counts_inputs) count_inputs.push_back(dense.at(name));
-  std::vector<at::Tensor> counted = counts_program->run(count_inputs);
+  std::vector<at::Tensor> counted;
+  if (d.host_counts) {  // sums of request features: added up here, with nothing read back from the device
+    auto sum = [&](const detail::DerivedKVSection::HostSum& part) {
+      at::Tensor total = at::full({batch}, part.constant, at::kLong);
+      for (const auto& [feature, k] : part.terms) {
+        at::Tensor value = request.at(feature).to(at::kCPU).to(at::kLong).reshape({-1});
+        if (value.numel() != batch) {
+          throw Error(feature + " has " + std::to_string(value.numel()) + " values for a batch of " +
+                      std::to_string(batch) + " users");
+        }
+        total.add_(value, k);
+      }
+      return total;
+    };
+    counted = {sum(d.host_counts->first), sum(d.host_counts->second)};
+  } else {
+    std::vector<at::Tensor> count_inputs;
+    for (const auto& name : d.counts_inputs) count_inputs.push_back(dense.at(name));
+    counted = counts_program->run(count_inputs);
+  }
   if (counted.size() != 2 || counted[0].numel() != batch || counted[1].numel() != batch) {
     throw Error(d.counts_file + " did not return a sequence length and a target count for each of the " +
                 std::to_string(batch) + " users");

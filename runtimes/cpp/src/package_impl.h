@@ -124,6 +124,13 @@ struct DerivedKVSection {
   at::ScalarType row_dtype = at::kFloat;
   at::ScalarType dtype = at::kFloat;  // the package's dtype: the K/V pages'
   int64_t device_reads = -1;  // values the program reads back from its device a call; -1: not recorded
+  // kv_cache.counts_on_host: each user's sequence length and target count as a constant plus integer multiples
+  // of request features (by feature name), added up on the host instead of running the counts program.
+  struct HostSum {
+    std::vector<std::pair<std::string, int64_t>> terms;
+    int64_t constant = 0;
+  };
+  std::optional<std::pair<HostSum, HostSum>> host_counts;
 };
 
 // Each tensor not on `device` replaced by its copy there, row-major. To a CUDA device, the small host tensors

@@ -621,6 +621,27 @@ detail::DerivedKVSection read_derived_kv_section(const Fields& fields, const Val
   for (const auto& name : out.counts_inputs) {
     if (!is_dense(name)) fields.fail(where + ".counts_inputs", "takes " + in_quotes(name) + ", which is not a dense input");
   }
+  if (const Value* sums = kv.find("counts_on_host"); sums != nullptr && !sums->is_null()) {
+    auto sum = [&](const std::string& part) {
+      const std::string at_part = where + ".counts_on_host." + part;
+      const Value& entry = fields.member(*sums, part, where + ".counts_on_host");
+      detail::DerivedKVSection::HostSum out_sum;
+      out_sum.constant = fields.integer(fields.member(entry, "constant", at_part), at_part + ".constant");
+      const Value& terms = fields.member(entry, "terms", at_part);
+      if (terms.type != Value::Type::Object) fields.fail(at_part + ".terms", "is not an object");
+      for (const auto& [name, k] : terms.object) {
+        auto spec = std::find_if(dense.begin(), dense.end(), [&](const TensorSpec& s) { return s.name == name; });
+        if (std::find(out.counts_inputs.begin(), out.counts_inputs.end(), name) == out.counts_inputs.end() ||
+            spec == dense.end() || spec->feature.empty()) {
+          fields.fail(at_part + ".terms", "names " + in_quotes(name) + ", which is not a counts input fed from the request");
+        }
+        out_sum.terms.emplace_back(spec->feature, fields.integer(k, at_part + ".terms." + name));
+      }
+      return out_sum;
+    };
+    out.host_counts = std::make_pair(sum("seq_lengths"), sum("num_targets"));
+    if (out.host_counts->first.terms.empty()) fields.fail(where + ".counts_on_host.seq_lengths.terms", "is empty");
+  }
   std::vector<std::string> answers(out.outputs);
   if (answers.empty() || answers.back() != "kv_stale") fields.fail(where + ".outputs", "does not end with kv_stale");
   answers.pop_back();
