@@ -1047,8 +1047,6 @@ def host_counts(counts: torch.fx.GraphModule) -> dict[str, dict[str, Any]] | Non
             return y.plus(_Sum((), x))
         if type(x) is type(y) and isinstance(x, (_Sum, _Offsets)):
             return x.plus(y, sign) if isinstance(x, _Sum) else _Offsets(x.lengths.plus(y.lengths, sign))
-        if type(x) is type(y) and isinstance(x, _Users) and sign == 1:
-            return None
         if isinstance(x, _Users) and isinstance(y, int):
             return _Users(x.extra + sign * y)
         return None
@@ -1085,9 +1083,10 @@ def host_counts(counts: torch.fx.GraphModule) -> dict[str, dict[str, Any]] | Non
         elif target is operator.neg:
             value = scale(args[0], -1)
         elif n.op == "call_method" and target in ("to", "long", "int", "contiguous"):
-            dtypes = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.dtype)]
-            plain = all(d in _INTEGER_DTYPES for d in dtypes) and len(args) - 1 == len(dtypes) and set(
-                kwargs) <= {"dtype"}
+            # integer casts and moves: every other argument a dtype of integers or a device
+            rest = [*args[1:], *(v for k, v in kwargs.items() if k not in ("non_blocking", "copy"))]
+            plain = all(a in _INTEGER_DTYPES if isinstance(a, torch.dtype) else a == "device" or isinstance(
+                a, torch.device) for a in rest)
             value = args[0] if plain and isinstance(args[0], (_Sum, _Offsets)) else None
         elif (target is torch.cumsum or (n.op == "call_method" and target == "cumsum")) and isinstance(args[0], _Sum):
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)

@@ -80,7 +80,8 @@ class PackageDerived:
     def counts(self, dense: dict[str, Tensor], request: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         if self._host_counts is not None:
             terms = {name for part in self._host_counts.values() for name in part["terms"]}
-            return counts_on_host(self._host_counts, {name: request[self._features[name]] for name in terms})
+            return counts_on_host(self._host_counts, {name: torch.as_tensor(request[self._features[name]])
+                                                      for name in terms})  # checked by dense_inputs already
         with torch.no_grad():
             lengths, targets = self._counts(**{name: dense[name] for name in self._counts_inputs})
         return lengths, targets
