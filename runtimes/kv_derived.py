@@ -19,7 +19,7 @@ from torch import Tensor
 from hstu_export.errors import ConfigError, HstuExportError, PackageError
 from hstu_export.kv_derive import counts_on_host
 from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
-from hstu_export.runtimes.shape_graphs import ShapeGraphs
+from hstu_export.runtimes.shape_graphs import MAX_COPY_BYTES, ShapeGraphs, copy_limit
 from hstu_export.settings import TORCH_DTYPES
 
 
@@ -29,7 +29,8 @@ class PackageDerived:
     # The inputs that are the same tensors on every call: the cache's pages.
     STATIC_INPUTS = ("kv_k_pages", "kv_v_pages", "kv_x_pages")
 
-    def __init__(self, predictor: Any, *, cuda_graphs: bool | None = None) -> None:
+    def __init__(self, predictor: Any, *, cuda_graphs: bool | None = None,
+                 graph_copy_limit: int | str | None = None) -> None:
         from hstu_export.package.manifest import resolve_inside
         from hstu_export.runtimes.aoti import _load_pt2
 
@@ -70,7 +71,8 @@ class PackageDerived:
         if cuda_graphs and self.device.type != "cuda":
             raise ConfigError(f"CUDA graphs need a CUDA package; {predictor.root} is for {self.device.type}")
         use = self.device.type == "cuda" and reads == 0 if cuda_graphs is None else cuda_graphs
-        self.graphs: ShapeGraphs | None = ShapeGraphs(self._call, self.STATIC_INPUTS) if use else None
+        limit = MAX_COPY_BYTES if graph_copy_limit is None else copy_limit(graph_copy_limit)
+        self.graphs: ShapeGraphs | None = ShapeGraphs(self._call, self.STATIC_INPUTS, max_bytes=limit) if use else None
 
     def dense_inputs(self, request: dict[str, Tensor]) -> dict[str, Tensor]:
         features = self._predictor.check_request(request)

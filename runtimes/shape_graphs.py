@@ -37,11 +37,24 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hstu_export.errors import ConfigError
 from hstu_export.runtimes.kv_graphs import CAPTURE_MODE, collection_paused, first_rows
+from hstu_export.settings import parse_size
 
 _MAX_SEEN = 4096
 # Calls whose copied inputs exceed this run as they are (module docstring).
 MAX_COPY_BYTES = 160 << 20
+
+
+def copy_limit(value: int | str) -> int:
+    """A copy limit given as bytes or a size such as ``"64MiB"`` (``ShapeGraphs``' ``max_bytes``); ConfigError
+    naming it when it is neither."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"graph_copy_limit must be bytes or a size such as '64MiB', got {value!r}")
+    try:
+        return parse_size(value)
+    except ConfigError as exc:
+        raise ConfigError(f"graph_copy_limit: {exc}") from None
 
 
 @dataclass

@@ -265,9 +265,11 @@ def test_bad_kv_arguments_are_refused_in_one_line(cpp_runtime, kv_package, tmp_p
         ((one, one, "--user-ids", "1,2"), "several only with --kv-cache"),
         ((one, "--kv-cache", "12XB", "--user-ids", "1,2"), "--kv-cache needs a positive integer, got '12XB'"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,x"), "--user-ids needs integers, got 'x'"),
-        ((one, "--user-ids", "1,2"), "--user-ids, --max-time-drift and --kv-graphs go with --kv-cache"),
+        ((one, "--user-ids", "1,2"), "--user-ids, --max-time-drift, --kv-graphs and --kv-graph-copy-limit go with --kv-cache"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-graphs", "always"),
          "--kv-graphs is auto, on, off or buckets, got 'always'"),
+        ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-graph-copy-limit", "0MiB"),
+         "--kv-graph-copy-limit needs a positive integer, got '0'"),
     ]
     for args, message in usage:
         done = cpp_runtime.run(root, *args)

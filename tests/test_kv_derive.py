@@ -755,6 +755,40 @@ def test_the_cpp_runtime_serves_a_derived_program_as_python_bit_for_bit(derived_
     assert "reads 3 value(s) back from the device, so it cannot be replayed from a CUDA graph" in refused.stderr
 
 
+@pytest.mark.slow
+def test_calls_past_the_graph_copy_limit_run_as_they_are(derived_package: Any, cpp_runtime: Any, tmp_path: Path) -> None:
+    """--kv-graph-copy-limit: with a limit below every call's copied inputs, the exact-shape bookkeeping sends every
+    call to run as it is (none seen, none replayed), and the answers are Python's bit for bit; a limit that is not
+    a size is refused in one line, in Python too."""
+    import hstu_export
+    from hstu_export.package.tensor_dir import load_tensors, save_tensors
+
+    predictor = hstu_export.load(derived_package.path)
+    ranker = predictor.kv_cache()
+    # The same bookkeeping in Python (kept without CUDA): every call's copies exceed the limit.
+    ranker.runner.graphs = ShapeGraphs(ranker.runner._call, ranker.runner.STATIC_INPUTS, capture=False, max_bytes=1024)
+    script = _script() + [_script()[-1]] * 3
+    args: list[object] = [derived_package.path]
+    expected = []
+    for k, (ids, users) in enumerate(script):
+        batch = _package_request(predictor, users)
+        expected.append(ranker(batch, ids))
+        args.append(save_tensors(batch, tmp_path / f"request{k}"))
+    for ids, _ in script:
+        args += ["--user-ids", ",".join(map(str, ids))]
+    done = cpp_runtime.run(*args, "--kv-cache", "auto", "--kv-graphs", "buckets", "--kv-graph-copy-limit", "1KiB",
+                           "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    counts = ranker.runner.graphs.counts
+    assert counts["replays"] == 0 and counts["eager"] >= len(script)
+    assert f"exact shapes: 0 replays, 0 graphs captured, {counts['eager']} run as they are" in done.stdout, done.stdout
+    for k, want in enumerate(expected):
+        got = load_tensors(tmp_path / "out" / str(k + 1))
+        assert all(torch.equal(got[name], want[name]) for name in want), k
+    with pytest.raises(ConfigError, match="graph_copy_limit: cannot read size 'lots'"):
+        predictor.kv_cache(graph_copy_limit="lots")
+
+
 def test_a_page_size_other_than_the_programs_is_refused() -> None:
     class Exported:  # a runner whose program was exported for pages of 64 tokens
         def __init__(self) -> None:

@@ -157,9 +157,12 @@ class NativePredictor:
         return dict(_call(self._package.run, dict(request)))
 
     def kv_cache(self, budget_bytes: int | str | None = None, *, max_time_drift: int = 0,
-                 cuda_graphs: bool | None = None) -> NativeCachedRanker:
+                 cuda_graphs: bool | None = None, graph_copy_limit: int | str | None = None) -> NativeCachedRanker:
         """The C++ runtime's KV cache over this package (as ``Predictor.kv_cache``): ``budget_bytes`` (bytes or a
-        size such as ``"2GiB"``; default: room for the maximum batch at the longest sequence)."""
+        size such as ``"2GiB"``; default: room for the maximum batch at the longest sequence); ``graph_copy_limit``
+        as ``Predictor.kv_cache``'s."""
+        from hstu_export.runtimes.shape_graphs import copy_limit
+
         budget = 0  # the C++ runtime's default
         if budget_bytes is not None:
             budget = parse_size(budget_bytes) if isinstance(budget_bytes, str) else budget_bytes
@@ -170,7 +173,9 @@ class NativePredictor:
             raise ConfigError("a KV cache serves one version (a new one's weights would not match the cached K/V): "
                               "open one version's directory, without follow_seconds")
         graphs = "auto" if cuda_graphs is None else "on" if cuda_graphs else "off"
-        return NativeCachedRanker(_call(self._classes.CachedRanker, self._package, budget, max_time_drift, graphs))
+        limit = 0 if graph_copy_limit is None else copy_limit(graph_copy_limit)  # 0: the C++ runtime's default
+        return NativeCachedRanker(_call(self._classes.CachedRanker, self._package, budget, max_time_drift, graphs,
+                                        limit))
 
 
 class NativeCachedRanker:

@@ -404,7 +404,8 @@ std::unique_ptr<CachedRanker::Impl> open_derived(const Package::Impl& pkg, const
           for (const auto& name : *names) ordered.push_back(inputs.at(name));
           return program->run(ordered);
         },
-        std::set<std::string>{"kv_k_pages", "kv_v_pages", "kv_x_pages"}, /*capture=*/graphs == KVGraphs::kOn);
+        std::set<std::string>{"kv_k_pages", "kv_v_pages", "kv_x_pages"}, /*capture=*/graphs == KVGraphs::kOn,
+        /*max_graphs=*/16, options.graph_copy_limit > 0 ? options.graph_copy_limit : detail::kMaxCopyBytes);
   }
   return impl;
 }

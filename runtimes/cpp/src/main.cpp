@@ -78,7 +78,10 @@ constexpr const char* kUsage =
     "  --kv-graphs MODE       auto (default: CUDA graphs for a CUDA package, when the runtime was built\n"
     "                         with CUDA headers and, for a derived delta program, when it reads nothing\n"
     "                         back from the device), on, off, or buckets (the graphs' bookkeeping without\n"
-    "                         graphs, any device: shape buckets, or exact shapes for a derived program)\n";
+    "                         graphs, any device: shape buckets, or exact shapes for a derived program)\n"
+    "  --kv-graph-copy-limit BYTES\n"
+    "                         a derived program's call whose inputs copied into its CUDA graph exceed\n"
+    "                         BYTES (KiB, MiB or GiB allowed; default 160MiB) runs as it is\n";
 
 struct Args {
   std::string package, out, latency_log;
@@ -119,18 +122,18 @@ int positive(const std::string& flag, const std::string& text) {
 }
 
 // "auto" (0), or bytes: a number with an optional KiB/MiB/GiB (or K/M/G) suffix.
-int64_t budget(const std::string& text) {
-  if (text == "auto") return 0;
+int64_t budget(const std::string& text, const std::string& option = "--kv-cache") {
+  if (text == "auto" && option == "--kv-cache") return 0;
   static const std::pair<const char*, int> kUnits[] = {{"KiB", 10}, {"MiB", 20}, {"GiB", 30}, {"K", 10}, {"M", 20}, {"G", 30}};
   for (const auto& [unit, shift] : kUnits) {
     std::string suffix(unit);
     if (text.size() > suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0) {
-      int64_t value = integer("--kv-cache", text.substr(0, text.size() - suffix.size()), 1);
-      if (value > (int64_t{1} << (62 - shift))) usage_error("--kv-cache budget " + text + " is too large");
+      int64_t value = integer(option, text.substr(0, text.size() - suffix.size()), 1);
+      if (value > (int64_t{1} << (62 - shift))) usage_error(option + " " + text + " is too large");
       return value << shift;
     }
   }
-  return integer("--kv-cache", text, 1);
+  return integer(option, text, 1);
 }
 
 std::vector<int64_t> user_ids(const std::string& text) {
@@ -215,6 +218,9 @@ Args parse(int argc, char** argv) {
         usage_error("--kv-graphs is auto, on, off or buckets, got '" + mode + "'");
       }
       args.kv_graphs_given = true;
+    } else if (arg == "--kv-graph-copy-limit") {
+      args.kv_options.graph_copy_limit = budget(value(), arg);
+      args.kv_graphs_given = true;
     } else if (arg == "--max-time-drift") {
       args.kv_options.max_time_drift = integer(arg, value(), 0);
     } else if (!arg.empty() && arg[0] == '-') {
@@ -228,7 +234,7 @@ Args parse(int argc, char** argv) {
                                       : "expected PACKAGE and one REQUEST_DIR (several only with --kv-cache)");
   }
   if (!args.kv && (!args.user_ids.empty() || args.kv_options.max_time_drift != 0 || args.kv_graphs_given)) {
-    usage_error("--user-ids, --max-time-drift and --kv-graphs go with --kv-cache");
+    usage_error("--user-ids, --max-time-drift, --kv-graphs and --kv-graph-copy-limit go with --kv-cache");
   }
   if (args.kv && args.follow >= 0) {
     usage_error("--follow serves without --kv-cache (a new version's weights would not match the cached K/V)");

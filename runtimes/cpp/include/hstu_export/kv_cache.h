@@ -50,6 +50,9 @@ struct KVCacheOptions {
   // 0: exact, an entry whose buckets moved is recomputed.
   int64_t max_time_drift = 0;
   KVGraphs graphs = KVGraphs::kAuto;
+  // A derived delta program's exact-shape graphs: a call whose inputs copied into its graph exceed this many
+  // bytes runs as it is (the copies would cost more than the launches they save). 0: 160 MiB.
+  int64_t graph_copy_limit = 0;
 };
 
 struct KVCacheStats {
