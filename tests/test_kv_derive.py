@@ -756,6 +756,46 @@ def test_the_cpp_runtime_serves_a_derived_program_as_python_bit_for_bit(derived_
 
 
 @pytest.mark.slow
+def test_without_counts_on_host_the_counts_program_serves_the_same(derived_package: Any, cpp_runtime: Any,
+                                                                   tmp_path: Path) -> None:  # fmt: skip
+    """A package whose manifest has no ``counts_on_host`` (counts that are not sums of request features, or an
+    older export) runs its counts program instead: Python and C++ answer as the package with the sums does, bit
+    for bit, with the same counters."""
+    import re
+    import shutil
+
+    from manifests import rewrite_manifest
+
+    import hstu_export
+    from hstu_export.package.tensor_dir import load_tensors, save_tensors
+
+    package = tmp_path / "pkg"
+    shutil.copytree(derived_package.path, package)
+    rewrite_manifest(package, lambda m: m["kv_cache"].pop("counts_on_host"))
+    with_sums, without = hstu_export.load(derived_package.path).kv_cache(), hstu_export.load(package).kv_cache()
+    assert with_sums.runner._host_counts is not None and without.runner._host_counts is None
+    args: list[object] = [package]
+    answers = []
+    for k, (ids, users) in enumerate(_script()):
+        batch = _package_request(hstu_export.load(package), users)
+        want, got = with_sums(batch, ids), without(batch, ids)
+        assert all(torch.equal(got[name], want[name]) for name in want), k
+        answers.append(got)
+        args.append(save_tensors(batch, tmp_path / f"request{k}"))
+    assert without.cache.stats() == with_sums.cache.stats()
+    for ids, _ in _script():
+        args += ["--user-ids", ",".join(map(str, ids))]
+    done = cpp_runtime.run(*args, "--kv-cache", "auto", "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    for k, want in enumerate(answers):
+        got = load_tensors(tmp_path / "out" / str(k + 1))
+        assert set(got) == set(want) and all(torch.equal(got[name], want[name]) for name in want), k
+    stats = without.cache.stats()
+    found = re.findall(r"kv cache: (\d+) hits, (\d+) misses, (\d+) stale", done.stdout)
+    assert found and tuple(map(int, found[-1])) == (stats["hits"], stats["misses"], stats["stale"]), done.stdout
+
+
+@pytest.mark.slow
 def test_calls_past_the_graph_copy_limit_run_as_they_are(derived_package: Any, cpp_runtime: Any, tmp_path: Path) -> None:
     """--kv-graph-copy-limit: with a limit below every call's copied inputs, the exact-shape bookkeeping sends every
     call to run as it is (none seen, none replayed), and the answers are Python's bit for bit; a limit that is not
