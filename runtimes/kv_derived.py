@@ -46,11 +46,12 @@ class PackageDerived:
         self._inputs = list(section["inputs"])
         self._counts_inputs = list(section["counts_inputs"])
         # The counts added up on the host from the request's features (no program, no read back from the device).
-        features = {t["name"]: t.get("feature") for t in predictor.manifest["artifacts"]["dense"]["inputs"]}
-        sums = section.get("counts_on_host")
-        self._host_counts = sums if sums is not None and all(
-            features.get(name) for part in sums.values() for name in part["terms"]) else None
-        self._features = features
+        self._features = {t["name"]: t.get("feature") for t in predictor.manifest["artifacts"]["dense"]["inputs"]}
+        self._host_counts = section.get("counts_on_host")
+        for name in (n for part in (self._host_counts or {}).values() for n in part["terms"]):
+            if not self._features.get(name):
+                raise PackageError(f"{predictor.root}: manifest field kv_cache.counts_on_host: names {name!r}, which "
+                                   f"is not a counts input fed from the request")
         self._outputs = list(section["outputs"])
         try:
             self._program = _load_pt2(resolve_inside(predictor.root, section["program"], "kv_cache.program"))
