@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from torch.fx.operator_schemas import normalize_function
 
 from hstu_export.capture.graph_functions import to_dtype_of, to_floating_dtype
-from hstu_export.errors import ConfigError, ExportError
+from hstu_export.errors import ConfigError, ExportError, RequestError
 from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offsets
 from hstu_export.ops.reference import stu_gate
 
@@ -823,12 +823,15 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
 
     counts = _counts_program(gm, seq_offsets, num_targets)
     sums = host_counts(counts)
-    if sums is not None:  # read off the graph; held against the program on the example too
+    if sums is not None:  # read off the graph, which takes per-user values only; held against the program too
         names = [n.target for n in counts.graph.nodes if n.op == "placeholder"]
         with torch.no_grad():
             want = counts(**{name: example[name] for name in names})
-        got = counts_on_host(sums, example)
-        sums = sums if all(torch.equal(g, w.cpu().to(torch.int64)) for g, w in zip(got, want, strict=True)) else None
+        users = want[0].shape[0]
+        per_user = all(example[name].dim() == 1 and example[name].shape[0] == users for name in names)
+        got = counts_on_host(sums, example) if per_user else None
+        sums = sums if got is not None and all(
+            torch.equal(g, w.cpu().to(torch.int64)) for g, w in zip(got, want, strict=True)) else None
     on_targets = bool(targets_only and tail) and _reads_targets_only(
         build("aten", True, float("nan")), counts, example,
         {k: values.get(v) for k, v in result.items() if isinstance(v, torch.fx.Node)},
@@ -1030,8 +1033,8 @@ _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.long, torch.int)
 def host_counts(counts: torch.fx.GraphModule) -> dict[str, dict[str, Any]] | None:
     """The counts program (:func:`_counts_program`) as sums a host computes from its per-user inputs without the
     program: ``{"seq_lengths": {"terms": {input: k}, "constant": c}, "num_targets": {...}}``, each user's value
-    ``c + sum(k * input[user])``; None when the program is anything else (a length clamped or read from
-    values). Read off the graph, exactly: placeholders, integer sums, differences and multiples, casts between
+    ``c + sum(k * input[user])``, its inputs taken for per-user values (which :func:`derive_delta` checks on its
+    example); None when the program is anything else (a length clamped or read from values). Read off the graph, exactly: placeholders, integer sums, differences and multiples, casts between
     integer types, per-user values put one after another and read back as the rows of a matrix, the offsets of
     lengths (a running sum padded with a zero; fbgemm's complete cumsum; a range
     over the users times a count) and their sums; then :func:`sequence_counts` of offsets."""
@@ -1131,7 +1134,10 @@ def counts_on_host(terms: dict[str, dict[str, Any]], inputs: dict[str, Tensor]) 
     def total(part: dict[str, Any]) -> Tensor:
         out = None
         for name, k in part["terms"].items():
-            value = inputs[name].to(torch.int64).cpu() * int(k)
+            value = inputs[name].to(torch.int64).cpu().reshape(-1) * int(k)
+            if out is not None and value.shape != out.shape:
+                raise RequestError(f"{name} has {value.numel()} values where the other lengths have {out.numel()}: "
+                                   f"one a user")
             out = value if out is None else out + value
         if out is None:
             raise ConfigError("the counts' sums name no input: nothing says how many users a request has")
