@@ -705,6 +705,30 @@ def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_
     assert counts["replays"] - before == 2, counts  # the repeats: seen, then captured and replayed twice
 
 
+def _served_alike(package: Path, predictor: Any, ranker: Any, script: list[tuple[list[int], list[User]]],
+                  cpp_runtime: Any, tmp_path: Path, *options: object) -> Any:
+    """``script`` served through ``ranker`` (Python) and through hstu-export-run --kv-cache with ``options`` on
+    ``package``: the C++ answers equal Python's bit for bit; the finished C++ run."""
+    from hstu_export.package.tensor_dir import load_tensors, save_tensors
+
+    args: list[object] = [package]
+    expected = []
+    for k, (ids, users) in enumerate(script):
+        batch = _package_request(predictor, users)
+        expected.append(ranker(batch, ids))
+        args.append(save_tensors(batch, tmp_path / f"request{k}"))
+    for ids, _ in script:
+        args += ["--user-ids", ",".join(map(str, ids))]
+    done = cpp_runtime.run(*args, "--kv-cache", "auto", *options, "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    for k, want in enumerate(expected):
+        got = load_tensors(tmp_path / "out" / str(k + 1))
+        assert set(got) == set(want)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (k, name)
+    return done
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("graphs", ["auto", "buckets"])
 def test_the_cpp_runtime_serves_a_derived_program_as_python_bit_for_bit(derived_package: Any, cpp_runtime: Any,
@@ -716,28 +740,13 @@ def test_the_cpp_runtime_serves_a_derived_program_as_python_bit_for_bit(derived_
     import re
 
     import hstu_export
-    from hstu_export.package.tensor_dir import load_tensors, save_tensors
 
     predictor = hstu_export.load(derived_package.path)
     ranker = predictor.kv_cache()
     if graphs == "buckets":
         ranker.runner.graphs = ShapeGraphs(ranker.runner._call, ranker.runner.STATIC_INPUTS, capture=False)
     script = _script() + [_script()[-1]] * 3
-    args: list[object] = [derived_package.path]
-    expected = []
-    for k, (ids, users) in enumerate(script):
-        batch = _package_request(predictor, users)
-        expected.append(ranker(batch, ids))
-        args.append(save_tensors(batch, tmp_path / f"request{k}"))
-    for ids, _ in script:
-        args += ["--user-ids", ",".join(map(str, ids))]
-    done = cpp_runtime.run(*args, "--kv-cache", "auto", "--kv-graphs", graphs, "--out", tmp_path / "out")
-    assert done.returncode == 0, done.stderr
-    for k, want in enumerate(expected):
-        got = load_tensors(tmp_path / "out" / str(k + 1))
-        assert set(got) == set(want)
-        for name in want:
-            assert torch.equal(got[name], want[name]), (k, name)
+    done = _served_alike(derived_package.path, predictor, ranker, script, cpp_runtime, tmp_path, "--kv-graphs", graphs)
     stats = ranker.cache.stats()
     found = re.findall(r"kv cache: (\d+) hits, (\d+) misses, (\d+) stale, (\d+) evictions, (\d+) bypassed", done.stdout)
     assert found and tuple(map(int, found[-1])) == tuple(stats[k] for k in ("hits", "misses", "stale", "evictions",
@@ -749,7 +758,7 @@ def test_the_cpp_runtime_serves_a_derived_program_as_python_bit_for_bit(derived_
     assert counts["replays"] >= 2
     assert (f"exact shapes: {counts['replays']} replays, 0 graphs captured, {counts['eager']} run as they are"
             in done.stdout), (counts, done.stdout)
-    refused = cpp_runtime.run(derived_package.path, args[1], "--kv-cache", "auto", "--kv-graphs", "on",
+    refused = cpp_runtime.run(derived_package.path, tmp_path / "request0", "--kv-cache", "auto", "--kv-graphs", "on",
                               "--user-ids", ",".join(map(str, script[0][0])))
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
     assert "reads 3 value(s) back from the device, so it cannot be replayed from a CUDA graph" in refused.stderr
@@ -801,30 +810,17 @@ def test_calls_past_the_graph_copy_limit_run_as_they_are(derived_package: Any, c
     call to run as it is (none seen, none replayed), and the answers are Python's bit for bit; a limit that is not
     a size is refused in one line, in Python too."""
     import hstu_export
-    from hstu_export.package.tensor_dir import load_tensors, save_tensors
 
     predictor = hstu_export.load(derived_package.path)
     ranker = predictor.kv_cache()
     # The same bookkeeping in Python (kept without CUDA): every call's copies exceed the limit.
     ranker.runner.graphs = ShapeGraphs(ranker.runner._call, ranker.runner.STATIC_INPUTS, capture=False, max_bytes=1024)
     script = _script() + [_script()[-1]] * 3
-    args: list[object] = [derived_package.path]
-    expected = []
-    for k, (ids, users) in enumerate(script):
-        batch = _package_request(predictor, users)
-        expected.append(ranker(batch, ids))
-        args.append(save_tensors(batch, tmp_path / f"request{k}"))
-    for ids, _ in script:
-        args += ["--user-ids", ",".join(map(str, ids))]
-    done = cpp_runtime.run(*args, "--kv-cache", "auto", "--kv-graphs", "buckets", "--kv-graph-copy-limit", "1KiB",
-                           "--out", tmp_path / "out")
-    assert done.returncode == 0, done.stderr
+    done = _served_alike(derived_package.path, predictor, ranker, script, cpp_runtime, tmp_path, "--kv-graphs",
+                         "buckets", "--kv-graph-copy-limit", "1KiB")
     counts = ranker.runner.graphs.counts
     assert counts["replays"] == 0 and counts["eager"] >= len(script)
     assert f"exact shapes: 0 replays, 0 graphs captured, {counts['eager']} run as they are" in done.stdout, done.stdout
-    for k, want in enumerate(expected):
-        got = load_tensors(tmp_path / "out" / str(k + 1))
-        assert all(torch.equal(got[name], want[name]) for name in want), k
     with pytest.raises(ConfigError, match="graph_copy_limit: cannot read size 'lots'"):
         predictor.kv_cache(graph_copy_limit="lots")
 
