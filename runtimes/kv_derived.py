@@ -7,7 +7,10 @@ gives each user's sequence length and target count; the delta program gets the d
 the cache's pages, page table and cached counts, and returns the outputs and which users were stale. Where the
 counts are sums of request features (``kv_cache.counts_on_host``), they are added up on the host instead. On CUDA,
 a program that reads nothing back to the host replays calls of shapes it has seen before from CUDA graphs
-(:mod:`~hstu_export.runtimes.shape_graphs`)."""
+(:mod:`~hstu_export.runtimes.shape_graphs`). Where nothing before it reads the device either (the counts added
+up on the host, the compiled sparse half's prechecked model), a graph holds the whole request: the sparse half's
+lookups, then the delta program, keyed by the request's shapes; its copies are then the request's ids and
+lengths rather than the rows looked up."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from torch import Tensor
 
 from hstu_export.errors import ConfigError, HstuExportError, PackageError
 from hstu_export.kv_derive import counts_on_host
+from hstu_export.runtimes.aoti import PRECHECKED_MODEL
 from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
 from hstu_export.runtimes.shape_graphs import MAX_COPY_BYTES, ShapeGraphs, copy_limit
 from hstu_export.settings import TORCH_DTYPES
@@ -28,6 +32,8 @@ class PackageDerived:
 
     # The inputs that are the same tensors on every call: the cache's pages.
     STATIC_INPUTS = ("kv_k_pages", "kv_v_pages", "kv_x_pages")
+    # The request's tensors among a whole-request graph's inputs are named thus.
+    REQUEST_INPUT = "request:"
 
     def __init__(self, predictor: Any, *, cuda_graphs: bool | None = None,
                  graph_copy_limit: int | str | None = None) -> None:
@@ -74,10 +80,16 @@ class PackageDerived:
         use = self.device.type == "cuda" and reads == 0 if cuda_graphs is None else cuda_graphs
         limit = MAX_COPY_BYTES if graph_copy_limit is None else copy_limit(graph_copy_limit)
         self.graphs: ShapeGraphs | None = ShapeGraphs(self._call, self.STATIC_INPUTS, max_bytes=limit) if use else None
+        # The graphs hold the sparse half too: dense_inputs then gives the request, which _call looks up.
+        self.whole_request = bool(use and self._host_counts is not None and split.sparse_model == PRECHECKED_MODEL)
 
     def dense_inputs(self, request: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The dense half's inputs, or with whole-request graphs the request on the device (``REQUEST_INPUT``
+        before each graph input's name), which the program's call looks up."""
         features = self._predictor.check_request(request)
         graph = {f.graph_name: features[f.name].to(self.device) for f in self._predictor.input_schema.features}
+        if self.whole_request:
+            return {self.REQUEST_INPUT + name: value for name, value in graph.items()}
         return self._split.dense_inputs(graph)
 
     def counts(self, dense: dict[str, Tensor], request: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -112,7 +124,15 @@ class PackageDerived:
         takes no ``kv_target_rows``, or no ``kv_new_rows`` either: it counts its new rows itself)."""
         values = {**dense, "kv_cached": cached, "kv_k_pages": k_pages, "kv_v_pages": v_pages, "kv_x_pages": x_pages,
                   "kv_page_table": page_table, **rows}
+        request = {name: value for name, value in dense.items() if name.startswith(self.REQUEST_INPUT)}
+        if request:  # dense_inputs gave the request (whole-request graphs): _call looks it up
+            return {**{name: values[name] for name in self._inputs if name in values}, **request}
         return {name: values[name] for name in self._inputs}
 
     def _call(self, **inputs: Tensor) -> dict[str, Tensor]:
+        start = len(self.REQUEST_INPUT)
+        request = {name[start:]: value for name, value in inputs.items() if name.startswith(self.REQUEST_INPUT)}
+        if request:  # the sparse half first (inside the graph)
+            dense = self._split.dense_inputs(request)
+            inputs = {name: inputs[name] if name in inputs else dense[name] for name in self._inputs}
         return as_output_dict(self._program(**inputs), self._outputs)

@@ -765,6 +765,44 @@ def test_the_cpp_runtime_serves_a_derived_program_as_python_bit_for_bit(derived_
 
 
 @pytest.mark.slow
+def test_a_whole_request_graph_holds_the_sparse_half_and_answers_the_same(cpp_runtime: Any, tmp_path: Path) -> None:
+    """With the counts added up on the host and the compiled sparse half's prechecked model, nothing before the
+    delta program reads the device, so the exact-shape graphs hold the whole request: their inputs are the
+    request's tensors (the sparse half runs inside), not the rows it looks up. Python's and C++'s bookkeeping
+    (``--kv-graphs buckets``, no CUDA) replay the same calls and answer bit for bit as the cache without graphs."""
+    import hstu_export
+
+    bundle = _cacheable_bundle(tmp_path / "grc.pt")
+    package = hstu_export.export(bundle, tmp_path / "pkg", hstu_export.ExportSettings(
+        backend="aoti", kv_cache=True, max_batch_size=4, prechecked_sparse="on",
+        op_mappings={gr_style.ATTENTION: GR_ATTENTION})).path
+    predictor = hstu_export.load(package)
+    assert predictor.split.sparse_model == "prechecked"
+    plain, ranker = predictor.kv_cache(), predictor.kv_cache()
+    runner = ranker.runner
+    assert plain.runner.graphs is None and not plain.runner.whole_request  # on the CPU: no graphs
+    runner.graphs, runner.whole_request = ShapeGraphs(runner._call, runner.STATIC_INPUTS, capture=False), True
+    script = _script() + [_script()[-1]] * 3
+    for ids, users in script:
+        batch = _package_request(predictor, users)
+        got, want = ranker(batch, ids), plain(batch, ids)
+        assert all(torch.equal(got[name], want[name]) for name in want)
+    looked_up = {t["name"] for t in predictor.manifest["artifacts"]["dense"]["inputs"] if not t.get("feature")}
+    buffers = [set(entry.inputs) for entry in runner.graphs._graphs.values()]
+    assert looked_up and buffers and all(  # the request is copied in, never the rows looked up
+        any(name.startswith(runner.REQUEST_INPUT) for name in names) and not names & looked_up for names in buffers)
+    counts = runner.graphs.counts
+    assert counts["replays"] >= 2 and ranker.cache.stats() == plain.cache.stats()
+    fresh = predictor.kv_cache()
+    fresh.runner.graphs = ShapeGraphs(fresh.runner._call, fresh.runner.STATIC_INPUTS, capture=False)
+    fresh.runner.whole_request = True
+    done = _served_alike(package, predictor, fresh, script, cpp_runtime, tmp_path, "--kv-graphs", "buckets")
+    assert fresh.runner.graphs.counts == counts
+    assert (f"exact shapes: {counts['replays']} replays, 0 graphs captured, {counts['eager']} run as they are"
+            in done.stdout), (counts, done.stdout)
+
+
+@pytest.mark.slow
 def test_without_counts_on_host_the_counts_program_serves_the_same(derived_package: Any, cpp_runtime: Any,
                                                                    tmp_path: Path) -> None:  # fmt: skip
     """A package whose manifest has no ``counts_on_host`` (counts that are not sums of request features, or an

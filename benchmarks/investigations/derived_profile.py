@@ -3,8 +3,11 @@ benchmarks/cpp_kv_cache.py (dlrmv3 shapes, bf16, Triton kernels, --kv-cache, max
 the derived one in a subprocess meanwhile. Per batch size, each package's cache (``hstu_export.load(...).kv_cache()``,
 without CUDA graphs, so that each call's kernels are its own) serves a request of the workload's 4096 history tokens and 256 candidates a user, then
 the same histories with new candidates (re-ranking: every user a hit) again and again, under torch.profiler.
+With ``--runtime native`` the caches are the C++ runtime's (``NativePredictor(...).kv_cache()``, CUDA graphs as
+served), built in this run: the profiler sees the runtime's own operators on the host too, so the tables and a
+trace of a few calls (``derived_profile_<program>_<batch>.trace.json``) show where a call's host time goes.
 
-    PYTHONPATH=$PWD python benchmarks/investigations/derived_profile.py --out DIR [--batches 1 32]
+    PYTHONPATH=$PWD python benchmarks/investigations/derived_profile.py --out DIR [--batches 1 32] [--runtime native]
 
 Writes DIR/derived_profile.json (GPU time and kernel launches a call, the p50 of whole calls) and
 DIR/derived_profile_<program>_<batch>.txt (the profiler's table by GPU time).
@@ -28,6 +31,7 @@ from cpp_kv_cache import export_package
 from kv_cache import WORKLOADS, bench, request
 
 import hstu_export
+from hstu_export.serving.native import LIBRARY_NAME, NativePredictor
 
 BENCHMARKS = Path(__file__).resolve().parent.parent
 
@@ -50,9 +54,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--runtime", choices=["python", "native"], default="python")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work_dir = Path(tempfile.mkdtemp())
+    building = subprocess.Popen(["bash", str(BENCHMARKS.parent / "runtimes/cpp/build.sh"), str(work_dir / "build")],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if args.runtime == "native" else None
     derived_export = subprocess.Popen(
         [sys.executable, str(BENCHMARKS / "cpp_kv_cache.py"), "--out", str(work_dir / "derived"), "--export-only", "long",
          "--batches", "32", "--kv-program", "derived"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -60,7 +67,13 @@ def main() -> None:
     log, _ = derived_export.communicate(timeout=1200)
     (args.out / "derived_export.log").write_text(log)
     out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "written_export_seconds": seconds,
-                 "batches": {}}
+                 "runtime": args.runtime, "batches": {}}
+    if building is not None:
+        build_log = building.communicate()[0]
+        if building.returncode != 0:
+            out["build_failed"] = build_log[-2000:]
+            (args.out / "derived_profile.json").write_text(json.dumps(out, indent=2))
+            return
     if derived_export.returncode != 0:
         out["derived_export_failed"] = log[-2000:]
         (args.out / "derived_profile.json").write_text(json.dumps(out, indent=2))
@@ -72,7 +85,10 @@ def main() -> None:
         users = list(range(batch))
         row: dict = {}
         for name, package in packages.items():
-            ranker = hstu_export.load(package).kv_cache(cuda_graphs=False)
+            if args.runtime == "native":
+                ranker = NativePredictor(package, library=work_dir / "build" / LIBRARY_NAME).kv_cache()
+            else:
+                ranker = hstu_export.load(package).kv_cache(cuda_graphs=False)
             with torch.no_grad():
                 ranker(whole, users)  # a miss: the histories cached
 
@@ -86,6 +102,14 @@ def main() -> None:
                         hit()
                     torch.cuda.synchronize()
             gpu_ms, launches, table = gpu_table(prof, args.calls)
+            if args.runtime == "native":
+                table += "\n\nby self CPU time\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40,
+                                                                             max_name_column_width=90)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as few:
+                    for _ in range(3):
+                        hit()
+                        torch.cuda.synchronize()
+                few.export_chrome_trace(str(args.out / f"derived_profile_{name}_{batch}.trace.json"))
             row[f"{name}_gpu_ms_a_call"] = gpu_ms
             row[f"{name}_launches_a_call"] = launches
             row[f"{name}_stats"] = ranker.cache.stats()

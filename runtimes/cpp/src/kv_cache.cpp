@@ -234,6 +234,9 @@ struct CachedRanker::Impl {
   std::unique_ptr<detail::AotiProgram> counts_program;
   at::Tensor x;
   std::unique_ptr<detail::ShapeGraphs> shape_graphs;  // CUDA graphs by exact shapes, or null: the program as it is
+  // Whether shape_graphs holds the whole request (the compiled sparse half, then the delta program) rather than
+  // the delta program alone: see open_derived.
+  bool whole_request = false;
 
   NamedTensors run(const Tensors& request, const std::vector<int64_t>& users, int64_t batch, detail::PhaseClock& clock);
   NamedTensors run_derived(const Tensors& request, const std::vector<int64_t>& users, int64_t batch,
@@ -354,10 +357,34 @@ KVGraphs resolve_graphs(const Package::Impl& pkg, KVGraphs graphs, const std::st
   return cuda && detail::cuda_graphs_built() && unsafe.empty() ? KVGraphs::kOn : KVGraphs::kOff;
 }
 
+// The request's tensors among a whole-request graph's inputs are named thus (the rest are the kv_ inputs).
+const std::string kRequestInput = "request:";
+
+// The delta program's inputs of the dense half, by name: request features as they are, the sparse half's
+// outputs made contiguous.
+std::map<std::string, at::Tensor> dense_inputs_of(const Package::Impl& pkg, const Tensors& on_device,
+                                                  const NamedTensors& boundary) {
+  std::map<std::string, at::Tensor> dense;
+  for (const auto& spec : pkg.artifacts.at("dense").inputs) {
+    if (!spec.feature.empty()) {
+      dense[spec.name] = on_device.at(spec.feature);
+      continue;
+    }
+    auto it = std::find_if(boundary.begin(), boundary.end(), [&](const auto& item) { return item.first == spec.name; });
+    if (it == boundary.end()) throw Error(pkg.artifacts.at("sparse").file + " gave no " + spec.name);
+    dense[spec.name] = it->second.contiguous();
+  }
+  return dense;
+}
+
 // A derived delta program's cache (hstu_export/serving/kv_derived.py's DerivedCachedRanker, the same pages
 // and bookkeeping): K/V pages and each cached token's frontier row. A program that reads nothing back from
 // the device replays calls of shapes seen before from CUDA graphs (shape_graphs.h); kBuckets keeps that
-// bookkeeping without graphs.
+// bookkeeping without graphs. Where nothing before the delta program reads the device either (the counts
+// added up on the host, the compiled sparse half's prechecked model), a graph holds the whole request: the
+// sparse half's lookups and the delta program, keyed by the request's shapes. Its copies are then the
+// request's ids and lengths, not the looked-up rows (16.5 MiB a user of the zoo's dlrmv3 shapes), and the
+// sparse half's launches are replayed too.
 std::unique_ptr<CachedRanker::Impl> open_derived(const Package::Impl& pkg, const KVCacheOptions& options) {
   const detail::DerivedKVSection& d = *pkg.derived_kv;
   if (options.max_time_drift != 0) {
@@ -398,14 +425,32 @@ std::unique_ptr<CachedRanker::Impl> open_derived(const Package::Impl& pkg, const
   if (graphs != KVGraphs::kOff) {
     const detail::AotiProgram* program = impl->program.get();
     const std::vector<std::string>* names = &impl->derived->inputs;
+    impl->whole_request = d.host_counts.has_value() && pkg.sparse_program && pkg.sparse_model != "model";
+    detail::RunProgram run = [program, names](const detail::ProgramInputs& inputs) {
+      std::vector<at::Tensor> ordered;
+      for (const auto& name : *names) ordered.push_back(inputs.at(name));
+      return program->run(ordered);
+    };
+    if (impl->whole_request) {
+      const Package::Impl* package = &pkg;  // kept open by the ranker's package
+      run = [package, program, names](const detail::ProgramInputs& inputs) {
+        Tensors request;
+        for (const auto& [name, value] : inputs) {
+          if (name.rfind(kRequestInput, 0) == 0) request.emplace(name.substr(kRequestInput.size()), value);
+        }
+        std::map<std::string, at::Tensor> dense = dense_inputs_of(*package, request, package->sparse_outputs(request));
+        std::vector<at::Tensor> ordered;
+        for (const auto& name : *names) {
+          auto it = dense.find(name);
+          ordered.push_back(it != dense.end() ? it->second : inputs.at(name));
+        }
+        return program->run(ordered);
+      };
+    }
     impl->shape_graphs = std::make_unique<detail::ShapeGraphs>(
-        [program, names](const detail::ProgramInputs& inputs) {
-          std::vector<at::Tensor> ordered;
-          for (const auto& name : *names) ordered.push_back(inputs.at(name));
-          return program->run(ordered);
-        },
-        std::set<std::string>{"kv_k_pages", "kv_v_pages", "kv_x_pages"}, /*capture=*/graphs == KVGraphs::kOn,
-        /*max_graphs=*/16, options.graph_copy_limit > 0 ? options.graph_copy_limit : detail::kMaxCopyBytes);
+        std::move(run), std::set<std::string>{"kv_k_pages", "kv_v_pages", "kv_x_pages"},
+        /*capture=*/graphs == KVGraphs::kOn, /*max_graphs=*/16,
+        options.graph_copy_limit > 0 ? options.graph_copy_limit : detail::kMaxCopyBytes);
   }
   return impl;
 }
@@ -804,17 +849,12 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
   clock.begin_part();
   Tensors on_device = pkg->plain(request);
   clock.end_part(&PhaseTimes::to_device_ms);
-  clock.begin_part();
-  NamedTensors boundary = pkg->sparse_outputs(on_device);
-  clock.end_part(&PhaseTimes::sparse_ms);
-  std::map<std::string, at::Tensor> dense;  // the dense half's inputs by name
-  for (const auto& spec : pkg->artifacts.at("dense").inputs) {
-    if (!spec.feature.empty()) {
-      dense[spec.name] = on_device.at(spec.feature);
-      continue;
-    }
-    auto it = std::find_if(boundary.begin(), boundary.end(), [&](const auto& item) { return item.first == spec.name; });
-    dense[spec.name] = it->second.contiguous();
+  std::map<std::string, at::Tensor> dense;  // the dense half's inputs by name (a whole-request graph: none)
+  if (!whole_request) {
+    clock.begin_part();
+    NamedTensors boundary = pkg->sparse_outputs(on_device);
+    clock.end_part(&PhaseTimes::sparse_ms);
+    dense = dense_inputs_of(*pkg, on_device, boundary);
   }
   std::vector<at::Tensor> counted;
   if (d.host_counts) {  // sums of request features: added up here, with nothing read back from the device
@@ -908,9 +948,16 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
         {"kv_x_pages", x},           {"kv_page_table", moved[1]}, {"kv_new_rows", moved[2]},
         {"kv_target_rows", moved[3]}};
     detail::ProgramInputs inputs;
+    if (whole_request) {  // the request itself: the graph runs the sparse half too
+      for (const auto& [name, value] : on_device) inputs[kRequestInput + name] = value;
+    }
     for (const auto& name : d.inputs) {
       auto it = made.find(name);
-      inputs[name] = it != made.end() ? it->second : dense.at(name);
+      if (it != made.end()) {
+        inputs[name] = it->second;
+      } else if (!whole_request) {
+        inputs[name] = dense.at(name);
+      }
     }
     std::vector<at::Tensor> outputs;
     if (shape_graphs) {
