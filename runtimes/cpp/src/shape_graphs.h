@@ -9,7 +9,8 @@
 // the others one _foreach_copy_ per dtype); after it the outputs are copied out. A capture that fails leaves
 // its key to run as it is from then on (counted as refused). A call whose copied inputs exceed `max_bytes`
 // runs as it is: the copies would cost more than the launches a graph saves (runtimes/shape_graphs.py has the
-// figures). Replays are serialised.
+// figures). Replays are serialised. `run` may be the whole request (kv_cache.cpp's open_derived: the compiled
+// sparse half, then the program), whose inputs are then the request's tensors.
 #pragma once
 
 #include <ATen/Tensor.h>
