@@ -20,6 +20,9 @@ dlrmv3 through its own, on the "same history, new candidates" workload, timed in
   Python, with and without the GR program's graphs.
 - ``--only zoo zoo_derived``: the zoo's model also exported with ``--kv-program derived`` and timed as GR's is; its
   written program's served call over the derived one's (``zoo_derived_over_written``).
+- ``--cpp``: also the whole request through the C++ runtime (``hstu-export-run``, built in this run), p50 of
+  ``--iters`` calls of the second request without the cache and cached (after the first request), with the phase
+  times of a cached call (``cpp``, per users).
 
 Writes ``kv_derived.json`` into ``--out`` after every step.
 """
@@ -32,6 +35,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -223,6 +227,27 @@ def time_derived(package: Any, users: int, w: dict[str, Any], iters: int, reques
     return row
 
 
+def time_cpp(runner: Path, package: Path, requests: tuple[dict, dict], users: int, iters: int,
+             where: Path) -> dict[str, Any]:
+    """The second of ``requests`` through the C++ runtime: without the cache, and cached after the first (a hit),
+    p50 of ``iters`` calls each; the cached call's phase times."""
+    from cpp_kv_cache import cpp
+
+    from hstu_export.package.tensor_dir import save_tensors
+
+    first, second = (save_tensors(r, where / str(k)) for k, r in enumerate(requests))
+    ids = ",".join(map(str, range(users)))
+    row: dict[str, Any] = {}
+    _, row["no_cache"] = cpp(runner, package, second, "--repeat", iters, "--warmup", 5)
+    _, row["cached"] = cpp(runner, package, first, second, "--kv-cache", "auto", "--user-ids", ids, "--user-ids", ids,
+                           "--repeat", iters, "--warmup", 5)
+    _, row["cached_phases"] = cpp(runner, package, first, second, "--kv-cache", "auto", "--user-ids", ids,
+                                  "--user-ids", ids, "--repeat", iters, "--warmup", 5, "--phase-times")
+    if "p50_ms" in row["no_cache"] and "p50_ms" in row["cached"]:
+        row["request_ratio"] = row["no_cache"]["p50_ms"] / row["cached"]["p50_ms"]
+    return row
+
+
 PROFILE = False
 
 
@@ -286,6 +311,7 @@ def main() -> int:
                         help="zoo_derived: the zoo's model with --kv-program derived, against its written program "
                              "(with zoo)")
     parser.add_argument("--profile", action="store_true", help="also the GPU kernels of the GR package's calls")
+    parser.add_argument("--cpp", action="store_true", help="also the whole request through the C++ runtime")
     parser.add_argument("--skip-passes", nargs="*", default=[], metavar="PASS",
                         help="export the GR package without these passes (an A/B of a pass: run once with, once without)")
     args = parser.parse_args()
@@ -302,6 +328,9 @@ def main() -> int:
     def save() -> None:
         (args.out / "kv_derived.json").write_text(json.dumps(result, indent=2, default=str))
 
+    building = subprocess.Popen(["bash", str(ROOT / "runtimes/cpp/build.sh"), str(work / "build")],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if args.cpp else None
+
     for model, step in (("zoo", lambda: export_zoo(work, args.device, args.small)),
                         ("zoo_derived", lambda: export_zoo(work, args.device, args.small, "derived")),
                         ("gr", lambda: export_gr(work, args.device, args.small, tuple(args.skip_passes)))):
@@ -314,13 +343,23 @@ def main() -> int:
             result[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "trace": traceback.format_exc()[-3000:]}
         save()
     w = workload(args.small)
+    runner = None
+    if building is not None:
+        log = building.communicate()[0]
+        runner = work / "build" / "hstu-export-run"
+        if building.returncode != 0:
+            result["cpp_build"], runner = log[-2000:], None
     for name, timer in (("zoo", time_zoo), ("zoo_derived", time_zoo_derived), ("gr", time_gr)):
         if name not in args.only or not (work / f"{name}.aoti").is_dir():
             continue
         package = hstu_export.load(work / f"{name}.aoti")
         for users in w["users"]:
             try:
-                result.setdefault(name, {})[str(users)] = timer(package, users, w, args.iters)
+                result.setdefault(name, {})[str(users)] = row = timer(package, users, w, args.iters)
+                if runner is not None:
+                    requests = {"zoo": zoo_requests, "zoo_derived": zoo_requests, "gr": gr_requests}[name]
+                    row["cpp"] = time_cpp(runner, work / f"{name}.aoti", requests(package, users, w), users,
+                                          args.iters, work / f"requests_{name}_{users}")
             except Exception as exc:
                 result.setdefault(name, {})[str(users)] = {"error": f"{type(exc).__name__}: {exc}"[:2000],
                                                            "trace": traceback.format_exc()[-3000:]}
