@@ -63,7 +63,8 @@ LATENCY = re.compile(r"p50 ([0-9.]+) ms, p99 ([0-9.]+) ms")
 PHASES = re.compile(r"request (\d+) phases \(device synchronised between them\), p50: before the dense half "
                     r"([\d.]+) ms, dense half ([\d.]+) ms, after it ([\d.]+) ms"
                     r"(?:; the dense half's launch returned after ([\d.]+) ms)?"
-                    r"(?:; before the dense half, the request to the device ([\d.]+) ms and the sparse half ([\d.]+) ms)?")
+                    r"(?:; before the dense half, the request to the device ([\d.]+) ms"
+                    r"(?: and the sparse half ([\d.]+) ms)?)?")
 
 
 def prefix_of(whole: dict[str, torch.Tensor], work: dict, batch: int) -> dict[str, torch.Tensor]:

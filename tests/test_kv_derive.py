@@ -800,6 +800,10 @@ def test_a_whole_request_graph_holds_the_sparse_half_and_answers_the_same(cpp_ru
     assert fresh.runner.graphs.counts == counts
     assert (f"exact shapes: {counts['replays']} replays, 0 graphs captured, {counts['eager']} run as they are"
             in done.stdout), (counts, done.stdout)
+    ids = ",".join(map(str, script[0][0]))
+    timed = cpp_runtime.run(package, tmp_path / "request0", "--kv-cache", "auto", "--kv-graphs", "buckets",
+                            "--user-ids", ids, "--repeat", "2", "--phase-times")
+    assert timed.returncode == 0 and "(the sparse half runs in the dense half's graph)" in timed.stdout, timed.stdout
 
 
 @pytest.mark.slow

@@ -850,6 +850,7 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
   Tensors on_device = pkg->plain(request);
   clock.end_part(&PhaseTimes::to_device_ms);
   std::map<std::string, at::Tensor> dense;  // the dense half's inputs by name (a whole-request graph: none)
+  clock.sparse_in_dense(whole_request);
   if (!whole_request) {
     clock.begin_part();
     NamedTensors boundary = pkg->sparse_outputs(on_device);

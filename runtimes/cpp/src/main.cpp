@@ -57,7 +57,8 @@ constexpr const char* kUsage =
     "                         delta program, its shape bucket's copies and graph replay), and after it;\n"
     "                         prints their medians per request, how soon the call that launches the\n"
     "                         dense half returned (the host's part of it), and of the time before it, the\n"
-    "                         request's move to the device and the sparse half\n"
+    "                         request's move to the device and the sparse half (which a derived program's\n"
+    "                         whole-request graph runs inside the dense half)\n"
     "  --follow S             PACKAGE is a directory `hstu-export publish` writes: look at its current\n"
     "                         version at most every S seconds while serving, and move to a newly\n"
     "                         published one between requests once it is open (opened on another thread;\n"
@@ -387,12 +388,19 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
       for (const auto& times : phases[k]) values.push_back(times.*field);
       return percentiles(values).first;
     };
+    bool inside = std::any_of(phases[k].begin(), phases[k].end(), [](const auto& t) { return t.sparse_in_dense; });
+    char sparse[96];
+    if (inside) {
+      std::snprintf(sparse, sizeof sparse, " (the sparse half runs in the dense half's graph)");
+    } else {
+      std::snprintf(sparse, sizeof sparse, " and the sparse half %.3f ms", median(&hstu_export::PhaseTimes::sparse_ms));
+    }
     std::printf("  request %zu phases (device synchronised between them), p50: before the dense half %.3f ms, dense "
                 "half %.3f ms, after it %.3f ms; the dense half's launch returned after %.3f ms; before the dense "
-                "half, the request to the device %.3f ms and the sparse half %.3f ms\n",
+                "half, the request to the device %.3f ms%s\n",
                 k + 1, median(&hstu_export::PhaseTimes::before_dense_ms), median(&hstu_export::PhaseTimes::dense_ms),
                 median(&hstu_export::PhaseTimes::after_dense_ms), median(&hstu_export::PhaseTimes::dense_launch_ms),
-                median(&hstu_export::PhaseTimes::to_device_ms), median(&hstu_export::PhaseTimes::sparse_ms));
+                median(&hstu_export::PhaseTimes::to_device_ms), sparse);
   }
 }
 

@@ -150,6 +150,10 @@ class PhaseClock {
   // added to `field` (the phase's own mark stays).
   void begin_part();
   void end_part(double PhaseTimes::*field);
+  // Records that the sparse half runs inside the dense half's graph.
+  void sparse_in_dense(bool inside) {
+    if (times_ != nullptr) times_->sparse_in_dense = inside;
+  }
 
  private:
   PhaseTimes* times_;

@@ -88,6 +88,8 @@ struct PhaseTimes {
   // and the sparse half. The rest of it is the host's: validation, the cache's bookkeeping, the dense inputs.
   double to_device_ms = 0;
   double sparse_ms = 0;
+  // A derived delta program's whole-request graph ran the sparse half inside the dense half (sparse_ms is 0).
+  bool sparse_in_dense = false;
 };
 
 class Package {
