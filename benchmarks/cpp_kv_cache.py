@@ -115,19 +115,22 @@ def rel_l2(a: dict, b: dict) -> float:
 
 
 def same_run_ab(setups: dict[str, tuple[Path, Path]], request_args: list[object], kv_args: list[object],
-                iters: int, answers_dir: Path, kinds: tuple[str, ...] = ("no_cache", "kv")) -> dict:
+                iters: int, answers_dir: Path, kinds: tuple[str, ...] = ("no_cache", "kv"),
+                no_cache_args: dict[str, tuple[object, ...]] | None = None, kv_labels: set[str] | None = None) -> dict:
     """Each (runtime, package)'s requests, without cache and cached, in turn, three times: p50s by label, with
     --phase-times (``<label>_no_cache``, ``<label>_kv``: the device synchronised between phases) and without
     (``..._whole``: the request as served). ``request_args``: the request's folders (the last one is the one
     sent without cache); ``kv_args``: what follows them for the cache. The first round writes every answer
     under ``answers_dir``; where all setups serve one package, ``answers_equal`` says whether their answers are
-    equal bit for bit, and otherwise ``answers_rel_l2`` how far apart they are. ``kinds``: which of the two to time."""
+    equal bit for bit, and otherwise ``answers_rel_l2`` how far apart they are. ``kinds``: which of the two to time;
+    ``no_cache_args``: more arguments of a label's no-cache runs; ``kv_labels``: the labels whose cache is timed
+    (default: all)."""
     out: dict = {}
     for round_ in range(3):
         for label, (runner, package) in setups.items():
-            for name, args in (("no_cache", [package, request_args[-1]]),
+            for name, args in (("no_cache", [package, request_args[-1], *(no_cache_args or {}).get(label, ())]),
                                ("kv", [package, *request_args, *kv_args, "--kv-graphs", "auto"])):
-                if name not in kinds:
+                if name not in kinds or (name == "kv" and kv_labels is not None and label not in kv_labels):
                     continue
                 keep = ("--out", answers_dir / f"{label}_{name}") if round_ == 0 else ()
                 _, got = cpp(runner, *args, "--repeat", iters, "--warmup", 5, "--phase-times", *keep)
@@ -135,7 +138,8 @@ def same_run_ab(setups: dict[str, tuple[Path, Path]], request_args: list[object]
                 _, got = cpp(runner, *args, "--repeat", iters, "--warmup", 5)
                 out.setdefault(f"{label}_{name}_whole", []).append(got)
     if len({package for _, package in setups.values()}) == 1:
-        out["answers_equal"] = {name: answers_equal([answers_dir / f"{label}_{name}" for label in setups])
+        out["answers_equal"] = {name: answers_equal([answers_dir / f"{label}_{name}" for label in setups
+                                                     if (answers_dir / f"{label}_{name}").exists()])
                                 for name in kinds}
     else:  # two programs: how far apart their answers are
         first, *others = setups
@@ -185,6 +189,10 @@ def ab_summary(ab: dict) -> dict:
             out[f"{label}_dense_no_cache_over_kv"] = out[f"{label}_no_cache"]["dense"] / out[f"{label}_kv"]["dense"]
     if "new_kv" in out and "baseline_kv" in out:
         out["dense_kv_baseline_over_new"] = out["baseline_kv"]["dense"] / out["new_kv"]["dense"]
+    for label in ("new", "baseline"):  # the whole-request speed-up of the cache, over this label's no-cache request
+        if f"{label}_no_cache_whole" in out and "new_kv_whole" in out:
+            out[f"{label}_no_cache_over_new_kv_whole"] = (out[f"{label}_no_cache_whole"]["request"] /
+                                                          out["new_kv_whole"]["request"])
     out["request_baseline_over_new"] = {name: out[f"baseline_{name}"]["request"] / out[f"new_{name}"]["request"]
                                         for name in ("no_cache", "kv", "no_cache_whole", "kv_whole")
                                         if f"new_{name}" in out and f"baseline_{name}" in out}
@@ -218,16 +226,25 @@ def kv_parity(package: Path) -> dict:
 
 
 def python_paths(predictor, native: NativePredictor, steps: list[dict[str, torch.Tensor]], users: list[int],  # type: ignore[no-untyped-def]
-                 iters: int) -> tuple[dict, dict]:
+                 iters: int, without_graphs: tuple | None = None) -> tuple[dict, dict]:
     """The Python paths on the same requests (the last one timed, the others run untimed before each call):
     ``hstu_export.load``'s predictor without cache and its cache with CUDA graphs and without, and the C++
-    runtime called from Python (``NativePredictor``) without cache and cached. Returns the timings (with the
-    caches' counters) and each cache's first answer to the last request."""
+    runtime called from Python (``NativePredictor``) without cache and cached. ``without_graphs``: the same two
+    predictors opened without whole-request graphs, timed without cache too (``*_no_graphs``; the graphs' counts
+    beside them). Returns the timings (with the caches' counters) and each cache's first answer to the last
+    request."""
     whole = steps[-1]
     timed: dict = {}
     first: dict = {}
     with torch.no_grad():
         timed["python_no_cache"] = python_latency(lambda: predictor(whole), iters)
+        if without_graphs is not None:
+            plain, plain_native = without_graphs
+            timed["python_no_cache_graph_counts"] = dict(predictor.graphs.counts) if predictor.graphs else None
+            timed["python_no_cache_no_graphs"] = python_latency(lambda: plain(whole), iters)
+            timed["python_native_no_cache_no_graphs"] = python_latency(lambda: plain_native(whole), iters)
+            got, want = predictor(whole), plain(whole)
+            timed["python_no_cache_graphs_equal"] = all(torch.equal(got[k], want[k]) for k in want)
         rankers = {"python_kv": lambda: predictor.kv_cache(cuda_graphs=True),
                    "python_kv_no_graphs": lambda: predictor.kv_cache(cuda_graphs=False),
                    "python_native_kv": native.kv_cache}
@@ -244,9 +261,21 @@ def python_paths(predictor, native: NativePredictor, steps: list[dict[str, torch
     return timed, first
 
 
+def fresh_python(row: dict, package_root: Path, dirs: list[Path], ids: str, iters: int, work_dir: Path,
+                 ab_graphs: bool = False) -> None:
+    """The Python paths timed in a fresh process, as a serving process is (``python_paths``), into ``row``."""
+    fresh = subprocess.run([sys.executable, __file__, "--out", str(work_dir), "--time-python", str(package_root),
+                            "--iters", str(iters), "--users", ids, *(["--ab-graphs"] if ab_graphs else []),
+                            *map(str, dirs)], capture_output=True, text=True, timeout=900)  # fmt: skip
+    if fresh.returncode == 0:
+        row.update(json.loads(fresh.stdout.strip().splitlines()[-1]))
+    else:
+        row["python_fresh_process"] = {"error": (fresh.stdout + fresh.stderr)[-2000:]}
+
+
 def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingModel, work: dict, batch: int,  # type: ignore[no-untyped-def]
               iters: int, work_dir: Path, log_dir: Path, baseline: tuple[Path, Path] | None = None,
-              ab_only: bool = False, ab_kinds: tuple[str, ...] = ("no_cache", "kv")) -> dict:
+              ab_only: bool = False, ab_kinds: tuple[str, ...] = ("no_cache", "kv"), ab_graphs: bool = False) -> dict:
     row: dict = {}
     whole = request(model, work, batch, 100 + batch)  # on the host, as from a client
     steps = [prefix_of(whole, work, batch), whole] if work["cached"] < work["history"] else [whole]
@@ -258,6 +287,15 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
         row["same_run_ab"] = same_run_ab({"new": (runner, package_root), "baseline": baseline}, dirs, ab_kv_args,
                                          iters, work_dir / f"b{batch}_ab_answers", ab_kinds)
         row["same_run_ab_p50_of_rounds"] = ab_summary(row["same_run_ab"])
+    if ab_graphs:  # whole-request graphs without the cache against none: one runtime, one package
+        row["same_run_ab"] = same_run_ab({"new": (runner, package_root), "baseline": (runner, package_root)}, dirs,
+                                         ab_kv_args, iters, work_dir / f"b{batch}_ab_answers", ("no_cache", "kv"),
+                                         {"new": ("--graphs", "auto"), "baseline": ("--graphs", "off")}, {"new"})
+        row["same_run_ab_p50_of_rounds"] = ab_summary(row["same_run_ab"])
+        graphed = subprocess.run([str(runner), str(package_root), str(dirs[-1]), "--repeat", str(iters), "--graphs",
+                                  "auto"], capture_output=True, text=True, timeout=600)
+        row["cpp_graphs_line"] = [line for line in graphed.stdout.splitlines() if "graphs" in line][-1:]
+        fresh_python(row, package_root, dirs, ids, iters, work_dir, ab_graphs=True)
     if ab_only:
         return row
 
@@ -323,13 +361,7 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
                                                           for k in cpp_first)
             row["rel_l2_cpp_kv_vs_no_cache"] = rel_l2({k: v.cuda() for k, v in cpp_first.items()}, full)
     torch.cuda.empty_cache()
-    fresh = subprocess.run([sys.executable, __file__, "--out", str(work_dir), "--time-python", str(package_root),
-                            "--iters", str(iters), "--users", ids, *map(str, dirs)],
-                           capture_output=True, text=True, timeout=900)  # fmt: skip
-    if fresh.returncode == 0:
-        row.update(json.loads(fresh.stdout.strip().splitlines()[-1]))
-    else:
-        row["python_fresh_process"] = {"error": (fresh.stdout + fresh.stderr)[-2000:]}
+    fresh_python(row, package_root, dirs, ids, iters, work_dir)
     ratios = {"cpp_no_cache_over_cpp_kv": ("cpp_no_cache", "cpp_kv"),
               "python_no_cache_over_python_kv": ("python_no_cache", "python_kv"),
               "python_no_cache_over_cpp_kv": ("python_no_cache", "cpp_kv"),
@@ -359,6 +391,10 @@ def main() -> None:
                         help="a copy of runtimes/cpp, or a whole checkout, of the commit to time against (same run)")
     parser.add_argument("--ab-kv-program", choices=["derived"],
                         help="A/B the zoo's delta program derived by the compiler against its written one (same run)")
+    parser.add_argument("--ab-graphs", action="store_true",
+                        help="A/B whole-request CUDA graphs without the cache: one runtime and package, --graphs auto "
+                             "(new) against --graphs off (baseline), the cache timed once; Python's paths in a fresh "
+                             "process with and without them")
     parser.add_argument("--ab-only", action="store_true",
                         help="with --baseline-src or --ab-kv-program: time only the same-run A/B")
     parser.add_argument("--export-only", metavar="WORKLOAD", help=argparse.SUPPRESS)  # the baseline's export
@@ -371,9 +407,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.time_python:  # in a fresh process, as a serving process is: the timings as JSON, last line
         steps = [load_tensors(path) for path in args.requests]
-        native = NativePredictor(args.time_python, library=args.out / "build" / LIBRARY_NAME)
+        library = args.out / "build" / LIBRARY_NAME
+        native = NativePredictor(args.time_python, library=library)
+        without = (hstu_export.load(args.time_python, cuda_graphs=False),
+                   NativePredictor(args.time_python, library=library, cuda_graphs=False)) if args.ab_graphs else None
         timed, _ = python_paths(hstu_export.load(args.time_python), native, steps,
-                                [int(u) for u in args.users.split(",")], args.iters)
+                                [int(u) for u in args.users.split(",")], args.iters, without)
         print(json.dumps(timed))
         return
     if args.export_only:  # in a subprocess whose hstu_export is the baseline's: the package's path, last line
@@ -451,7 +490,8 @@ def main() -> None:
                 try:
                     entry["batches"][batch] = batch_row(runner, package, predictor, model, work, batch, args.iters,
                                                         work_dir, args.out, baseline, args.ab_only,
-                                                        ("kv",) if args.ab_kv_program else ("no_cache", "kv"))
+                                                        ("kv",) if args.ab_kv_program else ("no_cache", "kv"),
+                                                        args.ab_graphs)
                 except Exception as exc:  # recorded; the rest still runs
                     entry["batches"][batch] = failure(exc)
                 save()

@@ -29,6 +29,7 @@ from hstu_export.package.schema import InputSchema
 from hstu_export.package.tables import check_tables_device
 from hstu_export.runtimes import get_backend
 from hstu_export.runtimes.base import RANGE_CHECK_MESSAGES, Runner, SplitRunner
+from hstu_export.runtimes.shape_graphs import MAX_COPY_BYTES, ShapeGraphs, copy_limit
 
 
 class Predictor:
@@ -36,7 +37,8 @@ class Predictor:
     runners (AOTInductor's model container, TorchScript, onnxruntime) are, and the predictor keeps no
     per-call state."""
 
-    def __init__(self, root: Path, manifest: Manifest | dict[str, Any], runner: Runner, device: torch.device) -> None:
+    def __init__(self, root: Path, manifest: Manifest | dict[str, Any], runner: Runner, device: torch.device, *,
+                 cuda_graphs: bool | None = None, graph_copy_limit: int | str | None = None) -> None:
         checked = as_manifest(manifest, root)
         self.root = root
         self.package_manifest = checked  # the validated, typed manifest
@@ -49,6 +51,50 @@ class Predictor:
         self.output_kinds: dict[str, str] = dict(checked.output_kinds)
         self._feature_names = frozenset(self.input_schema.names)
         self._runner = runner
+        self.graphs: ShapeGraphs | None = self._request_graphs(cuda_graphs, graph_copy_limit)
+
+    def graphs_unsafe(self) -> str:
+        """Why whole requests of this package cannot be replayed from CUDA graphs ("" when they can): something
+        reads the device before the outputs, and the values it reads would be fixed at the capture's (as the C++
+        runtime's ``Package::Impl::graphs_unsafe``)."""
+        from hstu_export.runtimes.aoti import PRECHECKED_MODEL
+
+        why, fix = f"{self.root} cannot be replayed from CUDA graphs: ", "; serve it without graphs"
+        backend = self.manifest["backend"]["name"]
+        split = self.split
+        if backend != "aoti" or split is None:
+            return f"{why}it is a {backend} package (graphs replay AOTInductor programs){fix}"
+        if split.sparse_model is None:
+            return f"{why}its sparse half is TorchScript, which reads sizes from the device{fix}"
+        if split.sparse_model != PRECHECKED_MODEL:
+            return (f"{why}its compiled sparse half checks the request's ranges on the device (no prechecked model "
+                    f"applies: export with --prechecked-sparse on){fix}")
+        reads = (self.manifest["backend"].get("meta") or {}).get("dense_device_reads")
+        if reads != 0:
+            count = "an unrecorded number of" if reads is None else reads
+            return f"{why}its dense program reads {count} value(s) back from the device (backend.meta.dense_device_reads){fix}"
+        return ""
+
+    def _request_graphs(self, cuda_graphs: bool | None, graph_copy_limit: int | str | None) -> ShapeGraphs | None:
+        """Whole requests from exact-shape CUDA graphs (``cuda_graphs``; None: where the device is CUDA and
+        :meth:`graphs_unsafe` finds nothing), or None."""
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs is True, False or None, got {cuda_graphs!r}")
+        limit = MAX_COPY_BYTES if graph_copy_limit is None else copy_limit(graph_copy_limit)
+        if cuda_graphs is False:
+            return None
+        unsafe = self.graphs_unsafe()
+        if cuda_graphs and unsafe:
+            raise ConfigError(unsafe)
+        if cuda_graphs and self.device.type != "cuda":
+            raise ConfigError(f"CUDA graphs need a CUDA package; {self.root} is for {self.device.type}")
+        if self.device.type != "cuda" or unsafe:
+            return None
+        return ShapeGraphs(self._whole_request, (), max_bytes=limit)
+
+    def _whole_request(self, **inputs: Tensor) -> dict[str, Tensor]:
+        """The runner on a request on the device, by graph name: what a whole-request graph holds."""
+        return self._runner(inputs)
 
     def check_request(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """``batch`` as plain tensors, validated against the exported input schema (RequestError if not)."""
@@ -64,8 +110,11 @@ class Predictor:
     def __call__(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         request = self.check_request(batch)
         try:
-            return self._runner({f.graph_name: to_device(request[f.name], self.device)
-                                 for f in self.input_schema.features})
+            inputs = {f.graph_name: to_device(request[f.name], self.device) for f in self.input_schema.features}
+            if self.graphs is not None:
+                with torch.no_grad():
+                    return self.graphs(inputs)
+            return self._runner(inputs)
         except HstuExportError:
             raise
         except Exception as exc:  # the artifacts' own checks, compiled guards, the runtime: one line each
@@ -301,13 +350,18 @@ def _tables_device(manifest: Manifest, root: Path, device: torch.device, asked: 
 
 
 def load(path: str | Path, *, verify_checksums: bool = True, require_signature: str | Path | None = None,
-         tables_device: str | None = None) -> Predictor:
+         tables_device: str | None = None, cuda_graphs: bool | None = None,
+         graph_copy_limit: int | str | None = None) -> Predictor:
     """Load a package written by ``hstu_export.export`` / ``hstu-export MODEL``, or the current version of a
     directory ``hstu-export publish`` writes. With
     ``require_signature`` (a public key, PEM), the package must carry a signature by its private key over
     exactly its files (``hstu-export sign``), checked before anything of it is read. ``tables_device``
     (``cpu`` or ``cuda``; default: the package's device): where the tables stored beside a compiled sparse program
-    live; ``cpu`` serves a CUDA package whose tables exceed the GPU's memory from pinned host memory."""
+    live; ``cpu`` serves a CUDA package whose tables exceed the GPU's memory from pinned host memory.
+    ``cuda_graphs`` (default: on for a CUDA package whose programs read nothing back from the device) replays
+    whole requests from CUDA graphs, one per exact request shapes seen twice (:mod:`~hstu_export.runtimes.
+    shape_graphs`); a request whose tensors exceed ``graph_copy_limit`` (bytes or a size such as ``"64MiB"``;
+    default 160 MiB) runs as it is. ``True`` refuses a package that cannot be replayed (``graphs_unsafe``)."""
     root = Path(path)
     if is_published_root(root):  # hstu-export publish's directory: its current version
         root = current_path(root)
@@ -322,4 +376,4 @@ def load(path: str | Path, *, verify_checksums: bool = True, require_signature: 
     load_op_libraries(manifest.op_libraries, root)
     backend = get_backend(manifest.backend.name)  # a registered name: parse_manifest checked it
     runner = backend.load(root, manifest, device, _tables_device(manifest, root, device, tables_device))
-    return Predictor(root, manifest, runner, device)
+    return Predictor(root, manifest, runner, device, cuda_graphs=cuda_graphs, graph_copy_limit=graph_copy_limit)

@@ -101,13 +101,21 @@ def _call(fn: Callable[..., T], *args: Any) -> T:
         raise
 
 
+def _graphs_mode(cuda_graphs: bool | None) -> str:
+    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+        raise ConfigError(f"cuda_graphs is True, False or None, got {cuda_graphs!r}")
+    return "auto" if cuda_graphs is None else "on" if cuda_graphs else "off"
+
+
 class NativePredictor:
     """A package served by the C++ runtime; called like ``hstu_export.load``'s predictor, with a request of
-    tensors (on the host or the package's device) and answering its outputs in ``output_names`` order."""
+    tensors (on the host or the package's device) and answering its outputs in ``output_names`` order.
+    ``cuda_graphs`` (default: on where it is safe) replays whole requests of shapes seen before from CUDA graphs
+    (``Options::graphs``, as ``hstu_export.load``'s)."""
 
     def __init__(self, path: str | Path, *, device: str | torch.device | None = None, tables_device: str | None = None,
                  verify_checksums: bool = True, library: str | Path | None = None,
-                 follow_seconds: float | None = None) -> None:
+                 follow_seconds: float | None = None, cuda_graphs: bool | None = None) -> None:
         if tables_device not in (None, "cpu", "cuda"):
             raise ConfigError(f"tables device {str(tables_device)[:40]!r}: expected cpu or cuda")
         if follow_seconds is not None and not 0 <= follow_seconds <= 86400:
@@ -116,11 +124,12 @@ class NativePredictor:
         classes = _load(library)
         index = wanted.index if wanted is not None and wanted.index is not None else _current_cuda_device()
         self.following = follow_seconds is not None
+        graphs = _graphs_mode(cuda_graphs)
         if self.following:
             self._package = _call(classes.Published, str(path), tables_device or "", verify_checksums, index,
-                                  float(follow_seconds))  # type: ignore[arg-type]
+                                  float(follow_seconds), graphs)  # type: ignore[arg-type]
         else:
-            self._package = _call(classes.Package, str(path), tables_device or "", verify_checksums, index)
+            self._package = _call(classes.Package, str(path), tables_device or "", verify_checksums, index, graphs)
         self._classes = classes
         self.output_names: list[str] = list(self._package.output_names())
         self.max_batch_size: int = self._package.max_batch_size()
@@ -172,7 +181,7 @@ class NativePredictor:
         if self.following:
             raise ConfigError("a KV cache serves one version (a new one's weights would not match the cached K/V): "
                               "open one version's directory, without follow_seconds")
-        graphs = "auto" if cuda_graphs is None else "on" if cuda_graphs else "off"
+        graphs = _graphs_mode(cuda_graphs)
         limit = 0 if graph_copy_limit is None else copy_limit(graph_copy_limit)  # 0: the C++ runtime's default
         return NativeCachedRanker(_call(self._classes.CachedRanker, self._package, budget, max_time_drift, graphs,
                                         limit))

@@ -341,22 +341,6 @@ void allocate_pages(CachedRanker::Impl& impl, const Package::Impl& pkg, const KV
   impl.counts.pages = impl.num_pages;
 }
 
-// KVCacheOptions::graphs made definite (kAuto: on where graphs can run and `safe`), or an Error for kOn where
-// they cannot (`unsafe`: why this package's program cannot be replayed, when it cannot).
-KVGraphs resolve_graphs(const Package::Impl& pkg, KVGraphs graphs, const std::string& unsafe) {
-  bool cuda = pkg.device.is_cuda();
-  if (graphs == KVGraphs::kOn && !unsafe.empty()) throw Error(unsafe);
-  if (graphs == KVGraphs::kOn && !cuda) {
-    throw Error("CUDA graphs need a CUDA package; " + pkg.root + " is for " + pkg.device.str());
-  }
-  if (graphs == KVGraphs::kOn && !detail::cuda_graphs_built()) {
-    throw Error("this C++ runtime was built without CUDA graph support (no CUDA headers when it was built); "
-                "rebuild it where the CUDA toolkit's headers are, or serve without graphs");
-  }
-  if (graphs != KVGraphs::kAuto) return graphs;
-  return cuda && detail::cuda_graphs_built() && unsafe.empty() ? KVGraphs::kOn : KVGraphs::kOff;
-}
-
 // The request's tensors among a whole-request graph's inputs are named thus (the rest are the kv_ inputs).
 const std::string kRequestInput = "request:";
 
@@ -364,16 +348,10 @@ const std::string kRequestInput = "request:";
 // outputs made contiguous.
 std::map<std::string, at::Tensor> dense_inputs_of(const Package::Impl& pkg, const Tensors& on_device,
                                                   const NamedTensors& boundary) {
+  std::vector<at::Tensor> ordered = pkg.dense_inputs(on_device, boundary);
+  const auto& specs = pkg.artifacts.at("dense").inputs;
   std::map<std::string, at::Tensor> dense;
-  for (const auto& spec : pkg.artifacts.at("dense").inputs) {
-    if (!spec.feature.empty()) {
-      dense[spec.name] = on_device.at(spec.feature);
-      continue;
-    }
-    auto it = std::find_if(boundary.begin(), boundary.end(), [&](const auto& item) { return item.first == spec.name; });
-    if (it == boundary.end()) throw Error(pkg.artifacts.at("sparse").file + " gave no " + spec.name);
-    dense[spec.name] = it->second.contiguous();
-  }
+  for (size_t i = 0; i < specs.size(); ++i) dense[specs[i].name] = ordered[i];
   return dense;
 }
 
@@ -398,7 +376,7 @@ std::unique_ptr<CachedRanker::Impl> open_derived(const Package::Impl& pkg, const
              (d.device_reads < 0 ? std::string("an unrecorded number of") : std::to_string(d.device_reads)) +
              " value(s) back from the device, so it cannot be replayed from a CUDA graph; serve it with graphs auto";
   }
-  KVGraphs graphs = resolve_graphs(pkg, options.graphs, unsafe);
+  KVGraphs graphs = detail::resolve_graphs(pkg.root, pkg.device, options.graphs, unsafe);
   auto impl = std::make_unique<CachedRanker::Impl>();
   impl->derived = d;
   detail::KVSection& kv = impl->kv;  // what the shared bookkeeping reads
@@ -488,7 +466,7 @@ std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> 
   } catch (const std::exception& exc) {
     throw PackageError(pkg.root + ": AOTInductor could not load " + kv.program_file + ": " + detail::error_text(exc));
   }
-  KVGraphs graphs = resolve_graphs(pkg, options.graphs, "");
+  KVGraphs graphs = detail::resolve_graphs(pkg.root, pkg.device, options.graphs, "");
   if (graphs != KVGraphs::kOff) {
     // The bucket steps stay within the program's bounds (runtimes/kv_delta.py chooses the same).
     detail::Buckets buckets{std::min<int64_t>(64, kv.max_history), std::min<int64_t>(32, kv.max_candidates),

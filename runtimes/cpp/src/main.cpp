@@ -66,6 +66,14 @@ constexpr const char* kUsage =
     "                         the reason is printed). Each run must equal its version's first answer; the\n"
     "                         runs per version are printed, and --out DIR writes each version's first\n"
     "                         answer to DIR/<version>\n"
+    "  --graphs MODE          whole requests from CUDA graphs, one per exact request shapes seen twice:\n"
+    "                         auto (default: on for a CUDA package whose programs read nothing back from\n"
+    "                         the device, when the runtime was built with CUDA headers), on, off, or\n"
+    "                         buckets (the graphs' bookkeeping without graphs, any device). Without\n"
+    "                         --kv-cache; the cache has --kv-graphs\n"
+    "  --graph-copy-limit BYTES\n"
+    "                         a request whose tensors exceed BYTES (KiB, MiB or GiB allowed; default\n"
+    "                         160MiB) runs as it is, without its graph\n"
     "  --quiet                print nothing but errors\n"
     "\n"
     "KV-cached serving (a package exported with --kv-cache; docs/KV_CACHE.md):\n"
@@ -97,6 +105,7 @@ struct Args {
   hstu_export::KVCacheOptions kv_options;
   std::vector<std::vector<int64_t>> user_ids;
   bool kv_graphs_given = false;
+  bool graphs_given = false;
   double follow = -1;  // seconds between looks at a published directory's current version; < 0: not followed
 };
 
@@ -114,6 +123,14 @@ int64_t integer(const std::string& flag, const std::string& text, int64_t low) {
   }
   usage_error(flag + " needs " + (low >= 1 ? "a positive integer" : low == 0 ? "an integer of 0 or more" : "integers") +
               ", got '" + text + "'");
+}
+
+hstu_export::Graphs graphs_mode(const std::string& flag, const std::string& mode) {
+  if (mode == "auto") return hstu_export::Graphs::kAuto;
+  if (mode == "on") return hstu_export::Graphs::kOn;
+  if (mode == "off") return hstu_export::Graphs::kOff;
+  if (mode == "buckets") return hstu_export::Graphs::kBuckets;
+  usage_error(flag + " is auto, on, off or buckets, got '" + mode + "'");
 }
 
 int positive(const std::string& flag, const std::string& text) {
@@ -206,19 +223,14 @@ Args parse(int argc, char** argv) {
     } else if (arg == "--user-ids") {
       args.user_ids.push_back(user_ids(value()));
     } else if (arg == "--kv-graphs") {
-      std::string mode = value();
-      if (mode == "auto") {
-        args.kv_options.graphs = hstu_export::KVGraphs::kAuto;
-      } else if (mode == "on") {
-        args.kv_options.graphs = hstu_export::KVGraphs::kOn;
-      } else if (mode == "off") {
-        args.kv_options.graphs = hstu_export::KVGraphs::kOff;
-      } else if (mode == "buckets") {
-        args.kv_options.graphs = hstu_export::KVGraphs::kBuckets;
-      } else {
-        usage_error("--kv-graphs is auto, on, off or buckets, got '" + mode + "'");
-      }
+      args.kv_options.graphs = graphs_mode(arg, value());
       args.kv_graphs_given = true;
+    } else if (arg == "--graphs") {
+      args.options.graphs = graphs_mode(arg, value());
+      args.graphs_given = true;
+    } else if (arg == "--graph-copy-limit") {
+      args.options.graph_copy_limit = budget(value(), arg);
+      args.graphs_given = true;
     } else if (arg == "--kv-graph-copy-limit") {
       args.kv_options.graph_copy_limit = budget(value(), arg);
       args.kv_graphs_given = true;
@@ -237,6 +249,11 @@ Args parse(int argc, char** argv) {
   if (!args.kv && (!args.user_ids.empty() || args.kv_options.max_time_drift != 0 || args.kv_graphs_given)) {
     usage_error("--user-ids, --max-time-drift, --kv-graphs and --kv-graph-copy-limit go with --kv-cache");
   }
+  if (args.kv && args.graphs_given) {
+    usage_error("--graphs and --graph-copy-limit serve without --kv-cache; the cache's are --kv-graphs and "
+                "--kv-graph-copy-limit");
+  }
+  if (args.kv) args.options.graphs = hstu_export::Graphs::kOff;  // the cache's own graphs run its requests
   if (args.kv && args.follow >= 0) {
     usage_error("--follow serves without --kv-cache (a new version's weights would not match the cached K/V)");
   }
@@ -404,6 +421,24 @@ void repeat(const Args& args, const hstu_export::Package& package, size_t count,
   }
 }
 
+// "<kind>: N replays, N graphs captured, N run as they are", and captures that failed, graphs copying in.
+std::string graphs_line(const std::string& kind, const hstu_export::GraphCounts& g) {
+  char line[320];
+  std::snprintf(line, sizeof line, "%s: %lld replays, %lld graphs captured, %lld run as they are", kind.c_str(),
+                static_cast<long long>(g.replays), static_cast<long long>(g.captures), static_cast<long long>(g.eager));
+  std::string out = line;
+  if (g.refused > 0) {
+    std::snprintf(line, sizeof line, " (%lld captures failed)", static_cast<long long>(g.refused));
+    out += line;
+  }
+  if (g.copying > 0) {
+    std::snprintf(line, sizeof line, " (%lld graphs copy the requests in themselves; %lld of %lld copies repointed)",
+                  static_cast<long long>(g.copying), static_cast<long long>(g.repointed), static_cast<long long>(g.copies));
+    out += line;
+  }
+  return out;
+}
+
 std::string stats_line(const hstu_export::CachedRanker& ranker) {
   hstu_export::KVCacheStats s = ranker.stats();
   char line[320];
@@ -415,23 +450,7 @@ std::string stats_line(const hstu_export::CachedRanker& ranker) {
                 static_cast<long long>(s.pages_used), static_cast<long long>(s.pages),
                 static_cast<double>(ranker.bytes()) / (1 << 20));
   std::string out = line;
-  if (ranker.bucketed()) {
-    hstu_export::KVGraphCounts g = ranker.graph_counts();
-    std::snprintf(line, sizeof line, "; %s: %lld replays, %lld graphs captured, %lld run as they are",
-                  ranker.derived() ? "exact shapes" : "shape buckets", static_cast<long long>(g.replays),
-                  static_cast<long long>(g.captures), static_cast<long long>(g.eager));
-    out += line;
-    if (g.refused > 0) {
-      std::snprintf(line, sizeof line, " (%lld captures failed)", static_cast<long long>(g.refused));
-      out += line;
-    }
-    if (g.copying > 0) {
-      std::snprintf(line, sizeof line, " (%lld graphs copy the requests in themselves; %lld of %lld copies repointed)",
-                    static_cast<long long>(g.copying), static_cast<long long>(g.repointed),
-                    static_cast<long long>(g.copies));
-      out += line;
-    }
-  }
+  if (ranker.bucketed()) out += "; " + graphs_line(ranker.derived() ? "exact shapes" : "shape buckets", ranker.graph_counts());
   return out;
 }
 
@@ -490,6 +509,9 @@ int serve(const Args& args) {
     // hit sum in another order on the GPU); without a cache every run must be equal.
     repeat(args, *package, requests.size(), run_one, against, /*exact=*/!ranker);
     if (ranker && !args.quiet) std::printf("%s\n", stats_line(*ranker).c_str());
+  }
+  if (!ranker && !published && package->graphed() && !args.quiet) {
+    std::printf("whole-request graphs, %s\n", graphs_line("exact shapes", package->graph_counts()).c_str());
   }
   if (published && !args.quiet) {
     std::string line = "versions served:";

@@ -42,12 +42,18 @@ c10::Dict<std::string, at::Tensor> dict_of(const hstu_export::NamedTensors& outp
   return out;
 }
 
+// "on", "off", anything else auto (the Python side passes only these three).
+hstu_export::Graphs graphs_of(const std::string& graphs) {
+  return graphs == "on" ? hstu_export::Graphs::kOn : graphs == "off" ? hstu_export::Graphs::kOff : hstu_export::Graphs::kAuto;
+}
+
 struct NativePackage : torch::CustomClassHolder {
   std::shared_ptr<const hstu_export::Package> package;
 
   NativePackage(const std::string& path, const std::string& tables_device, bool verify_checksums,
-                int64_t device_index) {
+                int64_t device_index, const std::string& graphs) {
     hstu_export::Options options;
+    options.graphs = graphs_of(graphs);
     options.tables_device = tables_device;
     options.device_index = static_cast<int>(device_index);
     options.verify_checksums = verify_checksums;
@@ -70,8 +76,9 @@ struct NativePublished : torch::CustomClassHolder {
   std::shared_ptr<hstu_export::PublishedPackage> published;
 
   NativePublished(const std::string& root, const std::string& tables_device, bool verify_checksums,
-                  int64_t device_index, double check_seconds) {
+                  int64_t device_index, double check_seconds, const std::string& graphs) {
     hstu_export::Options options;
+    options.graphs = graphs_of(graphs);
     options.tables_device = tables_device;
     options.verify_checksums = verify_checksums;
     options.device_index = static_cast<int>(device_index);
@@ -102,9 +109,7 @@ struct NativeRanker : torch::CustomClassHolder {
     options.budget_bytes = budget_bytes;
     options.max_time_drift = max_time_drift;
     options.graph_copy_limit = graph_copy_limit;
-    options.graphs = graphs == "on"     ? hstu_export::KVGraphs::kOn
-                     : graphs == "off"  ? hstu_export::KVGraphs::kOff
-                                        : hstu_export::KVGraphs::kAuto;
+    options.graphs = graphs_of(graphs);
     ranker = named_errors([&] { return hstu_export::CachedRanker::open(package->package, options); });
   }
 
@@ -122,14 +127,14 @@ struct NativeRanker : torch::CustomClassHolder {
 
 TORCH_LIBRARY(hstu_export_native, m) {
   m.class_<NativePackage>("Package")
-      .def(torch::init<std::string, std::string, bool, int64_t>())
+      .def(torch::init<std::string, std::string, bool, int64_t, std::string>())
       .def("run", &NativePackage::run)
       .def("output_names", &NativePackage::output_names)
       .def("max_batch_size", &NativePackage::max_batch_size)
       .def("device", &NativePackage::device)
       .def("path", &NativePackage::path);
   m.class_<NativePublished>("Published")
-      .def(torch::init<std::string, std::string, bool, int64_t, double>())
+      .def(torch::init<std::string, std::string, bool, int64_t, double, std::string>())
       .def("run", &NativePublished::run)
       .def("refresh", &NativePublished::refresh)
       .def("version", &NativePublished::version)

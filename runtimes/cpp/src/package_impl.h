@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "hstu_export/runtime.h"
+#include "shape_graphs.h"
 #include "tables.h"
 
 namespace hstu_export {
@@ -187,6 +188,10 @@ struct Package::Impl {
   // empty).
   std::map<std::string, std::pair<std::string, std::string>> sparse_checks;
   std::unique_ptr<detail::AotiProgram> dense;
+  // Values the dense program reads back from its device a call (backend.meta.dense_device_reads); -1: not recorded.
+  int64_t dense_device_reads = -1;
+  // Whole requests (the sparse half, then the dense half) from exact-shape CUDA graphs (Options::graphs), or null.
+  std::unique_ptr<detail::ShapeGraphs> graphs;
   // The KV-cache section when the package has one and it reads well; else kv_problem says why not (a
   // package whose cache section this runtime cannot use still serves requests without a cache).
   std::optional<detail::KVSection> kv;
@@ -197,6 +202,11 @@ struct Package::Impl {
   Tensors plain(const Tensors& request, std::vector<at::Tensor>* also = nullptr) const;
   // The sparse artifact on a plain request: its outputs by name (aoti packages).
   NamedTensors sparse_outputs(const Tensors& request) const;
+  // The dense program's inputs in its order: request features as they are, the sparse half's outputs (`boundary`)
+  // made contiguous; an Error naming an output the sparse half did not give.
+  std::vector<at::Tensor> dense_inputs(const Tensors& request, const NamedTensors& boundary) const;
+  // Why run() cannot replay this package from CUDA graphs ("" when it can): something reads the device.
+  std::string graphs_unsafe() const;
   // A compiled sparse program's refusal `exc` as check_ranges' TorchScript assert words it, when sparse_checks
   // names the check that raised it.
   std::optional<std::string> named_check(const std::exception& exc) const;

@@ -1081,9 +1081,46 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
       impl->sparse = load_script("sparse");
     }
     impl->dense = load_program("dense");
+    if (const Value* reads = meta != nullptr ? meta->find("dense_device_reads") : nullptr;
+        reads != nullptr && !reads->is_null()) {
+      impl->dense_device_reads = fields.integer(*reads, "backend.meta.dense_device_reads");
+      if (impl->dense_device_reads < 0) fields.fail("backend.meta.dense_device_reads", "is negative");
+    }
+  }
+  Graphs graphs = detail::resolve_graphs(path, impl->device, options.graphs, impl->graphs_unsafe());
+  if (graphs != Graphs::kOff) {
+    const Impl* self = impl.get();  // owned by the Package, which owns the graphs
+    detail::RunProgram run = [self](const detail::ProgramInputs& inputs) {
+      Tensors request(inputs.begin(), inputs.end());
+      return self->dense->run(self->dense_inputs(request, self->sparse_outputs(request)));
+    };
+    impl->graphs = std::make_unique<detail::ShapeGraphs>(
+        std::move(run), std::set<std::string>{}, /*capture=*/graphs == Graphs::kOn, /*max_graphs=*/16,
+        options.graph_copy_limit > 0 ? options.graph_copy_limit : detail::kMaxCopyBytes);
   }
   return std::shared_ptr<const Package>(new Package(std::move(impl)));
 }
+
+std::string Package::Impl::graphs_unsafe() const {
+  const std::string why = root + " cannot be replayed from CUDA graphs: ";
+  const std::string fix = "; serve it without graphs";
+  if (backend != "aoti") return why + "it is a " + backend + " package (graphs replay AOTInductor programs)" + fix;
+  if (!sparse_program) return why + "its sparse half is TorchScript, which reads sizes from the device" + fix;
+  if (sparse_model == "model") {
+    return why + "its compiled sparse half checks the request's ranges on the device (no prechecked model applies: "
+                 "export with --prechecked-sparse on)" + fix;
+  }
+  if (dense_device_reads != 0) {
+    return why + "its dense program reads " +
+           (dense_device_reads < 0 ? std::string("an unrecorded number of") : std::to_string(dense_device_reads)) +
+           " value(s) back from the device (backend.meta.dense_device_reads)" + fix;
+  }
+  return "";
+}
+
+bool Package::graphed() const { return impl_->graphs != nullptr; }
+
+GraphCounts Package::graph_counts() const { return impl_->graphs ? impl_->graphs->counts() : GraphCounts{}; }
 
 namespace {
 
@@ -1331,6 +1368,22 @@ NamedTensors Package::Impl::sparse_outputs(const Tensors& request) const {
   return named_outputs(sparse.forward({}, kwargs), artifact.outputs, artifact.file);
 }
 
+std::vector<at::Tensor> Package::Impl::dense_inputs(const Tensors& request, const NamedTensors& boundary) const {
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(artifacts.at("dense").inputs.size());
+  for (const auto& spec : artifacts.at("dense").inputs) {
+    if (!spec.feature.empty()) {
+      inputs.push_back(request.at(spec.feature));
+      continue;
+    }
+    auto it = std::find_if(boundary.begin(), boundary.end(), [&](const auto& item) { return item.first == spec.name; });
+    if (it == boundary.end()) throw Error(artifacts.at("sparse").file + " gave no " + spec.name);
+    // The sparse half may return views (a KeyedTensor's per-key slices); AOTInductor reads contiguous memory.
+    inputs.push_back(it->second.contiguous());
+  }
+  return inputs;
+}
+
 namespace detail {
 
 PhaseClock::PhaseClock(PhaseTimes* times, c10::Device device) : times_(times), device_(device) {
@@ -1378,22 +1431,19 @@ NamedTensors Package::Impl::run(const Tensors& request, detail::PhaseClock& cloc
     return out;
   }
   const Artifact& dense_artifact = artifacts.at("dense");
-  clock.begin_part();
-  NamedTensors boundary = sparse_outputs(request);
-  clock.end_part(&PhaseTimes::sparse_ms);
-  std::vector<at::Tensor> inputs;
-  inputs.reserve(dense_artifact.inputs.size());
-  for (const auto& spec : dense_artifact.inputs) {
-    if (!spec.feature.empty()) {
-      inputs.push_back(request.at(spec.feature));
-      continue;
-    }
-    auto it = std::find_if(boundary.begin(), boundary.end(), [&](const auto& item) { return item.first == spec.name; });
-    // The sparse half may return views (a KeyedTensor's per-key slices); AOTInductor reads contiguous memory.
-    inputs.push_back(it->second.contiguous());
+  std::vector<at::Tensor> outputs;
+  if (graphs) {  // the whole request from its graph: the sparse half runs inside the dense half's
+    clock.sparse_in_dense(true);
+    clock.lap(&PhaseTimes::before_dense_ms);
+    outputs = (*graphs)(detail::ProgramInputs(request.begin(), request.end()));
+  } else {
+    clock.begin_part();
+    NamedTensors boundary = sparse_outputs(request);
+    clock.end_part(&PhaseTimes::sparse_ms);
+    std::vector<at::Tensor> inputs = dense_inputs(request, boundary);
+    clock.lap(&PhaseTimes::before_dense_ms);
+    outputs = dense->run(inputs);
   }
-  clock.lap(&PhaseTimes::before_dense_ms);
-  std::vector<at::Tensor> outputs = dense->run(inputs);
   clock.split(&PhaseTimes::dense_launch_ms);
   clock.lap(&PhaseTimes::dense_ms);
   if (outputs.size() != output_names.size()) {

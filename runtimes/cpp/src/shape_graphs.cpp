@@ -43,6 +43,20 @@ Key key_of(const ProgramInputs& inputs, const std::set<std::string>& statics) {
 
 }  // namespace
 
+Graphs resolve_graphs(const std::string& root, c10::Device device, Graphs graphs, const std::string& unsafe) {
+  bool cuda = device.is_cuda();
+  if (graphs == Graphs::kOn && !unsafe.empty()) throw Error(unsafe);
+  if (graphs == Graphs::kOn && !cuda) {
+    throw Error("CUDA graphs need a CUDA package; " + root + " is for " + device.str());
+  }
+  if (graphs == Graphs::kOn && !cuda_graphs_built()) {
+    throw Error("this C++ runtime was built without CUDA graph support (no CUDA headers when it was built); "
+                "rebuild it where the CUDA toolkit's headers are, or serve without graphs");
+  }
+  if (graphs != Graphs::kAuto) return graphs;
+  return cuda && cuda_graphs_built() && unsafe.empty() ? Graphs::kOn : Graphs::kOff;
+}
+
 struct ShapeGraphs::Impl {
   struct Graph {
 #ifdef HSTU_EXPORT_CUDA_GRAPHS

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <ATen/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <cstddef>
 #include <memory>
@@ -28,6 +29,11 @@ namespace hstu_export::detail {
 
 // Calls whose copied inputs exceed this run as they are (runtimes/shape_graphs.py's MAX_COPY_BYTES).
 constexpr int64_t kMaxCopyBytes = int64_t{160} << 20;
+
+// Options::graphs / KVCacheOptions::graphs made definite for the package at `root` on `device`: kAuto is kOn where
+// graphs can run (a CUDA device, a runtime built with CUDA headers) and `unsafe` is empty, else kOff; kOn where
+// they cannot is an Error (`unsafe`, when not empty: the one line saying why this package cannot be replayed).
+Graphs resolve_graphs(const std::string& root, c10::Device device, Graphs graphs, const std::string& unsafe);
 
 class ShapeGraphs {
  public:

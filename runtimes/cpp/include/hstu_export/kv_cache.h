@@ -31,17 +31,8 @@ namespace hstu_export {
 // shape buckets without graphs (kBuckets: the buckets' bookkeeping on any device, what CPU tests check).
 // A derived delta program has a graph per exact input shapes instead of buckets, and only when it reads
 // nothing back from the device (kv_cache.device_reads 0; kAuto leaves the others without graphs).
-enum class KVGraphs { kAuto, kOn, kOff, kBuckets };
-
-struct KVGraphCounts {
-  int64_t replays = 0;   // requests run in a bucket
-  int64_t captures = 0;  // graphs captured
-  int64_t eager = 0;     // requests of a shape seen once, run as they are
-  int64_t copying = 0;   // graphs captured with the request's copies inside them (of `captures`)
-  int64_t copies = 0;    // copies of a request's tensors those graphs made: one per input and replay
-  int64_t repointed = 0;  // of `copies`: those whose node was pointed anew (the tensor was not where the last was)
-  int64_t refused = 0;    // captures that failed (a derived program's exact shapes): that shape runs as it is
-};
+using KVGraphs = Graphs;
+using KVGraphCounts = GraphCounts;
 
 struct KVCacheOptions {
   // Bytes of K/V pages, allocated at open. 0: room for max_batch_size users at the longest sequence.

@@ -42,6 +42,22 @@ class RequestError : public Error {
   using Error::Error;
 };
 
+// Whether calls run from CUDA graphs: kOn, kOff, kAuto (on where it is safe: a CUDA package, a runtime built with
+// CUDA headers, nothing that reads the device before the outputs), or kBuckets: the graphs' bookkeeping (keys,
+// buffers, copies) without capturing, on any device, which is what CPU tests check.
+enum class Graphs { kAuto, kOn, kOff, kBuckets };
+
+// How calls ran through CUDA graphs (Package::graph_counts, CachedRanker::graph_counts).
+struct GraphCounts {
+  int64_t replays = 0;   // calls run in a graph (or, kBuckets, on its buffers)
+  int64_t captures = 0;  // graphs captured
+  int64_t eager = 0;     // calls of a shape seen once (or past the copy limit), run as they are
+  int64_t copying = 0;   // graphs captured with the request's copies inside them (of `captures`)
+  int64_t copies = 0;    // copies of a request's tensors those graphs made: one per input and replay
+  int64_t repointed = 0;  // of `copies`: those whose node was pointed anew (the tensor was not where the last was)
+  int64_t refused = 0;    // captures that failed (exact-shape graphs): that shape runs as it is
+};
+
 struct Options {
   // Directories searched for op libraries (fbgemm_gpu_py.so, ...) before $HSTU_EXPORT_OP_LIBRARY_PATH
   // (':'-separated) and the directories found when the runtime was built.
@@ -57,6 +73,14 @@ struct Options {
   std::string tables_device;
   // The CUDA device a CUDA package runs on (its programs, tables and KV cache); a CPU package ignores it.
   int device_index = 0;
+  // Whole requests replayed from CUDA graphs, one per exact request shapes seen twice (the compiled sparse half's
+  // lookups, then the dense half), up to 16 kept (docs/SERVING.md, "Whole-request CUDA graphs"). kAuto: on for a CUDA package
+  // whose programs read nothing back from the device (a compiled sparse half running its prechecked model, and
+  // backend.meta.dense_device_reads 0); kOn refuses any other package in one line.
+  Graphs graphs = Graphs::kAuto;
+  // A call whose request tensors exceed this many bytes runs as it is (copying them in costs more than the launches
+  // a graph saves). 0: 160 MiB.
+  int64_t graph_copy_limit = 0;
 };
 
 // One request feature, as the manifest's input_schema describes it.
@@ -118,6 +142,9 @@ class Package {
   int64_t max_batch_size() const;
   const std::vector<Feature>& features() const;
   const std::vector<std::string>& output_names() const;
+  // Whether run() goes through exact-shape CUDA graphs (Options::graphs; kBuckets counts too), and how calls ran.
+  bool graphed() const;
+  GraphCounts graph_counts() const;
 
   struct Impl;
 
