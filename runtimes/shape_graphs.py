@@ -1,10 +1,12 @@
 """CUDA graphs keyed by a call's exact input shapes, for programs that read nothing back to the host.
 
 A derived delta program (``runtimes/kv_derived.py``) takes the dense half's inputs under the model's own
-names, so the zoo's shape buckets (``runtimes/kv_graphs.py``: a padding user appended) do not apply to it.
-What does apply: a program whose compiled code reads no value from the device (``kv_cache.device_reads`` is
-0) launches the same kernels with the same grids for every call of the same input shapes, so such a call
-can be captured once and replayed. The key is each input's shape and dtype, and the addresses of the
+names, so the zoo's shape buckets (``runtimes/kv_graphs.py``: a padding user appended) do not apply to it; nor
+do they to a whole request without the cache (``Predictor``, ``runtimes/predictor.py``), whose answers a padding
+user would change. What does apply: a program whose compiled code reads no value from the device
+(``kv_cache.device_reads`` is 0; for a whole request, a prechecked sparse half and
+``backend.meta.dense_device_reads`` 0) launches the same kernels with the same grids for every call of the same
+input shapes, so such a call can be captured once and replayed. The key is each input's shape and dtype, and the addresses of the
 inputs that are the same tensors on every call (the cache's pages). Re-ranking the same users with as
 many candidates as before repeats its shapes; a request of shapes not seen before runs as it is.
 
@@ -20,8 +22,8 @@ buffers: the floating ones (the embeddings, a row per token) each on its own, a 
 speed, the others one ``_foreach_copy_`` per dtype (CUDA's multi-tensor copy is one kernel for many small
 tensors, but slow on large ones: ``runtimes/kv_graphs.py``); after it the outputs are copied out, so that the next replay
 cannot overwrite what a caller holds. A capture that fails (a program that syncs after all) leaves its key to
-run as it is from then on, counted as ``refused``, and the call is answered without a graph. Replays are
-serialised under one lock. ``capture=False`` keeps the
+run as it is from then on, counted as ``refused``, and the call is answered without a graph. Captures and
+replays are serialised under one lock; a call run as it is runs outside it. ``capture=False`` keeps the
 same bookkeeping and buffers without CUDA (a replay calls the program on the buffers), which is how it is
 tested on a CPU.
 """
@@ -102,37 +104,45 @@ class ShapeGraphs:
         key = shape_key(inputs, self._static)
         with self._lock:
             entry = self._graphs.get(key)
+            eager = False
             if entry is None:
                 if len(self._seen) > _MAX_SEEN:  # shapes seen once (or refused), long ago, are forgotten
                     self._seen.clear()
                     self._refused.clear()
                 self._seen[key] = self._seen.get(key, 0) + 1
-                if self._seen[key] < 2 or key in self._refused:
+                eager = self._seen[key] < 2 or key in self._refused
+                if eager:
                     self.counts["eager"] += 1
-                    return self._fn(**inputs)
-                try:
-                    entry = self._capture(inputs)
-                except Exception:  # any failure to capture: the call runs as it is
-                    self._refused.add(key)
-                    self.counts["refused"] += 1
-                    if self._capture_cuda:
-                        torch.cuda.synchronize()  # the warm-up's work done before the call runs again
-                    return self._fn(**inputs)
-                self._graphs[key] = entry
-                if len(self._graphs) > self._max:
-                    self._graphs.popitem(last=False)
-            else:
-                for name, target in entry.singles:
-                    target.copy_(inputs[name])
-                for names, targets in entry.groups:
-                    torch._foreach_copy_(targets, [inputs[name] for name in names])
-            self._graphs.move_to_end(key)
-            if entry.graph is not None:
-                entry.graph.replay()
-            else:
-                entry.outputs = self._fn(**entry.inputs)
-            self.counts["replays"] += 1
-            return first_rows(entry.outputs)
+            if not eager:
+                return self._replay(key, entry, inputs)
+        return self._fn(**inputs)  # outside the lock: calls of other shapes run meanwhile
+
+    def _replay(self, key: tuple[Any, ...], entry: _Entry | None, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The call from ``key``'s graph (captured now when ``entry`` is None), under the lock."""
+        if entry is None:
+            try:
+                entry = self._capture(inputs)
+            except Exception:  # any failure to capture: the call runs as it is
+                self._refused.add(key)
+                self.counts["refused"] += 1
+                if self._capture_cuda:
+                    torch.cuda.synchronize()  # the warm-up's work done before the call runs again
+                return self._fn(**inputs)
+            self._graphs[key] = entry
+            if len(self._graphs) > self._max:
+                self._graphs.popitem(last=False)
+        else:
+            for name, target in entry.singles:
+                target.copy_(inputs[name])
+            for names, targets in entry.groups:
+                torch._foreach_copy_(targets, [inputs[name] for name in names])
+        self._graphs.move_to_end(key)
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            entry.outputs = self._fn(**entry.inputs)
+        self.counts["replays"] += 1
+        return first_rows(entry.outputs)
 
     def _capture(self, inputs: dict[str, Tensor]) -> _Entry:
         buffers = {name: value if name in self._static else value.clone() for name, value in inputs.items()}

@@ -88,3 +88,30 @@ def test_a_call_with_more_input_bytes_than_the_bound_runs_as_it_is() -> None:
         got = graphs({"rows": rows, "slots": torch.arange(n), "pages": pages})
         assert torch.equal(got["out"], rows * 2)
     assert graphs.counts == {"eager": 4, "captures": 0, "replays": 2, "refused": 0}
+
+
+def test_a_call_run_as_it_is_does_not_hold_the_others_back() -> None:
+    """A shape seen for the first time runs outside the lock: while it is still running on one thread, a replay
+    of another shape finishes on another (serving threads share one predictor)."""
+    import threading
+
+    started, release, waited = threading.Event(), threading.Event(), []
+
+    def fn(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        if rows.shape[0] == 5:  # the slow call of a new shape, until the other call is answered
+            started.set()
+            waited.append(release.wait(timeout=10))
+        return {"out": rows * 2}
+
+    graphs = ShapeGraphs(fn, [], capture=False)
+    for _ in range(2):  # two rows: seen, then replayed
+        graphs({"rows": torch.ones(2, 3)})
+    slow = threading.Thread(target=graphs, args=({"rows": torch.ones(5, 3)},))
+    slow.start()
+    assert started.wait(timeout=30)
+    got = graphs({"rows": torch.full((2, 3), 4.0)})  # would wait on the slow call if it held the lock
+    release.set()
+    slow.join(timeout=30)
+    assert waited == [True]  # the replay was answered while the slow call ran
+    assert torch.equal(got["out"], torch.full((2, 3), 8.0)) and not slow.is_alive()
+    assert graphs.counts == {"eager": 2, "captures": 0, "replays": 2, "refused": 0}

@@ -180,7 +180,7 @@ std::vector<at::Tensor> ShapeGraphs::operator()(const ProgramInputs& inputs) {
     return s.run(inputs);
   }
   Key key = key_of(inputs, s.statics);
-  std::lock_guard<std::mutex> lock(s.mutex);
+  std::unique_lock<std::mutex> lock(s.mutex);
   auto it = s.graphs.find(key);
   if (it == s.graphs.end()) {
     if (s.seen.size() > kMaxSeen) {  // shapes seen once (or refused), long ago, are forgotten
@@ -189,6 +189,7 @@ std::vector<at::Tensor> ShapeGraphs::operator()(const ProgramInputs& inputs) {
     }
     if (++s.seen[key] < 2 || s.refused.count(key)) {
       s.counts.eager += 1;
+      lock.unlock();  // calls of other shapes run meanwhile
       return s.run(inputs);
     }
     Impl::Graph entry;

@@ -1,16 +1,18 @@
 // CUDA graphs keyed by a call's exact input shapes: runtimes/shape_graphs.py, in C++. Internal.
 //
-// For a derived delta program whose compiled code reads no value back from the device (kv_cache.device_reads
-// 0): such a program launches the same kernels with the same grids for every call of the same input shapes,
-// so a call can be captured once and replayed. The key is every input's name, shape and dtype, and the
+// For a program that reads no value back from the device (a derived delta program whose kv_cache.device_reads is
+// 0; a whole request whose sparse half runs its prechecked model and whose dense program reads nothing,
+// Package::run): such a program launches the same kernels with the same grids for every call of the same input
+// shapes, so a call can be captured once and replayed. The key is every input's name, shape and dtype, and the
 // addresses of the inputs that are the same tensors on every call (the cache's pages). A key is captured the
 // second time it is seen, into one memory pool, at most `max_graphs` are kept (least recently used out).
 // Before a replay the call's tensors are copied into the graph's buffers (the floating ones each on its own,
 // the others one _foreach_copy_ per dtype); after it the outputs are copied out. A capture that fails leaves
 // its key to run as it is from then on (counted as refused). A call whose copied inputs exceed `max_bytes`
 // runs as it is: the copies would cost more than the launches a graph saves (runtimes/shape_graphs.py has the
-// figures). Replays are serialised. `run` may be the whole request (kv_cache.cpp's open_derived: the compiled
-// sparse half, then the program), whose inputs are then the request's tensors.
+// figures). Captures and replays are serialised; a call run as it is runs outside the lock. `run` may be the
+// whole request (kv_cache.cpp's open_derived: the compiled sparse half, then the program; runtime.cpp's
+// Package::open: the sparse half, then the dense half), whose inputs are then the request's tensors.
 #pragma once
 
 #include <ATen/Tensor.h>
