@@ -29,7 +29,7 @@ from hstu_export.package.schema import InputSchema
 from hstu_export.package.tables import check_tables_device
 from hstu_export.runtimes import get_backend
 from hstu_export.runtimes.base import RANGE_CHECK_MESSAGES, Runner, SplitRunner
-from hstu_export.runtimes.shape_graphs import MAX_COPY_BYTES, ShapeGraphs, copy_limit
+from hstu_export.runtimes.shape_graphs import REQUEST_COPY_BYTES, ShapeGraphs, copy_limit
 
 
 class Predictor:
@@ -80,7 +80,7 @@ class Predictor:
         :meth:`graphs_unsafe` finds nothing), or None."""
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs is True, False or None, got {cuda_graphs!r}")
-        limit = MAX_COPY_BYTES if graph_copy_limit is None else copy_limit(graph_copy_limit)
+        limit = REQUEST_COPY_BYTES if graph_copy_limit is None else copy_limit(graph_copy_limit)
         if cuda_graphs is False:
             return None
         unsafe = self.graphs_unsafe()
@@ -360,8 +360,8 @@ def load(path: str | Path, *, verify_checksums: bool = True, require_signature: 
     live; ``cpu`` serves a CUDA package whose tables exceed the GPU's memory from pinned host memory.
     ``cuda_graphs`` (default: on for a CUDA package whose programs read nothing back from the device) replays
     whole requests from CUDA graphs, one per exact request shapes seen twice (:mod:`~hstu_export.runtimes.
-    shape_graphs`); a request whose tensors exceed ``graph_copy_limit`` (bytes or a size such as ``"64MiB"``;
-    default 160 MiB) runs as it is. ``True`` refuses a package that cannot be replayed (``graphs_unsafe``)."""
+    shape_graphs`); a request whose tensors exceed ``graph_copy_limit`` (bytes or a size such as ``"2MiB"``;
+    default 512 KiB: a few users of long histories, past which the GPU's work bounds a request) runs as it is. ``True`` refuses a package that cannot be replayed (``graphs_unsafe``)."""
     root = Path(path)
     if is_published_root(root):  # hstu-export publish's directory: its current version
         root = current_path(root)

@@ -46,6 +46,11 @@ from hstu_export.settings import parse_size
 _MAX_SEEN = 4096
 # Calls whose copied inputs exceed this run as they are (module docstring).
 MAX_COPY_BYTES = 160 << 20
+# The same bound for whole requests without the cache (runtimes/predictor.py): their tensors are ids, a few bytes a
+# token, so it bounds the request's tokens. Measured on an H200 (docs/PERF.md, "Whole-request CUDA graphs"; the zoo's
+# dlrmv3 shapes, about 0.1 MiB a user of 4352 tokens): a request from a graph against as it is, 0.633 / 0.719 ms at
+# 1 user, 3.418 / 3.345 at 8, 13.055 / 13.058 at 32. Past a few such users the GPU's work bounds the request.
+REQUEST_COPY_BYTES = 512 << 10
 
 
 def copy_limit(value: int | str) -> int:

@@ -67,6 +67,8 @@ def test_a_whole_request_graph_answers_as_the_package_in_python_and_cpp(kv_packa
     assert timed.returncode == 0 and "(the sparse half runs in the dense half's graph)" in timed.stdout, timed.stdout
     without = cpp_runtime.run(root, request, "--graphs", "off", "--repeat", "2")
     assert without.returncode == 0 and not GRAPHS.search(without.stdout), without.stdout
+    bounded = cpp_runtime.run(root, request, "--graphs", "buckets", "--graph-copy-limit", "100", "--repeat", "4")
+    assert bounded.returncode == 0 and GRAPHS.findall(bounded.stdout) == [("0", "0", "5")], bounded.stdout
 
 
 @pytest.mark.parametrize("kv_package", ["no-context"], indirect=True)
@@ -83,6 +85,8 @@ def test_graphs_are_refused_in_one_line_where_they_cannot_run(kv_package, cpp_ru
         hstu_export.load(root, cuda_graphs=True)
     with pytest.raises(ConfigError, match="cuda_graphs is True, False or None"):
         hstu_export.load(root, cuda_graphs="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="graph_copy_limit"):
+        hstu_export.load(root, graph_copy_limit="lots")
     assert hstu_export.load(root, cuda_graphs=False).graphs is None
     done = cpp_runtime.run(root, request, "--graphs", "on")
     assert done.returncode == 1 and done.stderr.strip().endswith(f"CUDA graphs need a CUDA package; {root} is for cpu")

@@ -73,7 +73,7 @@ constexpr const char* kUsage =
     "                         --kv-cache; the cache has --kv-graphs\n"
     "  --graph-copy-limit BYTES\n"
     "                         a request whose tensors exceed BYTES (KiB, MiB or GiB allowed; default\n"
-    "                         160MiB) runs as it is, without its graph\n"
+    "                         512KiB, a few users of long histories) runs as it is, without its graph\n"
     "  --quiet                print nothing but errors\n"
     "\n"
     "KV-cached serving (a package exported with --kv-cache; docs/KV_CACHE.md):\n"

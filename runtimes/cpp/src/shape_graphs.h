@@ -31,6 +31,10 @@ namespace hstu_export::detail {
 
 // Calls whose copied inputs exceed this run as they are (runtimes/shape_graphs.py's MAX_COPY_BYTES).
 constexpr int64_t kMaxCopyBytes = int64_t{160} << 20;
+// Whole requests without the cache (Package::run) whose tensors exceed this run as they are: past a few users of
+// long histories the GPU's work, not the host's launches, bounds a request, and a replay saved nothing
+// (runtimes/shape_graphs.py's REQUEST_COPY_BYTES has the figures).
+constexpr int64_t kRequestCopyBytes = int64_t{512} << 10;
 
 // Options::graphs / KVCacheOptions::graphs made definite for the package at `root` on `device`: kAuto is kOn where
 // graphs can run (a CUDA device, a runtime built with CUDA headers) and `unsafe` is empty, else kOff; kOn where
