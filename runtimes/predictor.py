@@ -34,8 +34,8 @@ from hstu_export.runtimes.shape_graphs import REQUEST_COPY_BYTES, ShapeGraphs, c
 
 class Predictor:
     """Callable ``predictor(batch) -> {output name: tensor}``. Safe to call from many threads: the loaded
-    runners (AOTInductor's model container, TorchScript, onnxruntime) are, and the predictor keeps no
-    per-call state."""
+    runners (AOTInductor's model container, TorchScript, onnxruntime) are, and what the predictor keeps between
+    calls, its whole-request CUDA graphs (``graphs``), is kept under a lock."""
 
     def __init__(self, root: Path, manifest: Manifest | dict[str, Any], runner: Runner, device: torch.device, *,
                  cuda_graphs: bool | None = None, graph_copy_limit: int | str | None = None) -> None:
