@@ -29,7 +29,9 @@ this code's package) or a whole checkout of another commit (``git archive REV | 
 the exported program too): its runtimes/cpp is built and its own code exports the baseline package, in a
 subprocess alongside this code's export. ``--ab-kv-program derived`` runs the same A/B between two packages this
 code exports, one runtime: the zoo's delta program derived by the compiler (``new``) against the hand-written one
-(``baseline``). ``--ab-only`` times nothing else per batch.
+(``baseline``). ``--ab-graphs`` runs it between one runtime's request without the cache with whole-request CUDA
+graphs (``--graphs auto``, ``new``) and without (``--graphs off``, ``baseline``), the cache timed once, and times
+Python's no-cache paths with and without them in a fresh process. ``--ab-only`` times nothing else per batch.
 Writes cpp_kv_cache.json (after every step).
 """
 
@@ -396,7 +398,7 @@ def main() -> None:
                              "(new) against --graphs off (baseline), the cache timed once; Python's paths in a fresh "
                              "process with and without them")
     parser.add_argument("--ab-only", action="store_true",
-                        help="with --baseline-src or --ab-kv-program: time only the same-run A/B")
+                        help="with --baseline-src, --ab-kv-program or --ab-graphs: time only the same-run A/B")
     parser.add_argument("--export-only", metavar="WORKLOAD", help=argparse.SUPPRESS)  # the baseline's export
     parser.add_argument("--kv-program", default="auto", choices=["auto", "derived"],
                         help="the packages' delta program (auto: the zoo's written one); with --baseline-src, the "
