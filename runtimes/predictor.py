@@ -90,7 +90,8 @@ class Predictor:
             raise ConfigError(f"CUDA graphs need a CUDA package; {self.root} is for {self.device.type}")
         if self.device.type != "cuda" or unsafe:
             return None
-        return ShapeGraphs(self._whole_request, (), max_bytes=limit)
+        # Keeping the first graphs: under traffic whose shapes keep changing, at most 16 captures in all.
+        return ShapeGraphs(self._whole_request, (), max_bytes=limit, evict=False)
 
     def _whole_request(self, **inputs: Tensor) -> dict[str, Tensor]:
         """The runner on a request on the device, by graph name: what a whole-request graph holds."""
@@ -359,8 +360,8 @@ def load(path: str | Path, *, verify_checksums: bool = True, require_signature: 
     (``cpu`` or ``cuda``; default: the package's device): where the tables stored beside a compiled sparse program
     live; ``cpu`` serves a CUDA package whose tables exceed the GPU's memory from pinned host memory.
     ``cuda_graphs`` (default: on for a CUDA package whose programs read nothing back from the device) replays
-    whole requests from CUDA graphs, one per exact request shapes seen twice (:mod:`~hstu_export.runtimes.
-    shape_graphs`); a request whose tensors exceed ``graph_copy_limit`` (bytes or a size such as ``"2MiB"``;
+    whole requests from CUDA graphs, one per exact request shapes seen twice, for the first 16 shapes captured
+    (:mod:`~hstu_export.runtimes.shape_graphs`); a request whose tensors exceed ``graph_copy_limit`` (bytes or a size such as ``"2MiB"``;
     default 512 KiB: a few users of long histories, past which the GPU's work bounds a request) runs as it is. ``True`` refuses a package that cannot be replayed (``graphs_unsafe``)."""
     root = Path(path)
     if is_published_root(root):  # hstu-export publish's directory: its current version

@@ -17,7 +17,7 @@ a graph against as it is, 0.33 / 0.62 ms at 1 user, 0.42 / 0.87 at 2 (33 MiB), 0
 (132 MiB), 1.32 / 1.22 at 16 (265 MiB) and 2.41 / 2.20 at 32.
 
 A key is captured the second time it is seen, into a pool shared by every graph; at most ``max_graphs``
-are kept (least recently used first out). Before a replay the call's tensors are copied into the graph's
+are kept (least recently used first out; with ``evict=False``, the first ones, and later keys run as they are). Before a replay the call's tensors are copied into the graph's
 buffers: the floating ones (the embeddings, a row per token) each on its own, a device memcpy at the memory's
 speed, the others one ``_foreach_copy_`` per dtype (CUDA's multi-tensor copy is one kernel for many small
 tensors, but slow on large ones: ``runtimes/kv_graphs.py``); after it the outputs are copied out, so that the next replay
@@ -83,14 +83,17 @@ def shape_key(inputs: dict[str, Tensor], static: Iterable[str]) -> tuple[Any, ..
 
 class ShapeGraphs:
     """``graphs(inputs) -> dict``: ``fn(**inputs)``, replayed from a CUDA graph once its shapes were seen
-    before. ``static``: the inputs that are the same tensors on every call (used in place, never copied)."""
+    before. ``static``: the inputs that are the same tensors on every call (used in place, never copied).
+    ``evict=False``: once ``max_graphs`` are kept, a new shape runs as it is instead of displacing one, so that
+    requests whose shapes keep changing cost at most ``max_graphs`` captures (whole requests, ``Predictor``)."""
 
     def __init__(self, fn: Callable[..., dict[str, Tensor]], static: Iterable[str], *, max_graphs: int = 16,
-                 capture: bool = True, max_bytes: int = MAX_COPY_BYTES) -> None:
+                 capture: bool = True, max_bytes: int = MAX_COPY_BYTES, evict: bool = True) -> None:
         self._fn = fn
         self._static = frozenset(static)
         self._max = max_graphs
         self._max_bytes = max_bytes
+        self._evict = evict
         self._capture_cuda = capture
         self._graphs: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
         self._seen: dict[tuple[Any, ...], int] = {}
@@ -115,7 +118,8 @@ class ShapeGraphs:
                     self._seen.clear()
                     self._refused.clear()
                 self._seen[key] = self._seen.get(key, 0) + 1
-                eager = self._seen[key] < 2 or key in self._refused
+                eager = (self._seen[key] < 2 or key in self._refused
+                         or (not self._evict and len(self._graphs) >= self._max))
                 if eager:
                     self.counts["eager"] += 1
             if not eager:

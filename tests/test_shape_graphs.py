@@ -115,3 +115,16 @@ def test_a_call_run_as_it_is_does_not_hold_the_others_back() -> None:
     assert waited == [True]  # the replay was answered while the slow call ran
     assert torch.equal(got["out"], torch.full((2, 3), 8.0)) and not slow.is_alive()
     assert graphs.counts == {"eager": 2, "captures": 0, "replays": 2, "refused": 0}
+
+
+def test_without_eviction_a_full_table_runs_new_shapes_as_they_are() -> None:
+    """``evict=False`` (whole requests): the first ``max_graphs`` shapes keep their graphs, and a later shape seen
+    any number of times is never captured, so that changing shapes cost a bounded number of captures."""
+    pages, calls = torch.zeros(16, 3), []
+    graphs = _program(calls, evict=False)
+    for n in (1, 1, 2, 2, 3, 3, 3, 1, 2):  # two graphs kept (max_graphs=2); three rows never get one
+        rows = torch.randn(n, 3)
+        got = graphs({"rows": rows, "slots": torch.arange(n), "pages": pages})
+        assert torch.equal(got["out"], rows * 2)
+    assert graphs.counts == {"eager": 5, "captures": 0, "replays": 4, "refused": 0}
+    assert sorted(key[1][1][0] for key in graphs._graphs) == [1, 2]  # the rows' shapes of the graphs kept

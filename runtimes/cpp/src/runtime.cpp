@@ -1096,7 +1096,7 @@ std::shared_ptr<const Package> Package::open(const std::string& given, const Opt
     };
     impl->graphs = std::make_unique<detail::ShapeGraphs>(
         std::move(run), std::set<std::string>{}, /*capture=*/graphs == Graphs::kOn, /*max_graphs=*/16,
-        options.graph_copy_limit > 0 ? options.graph_copy_limit : detail::kRequestCopyBytes);
+        options.graph_copy_limit > 0 ? options.graph_copy_limit : detail::kRequestCopyBytes, /*evict=*/false);
   }
   return std::shared_ptr<const Package>(new Package(std::move(impl)));
 }

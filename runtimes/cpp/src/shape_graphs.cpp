@@ -75,6 +75,7 @@ struct ShapeGraphs::Impl {
   std::set<std::string> statics;
   bool capture = true;
   size_t max_graphs = 16;
+  bool evict = true;
   int64_t max_bytes = kMaxCopyBytes;
   mutable std::mutex mutex;
   std::map<Key, Graph> graphs;
@@ -150,8 +151,9 @@ struct ShapeGraphs::Impl {
 };
 
 ShapeGraphs::ShapeGraphs(RunProgram run, std::set<std::string> statics, bool capture, size_t max_graphs,
-                         int64_t max_bytes)
+                         int64_t max_bytes, bool evict)
     : impl_(std::make_unique<Impl>()) {
+  impl_->evict = evict;
   impl_->max_bytes = max_bytes;
   impl_->run = std::move(run);
   impl_->statics = std::move(statics);
@@ -187,7 +189,7 @@ std::vector<at::Tensor> ShapeGraphs::operator()(const ProgramInputs& inputs) {
       s.seen.clear();
       s.refused.clear();
     }
-    if (++s.seen[key] < 2 || s.refused.count(key)) {
+    if (++s.seen[key] < 2 || s.refused.count(key) || (!s.evict && s.graphs.size() >= s.max_graphs)) {
       s.counts.eager += 1;
       lock.unlock();  // calls of other shapes run meanwhile
       return s.run(inputs);

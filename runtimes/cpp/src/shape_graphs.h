@@ -5,7 +5,8 @@
 // Package::run): such a program launches the same kernels with the same grids for every call of the same input
 // shapes, so a call can be captured once and replayed. The key is every input's name, shape and dtype, and the
 // addresses of the inputs that are the same tensors on every call (the cache's pages). A key is captured the
-// second time it is seen, into one memory pool, at most `max_graphs` are kept (least recently used out).
+// second time it is seen, into one memory pool, at most `max_graphs` are kept (least recently used out; with
+// evict=false, the first ones, and later shapes run as they are).
 // Before a replay the call's tensors are copied into the graph's buffers (the floating ones each on its own,
 // the others one _foreach_copy_ per dtype); after it the outputs are copied out. A capture that fails leaves
 // its key to run as it is from then on (counted as refused). A call whose copied inputs exceed `max_bytes`
@@ -45,8 +46,10 @@ class ShapeGraphs {
  public:
   // `run`: the program on inputs by name (outputs in its order). capture=false keeps the keys and buffers
   // but runs the program on the buffers instead of replaying a graph: the same bookkeeping on any device.
+  // evict=false: once `max_graphs` are kept, a new shape runs as it is instead of displacing one (whole requests:
+  // traffic whose shapes keep changing costs at most `max_graphs` captures).
   ShapeGraphs(RunProgram run, std::set<std::string> statics, bool capture, size_t max_graphs = 16,
-              int64_t max_bytes = kMaxCopyBytes);
+              int64_t max_bytes = kMaxCopyBytes, bool evict = true);
   ~ShapeGraphs();
   ShapeGraphs(const ShapeGraphs&) = delete;
   ShapeGraphs& operator=(const ShapeGraphs&) = delete;

@@ -74,7 +74,7 @@ struct Options {
   // The CUDA device a CUDA package runs on (its programs, tables and KV cache); a CPU package ignores it.
   int device_index = 0;
   // Whole requests replayed from CUDA graphs, one per exact request shapes seen twice (the compiled sparse half's
-  // lookups, then the dense half), up to 16 kept (docs/SERVING.md, "Whole-request CUDA graphs"). kAuto: on for a CUDA package
+  // lookups, then the dense half), for the first 16 shapes captured (docs/SERVING.md, "Whole-request CUDA graphs"). kAuto: on for a CUDA package
   // whose programs read nothing back from the device (a compiled sparse half running its prechecked model, and
   // backend.meta.dense_device_reads 0); kOn refuses any other package in one line.
   Graphs graphs = Graphs::kAuto;
