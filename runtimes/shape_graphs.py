@@ -40,7 +40,6 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError
-from hstu_export.runtimes.kv_graphs import CAPTURE_MODE, collection_paused, first_rows
 from hstu_export.settings import parse_size
 
 _MAX_SEEN = 4096
@@ -151,9 +150,13 @@ class ShapeGraphs:
         else:
             entry.outputs = self._fn(**entry.inputs)
         self.counts["replays"] += 1
+        from hstu_export.runtimes.kv_graphs import first_rows  # here: kv_graphs imports the zoo's model code
+
         return first_rows(entry.outputs)
 
     def _capture(self, inputs: dict[str, Tensor]) -> _Entry:
+        from hstu_export.runtimes.kv_graphs import CAPTURE_MODE, collection_paused
+
         buffers = {name: value if name in self._static else value.clone() for name, value in inputs.items()}
         singles: list[tuple[str, Tensor]] = []
         by_dtype: dict[torch.dtype, tuple[list[str], list[Tensor]]] = {}
