@@ -13,8 +13,8 @@ target.
 
 Steps (each writes into ``--work``, so later steps can run in another call on the same machine):
 - ``verify``: exported in fp32 with small ranges (4 users, 64 history items, 16 candidates) and verified on
-  every corner against ``DlrmHSTU.forward`` on the CPU in fp32 (the compiled CUDA program, to the TF32
-  tolerance: our Triton attention's fp32 products run in TF32).
+  every corner against ``DlrmHSTU.forward`` on the CPU in fp32 (the compiled CUDA program, to fp32's tolerance;
+  with ``--fp32-precision high`` its products run in TF32, ours and cuBLAS's, and it is held to TF32's).
 - ``export``: exported in bf16 with the timed workload's ranges, unverified (its corners on the CPU would
   take hours), then compared with the verified fp32 package on small requests (the same model, other
   ranges and dtype: the difference is bf16's); again for each of ``--variants`` (without the ``fuse_stu_gate``
@@ -27,7 +27,7 @@ Steps (each writes into ``--work``, so later steps can run in another call on th
   tokens not counted), the same for both models.
 - ``tzrec``: the TorchEasyRec-style test model (``tests/user_models/tzrec_style.py``, its ``Batch`` in) at the
   same dims, verified in fp32 at the small ranges against its own forward on the CPU, then exported in bf16
-  for the timed ranges; ``time`` times it too when it is there.
+  for the timed ranges; ``time`` times it too when it is there. ``tzrec-verify``: its verification alone.
 - ``profile``: each dense half's GPU kernels on the same workload, by total time (torch.profiler).
 
 Writes ``gr_dlrmv3.json`` into ``--out``.
@@ -106,8 +106,9 @@ def tzrec_settings(device: str, ranges: dict[str, int], verify: bool, dtype: str
                     op_mappings={tzrec_style.ATTENTION: GR_ATTENTION})
 
 
-def step_tzrec(work: Path, device: str, small: bool) -> dict[str, Any]:
-    """The TorchEasyRec-style model: verified in fp32 at the small ranges, then exported for the timed ones."""
+def step_tzrec(work: Path, device: str, small: bool, timed: bool = True) -> dict[str, Any]:
+    """The TorchEasyRec-style model: verified in fp32 at the small ranges, then (``timed``) exported for the timed
+    ones."""
     bundle = tzrec_bundle(work, small, VERIFIED, "tzrec_small")
     start = time.perf_counter()
     result = hstu_export.export(bundle, work / "tzrec_small.aoti", tzrec_settings(device, VERIFIED, True, "float32"))
@@ -115,7 +116,10 @@ def step_tzrec(work: Path, device: str, small: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "verify_seconds": round(time.perf_counter() - start, 1), "passed": parity["passed"], "worst": parity["worst"],
         "batches": len(parity["batches"]),
-        "fused": next(p["stats"] for p in result.manifest["passes"] if p["name"] == "fuse_stu_gate")}
+        "fused": next(p["stats"] for p in result.manifest["passes"] if p["name"] == "fuse_stu_gate"),
+        "tolerances": parity["tolerances"], "fp32_precision": torch.get_float32_matmul_precision()}
+    if not timed:
+        return out
     start = time.perf_counter()
     hstu_export.export(tzrec_bundle(work, small, sizes(small), "tzrec_timed"), work / "tzrec_timed.aoti",
                        tzrec_settings(device, sizes(small), False))
@@ -327,14 +331,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=None, help="where packages are kept between steps [--out]")
-    parser.add_argument("--steps", nargs="+", default=["verify", "export", "time"], choices=["verify", "export", "tzrec", "time", "profile"])
+    parser.add_argument("--steps", nargs="+", default=["verify", "export", "time"], choices=["verify", "export", "tzrec", "tzrec-verify", "time", "profile"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="small shapes and sizes (a dry run)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--fp32-precision", default="highest", choices=["highest", "high"],
+                        help="torch.set_float32_matmul_precision for the run: high multiplies fp32 in TF32 "
+                             "(our kernels' and cuBLAS's), and fp32 exports are held to TF32's tolerances")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                         help="GR exported again with one step left out, timed beside the default [all]")
     args = parser.parse_args()
+    torch.set_float32_matmul_precision(args.fp32_precision)
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or args.out
     work.mkdir(parents=True, exist_ok=True)
@@ -351,8 +359,8 @@ def main() -> int:
                 results[step] = step_verify(work, args.device, args.small)
             elif step == "export":
                 results[step] = step_export(work, args.device, args.small, args.variants)
-            elif step == "tzrec":
-                results[step] = step_tzrec(work, args.device, args.small)
+            elif step in ("tzrec", "tzrec-verify"):
+                results[step] = step_tzrec(work, args.device, args.small, timed=step == "tzrec")
             elif step == "time":
                 results[step] = step_time(work, args.small, args.iters, args.warmup)
             else:

@@ -480,7 +480,7 @@ def export(
             with _timed(timings, progress, "verify"), torch.no_grad(), \
                     running_model(settings.reference_torch_device, "as verification's reference"):
                 ranges = _settle_ranges(staged, manifest, schema, ranges, settings)
-                parity = _verify(staged, captured.reference, schema, ranges, settings, op_target,
+                parity = _verify(staged, captured.reference, schema, ranges, settings,
                                  captured.quantized_tables, output_shapes, {o["name"]: o["kind"] for o in outputs})
             manifest["parity"] = parity
             if not parity["passed"]:
@@ -609,7 +609,7 @@ class BatchDependentWarning(UserWarning):
 
 
 def _verify(root: Path, reference: Any, schema: InputSchema, ranges: ExportRanges, settings: ExportSettings,
-            op_target: str, quantized_tables: list[dict[str, Any]], output_shapes: dict[str, list[int | str]],
+            quantized_tables: list[dict[str, Any]], output_shapes: dict[str, list[int | str]],
             kinds: dict[str, str]) -> dict[str, Any]:
     """Parity against the user's fp32 model; with quantized tables, the scores (``kinds``) at the coarsest
     mode's tolerances with each user's candidate ranking compared (Kendall tau,
@@ -621,12 +621,12 @@ def _verify(root: Path, reference: Any, schema: InputSchema, ranges: ExportRange
     predictor = load(root, verify_checksums=False)
     batches = verification_batches(schema, ranges, settings.verify.seed, settings.verify.num_random_batches)
     modes = [t["mode"] for t in quantized_tables]
-    tolerances = settings.tolerances(op_target, modes)
+    tolerances = settings.tolerances(modes)
     if not any(m != "none" for m in modes):
         parity = check_parity(predictor, reference, batches, tolerances)
     else:
         scores = {name: dims for name, dims in output_shapes.items() if kinds.get(name) in SCORE_KINDS}
-        held = settings.relative_tolerances(op_target, modes)
+        held = settings.relative_tolerances(modes)
 
         def taus(batch: dict[str, Tensor], exported: dict[str, Tensor], eager: dict[str, Tensor]) -> dict[str, Any]:
             return {"rank_agreement": rank_agreement.per_user_tau(exported, eager, batch, scores)}

@@ -27,7 +27,8 @@ DEFAULT_TOLERANCES = {
     "bfloat16": {"rel_l2": 2e-2, "max_abs": 5e-2},
     "float16": {"rel_l2": 5e-3, "max_abs": 1e-2},
 }
-# fp32 through our Triton kernels on CUDA: their dot products run in TF32 (10-bit mantissa inputs).
+# fp32 through our Triton kernels on CUDA when torch's fp32 matmul precision allows TF32 ("high" or "medium"): their
+# dot products then run in TF32 (10-bit mantissa inputs), as torch's own products do (ops/_triton/configs.py).
 TF32_TOLERANCES = {"rel_l2": 2e-4, "max_abs": 5e-4}
 MAX_BATCH_SIZE = 65_536
 
@@ -453,14 +454,15 @@ class ExportSettings:
         """fp32 with ``--reference-device``; the export dtype otherwise (the model converted as exported)."""
         return torch.float32 if self.reference_device else self.torch_dtype
 
-    def tolerances(self, op_target: str | None = None, quantized_modes: list[str] | None = None) -> dict[str, float]:
+    def tolerances(self, quantized_modes: list[str] | None = None) -> dict[str, float]:
         """Verification tolerances; ``quantized_modes`` (the tables' storage modes) widen them to the
         coarsest mode's where the dtype's are tighter, as the package is compared with the fp32 model."""
         quantized = self.quantization.tolerances_for(quantized_modes or [])
         if self.verify.tolerances:
             base = dict(self.verify.tolerances)
-        elif self.dtype == "float32" and op_target == "triton" and self.torch_device.type == "cuda":
-            base = dict(TF32_TOLERANCES)
+        elif self.dtype == "float32" and self.torch_device.type == "cuda" and \
+                torch.get_float32_matmul_precision() != "highest":
+            base = dict(TF32_TOLERANCES)  # fp32 products in TF32: ours on the triton target, cuBLAS's on any
         else:
             base = dict(DEFAULT_TOLERANCES[self.dtype])
         if quantized is not None and not self.verify.tolerances:
@@ -471,14 +473,14 @@ class ExportSettings:
             base["max_abs"] = self.verify.atol
         return base
 
-    def relative_tolerances(self, op_target: str | None, quantized_modes: list[str]) -> dict[str, float]:
+    def relative_tolerances(self, quantized_modes: list[str]) -> dict[str, float]:
         """Verification tolerances of a quantized package's outputs that are not scores: relative L2 only
         (``QUANTIZED_RELATIVE_L2`` of the coarsest mode, or the dtype's where looser); ``--rtol``/``--atol``
         and ``VerifySettings.tolerances`` hold as given."""
         if self.verify.tolerances:
-            return self.tolerances(op_target)
+            return self.tolerances()
         used = [m for m in quantized_modes if m != "none"]
-        base = self.tolerances(op_target)
+        base = self.tolerances()
         held = {"rel_l2": max([base["rel_l2"], *(QUANTIZED_RELATIVE_L2[m] for m in used)])}
         if self.verify.rtol is not None:
             held["rel_l2"] = self.verify.rtol

@@ -70,17 +70,17 @@ def test_table_modes_parse_and_refuse() -> None:
 
 def test_tolerances_follow_the_coarsest_mode() -> None:
     settings = ExportSettings(quantization=EmbeddingQuantization("int8", {"item": "int4"}))
-    assert settings.tolerances("aten", ["int8", "int4", "none"]) == QUANTIZED_TOLERANCES["int4"]
-    assert settings.tolerances("aten", ["fp16", "none"]) == QUANTIZED_TOLERANCES["fp16"]
-    assert settings.tolerances("aten", ["none"]) == {"rel_l2": 1e-5, "max_abs": 1e-4}  # fp32 as before
+    assert settings.tolerances(["int8", "int4", "none"]) == QUANTIZED_TOLERANCES["int4"]
+    assert settings.tolerances(["fp16", "none"]) == QUANTIZED_TOLERANCES["fp16"]
+    assert settings.tolerances(["none"]) == {"rel_l2": 1e-5, "max_abs": 1e-4}  # fp32 as before
     assert QUANTIZED_TOLERANCES["int8"]["max_abs"] == 0.01 and QUANTIZED_TOLERANCES["int4"]["max_abs"] == 0.05
     custom = ExportSettings(quantization=EmbeddingQuantization("int8", tolerances={"int8": {"max_abs": 0.002}}))
-    assert custom.tolerances("aten", ["int8"]) == {"rel_l2": 0.02, "max_abs": 0.002}
+    assert custom.tolerances(["int8"]) == {"rel_l2": 0.02, "max_abs": 0.002}
     # A bf16 export is already looser than fp16 tables: the wider of the two holds.
-    assert ExportSettings(dtype="bf16", quantization="fp16").tolerances("aten", ["fp16"]) == {
+    assert ExportSettings(dtype="bf16", quantization="fp16").tolerances(["fp16"]) == {
         "rel_l2": 2e-2, "max_abs": 5e-2}
     atol = ExportSettings(quantization="int8", verify=VerifySettings(atol=0.03))
-    assert atol.tolerances("aten", ["int8"])["max_abs"] == 0.03  # --atol still overrides
+    assert atol.tolerances(["int8"])["max_abs"] == 0.03  # --atol still overrides
 
 
 # ---- storage and lookups ---------------------------------------------------------------------------

@@ -526,3 +526,47 @@ def test_kernels_compile_for_hopper_without_spilling(kernel: str) -> None:
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["HGMMA"] > 0 and report["LDGSTS"] > 0, report
     assert report["stack"] <= 64 and report["regs"] <= 255, report
+
+
+@pytest.mark.parametrize(("precision", "dtype", "expected"), [
+    ("highest", torch.float32, "ieee"), ("high", torch.float32, "tf32"), ("highest", torch.bfloat16, "tf32")])
+def test_fp32_products_follow_torchs_matmul_precision(monkeypatch: pytest.MonkeyPatch, precision: str,
+                                                      dtype: torch.dtype, expected: str) -> None:
+    """Both attention kernels multiply fp32 operands as torch multiplies fp32 matrices: in full fp32 at torch's
+    default precision, in TF32 only where the process allows it (``torch.set_float32_matmul_precision("high")``);
+    16-bit operands as before. An fp32 export on CUDA is then held to fp32's tolerances unless TF32 is allowed
+    (with TF32 products, the TorchEasyRec-style model at DLRMv3's dims was 8.8e-4 from its own forward)."""
+    import hstu_export.ops._triton.attention as attention
+    import hstu_export.ops._triton.paged as paged
+    from hstu_export.ops._triton.configs import AttentionConfig
+    from hstu_export.settings import ExportSettings
+
+    launched: dict[str, str] = {}
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> None:
+                launched[self.name] = kwargs.get("DOT_PRECISION", "none")
+            return launch
+
+    monkeypatch.setattr(attention, "_hstu_attn_fwd", Recorder("attention"))
+    monkeypatch.setattr(paged, "_paged_attn_fwd", Recorder("paged"))
+    monkeypatch.setattr(paged, "_sum_slices", Recorder("sum"))
+    was = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        q = torch.zeros(6, 2, 16, dtype=dtype)
+        attention.hstu_mha_triton_fwd(q, q, q, torch.tensor([0, 6]), 6, 6, 0.5, True, None, 0, 0,
+                                      config=AttentionConfig(16, 16, 4, 1))
+        pages = torch.zeros(2, 16, 2, 16, dtype=dtype)
+        paged.paged_hstu_mha_triton_fwd(q, q, q, torch.tensor([0, 6]), pages, pages.clone(),
+                                        torch.zeros(1, 1, dtype=torch.int32), torch.tensor([6]), torch.tensor([0]),
+                                        6, 0.5, max_seq_len=6, max_query_len=6, config=AttentionConfig(16, 16, 4, 1))
+        tolerances = ExportSettings(dtype="float32", device="cuda").tolerances()
+    finally:
+        torch.set_float32_matmul_precision(was)
+    assert launched["attention"] == launched["paged"] == expected, launched
+    assert tolerances == ({"rel_l2": 2e-4, "max_abs": 5e-4} if precision == "high" else {"rel_l2": 1e-5, "max_abs": 1e-4})

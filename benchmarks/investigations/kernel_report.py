@@ -24,6 +24,8 @@ from hstu_export.ops._triton.attention import _hstu_attn_fwd
 from hstu_export.ops._triton.paged import _paged_attn_fwd
 
 _TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+# Products as a launch at torch's default fp32 matmul precision runs them (configs.dot_precision).
+_PRECISION = {"bf16": "tf32", "fp16": "tf32", "fp32": "ieee"}
 
 
 def compile_attention(
@@ -41,7 +43,7 @@ def compile_attention(
     constexprs = dict(
         DQK=dqk, DV=dv, BLOCK_DQK=max(triton.next_power_of_2(dqk), 16), BLOCK_DV=max(triton.next_power_of_2(dv), 16),
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, HAS_TARGETS=has_targets, IS_DELTA=delta, SKIP=skip,
-        FAST_SILU=dtype != "fp32", UPCAST_DOTS=False,
+        FAST_SILU=dtype != "fp32", UPCAST_DOTS=False, DOT_PRECISION=_PRECISION[dtype],
     )  # fmt: skip
     for name in constexprs:
         signature[name] = "constexpr"
@@ -82,7 +84,7 @@ def compile_paged(
     constexprs = dict(
         DQK=dqk, DV=dv, BLOCK_DQK=max(triton.next_power_of_2(dqk), 16), BLOCK_DV=max(triton.next_power_of_2(dv), 16),
         BLOCK_M=block_m, BLOCK_N=min(block_n, page), PAGE=page, CHUNK=64, FAST_SILU=dtype != "fp32", UPCAST_DOTS=False,
-        PREFETCH=True, STORE=store, TARGETS_ONLY=targets_only,
+        PREFETCH=True, STORE=store, TARGETS_ONLY=targets_only, DOT_PRECISION=_PRECISION[dtype],
     )  # fmt: skip
     constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}  # older variants
     for name in constexprs:

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from .configs import AttentionConfig, attention_config, next_power_of_2
+from .configs import AttentionConfig, attention_config, dot_precision, next_power_of_2
 
 __all__ = ["cached_hstu_mha_triton_fwd", "hstu_mha_triton_fwd"]
 
@@ -80,6 +80,7 @@ def _accumulate(
     MASKED: tl.constexpr,
     FAST_SILU: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     cols = start_n + offs_n
     # Scalar 64-bit base per chunk plus loop-invariant 32-bit tile offsets.
@@ -95,7 +96,7 @@ def _accumulate(
         kt = tl.load(k_ptrs)
     if UPCAST_DOTS:
         kt = kt.to(tl.float32)
-    s = _silu_scaled(tl.dot(q, kt), alpha, FAST_SILU)
+    s = _silu_scaled(tl.dot(q, kt, input_precision=DOT_PRECISION), alpha, FAST_SILU)
     if MASKED:
         if CAUSAL:
             col_pos = _position(cols, ctx_shift, m_pos)
@@ -111,8 +112,8 @@ def _accumulate(
         v = tl.load(v_ptrs)
     if UPCAST_DOTS:
         # Same rounding of the scores as the 16-bit product below, then an fp32 product.
-        return tl.dot(s.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
-    return tl.dot(s.to(v.dtype), v, acc)
+        return tl.dot(s.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision=DOT_PRECISION)
+    return tl.dot(s.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -150,6 +151,7 @@ def _hstu_attn_fwd(
     SKIP: tl.constexpr,
     FAST_SILU: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Inductor passes Python floats as fp64 scalars; keep every product in fp32.
     alpha = tl.cast(alpha, tl.float32)
@@ -243,7 +245,7 @@ def _hstu_attn_fwd(
             acc = _accumulate(
                 acc, q, K_base, V_base, k_offs, v_offs, stride_kn, stride_vn, start_n, uhi, rows, row_pos, row_ctx,
                 ctx_shift, m_pos, max_attn_len, alpha, offs_n, offs_dqk, offs_dv,
-                DQK, DV, BLOCK_DQK, BLOCK_DV, CAUSAL, False, FAST_SILU, UPCAST_DOTS,
+                DQK, DV, BLOCK_DQK, BLOCK_DV, CAUSAL, False, FAST_SILU, UPCAST_DOTS, DOT_PRECISION,
             )  # fmt: skip
         # Edge chunks with the mask: [lo, ulo) then [uhi, hi), one loop over both.
         n_lo = tl.cdiv(ulo - lo, BLOCK_N)
@@ -255,7 +257,7 @@ def _hstu_attn_fwd(
             acc = _accumulate(
                 acc, q, K_base, V_base, k_offs, v_offs, stride_kn, stride_vn, start_n, end_n, rows, row_pos, row_ctx,
                 ctx_shift, m_pos, max_attn_len, alpha, offs_n, offs_dqk, offs_dv,
-                DQK, DV, BLOCK_DQK, BLOCK_DV, CAUSAL, True, FAST_SILU, UPCAST_DOTS,
+                DQK, DV, BLOCK_DQK, BLOCK_DV, CAUSAL, True, FAST_SILU, UPCAST_DOTS, DOT_PRECISION,
             )  # fmt: skip
         if CAUSAL:
             if SKIP:
@@ -383,6 +385,7 @@ def _launch_attention(
         FAST_SILU=fast_silu,
         # Triton's CPU interpreter multiplies 16-bit floats wrongly (3.7): it gets fp32 operands.
         UPCAST_DOTS=_interpreting() and q.dtype != torch.float32,
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

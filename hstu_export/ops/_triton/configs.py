@@ -24,6 +24,7 @@ __all__ = [
     "attention_config",
     "chosen_configs",
     "collecting_configs",
+    "dot_precision",
     "gate_config",
     "jagged_config",
     "next_power_of_2",
@@ -47,6 +48,17 @@ class JaggedConfig:
     block_rows: int
     block_d: int
     num_warps: int
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """How a kernel's products of ``dtype`` operands run (``tl.dot``'s ``input_precision``): fp32 operands as
+    torch's own fp32 products do, by ``torch.get_float32_matmul_precision()``: ``"ieee"`` (full fp32) at its default
+    ``"highest"``, TF32 (10-bit mantissas) at ``"high"`` or ``"medium"``. Read when the kernel is launched or traced,
+    so an exported program keeps the precision of the export. 16-bit operands: ``"tf32"``, which does not apply to
+    them (their compiled kernels are unchanged)."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
 
 
 def next_power_of_2(x: int) -> int:

@@ -40,7 +40,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from .attention import _device_capability, _position, _silu_scaled
-from .configs import AttentionConfig, attention_config, gate_config, next_power_of_2
+from .configs import AttentionConfig, attention_config, dot_precision, gate_config, next_power_of_2
 from .rows import row_block, stu_gate_rows
 
 __all__ = [
@@ -74,25 +74,25 @@ def _valid(rows, cols, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len):
 
 
 @triton.jit
-def _dot_acc(acc, s, v, UPCAST_DOTS: tl.constexpr):
+def _dot_acc(acc, s, v, UPCAST_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     if UPCAST_DOTS:  # the interpreter's 16-bit products are wrong: same rounding of s, fp32 product
-        return tl.dot(s.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
-    return tl.dot(s.to(v.dtype), v, acc)
+        return tl.dot(s.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision=DOT_PRECISION)
+    return tl.dot(s.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
 def _masked_block(acc, q, k_ptrs, v_ptrs, cols, end, rows, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len, alpha,
                   offs_dqk, offs_dv, DQK: tl.constexpr, DV: tl.constexpr, FAST_SILU: tl.constexpr,
-                  UPCAST_DOTS: tl.constexpr):  # fmt: skip
+                  UPCAST_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """One key block (columns ``cols``, those >= ``end`` left out) under the mask."""
     col_ok = cols < end
     kt = tl.load(k_ptrs, mask=col_ok[None, :] & (offs_dqk[:, None] < DQK), other=0.0)
     if UPCAST_DOTS:
         kt = kt.to(tl.float32)
-    s = _silu_scaled(tl.dot(q, kt), alpha, FAST_SILU)
+    s = _silu_scaled(tl.dot(q, kt, input_precision=DOT_PRECISION), alpha, FAST_SILU)
     s = tl.where(_valid(rows, cols, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len) & col_ok[None, :], s, 0.0)
     v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    return _dot_acc(acc, s, v, UPCAST_DOTS)
+    return _dot_acc(acc, s, v, UPCAST_DOTS, DOT_PRECISION)
 
 
 @triton.jit
@@ -148,7 +148,7 @@ def _paged_attn_fwd(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
     FAST_SILU: tl.constexpr, UPCAST_DOTS: tl.constexpr, PREFETCH: tl.constexpr, STORE: tl.constexpr,
-    TARGETS_ONLY: tl.constexpr,
+    TARGETS_ONLY: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # The layer's pages (0 when the caller passed one layer's).
     KP += tl.cast(layer, tl.int64) * stride_kpl
@@ -258,13 +258,13 @@ def _paged_attn_fwd(
                 kt = tl.load(k_ptrs)
             if UPCAST_DOTS:
                 kt = kt.to(tl.float32)
-            s = _silu_scaled(tl.dot(q, kt), alpha, FAST_SILU)
+            s = _silu_scaled(tl.dot(q, kt, input_precision=DOT_PRECISION), alpha, FAST_SILU)
             v_ptrs = VP + page * stride_vpp + in_page * stride_vpn + h * stride_vph + vp_offs
             if BLOCK_DV != DV:
                 v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
             else:
                 v = tl.load(v_ptrs)
-            acc = _dot_acc(acc, s, v, UPCAST_DOTS)
+            acc = _dot_acc(acc, s, v, UPCAST_DOTS, DOT_PRECISION)
             if PREFETCH:
                 page = next_page
         for start_n in range(p_mid, p_hi, BLOCK_N):
@@ -274,7 +274,7 @@ def _paged_attn_fwd(
                 acc, q, KP + page * stride_kpp + in_page * stride_kpn + h * stride_kph + kp_offs,
                 VP + page * stride_vpp + in_page * stride_vpn + h * stride_vph + vp_offs, start_n + offs_n, p_hi,
                 rows, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len, alpha, offs_dqk, offs_dv,
-                DQK, DV, FAST_SILU, UPCAST_DOTS,
+                DQK, DV, FAST_SILU, UPCAST_DOTS, DOT_PRECISION,
             )  # fmt: skip
         # The request's own non-target keys (first_query onwards), from k_new/v_new rows.
         kn_offs = offs_n[None, :] * stride_knm + offs_dqk[:, None]
@@ -284,7 +284,7 @@ def _paged_attn_fwd(
             acc = _masked_block(
                 acc, q, KN + row0 * stride_knm + h * stride_knh + kn_offs, VN + row0 * stride_vnm + h * stride_vnh
                 + vn_offs, start_n + offs_n, s_hi, rows, row_pos, row_ctx, ctx_shift, m_pos, max_attn_len, alpha,
-                offs_dqk, offs_dv, DQK, DV, FAST_SILU, UPCAST_DOTS,
+                offs_dqk, offs_dv, DQK, DV, FAST_SILU, UPCAST_DOTS, DOT_PRECISION,
             )  # fmt: skip
 
         if pid_s == 0:
@@ -488,7 +488,8 @@ def _launch_paged(
         page_table.shape[1], DQK=dqk, DV=dv, BLOCK_DQK=max(next_power_of_2(dqk), 16),
         BLOCK_DV=max(next_power_of_2(dv), 16), BLOCK_M=cfg.block_m, BLOCK_N=block_n, PAGE=page_size,
         CHUNK=_USER_CHUNK, FAST_SILU=fast_silu, UPCAST_DOTS=interpreting and q.dtype != torch.float32,
-        PREFETCH=prefetch_pages, STORE=store, TARGETS_ONLY=targets is not None, num_warps=cfg.num_warps,
+        PREFETCH=prefetch_pages, STORE=store, TARGETS_ONLY=targets is not None, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return _Launched(out, work, slices, numel)
