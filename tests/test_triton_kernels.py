@@ -535,7 +535,8 @@ def test_fp32_products_follow_torchs_matmul_precision(monkeypatch: pytest.Monkey
     """Both attention kernels multiply fp32 operands as torch multiplies fp32 matrices: in full fp32 at torch's
     default precision, in TF32 only where the process allows it (``torch.set_float32_matmul_precision("high")``);
     16-bit operands as before. An fp32 export on CUDA is then held to fp32's tolerances unless TF32 is allowed
-    (with TF32 products, the TorchEasyRec-style model at DLRMv3's dims was 8.8e-4 from its own forward)."""
+    (with TF32 products, the TorchEasyRec-style model at DLRMv3's dims was 2.4e-3 from its own forward on an
+    H200)."""
     import hstu_export.ops._triton.attention as attention
     import hstu_export.ops._triton.paged as paged
     from hstu_export.ops._triton.configs import AttentionConfig
