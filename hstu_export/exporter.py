@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import shutil
 import time
 import warnings
@@ -408,6 +409,7 @@ def export(
         with _timed(timings, progress, "compile"), torch.no_grad(), _collecting_triton_configs() as configs:
             artifacts = backend.compile(inputs, staged)
         _check_op_libraries(artifacts.op_libraries)
+        ranges, compiled_narrowing = _narrow_to_compiled(artifacts.meta.get("narrowed_dims", []), ranges)
         kv_section = None
         if settings.kv_cache and _written_delta(bundle.model, settings):
             from hstu_export.kv_export import compile_kv_delta
@@ -444,8 +446,10 @@ def export(
             "triton_configs": dict(sorted(configs.items())) if op_target == "triton" else {},
             "input_schema": exported_schema(schema, ranges).to_json(),
             "ranges": {"max_batch_size": ranges.max_batch_size, "lengths": ranges.to_json(),
-                       "dims": {d.name: [d.min, d.max] for dims in inputs.dense_dynamic_dims.values()
-                                for d in dims.values()}},
+                       "dims": {d.name: [d.min, ranges.max_batch_size if d.name == BATCH_DIM and compiled_narrowing
+                                          else d.max]
+                                for dims in inputs.dense_dynamic_dims.values() for d in dims.values()},
+                       **({"narrowed": compiled_narrowing} if compiled_narrowing else {})},
             "sparse_input_names": inputs.sparse_input_names,
             "sparse_output_names": [n for n in inputs.dense_input_names if n not in graph_names],
             "dense_input_names": inputs.dense_input_names,
@@ -592,11 +596,37 @@ def _settle_ranges(root: Path, manifest: dict[str, Any], schema: InputSchema, ra
     if narrowed:
         manifest["input_schema"] = exported_schema(schema, settled).to_json()
         manifest["ranges"].update(max_batch_size=settled.max_batch_size, lengths=settled.to_json(),
-                                  narrowed=narrowed)
+                                  narrowed=[*manifest["ranges"].get("narrowed", []), *narrowed])
         write_manifest(root, manifest)
         for record in narrowed:
             warnings.warn(narrowing_note(record), NarrowedRangeWarning, stacklevel=2)
     return settled
+
+
+def _narrow_to_compiled(narrowed_dims: list[dict[str, Any]], ranges: ExportRanges
+                        ) -> tuple[ExportRanges, list[dict[str, Any]]]:
+    """The ranges within the dims the backend's programs were compiled for (``narrowed_dims``: where Inductor held a
+    declared dim to less, runtimes/compiled_bounds.py), each narrowing said in one warning line. A number of users
+    is narrowed; a total of rows, which the ranges cannot state, refuses the export."""
+    from hstu_export.verification.corners import narrowing_note
+
+    records = []
+    for dim in narrowed_dims:
+        reason = (f"AOTInductor compiled the {dim['program']} program for {dim['input']} dim {dim['axis']} "
+                  f"at most {dim['compiled']}")
+        if dim["dim"] != BATCH_DIM:
+            raise ExportError(f"{reason}, while the ranges allow {dim['declared']} rows of {dim['dim']} in a call; "
+                              "export with a smaller --max-batch-size or shorter maximum lengths")
+        if dim["compiled"] < 1:
+            raise ExportError(f"{reason} users; the package could serve no request")
+        if dim["compiled"] >= ranges.max_batch_size:
+            continue
+        record = {"feature": "batch size", "bound": "max", "declared": ranges.max_batch_size,
+                  "exported": dim["compiled"], "reason": reason}
+        ranges = dataclasses.replace(ranges, max_batch_size=dim["compiled"])
+        records.append(record)
+        warnings.warn(narrowing_note(record), NarrowedRangeWarning, stacklevel=3)
+    return ranges, records
 
 
 class NarrowedRangeWarning(UserWarning):

@@ -36,6 +36,7 @@ from hstu_export.runtimes.base import (
     SplitRunner,
     torch_dynamic_shapes,
 )
+from hstu_export.runtimes.compiled_bounds import InputBounds, named, narrowed_dims, recording_input_bounds
 from hstu_export.runtimes.graph_io import (
     BUILTIN_NAMESPACES,
     OP_LIBRARY_MODULES,
@@ -211,23 +212,28 @@ def named_range_refusal(exc: BaseException, checks: dict[str, list[str]]) -> Bas
 
 
 def _compile(program: torch.export.ExportedProgram | dict[str, torch.export.ExportedProgram], path: Path,
-             options: dict[str, Any]) -> None:
+             options: dict[str, Any]) -> list[InputBounds]:
     """One program into the package ``path``, or several by model name into one package (loaded by name; the stock
-    loader takes the one named "model")."""
+    loader takes the one named "model"). Returns the input bounds each compiled graph holds
+    (runtimes/compiled_bounds.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with unbacked_ranges_hold_at_one():
+    with unbacked_ranges_hold_at_one(), recording_input_bounds() as bounds:
         if not isinstance(program, dict):
             torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(options))
-            return
+            return [named(each, list(program.graph_signature.user_inputs)) for each in bounds]
         from torch._inductor.package import package_aoti
 
-        files = {}
+        files, held = {}, []
         for name, each in program.items():
             args, kwargs = each.example_inputs
             module = each.module(check_guards=False) if "check_guards" in inspect.signature(each.module).parameters \
                 else each.module()  # torch before 2.12 has no guards to leave out
+            start = len(bounds)
             files[name] = torch._inductor.aot_compile(module, args, kwargs, options={**options, "aot_inductor.package": True})
+            names = list(each.graph_signature.user_inputs)
+            held.extend(named(graph, names) for graph in bounds[start:])
         package_aoti(str(path), files)
+    return held
 
 
 class AotiBackend(Backend):
@@ -239,14 +245,17 @@ class AotiBackend(Backend):
         sparse_file, sparse_libraries, sparse_meta, tables = self._compile_sparse(inputs, out_dir, options)
         program = export_dense(inputs)
         try:
-            _compile(program, out_dir / DENSE_FILE, options)
+            bounds = _compile(program, out_dir / DENSE_FILE, options)
         except Exception as exc:
             raise ExportError(f"AOTInductor compilation failed: {plain_first_line(exc)}"
                               f"{data_dependent_advice(exc)}") from exc
+        narrowed = [*sparse_meta.pop("narrowed_dims", []),
+                    *(d.to_json() for d in narrowed_dims("dense", bounds, inputs.dense_dynamic_dims))]
         return BackendArtifacts(
             files={"sparse": sparse_file, "dense": DENSE_FILE},
             meta={"dense_exported_nodes": len(program.graph.nodes), "dense_device_reads": device_reads(program),
-                  "inductor_options": options, "sparse_program": sparse_meta},
+                  "inductor_options": options, "sparse_program": sparse_meta,
+                  **({"narrowed_dims": narrowed} if narrowed else {})},
             op_libraries=sorted(set(sparse_libraries) | package_op_libraries(out_dir / DENSE_FILE)),
             formats={"sparse": sparse_meta["format"]},
             constants={"sparse": tables} if tables else {},
@@ -264,7 +273,7 @@ class AotiBackend(Backend):
                 prechecked = prechecked_sparse(inputs.sparse) if inputs.settings.prechecked_for_device else None
                 programs = program if prechecked is None else {
                     "model": program, PRECHECKED_MODEL: export_sparse(inputs, prechecked[0])}
-                _compile(programs, out_dir / SPARSE_PROGRAM_FILE, {**options, **_WITHOUT_CONSTANTS})
+                bounds = _compile(programs, out_dir / SPARSE_PROGRAM_FILE, {**options, **_WITHOUT_CONSTANTS})
                 values = _program_tables(program, out_dir)
                 if prechecked is not None:
                     _models_agree(out_dir / SPARSE_PROGRAM_FILE, values, inputs)
@@ -282,6 +291,9 @@ class AotiBackend(Backend):
                         "range_checks": compiled_range_checks(program, inputs.sparse)}
                 if prechecked is not None:
                     meta["prechecked"] = {"model": PRECHECKED_MODEL, "ranges": prechecked[1]}
+                narrowed = narrowed_dims("sparse", bounds, inputs.sparse_dynamic_dims)
+                if narrowed:
+                    meta["narrowed_dims"] = [d.to_json() for d in narrowed]
                 return (SPARSE_PROGRAM_FILE, sorted(package_op_libraries(out_dir / SPARSE_PROGRAM_FILE)), meta, tables)
         sparse_file, libraries = compile_sparse(inputs, out_dir)
         return sparse_file, libraries, {"format": "torchscript", "reason": reason}, None

@@ -1,0 +1,151 @@
+"""The largest input dims an AOTInductor program was compiled for, read from Inductor while it compiles.
+
+torch.export hands Inductor each dynamic dim with the range export declared. Inductor can still narrow a range
+while it lowers and generates code: a choice it takes on the example's size becomes a fact about the symbol
+(``evaluate_min(batch, 3)`` on an example of 3 users holds only while ``batch <= 3``). The program is then
+correct only inside the narrower range. AOTInductor checks its inputs against that range only when the process
+sets ``AOTI_RUNTIME_CHECK_INPUTS=1``; otherwise it runs past it, and a CUDA program can then stop the whole
+process with a device-side assert.
+
+``recording_input_bounds()`` records, for every graph Inductor compiles with a C++ wrapper (the programs of an
+AOTInductor package), each input dim's largest value as that input check computes it. ``narrowed_dims`` compares
+them with the dims export declared, so export can narrow the package's ranges to what its programs hold.
+
+This reaches into Inductor (``GraphLowering.codegen_with_cpp_wrapper``, its ``graph_inputs`` and shape
+environment). With a torch that lacks them nothing is recorded, and verification's corner batches are then the
+only check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+# Per compiled graph, its inputs in order: per dim, the largest size the program holds (None: static or
+# unbounded); None for an input that is not a tensor.
+GraphBounds = list[list[int | None] | None]
+# The same keyed by the program's input names.
+InputBounds = dict[str, list[int | None]]
+
+_lock = threading.Lock()
+_recorders: list[list[GraphBounds]] = []
+_original: Any = None
+
+
+def _lowering_class() -> Any | None:
+    try:
+        from torch._inductor.graph import GraphLowering
+        from torch.utils._sympy.value_ranges import bound_sympy  # noqa: F401
+    except ImportError:
+        return None
+    return GraphLowering if hasattr(GraphLowering, "codegen_with_cpp_wrapper") else None
+
+
+def _input_bounds(graph: Any) -> GraphBounds:
+    """What AOTInductor's input check would hold each input of ``graph`` to: a dim's upper bound over the
+    shape environment's ranges, as they stand once the code is generated."""
+    import sympy
+    from torch.utils._sympy.value_ranges import bound_sympy
+
+    ranges = graph.sizevars.shape_env.var_to_range
+    bounds: GraphBounds = []
+    for value in graph.graph_inputs.values():
+        get_size = getattr(value, "get_size", None)
+        if get_size is None:
+            bounds.append(None)  # a symbolic int input, not a tensor
+            continue
+        dims: list[int | None] = []
+        for size in get_size():
+            upper = None if isinstance(size, (int, sympy.Integer)) else bound_sympy(size, ranges).upper
+            # None: static, or unbounded (torch's int_oo is no Integer)
+            dims.append(int(upper) if isinstance(upper, sympy.Integer) else None)
+        bounds.append(dims)
+    return bounds
+
+
+def named(bounds: GraphBounds, names: list[str]) -> InputBounds:
+    """``bounds`` keyed by the program's input names (its user inputs, in order); nothing when they differ in
+    number, as they would with an Inductor that passes its inputs otherwise."""
+    if len(bounds) != len(names):
+        return {}
+    return {name: dims for name, dims in zip(names, bounds, strict=True) if dims is not None}
+
+
+def _install(lowering: Any) -> None:
+    global _original
+    original = _original = lowering.codegen_with_cpp_wrapper
+
+    def recording(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if not getattr(self, "is_const_graph", False):
+            try:
+                bounds = _input_bounds(self)
+            except Exception:  # an Inductor whose internals differ: no record, verification still checks
+                return result
+            with _lock:
+                for recorder in _recorders:
+                    recorder.append(bounds)
+        return result
+
+    lowering.codegen_with_cpp_wrapper = recording
+
+
+@contextlib.contextmanager
+def recording_input_bounds() -> Iterator[list[GraphBounds]]:
+    """While active, every compiled graph's input bounds are appended to the yielded list, in compile order
+    (any thread; nested or concurrent uses install the hook once)."""
+    lowering = _lowering_class()
+    recorded: list[GraphBounds] = []
+    if lowering is None:
+        yield recorded
+        return
+    with _lock:
+        if not _recorders:
+            _install(lowering)
+        _recorders.append(recorded)
+    try:
+        yield recorded
+    finally:
+        with _lock:
+            _recorders.remove(recorded)
+            if not _recorders:
+                lowering.codegen_with_cpp_wrapper = _original
+
+
+@dataclass(frozen=True)
+class NarrowedDim:
+    """A declared dynamic dim that a compiled program holds to a smaller maximum."""
+
+    name: str  # the dim's name: "batch" or "<lengths feature>.total"
+    declared: int
+    compiled: int
+    program: str  # "dense", "sparse", ...
+    input: str
+    axis: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dim": self.name, "declared": self.declared, "compiled": self.compiled, "program": self.program,
+                "input": self.input, "axis": self.axis}
+
+
+def narrowed_dims(program: str, bounds: list[InputBounds], dims: dict[str, dict[int, Any]]) -> list[NarrowedDim]:
+    """Each declared dim (``dims``: input name -> axis -> DimSpec) whose compiled maximum in any of ``bounds`` is
+    below the declared one, at its smallest; the dim as a DimSpec's symbol (``size = scale * symbol + offset``)."""
+    found: dict[str, NarrowedDim] = {}
+    for graph in bounds:
+        for name, axes in dims.items():
+            held = graph.get(name)
+            if held is None:
+                continue
+            for axis, spec in axes.items():
+                bound = held[axis] if axis < len(held) else None
+                if bound is None:
+                    continue
+                compiled = math.floor((bound - spec.offset) / spec.scale)
+                if compiled < spec.max and (spec.name not in found or compiled < found[spec.name].compiled):
+                    found[spec.name] = NarrowedDim(spec.name, spec.max, compiled, program, name, axis)
+    return sorted(found.values(), key=lambda d: d.name)

@@ -1,0 +1,109 @@
+"""A package never claims more than its compiled programs hold (runtimes/compiled_bounds.py).
+
+Inductor may narrow a dynamic dim while it compiles, by a choice taken on the export example's size: a CUDA
+package of a TorchEasyRec-style model was compiled for at most 3 users (its example's number, and the model's
+number of contextual tokens a user) while its manifest said 32, and 32 users stopped the process with a
+device-side assert. Here Inductor is made to take such a choice (``evaluate_min(batch, 3)``, as a lowering
+clamps a slice, on the export example of 3 users) on the CPU: the input bounds export records are the ones the
+program itself checks, and export narrows the package's number of users to them and says so in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import sympy
+import torch
+
+import hstu_export
+from hstu_export import ExportSettings, VerifySettings
+from hstu_export.errors import RequestError
+from hstu_export.exporter import NarrowedRangeWarning
+from hstu_export.models import build_preset
+from hstu_export.runtimes.base import DimSpec
+from hstu_export.runtimes.compiled_bounds import named, narrowed_dims, recording_input_bounds
+
+
+@pytest.fixture
+def inductor_clamps_batch_at_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every graph Inductor compiles takes ``min(batch, 3)`` on its first input's dim 0 before its code is
+    generated, guarding on the example's choice as Inductor's own lowerings do."""
+    from torch._inductor.graph import GraphLowering
+
+    original = GraphLowering.codegen_with_cpp_wrapper
+
+    def clamping(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        for value in self.graph_inputs.values():
+            size = value.get_size()[0] if hasattr(value, "get_size") and value.get_size() else None
+            if isinstance(size, sympy.Symbol):
+                self.sizevars.evaluate_min(size, sympy.Integer(3))
+                break
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GraphLowering, "codegen_with_cpp_wrapper", clamping)
+
+
+class Rows(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+
+@pytest.mark.slow
+def test_the_recorded_bounds_are_the_ones_the_program_checks(inductor_clamps_batch_at_3, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from hstu_export.runtimes.aoti import _compile
+
+    batch = torch.export.Dim("batch", min=1, max=32)
+    program = torch.export.export(Rows(), (torch.randn(3, 4),), dynamic_shapes=({0: batch},), strict=False)
+    [bounds] = _compile(program, tmp_path / "rows.pt2", {})
+    assert bounds == {"x": [3, None]}
+    assert [d.to_json() for d in narrowed_dims("dense", [bounds], {"x": {0: DimSpec("batch", 1, 32)}})] == [
+        {"dim": "batch", "declared": 32, "compiled": 3, "program": "dense", "input": "x", "axis": 0}]
+    assert narrowed_dims("dense", [bounds], {"x": {0: DimSpec("batch", 1, 3)}}) == []
+    # A dim derived from the batch (offsets: batch + 1) is compared as the batch.
+    assert narrowed_dims("dense", [{"o": [4]}], {"o": {0: DimSpec("batch", 1, 8, offset=1)}})[0].compiled == 3
+    assert named([[3, None], None], ["x", "n"]) == {"x": [3, None]} and named([[3, None]], ["x", "n"]) == {}
+    monkeypatch.setenv("AOTI_RUNTIME_CHECK_INPUTS", "1")
+    compiled = torch._inductor.aoti_load_package(str(tmp_path / "rows.pt2"))
+    assert torch.equal(compiled(torch.ones(3, 4)), torch.full((3, 4), 3.0))
+    with pytest.raises(RuntimeError, match="dim value is too large at 0, expected to be <= 3, but got: 4"):
+        compiled(torch.ones(4, 4))
+
+
+def test_nothing_is_recorded_outside_the_context_and_the_hook_is_removed() -> None:
+    from torch._inductor.graph import GraphLowering
+
+    before = GraphLowering.codegen_with_cpp_wrapper
+    with recording_input_bounds() as outer, recording_input_bounds() as inner:
+        assert GraphLowering.codegen_with_cpp_wrapper is not before
+        assert outer == [] and inner == []
+    assert GraphLowering.codegen_with_cpp_wrapper is before
+
+
+@pytest.mark.slow
+def test_export_narrows_the_users_to_what_inductor_compiled(inductor_clamps_batch_at_3, tmp_path: Path) -> None:
+    model = build_preset("tiny", seed=1)
+    bundle = hstu_export.save_bundle(model, tmp_path / "tiny.pt", hstu_export.generate_batch(model.input_schema(), 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = hstu_export.export(bundle, tmp_path / "pkg", ExportSettings(
+            backend="aoti", max_batch_size=8, verify=VerifySettings(num_random_batches=1)))
+    notes = [str(w.message) for w in caught if issubclass(w.category, NarrowedRangeWarning)]
+    assert len(notes) == 1 and "\n" not in notes[0], notes
+    assert notes[0].startswith("batch size narrowed to <= 3 (declared 8): the compiled program refuses requests "
+                               "beyond it (AOTInductor compiled the "), notes
+    manifest = json.loads((result.path / "manifest.json").read_text())
+    assert manifest["ranges"]["max_batch_size"] == 3 and manifest["ranges"]["dims"]["batch"] == [1, 3]
+    [record] = manifest["ranges"]["narrowed"]
+    assert (record["feature"], record["bound"], record["declared"], record["exported"]) == ("batch size", "max", 8, 3)
+    assert {d["dim"] for d in manifest["backend"]["meta"]["narrowed_dims"]} == {"batch"}
+    users = [int(m.group(1)) for b in result.parity["batches"] if (m := re.search(r"\bB=(\d+)", b["batch"]))]
+    assert result.parity["passed"] and max(users) == 3, users
+    predictor = hstu_export.load(result.path)
+    assert predictor(hstu_export.generate_batch(predictor.input_schema, 3, seed=2))
+    with pytest.raises(RequestError, match="batch size 4 is beyond the exported maximum 3"):
+        predictor(hstu_export.generate_batch(predictor.input_schema, 4, seed=2))
