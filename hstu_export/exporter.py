@@ -606,17 +606,22 @@ def _settle_ranges(root: Path, manifest: dict[str, Any], schema: InputSchema, ra
 def _narrow_to_compiled(narrowed_dims: list[dict[str, Any]], ranges: ExportRanges
                         ) -> tuple[ExportRanges, list[dict[str, Any]]]:
     """The ranges within the dims the backend's programs were compiled for (``narrowed_dims``: where Inductor held a
-    declared dim to less, runtimes/compiled_bounds.py), each narrowing said in one warning line. A number of users
-    is narrowed; a total of rows, which the ranges cannot state, refuses the export."""
+    declared dim to less, runtimes/compiled_bounds.py), each narrowing said in one warning line. A largest number
+    of users is narrowed; a smallest one, or a total of rows (which the ranges cannot state), refuses the export."""
     from hstu_export.verification.corners import narrowing_note
 
     records = []
     for dim in narrowed_dims:
+        at_most = dim["bound"] == "max"
         reason = (f"AOTInductor compiled the {dim['program']} program for {dim['input']} dim {dim['axis']} "
-                  f"at most {dim['compiled']}")
+                  f"{'at most' if at_most else 'at least'} {dim['compiled']}")
+        what = "users" if dim["dim"] == BATCH_DIM else f"rows of {dim['dim']}"
+        if not at_most:
+            raise ExportError(f"{reason}, while a request may hold {dim['declared']} {what}: the package would not "
+                              "serve the smallest requests; nothing was written")
         if dim["dim"] != BATCH_DIM:
-            raise ExportError(f"{reason}, while the ranges allow {dim['declared']} rows of {dim['dim']} in a call; "
-                              "export with a smaller --max-batch-size or shorter maximum lengths")
+            raise ExportError(f"{reason}, while the ranges allow {dim['declared']} {what} in a call; export with a "
+                              "smaller --max-batch-size or shorter maximum lengths")
         if dim["compiled"] < 1:
             raise ExportError(f"{reason} users; the package could serve no request")
         if dim["compiled"] >= ranges.max_batch_size:

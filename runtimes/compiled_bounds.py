@@ -1,4 +1,4 @@
-"""The largest input dims an AOTInductor program was compiled for, read from Inductor while it compiles.
+"""The input dims an AOTInductor program was compiled for, read from Inductor while it compiles.
 
 torch.export hands Inductor each dynamic dim with the range export declared. Inductor can still narrow a range
 while it lowers and generates code: a choice it takes on the example's size becomes a fact about the symbol
@@ -8,8 +8,9 @@ sets ``AOTI_RUNTIME_CHECK_INPUTS=1``; otherwise it runs past it, and a CUDA prog
 process with a device-side assert.
 
 ``recording_input_bounds()`` records, for every graph Inductor compiles with a C++ wrapper (the programs of an
-AOTInductor package), each input dim's largest value as that input check computes it. ``narrowed_dims`` compares
-them with the dims export declared, so export can narrow the package's ranges to what its programs hold.
+AOTInductor package), each input dim's smallest and largest value as that input check computes them.
+``narrowed_dims`` compares them with the dims export declared, so export can narrow the package's ranges to what
+its programs hold, or refuse a program that does not serve the smallest requests.
 
 This reaches into Inductor (``GraphLowering.codegen_with_cpp_wrapper``, its ``graph_inputs`` and shape
 environment). With a torch that lacks them nothing is recorded, and verification's corner batches are then the
@@ -25,11 +26,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-# Per compiled graph, its inputs in order: per dim, the largest size the program holds (None: static or
-# unbounded); None for an input that is not a tensor.
-GraphBounds = list[list[int | None] | None]
+# A dim's smallest and largest size in a compiled program (None: unbounded on that side).
+DimBounds = tuple[int | None, int | None]
+# Per compiled graph, its inputs in order: per dim, its bounds (None: static); None for an input that is not a
+# tensor.
+GraphBounds = list[list[DimBounds | None] | None]
 # The same keyed by the program's input names.
-InputBounds = dict[str, list[int | None]]
+InputBounds = dict[str, list[DimBounds | None]]
+# torch.export traces a dim declared from 1 as at least 2 (the program is still valid for 1): a compiled lower
+# bound of 2 is no narrowing.
+TRACED_MINIMUM = 2
 
 _lock = threading.Lock()
 _recorders: list[list[GraphBounds]] = []
@@ -46,8 +52,8 @@ def _lowering_class() -> Any | None:
 
 
 def _input_bounds(graph: Any) -> GraphBounds:
-    """What AOTInductor's input check would hold each input of ``graph`` to: a dim's upper bound over the
-    shape environment's ranges, as they stand once the code is generated."""
+    """What AOTInductor's input check would hold each input of ``graph`` to: a dim's bounds over the shape
+    environment's ranges, as they stand once the code is generated."""
     import sympy
     from torch.utils._sympy.value_ranges import bound_sympy
 
@@ -58,11 +64,15 @@ def _input_bounds(graph: Any) -> GraphBounds:
         if get_size is None:
             bounds.append(None)  # a symbolic int input, not a tensor
             continue
-        dims: list[int | None] = []
+        dims: list[DimBounds | None] = []
         for size in get_size():
-            upper = None if isinstance(size, (int, sympy.Integer)) else bound_sympy(size, ranges).upper
-            # None: static, or unbounded (torch's int_oo is no Integer)
-            dims.append(int(upper) if isinstance(upper, sympy.Integer) else None)
+            if isinstance(size, (int, sympy.Integer)):
+                dims.append(None)
+                continue
+            held = bound_sympy(size, ranges)
+            # torch's int_oo (unbounded) is no Integer
+            dims.append(tuple(int(b) if isinstance(b, sympy.Integer) else None  # type: ignore[arg-type]
+                              for b in (held.lower, held.upper)))
         bounds.append(dims)
     return bounds
 
@@ -118,9 +128,10 @@ def recording_input_bounds() -> Iterator[list[GraphBounds]]:
 
 @dataclass(frozen=True)
 class NarrowedDim:
-    """A declared dynamic dim that a compiled program holds to a smaller maximum."""
+    """A declared dynamic dim that a compiled program holds to a smaller maximum or a larger minimum."""
 
     name: str  # the dim's name: "batch" or "<lengths feature>.total"
+    bound: str  # "max" or "min"
     declared: int
     compiled: int
     program: str  # "dense", "sparse", ...
@@ -128,24 +139,34 @@ class NarrowedDim:
     axis: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"dim": self.name, "declared": self.declared, "compiled": self.compiled, "program": self.program,
-                "input": self.input, "axis": self.axis}
+        return {"dim": self.name, "bound": self.bound, "declared": self.declared, "compiled": self.compiled,
+                "program": self.program, "input": self.input, "axis": self.axis}
 
 
 def narrowed_dims(program: str, bounds: list[InputBounds], dims: dict[str, dict[int, Any]]) -> list[NarrowedDim]:
     """Each declared dim (``dims``: input name -> axis -> DimSpec) whose compiled maximum in any of ``bounds`` is
-    below the declared one, at its smallest; the dim as a DimSpec's symbol (``size = scale * symbol + offset``)."""
-    found: dict[str, NarrowedDim] = {}
+    below the declared one, or whose compiled minimum is above it (and above the traced minimum of 2), at its
+    narrowest; the dim as a DimSpec's symbol (``size = scale * symbol + offset``)."""
+    found: dict[tuple[str, str], NarrowedDim] = {}
+
+    def note(spec: Any, bound: str, declared: int, compiled: int, name: str, axis: int) -> None:
+        key = (spec.name, bound)
+        if key not in found or (compiled < found[key].compiled if bound == "max" else compiled > found[key].compiled):
+            found[key] = NarrowedDim(spec.name, bound, declared, compiled, program, name, axis)
+
     for graph in bounds:
         for name, axes in dims.items():
             held = graph.get(name)
             if held is None:
                 continue
             for axis, spec in axes.items():
-                bound = held[axis] if axis < len(held) else None
-                if bound is None:
+                pair = held[axis] if axis < len(held) else None
+                if pair is None:
                     continue
-                compiled = math.floor((bound - spec.offset) / spec.scale)
-                if compiled < spec.max and (spec.name not in found or compiled < found[spec.name].compiled):
-                    found[spec.name] = NarrowedDim(spec.name, spec.max, compiled, program, name, axis)
-    return sorted(found.values(), key=lambda d: d.name)
+                lower, upper = pair
+                if upper is not None and (top := math.floor((upper - spec.offset) / spec.scale)) < spec.max:
+                    note(spec, "max", spec.max, top, name, axis)
+                if lower is not None and (least := math.ceil((lower - spec.offset) / spec.scale)) > max(
+                        spec.min, TRACED_MINIMUM):
+                    note(spec, "min", spec.min, least, name, axis)
+    return sorted(found.values(), key=lambda d: (d.name, d.bound))

@@ -21,30 +21,37 @@ import torch
 
 import hstu_export
 from hstu_export import ExportSettings, VerifySettings
-from hstu_export.errors import RequestError
+from hstu_export.errors import ExportError, RequestError
 from hstu_export.exporter import NarrowedRangeWarning
 from hstu_export.models import build_preset
 from hstu_export.runtimes.base import DimSpec
 from hstu_export.runtimes.compiled_bounds import named, narrowed_dims, recording_input_bounds
 
 
-@pytest.fixture
-def inductor_clamps_batch_at_3(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every graph Inductor compiles takes ``min(batch, 3)`` on its first input's dim 0 before its code is
-    generated, guarding on the example's choice as Inductor's own lowerings do."""
+def _clamping(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
+    """Every graph Inductor compiles takes ``min(batch, at)`` on the first input whose dim 0 is 3 in the example
+    (the number of users), before its code is generated, guarding on the example's choice as Inductor's own
+    lowerings do: at 3, ``batch <= 3`` from then on; at 2, ``batch >= 3``."""
     from torch._inductor.graph import GraphLowering
 
     original = GraphLowering.codegen_with_cpp_wrapper
 
     def clamping(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        env = self.sizevars.shape_env
+        examples = getattr(env, "backed_var_to_val", None) or env.var_to_val
         for value in self.graph_inputs.values():
             size = value.get_size()[0] if hasattr(value, "get_size") and value.get_size() else None
-            if isinstance(size, sympy.Symbol):
-                self.sizevars.evaluate_min(size, sympy.Integer(3))
+            if isinstance(size, sympy.Symbol) and examples.get(size) == 3:  # the batch: 3 users in the example
+                self.sizevars.evaluate_min(size, sympy.Integer(at))
                 break
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(GraphLowering, "codegen_with_cpp_wrapper", clamping)
+
+
+@pytest.fixture
+def inductor_clamps_batch_at_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clamping(monkeypatch, 3)
 
 
 class Rows(torch.nn.Module):
@@ -60,13 +67,15 @@ def test_the_recorded_bounds_are_the_ones_the_program_checks(inductor_clamps_bat
     batch = torch.export.Dim("batch", min=1, max=32)
     program = torch.export.export(Rows(), (torch.randn(3, 4),), dynamic_shapes=({0: batch},), strict=False)
     [bounds] = _compile(program, tmp_path / "rows.pt2", {})
-    assert bounds == {"x": [3, None]}
+    assert bounds == {"x": [(2, 3), None]}  # traced from 2 (valid for 1), and now at most 3
     assert [d.to_json() for d in narrowed_dims("dense", [bounds], {"x": {0: DimSpec("batch", 1, 32)}})] == [
-        {"dim": "batch", "declared": 32, "compiled": 3, "program": "dense", "input": "x", "axis": 0}]
+        {"dim": "batch", "bound": "max", "declared": 32, "compiled": 3, "program": "dense", "input": "x", "axis": 0}]
     assert narrowed_dims("dense", [bounds], {"x": {0: DimSpec("batch", 1, 3)}}) == []
-    # A dim derived from the batch (offsets: batch + 1) is compared as the batch.
-    assert narrowed_dims("dense", [{"o": [4]}], {"o": {0: DimSpec("batch", 1, 8, offset=1)}})[0].compiled == 3
-    assert named([[3, None], None], ["x", "n"]) == {"x": [3, None]} and named([[3, None]], ["x", "n"]) == {}
+    # A dim derived from the batch (offsets: batch + 1) is compared as the batch; a minimum above 2 is narrowing.
+    assert narrowed_dims("dense", [{"o": [(3, 5)]}], {"o": {0: DimSpec("batch", 1, 8, offset=1)}})[0].compiled == 4
+    [least] = narrowed_dims("dense", [{"o": [(5, 33)]}], {"o": {0: DimSpec("batch", 1, 32, offset=1)}})
+    assert (least.bound, least.declared, least.compiled) == ("min", 1, 4)
+    assert named([[(2, 3)], None], ["x", "n"]) == {"x": [(2, 3)]} and named([[(2, 3)]], ["x", "n"]) == {}
     monkeypatch.setenv("AOTI_RUNTIME_CHECK_INPUTS", "1")
     compiled = torch._inductor.aoti_load_package(str(tmp_path / "rows.pt2"))
     assert torch.equal(compiled(torch.ones(3, 4)), torch.full((3, 4), 3.0))
@@ -107,3 +116,17 @@ def test_export_narrows_the_users_to_what_inductor_compiled(inductor_clamps_batc
     assert predictor(hstu_export.generate_batch(predictor.input_schema, 3, seed=2))
     with pytest.raises(RequestError, match="batch size 4 is beyond the exported maximum 3"):
         predictor(hstu_export.generate_batch(predictor.input_schema, 4, seed=2))
+
+
+@pytest.mark.slow
+def test_a_program_compiled_for_at_least_3_users_is_not_written(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    _clamping(monkeypatch, 2)  # min(batch, 2) on the example of 3 users: batch >= 3 from then on
+    model = build_preset("tiny", seed=1)
+    bundle = hstu_export.save_bundle(model, tmp_path / "tiny.pt", hstu_export.generate_batch(model.input_schema(), 3))
+    with pytest.raises(ExportError, match=r"AOTInductor compiled the (sparse|dense) program for \w+ dim 0 at least 3, "
+                                          r"while a request may hold 1 users: the package would not serve the "
+                                          r"smallest requests; nothing was written"):
+        hstu_export.export(bundle, tmp_path / "pkg", ExportSettings(backend="aoti", max_batch_size=8,
+                                                                    verify=VerifySettings(enabled=False)))
+    assert not (tmp_path / "pkg").exists()
