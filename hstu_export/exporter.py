@@ -423,6 +423,8 @@ def export(
             with _timed(timings, progress, "kv-cache program"), torch.no_grad(), \
                     running_model(device, "while its delta program was compiled"):
                 kv_section = compile_derived_delta(derived, inputs, settings, staged)
+            ranges, kv_narrowing = _narrow_to_compiled(kv_section.get("narrowed_dims", []), ranges)
+            compiled_narrowing += kv_narrowing
         if result.report_path is not None and settings.graphs_in_package:
             # Asked for: the graph dumps travel inside the package (graphs/report.html).
             shutil.copytree(result.report_path.parent, staged / "graphs")
@@ -615,13 +617,14 @@ def _narrow_to_compiled(narrowed_dims: list[dict[str, Any]], ranges: ExportRange
         at_most = dim["bound"] == "max"
         reason = (f"AOTInductor compiled the {dim['program']} program for {dim['input']} dim {dim['axis']} "
                   f"{'at most' if at_most else 'at least'} {dim['compiled']}")
-        what = "users" if dim["dim"] == BATCH_DIM else f"rows of {dim['dim']}"
+        what = "users" if dim["dim"] == BATCH_DIM else dim["dim"]
         if not at_most:
             raise ExportError(f"{reason}, while a request may hold {dim['declared']} {what}: the package would not "
                               "serve the smallest requests; nothing was written")
         if dim["dim"] != BATCH_DIM:
-            raise ExportError(f"{reason}, while the ranges allow {dim['declared']} {what} in a call; export with a "
-                              "smaller --max-batch-size or shorter maximum lengths")
+            raise ExportError(f"{reason}, while {what} may reach {dim['declared']} and the package's ranges cannot "
+                              "hold it to less; nothing was written (a smaller --max-batch-size or shorter maximum "
+                              "lengths may avoid it)")
         if dim["compiled"] < 1:
             raise ExportError(f"{reason} users; the package could serve no request")
         if dim["compiled"] >= ranges.max_batch_size:

@@ -23,6 +23,7 @@ from hstu_export.kv_derive import (
 )
 from hstu_export.kv_export import delta_inductor_options, page_table_width_bound
 from hstu_export.runtimes.base import DimSpec, torch_dynamic_shapes
+from hstu_export.runtimes.compiled_bounds import named, narrowed_dims, recording_input_bounds
 
 KV_DELTA_FILE = "kv/delta.pt2"
 KV_COUNTS_FILE = "kv/counts.pt2"  # AOTInductor, as the delta program: C++ loads both
@@ -106,12 +107,19 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
     options = delta_inductor_options(device, settings.aoti_options, DERIVED_CUDA_OPTIONS)
     try:
         with unbacked_ranges_hold_at_one():
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / KV_DELTA_FILE),
-                                                     inductor_configs=dict(options))
-            torch._inductor.aoti_compile_and_package(counts, package_path=str(out_dir / KV_COUNTS_FILE))
+            with recording_input_bounds() as delta_bounds:
+                torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / KV_DELTA_FILE),
+                                                         inductor_configs=dict(options))
+            with recording_input_bounds() as counts_bounds:
+                torch._inductor.aoti_compile_and_package(counts, package_path=str(out_dir / KV_COUNTS_FILE))
     except Exception as exc:
         raise ExportError(f"AOTInductor compilation of the derived KV-cache delta program failed: "
                           f"{plain_first_line(exc)}") from exc
+    # Where Inductor held a declared dim to less (runtimes/compiled_bounds.py): export narrows the users to it.
+    narrowed = [*narrowed_dims("KV-cache delta", [named(g, list(exported.graph_signature.user_inputs))
+                                                  for g in delta_bounds], dims),
+                *narrowed_dims("KV-cache counts", [named(g, list(counts.graph_signature.user_inputs))
+                                                   for g in counts_bounds], dims)]
     with torch.no_grad():
         returned = list(program(**kwargs))  # the compiled program returns its outputs in this order
     sums = derived.host_counts
@@ -137,6 +145,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
         "device_reads": device_reads(exported),
         "inductor_options": options,
         "compile_seconds": round(time.perf_counter() - start, 3),
+        **({"narrowed_dims": [d.to_json() for d in narrowed]} if narrowed else {}),
     }
 
 

@@ -46,6 +46,7 @@ from hstu_export.models.ranking import (
     HstuRankingModel,
 )
 from hstu_export.models.stu import LAYER_NORM_EPS
+from hstu_export.runtimes.compiled_bounds import recording_input_bounds, refuse_narrowed
 from hstu_export.runtimes.unbacked_ranges import unbacked_ranges_hold_at_one
 
 KV_DELTA_FILE = "kv/delta.pt2"
@@ -278,13 +279,14 @@ def compile_kv_delta(model: HstuRankingModel, ranges: Any, settings: Any, op_tar
     (out_dir / KV_DELTA_FILE).parent.mkdir(parents=True, exist_ok=True)
     options = delta_inductor_options(device, settings.aoti_options)
     try:
-        with unbacked_ranges_hold_at_one():
+        with unbacked_ranges_hold_at_one(), recording_input_bounds() as bounds:
             torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / KV_DELTA_FILE),
                                                      inductor_configs=dict(options))
     except Exception as exc:
         text = str(exc).strip().splitlines()
         raise ExportError(f"AOTInductor compilation of the KV-cache delta program failed: "
                           f"{text[0] if text else type(exc).__name__}") from exc
+    refuse_narrowed("KV-cache delta", exported, bounds)
     layout = KVLayout.of(model)
     with torch.no_grad():
         returned = list(program(**example))  # the compiled program returns its outputs in this order

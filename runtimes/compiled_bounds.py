@@ -170,3 +170,59 @@ def narrowed_dims(program: str, bounds: list[InputBounds], dims: dict[str, dict[
                         spec.min, TRACED_MINIMUM):
                     note(spec, "min", spec.min, least, name, axis)
     return sorted(found.values(), key=lambda d: (d.name, d.bound))
+
+
+def exported_bounds(program: Any) -> InputBounds:
+    """Each user input's dims of ``program`` (a torch.export ExportedProgram) with the range torch.export gave
+    them (its ``range_constraints``), in the form of ``recording_input_bounds``' records."""
+    import sympy
+    import torch
+    from torch.utils._sympy.value_ranges import bound_sympy
+
+    names = set(program.graph_signature.user_inputs)
+    ranges = program.range_constraints
+    bounds: InputBounds = {}
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        if node.op != "placeholder" or node.name not in names or not isinstance(value, torch.Tensor):
+            continue
+        dims: list[DimBounds | None] = []
+        for size in value.shape:
+            if not isinstance(size, torch.SymInt):
+                dims.append(None)
+                continue
+            held = bound_sympy(size.node.expr, ranges)
+            dims.append(tuple(int(b) if isinstance(b, sympy.Integer) else None  # type: ignore[arg-type]
+                              for b in (held.lower, held.upper)))
+        bounds[node.name] = dims
+    return bounds
+
+
+def narrower_than_exported(program: str, exported: InputBounds, compiled: list[InputBounds]) -> list[str]:
+    """One phrase per input dim a compiled graph holds to a narrower range than torch.export gave it (a compiled
+    minimum of 2 where export allowed less is how dims declared from 1 are traced, not a narrowing)."""
+    found = []
+    for graph in compiled:
+        for name, dims in graph.items():
+            for axis, (held, declared) in enumerate(zip(dims, exported.get(name, []), strict=False)):
+                if held is None or declared is None:
+                    continue
+                (low, high), (least, most) = held, declared
+                if high is not None and (most is None or high < most):
+                    found.append(f"{name} dim {axis} at most {high} (exported for {most})")
+                if low is not None and low > max(least or 0, TRACED_MINIMUM):
+                    found.append(f"{name} dim {axis} at least {low} (exported for {least})")
+    return [f"AOTInductor compiled the {program} program for {phrase}" for phrase in dict.fromkeys(found)]
+
+
+def refuse_narrowed(program: str, exported: Any, recorded: list[GraphBounds]) -> None:
+    """Raise ExportError, in one line, when a program compiled while ``recording_input_bounds`` recorded
+    ``recorded`` holds an input dim to a narrower range than torch.export gave it (``exported``): for programs
+    whose ranges export cannot narrow, such as the KV cache's."""
+    from hstu_export.errors import ExportError
+
+    names = list(exported.graph_signature.user_inputs)
+    found = narrower_than_exported(program, exported_bounds(exported), [named(graph, names) for graph in recorded])
+    if found:
+        raise ExportError(f"{found[0]}: it would be served past what it was compiled for; nothing was written "
+                          "(export without --kv-cache)")

@@ -25,7 +25,13 @@ from hstu_export.errors import ExportError, RequestError
 from hstu_export.exporter import NarrowedRangeWarning
 from hstu_export.models import build_preset
 from hstu_export.runtimes.base import DimSpec
-from hstu_export.runtimes.compiled_bounds import named, narrowed_dims, recording_input_bounds
+from hstu_export.runtimes.compiled_bounds import (
+    exported_bounds,
+    named,
+    narrowed_dims,
+    narrower_than_exported,
+    recording_input_bounds,
+)
 
 
 def _clamping(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
@@ -76,6 +82,13 @@ def test_the_recorded_bounds_are_the_ones_the_program_checks(inductor_clamps_bat
     [least] = narrowed_dims("dense", [{"o": [(5, 33)]}], {"o": {0: DimSpec("batch", 1, 32, offset=1)}})
     assert (least.bound, least.declared, least.compiled) == ("min", 1, 4)
     assert named([[(2, 3)], None], ["x", "n"]) == {"x": [(2, 3)]} and named([[(2, 3)]], ["x", "n"]) == {}
+    # Against the ranges torch.export gave the program (the KV cache's programs are checked so).
+    assert exported_bounds(program) == {"x": [(1, 32), None]}
+    assert narrower_than_exported("delta", exported_bounds(program), [bounds]) == [
+        "AOTInductor compiled the delta program for x dim 0 at most 3 (exported for 32)"]
+    assert narrower_than_exported("delta", {"x": [(1, 3), None]}, [bounds]) == []
+    assert narrower_than_exported("delta", {"x": [(1, 32), None]}, [{"x": [(4, 32), None]}]) == [
+        "AOTInductor compiled the delta program for x dim 0 at least 4 (exported for 1)"]
     monkeypatch.setenv("AOTI_RUNTIME_CHECK_INPUTS", "1")
     compiled = torch._inductor.aoti_load_package(str(tmp_path / "rows.pt2"))
     assert torch.equal(compiled(torch.ones(3, 4)), torch.full((3, 4), 3.0))
@@ -130,3 +143,21 @@ def test_a_program_compiled_for_at_least_3_users_is_not_written(monkeypatch: pyt
         hstu_export.export(bundle, tmp_path / "pkg", ExportSettings(backend="aoti", max_batch_size=8,
                                                                     verify=VerifySettings(enabled=False)))
     assert not (tmp_path / "pkg").exists()
+
+
+@pytest.mark.slow
+def test_the_derived_kv_programs_bounds_are_read_too(inductor_clamps_batch_at_3, tmp_path: Path) -> None:
+    """The KV cache's delta and counts programs, compiled for the declared 8 users and held to 3 as the dense
+    program is: recorded in the manifest's kv_cache section; the package serves 3 users, cached and not."""
+    model = build_preset("tiny", seed=1)
+    bundle = hstu_export.save_bundle(model, tmp_path / "tiny.pt", hstu_export.generate_batch(model.input_schema(), 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = hstu_export.export(bundle, tmp_path / "pkg", ExportSettings(
+            backend="aoti", max_batch_size=8, kv_cache=True, kv_program="derived",
+            verify=VerifySettings(num_random_batches=1)))
+    assert [str(w.message) for w in caught if issubclass(w.category, NarrowedRangeWarning)] != []
+    kv = result.manifest["kv_cache"]
+    assert {(d["program"], d["dim"], d["compiled"]) for d in kv["narrowed_dims"]} >= {("KV-cache delta", "batch", 3)}
+    assert result.manifest["ranges"]["max_batch_size"] == 3
+    assert result.parity["passed"] and result.parity["kv_cache"]["passed"]
