@@ -24,6 +24,7 @@ from hstu_export import ExportSettings, VerifySettings
 from hstu_export.errors import ExportError, RequestError
 from hstu_export.exporter import NarrowedRangeWarning
 from hstu_export.models import build_preset
+from hstu_export.package.tensor_dir import save_tensors
 from hstu_export.runtimes.base import DimSpec
 from hstu_export.runtimes.compiled_bounds import (
     exported_bounds,
@@ -107,7 +108,8 @@ def test_nothing_is_recorded_outside_the_context_and_the_hook_is_removed() -> No
 
 
 @pytest.mark.slow
-def test_export_narrows_the_users_to_what_inductor_compiled(inductor_clamps_batch_at_3, tmp_path: Path) -> None:
+def test_export_narrows_the_users_to_what_inductor_compiled(inductor_clamps_batch_at_3, tmp_path: Path,
+                                                            cpp_runtime) -> None:
     model = build_preset("tiny", seed=1)
     bundle = hstu_export.save_bundle(model, tmp_path / "tiny.pt", hstu_export.generate_batch(model.input_schema(), 3))
     with warnings.catch_warnings(record=True) as caught:
@@ -127,8 +129,11 @@ def test_export_narrows_the_users_to_what_inductor_compiled(inductor_clamps_batc
     assert result.parity["passed"] and max(users) == 3, users
     predictor = hstu_export.load(result.path)
     assert predictor(hstu_export.generate_batch(predictor.input_schema, 3, seed=2))
+    four = hstu_export.generate_batch(predictor.input_schema, 4, seed=2)
     with pytest.raises(RequestError, match="batch size 4 is beyond the exported maximum 3"):
-        predictor(hstu_export.generate_batch(predictor.input_schema, 4, seed=2))
+        predictor(four)
+    done = cpp_runtime.run(result.path, save_tensors(four, tmp_path / "four"), "--out", tmp_path / "out")
+    assert done.returncode != 0 and "batch size 4 is beyond the exported maximum 3" in done.stderr, done.stderr
 
 
 @pytest.mark.slow
