@@ -23,7 +23,7 @@ from hstu_export.kv_derive import (
 )
 from hstu_export.kv_export import delta_inductor_options, page_table_width_bound
 from hstu_export.runtimes.base import DimSpec, torch_dynamic_shapes
-from hstu_export.runtimes.compiled_bounds import named, narrowed_dims, recording_input_bounds
+from hstu_export.runtimes.compiled_bounds import narrowed_dims, program_bounds, recording_input_bounds
 
 KV_DELTA_FILE = "kv/delta.pt2"
 KV_COUNTS_FILE = "kv/counts.pt2"  # AOTInductor, as the delta program: C++ loads both
@@ -116,10 +116,8 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
         raise ExportError(f"AOTInductor compilation of the derived KV-cache delta program failed: "
                           f"{plain_first_line(exc)}") from exc
     # Where Inductor held a declared dim to less (runtimes/compiled_bounds.py): export narrows the users to it.
-    narrowed = [*narrowed_dims("KV-cache delta", [named(g, list(exported.graph_signature.user_inputs))
-                                                  for g in delta_bounds], dims),
-                *narrowed_dims("KV-cache counts", [named(g, list(counts.graph_signature.user_inputs))
-                                                   for g in counts_bounds], dims)]
+    narrowed = [*narrowed_dims("KV-cache delta", program_bounds(exported, delta_bounds), dims),
+                *narrowed_dims("KV-cache counts", program_bounds(counts, counts_bounds), dims)]
     with torch.no_grad():
         returned = list(program(**kwargs))  # the compiled program returns its outputs in this order
     sums = derived.host_counts

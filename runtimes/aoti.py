@@ -36,7 +36,12 @@ from hstu_export.runtimes.base import (
     SplitRunner,
     torch_dynamic_shapes,
 )
-from hstu_export.runtimes.compiled_bounds import InputBounds, named, narrowed_dims, recording_input_bounds
+from hstu_export.runtimes.compiled_bounds import (
+    InputBounds,
+    narrowed_dims,
+    program_bounds,
+    recording_input_bounds,
+)
 from hstu_export.runtimes.graph_io import (
     BUILTIN_NAMESPACES,
     OP_LIBRARY_MODULES,
@@ -220,7 +225,7 @@ def _compile(program: torch.export.ExportedProgram | dict[str, torch.export.Expo
     with unbacked_ranges_hold_at_one(), recording_input_bounds() as bounds:
         if not isinstance(program, dict):
             torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(options))
-            return [named(each, list(program.graph_signature.user_inputs)) for each in bounds]
+            return program_bounds(program, bounds)
         from torch._inductor.package import package_aoti
 
         files, held = {}, []
@@ -230,8 +235,7 @@ def _compile(program: torch.export.ExportedProgram | dict[str, torch.export.Expo
                 else each.module()  # torch before 2.12 has no guards to leave out
             start = len(bounds)
             files[name] = torch._inductor.aot_compile(module, args, kwargs, options={**options, "aot_inductor.package": True})
-            names = list(each.graph_signature.user_inputs)
-            held.extend(named(graph, names) for graph in bounds[start:])
+            held.extend(program_bounds(each, bounds[start:]))
         package_aoti(str(path), files)
     return held
 

@@ -51,11 +51,21 @@ def _lowering_class() -> Any | None:
     return GraphLowering if hasattr(GraphLowering, "codegen_with_cpp_wrapper") else None
 
 
+def _bounds_of(size: Any, ranges: Any) -> DimBounds:
+    """A size expression's smallest and largest value over the symbols' ``ranges`` (None where unbounded: torch's
+    int_oo is no sympy Integer)."""
+    import sympy
+    from torch.utils._sympy.value_ranges import bound_sympy
+
+    held = bound_sympy(size, ranges)
+    low, high = (int(b) if isinstance(b, sympy.Integer) else None for b in (held.lower, held.upper))
+    return low, high
+
+
 def _input_bounds(graph: Any) -> GraphBounds:
     """What AOTInductor's input check would hold each input of ``graph`` to: a dim's bounds over the shape
     environment's ranges, as they stand once the code is generated."""
     import sympy
-    from torch.utils._sympy.value_ranges import bound_sympy
 
     ranges = graph.sizevars.shape_env.var_to_range
     bounds: GraphBounds = []
@@ -69,10 +79,7 @@ def _input_bounds(graph: Any) -> GraphBounds:
             if isinstance(size, (int, sympy.Integer)):
                 dims.append(None)
                 continue
-            held = bound_sympy(size, ranges)
-            # torch's int_oo (unbounded) is no Integer
-            dims.append(tuple(int(b) if isinstance(b, sympy.Integer) else None  # type: ignore[arg-type]
-                              for b in (held.lower, held.upper)))
+            dims.append(_bounds_of(size, ranges))
         bounds.append(dims)
     return bounds
 
@@ -83,6 +90,12 @@ def named(bounds: GraphBounds, names: list[str]) -> InputBounds:
     if len(bounds) != len(names):
         return {}
     return {name: dims for name, dims in zip(names, bounds, strict=True) if dims is not None}
+
+
+def program_bounds(program: Any, recorded: list[GraphBounds]) -> list[InputBounds]:
+    """The graphs recorded while ``program`` (a torch.export ExportedProgram) compiled, keyed by its input names."""
+    names = list(program.graph_signature.user_inputs)
+    return [named(graph, names) for graph in recorded]
 
 
 def _install(lowering: Any) -> None:
@@ -175,9 +188,7 @@ def narrowed_dims(program: str, bounds: list[InputBounds], dims: dict[str, dict[
 def exported_bounds(program: Any) -> InputBounds:
     """Each user input's dims of ``program`` (a torch.export ExportedProgram) with the range torch.export gave
     them (its ``range_constraints``), in the form of ``recording_input_bounds``' records."""
-    import sympy
     import torch
-    from torch.utils._sympy.value_ranges import bound_sympy
 
     names = set(program.graph_signature.user_inputs)
     ranges = program.range_constraints
@@ -191,9 +202,7 @@ def exported_bounds(program: Any) -> InputBounds:
             if not isinstance(size, torch.SymInt):
                 dims.append(None)
                 continue
-            held = bound_sympy(size.node.expr, ranges)
-            dims.append(tuple(int(b) if isinstance(b, sympy.Integer) else None  # type: ignore[arg-type]
-                              for b in (held.lower, held.upper)))
+            dims.append(_bounds_of(size.node.expr, ranges))
         bounds[node.name] = dims
     return bounds
 
@@ -221,8 +230,7 @@ def refuse_narrowed(program: str, exported: Any, recorded: list[GraphBounds]) ->
     whose ranges export cannot narrow, such as the KV cache's."""
     from hstu_export.errors import ExportError
 
-    names = list(exported.graph_signature.user_inputs)
-    found = narrower_than_exported(program, exported_bounds(exported), [named(graph, names) for graph in recorded])
+    found = narrower_than_exported(program, exported_bounds(exported), program_bounds(exported, recorded))
     if found:
         raise ExportError(f"{found[0]}: it would be served past what it was compiled for; nothing was written "
                           "(export without --kv-cache)")
