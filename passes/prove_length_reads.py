@@ -35,6 +35,7 @@ from hstu_export.capture.graph_functions import (
     length_beyond,
     tensor_to_int,
 )
+from hstu_export.runtimes.symbolic import check_non_negative
 
 if TYPE_CHECKING:
     from hstu_export.package.schema import InputSchema
@@ -186,6 +187,8 @@ class _Facts:
             return self.scalar(n.args[0])
         if n.op == "call_function" and n.target is check_at_most:  # returns its value
             return self.scalar(_bound_arguments(n, ("value", "bound"))[0])
+        if n.op == "call_function" and n.target is check_non_negative:  # returns its value
+            return self.scalar(n.args[0])
         if n.op == "call_method" and n.target == "item":
             return self.scalar(n.args[0])
         if _reduction(n, ("max", "amax")):

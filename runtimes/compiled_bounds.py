@@ -117,10 +117,28 @@ def _install(lowering: Any) -> None:
     lowering.codegen_with_cpp_wrapper = recording
 
 
+# Inductor options every compile of ours starts from; the user's ``--aoti-option`` overrides them. The matmul
+# padding pass decides on the example's sizes, and torch 2.11's takes its heuristics' comparisons (``K > M``, the
+# arithmetic intensity) on the symbolic sizes themselves: each becomes a guard. A bf16 TorchEasyRec-style model
+# at DLRMv3's dims came out compiled for at most the example's 3 users and for at least 1024 candidates
+# (benchmarks/investigations/compiled_narrowing.py, on an H200). The pass pads matmul dims that are not a
+# multiple of the alignment; an HSTU layer's dims are.
+KEEPING_DECLARED_RANGES = {"shape_padding": False}
+
+
 @contextlib.contextmanager
 def recording_input_bounds() -> Iterator[list[GraphBounds]]:
     """While active, every compiled graph's input bounds are appended to the yielded list, in compile order
-    (any thread; nested or concurrent uses install the hook once)."""
+    (any thread; nested or concurrent uses install the hook once), and Inductor compiles with
+    :data:`KEEPING_DECLARED_RANGES`."""
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(KEEPING_DECLARED_RANGES), _recording() as recorded:
+        yield recorded
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[list[GraphBounds]]:
     lowering = _lowering_class()
     recorded: list[GraphBounds] = []
     if lowering is None:

@@ -97,6 +97,38 @@ def test_the_recorded_bounds_are_the_ones_the_program_checks(inductor_clamps_bat
         compiled(torch.ones(4, 4))
 
 
+class Projection(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(7, 13)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+@pytest.mark.slow
+def test_the_matmul_padding_pass_does_not_narrow_the_users(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """torch 2.11's matmul padding pass compares the symbolic sizes in its heuristic (``K > M``), which narrows the
+    batch to below K. The pass runs only for CUDA: here it is let run on the CPU with that comparison. Our compiles
+    leave the pass off (KEEPING_DECLARED_RANGES) and keep the declared 32 users; with the user's
+    ``shape_padding=True`` (an ``--aoti-option``, which wins) the batch is held below K = 7 (K and N not a multiple of the alignment,
+    so the pass considers padding them)."""
+    from torch._inductor.fx_passes import pad_mm
+
+    from hstu_export.runtimes.aoti import _compile
+
+    def compares_symbolic_sizes(match, mat1, mat2, op, input=None):  # type: ignore[no-untyped-def]
+        return bool(mat1.shape[1] > mat1.shape[0]) and False  # the comparison guards; no padding is chosen
+
+    monkeypatch.setattr(pad_mm, "check_device", lambda a, b: True)
+    monkeypatch.setattr(pad_mm, "has_triton", lambda: True)
+    monkeypatch.setattr(pad_mm, "_should_pad", compares_symbolic_sizes)
+    batch = torch.export.Dim("batch", min=1, max=32)
+    program = torch.export.export(Projection(), (torch.randn(3, 7),), dynamic_shapes=({0: batch},), strict=False)
+    assert _compile(program, tmp_path / "kept.pt2", {}) == [{"x": [(2, 32), None]}]
+    assert _compile(program, tmp_path / "padded.pt2", {"shape_padding": True}) == [{"x": [(2, 6), None]}]
+
+
 def test_nothing_is_recorded_outside_the_context_and_the_hook_is_removed() -> None:
     from torch._inductor.graph import GraphLowering
 

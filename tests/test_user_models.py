@@ -1053,6 +1053,60 @@ def test_foreign_position_encodings_refuse_rows_past_the_bound(foreign_positions
             result.graph(**_position_batch([9, 2], seed=1))
 
 
+def _stand_in_infer_max_len(lengths: Tensor) -> int:
+    max_len = int(lengths.max())
+    if torch.compiler.is_compiling():
+        torch._check_is_size(max_len)
+    return max_len
+
+
+class SlicedByTheLongest(nn.Module):
+    """Sizes computed from generative-recommenders' ``fx_infer_max_len``, as its own position encoding (kept as
+    written with ``--map-function ...=keep``) computes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 4))
+
+    def forward(self, features: dict[str, Tensor]) -> Tensor:
+        common = sys.modules["generative_recommenders.common"]
+        longest = common.fx_infer_max_len(features["item_lengths"])
+        return self.table[: longest + 2].sum(0) + features["item"].sum(0)
+
+
+@pytest.mark.slow
+def test_the_mapped_max_length_is_known_non_negative(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """generative-recommenders' ``fx_infer_max_len`` becomes a plain read of the maximum (so prove_length_reads
+    can drop it), known non-negative as the library's own is: sizes computed from it compile. Without that the
+    library's position encoding, kept as written, failed to compile."""
+    from hstu_export.ops.mappings import function_mappings, imported_functions
+
+    package = types.ModuleType("generative_recommenders")
+    common = types.ModuleType("generative_recommenders.common")
+    _stand_in_infer_max_len.__module__, _stand_in_infer_max_len.__qualname__ = common.__name__, "fx_infer_max_len"
+    common.fx_infer_max_len = _stand_in_infer_max_len  # type: ignore[attr-defined]
+    package.common = common  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, package.__name__, package)
+    monkeypatch.setitem(sys.modules, common.__name__, common)
+    model = SlicedByTheLongest().eval()
+    batch = {"item_lengths": torch.tensor([5, 3, 7]), "item": torch.randn(15, 4)}
+    gm = trace(model, batch, opaque_functions=imported_functions(list(function_mappings())))
+    result = run_passes(gm, PassContext(example_inputs=batch, op_target="aten", probe_inputs=[]),
+                        passes=["observe_values", "map_ops", "eliminate_dead_code"])
+    assert [name.split(" ")[0] for name in result.report["map_ops"].stats["foreign"]] == [
+        "generative_recommenders.common.fx_infer_max_len"]
+    rows = torch.export.Dim("rows", min=1, max=64)
+    program = torch.export.export(result.graph, (), batch, strict=False,
+                                  dynamic_shapes={"item_lengths": None, "item": {0: rows}})
+    [unbacked] = [r for s, r in program.range_constraints.items() if str(s).startswith("u")]
+    assert unbacked.lower >= 0, program.range_constraints
+    compiled = torch._inductor.aoti_load_package(
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "sliced.pt2")))
+    other = {"item_lengths": torch.tensor([2, 9, 0]), "item": torch.randn(11, 4)}  # 11 table rows read
+    with torch.no_grad():
+        assert torch.allclose(compiled(**other)["output"], model(other))
+
+
 def test_a_mapped_function_can_be_kept_as_written() -> None:
     """``--map-function NAME=keep`` takes one of our mappings away (the function is traced through as
     its library wrote it); a name we do not map is refused."""

@@ -38,6 +38,7 @@ import torch
 
 from hstu_export.capture.graph_functions import check_lengths_at_most, tensor_to_int
 from hstu_export.ops.mappings import FunctionMapping, MappingCall, Unmappable
+from hstu_export.runtimes.symbolic import check_non_negative
 
 LIBRARY = "generative-recommenders"
 Divisor = Callable[[MappingCall, Any], Any]
@@ -206,8 +207,10 @@ def positional_embeddings_on_rows(call: MappingCall, bucket_of: Bucket) -> Any:
 
 def infer_max_len(call: MappingCall) -> Any:
     """The library's ``fx_infer_max_len``: the lengths' maximum, read from the device as it does, written as plain
-    torch so that prove_length_reads sees it (a maximum read only by length checks it proves is then dropped)."""
-    return call["lengths"].max().item()
+    torch so that prove_length_reads sees it (a maximum read only by length checks it proves is then dropped).
+    Like the library's, it is known non-negative from there on: the sizes computed from it need that (the
+    library's own position encoding slices by it)."""
+    return call.record(check_non_negative, call["lengths"].max().item())
 
 
 def _fixed_scale_attention(original: Any, arguments: dict[str, Any], n: int) -> Any:
