@@ -269,7 +269,8 @@ def _stage_progress(quiet: bool) -> Any:
 @click.option("--aoti-option", "aoti_option", multiple=True, metavar="KEY=VALUE",
               help="An Inductor config option for the AOTInductor compiles (repeatable), e.g. combo_kernels=true; "
                    "checked against the installed torch. Applies to the dense program and, with --kv-cache, the "
-                   "delta program (which uses combo_kernels=true on CUDA unless told otherwise).")
+                   "delta program (which uses combo_kernels=true on CUDA unless told otherwise). Compiles start from "
+                   "shape_padding=false (the matmul padding pass can hold a dynamic dim to the example's size).")
 @click.option("--prechecked-sparse", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="With the aoti backend: also compile the sparse half with its ids clamped to the tables instead of "
                    "checked, which the runtimes run after checking the manifest's ranges on the host, so the host "

@@ -1,10 +1,16 @@
 """Where Inductor narrows a dynamic dim: the TorchEasyRec-style test model exported at the timed ranges of
-benchmarks/gpu_gr_dlrmv3.py (DLRMv3's dims, bf16 on CUDA), with every shrink of a traced dim's upper bound
-recorded while Inductor compiles: the symbol, its range before and after, and the innermost frames of Inductor's
-stack that made it. Its CUDA package was compiled for at most 3 users while 32 were declared (docs/PERF.md, "CUDA
-correctness"); export now narrows such a package (runtimes/compiled_bounds.py), and this names the choice behind it.
+benchmarks/gpu_gr_dlrmv3.py (DLRMv3's dims, bf16 on CUDA), with every shrink of a traced dim's range (its
+largest value lowered or its smallest raised) recorded while Inductor compiles: the symbol, its range before and
+after, and the innermost frames of Inductor's stack that made it.
 
-    PYTHONPATH=$PWD python benchmarks/investigations/compiled_narrowing.py --out DIR [--device cpu] [--small]
+With ``--aoti-option shape_padding=True`` (Inductor's matmul padding pass on, as it is by default in Inductor)
+and torch 2.11 on an H200, it finds the pass's heuristic comparing the symbolic sizes (``K > M`` in
+``is_mm_compute_bound``): the dense program compiled for at most 3 users and at least 1024 candidates. Our
+compiles leave the pass off (runtimes/compiled_bounds.py); run as it is, it finds no shrink (docs/PERF.md,
+"CUDA correctness").
+
+    PYTHONPATH=$PWD python benchmarks/investigations/compiled_narrowing.py --out DIR [--device cpu] [--small] \
+        [--aoti-option KEY=VALUE ...]
 
 Writes DIR/compiled_narrowing.json: the shrinks, the export's ``narrowed_dims`` and ``ranges.narrowed`` (or the
 export's one-line refusal).
@@ -13,6 +19,7 @@ export's one-line refusal).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -26,6 +33,7 @@ import gpu_gr_dlrmv3 as bench
 from torch.fx.experimental import symbolic_shapes
 
 import hstu_export
+from hstu_export.settings import parse_inductor_option
 
 
 def recording_shrinks(shrinks: list[dict[str, Any]]) -> Any:
@@ -38,7 +46,8 @@ def recording_shrinks(shrinks: list[dict[str, Any]]) -> Any:
         original(self, symbol, vr, *args, **kwargs)
         after = self.var_to_range.get(symbol)
         backed = getattr(self, "backed_var_to_val", None) or self.var_to_val
-        if before is None or after is None or not after.upper < before.upper or symbol not in backed:
+        if (before is None or after is None or symbol not in backed
+                or not (after.upper < before.upper or after.lower > before.lower)):
             return
         frames = [f for f in traceback.extract_stack()[:-1] if "torch/_inductor" in f.filename.replace("\\", "/")]
         if frames:
@@ -56,6 +65,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="small dims and ranges (a dry run)")
+    parser.add_argument("--aoti-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an Inductor option for the compile, as hstu-export's (shape_padding=True: the pass on)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ranges = bench.sizes(args.small)
@@ -68,13 +79,14 @@ def main() -> None:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            manifest = hstu_export.export(bundle, work / "pkg",
-                                          bench.tzrec_settings(args.device, ranges, False)).manifest
+            settings = dataclasses.replace(bench.tzrec_settings(args.device, ranges, False),
+                                           aoti_options=dict(map(parse_inductor_option, args.aoti_option)))
+            manifest = hstu_export.export(bundle, work / "pkg", settings).manifest
     except Exception as exc:  # a narrowing export refuses (a total of rows, a smallest batch): the shrinks still count
         error = f"{type(exc).__name__}: {exc}"
     finally:
         symbolic_shapes.ShapeEnv._update_var_to_range = original
-    report = {"ranges": ranges, "shrinks": shrinks, "export_error": error,
+    report = {"ranges": ranges, "aoti_options": args.aoti_option, "shrinks": shrinks, "export_error": error,
               "narrowed_dims": manifest.get("backend", {}).get("meta", {}).get("narrowed_dims", []),
               "narrowed": manifest.get("ranges", {}).get("narrowed", []),
               "warnings": [str(w.message) for w in caught if "narrowed" in str(w.message)]}
