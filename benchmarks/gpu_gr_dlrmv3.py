@@ -20,7 +20,7 @@ Steps (each writes into ``--work``, so later steps can run in another call on th
   ranges and dtype: the difference is bf16's); again for each of ``--variants`` (without the ``fuse_stu_gate``
   pass; with the position and time encodings as the library wrote them; without ``prove_length_reads``, so that
   sizes and length checks are read from the device); the zoo's dlrmv3 exported with the
-  same ranges.
+  same ranges. ``--variants-only``: the variants and the zoo alone.
 - ``time``: the packages' dense halves on the same workload: 32 users, history lengths uniform over
   [1, 2047] (mean about 1024), 2048 candidates each, bf16; median of ``--iters`` synced calls (CUDA events)
   after warm-up, and the same calls back to back. Tokens are history plus candidate tokens (contextual
@@ -170,14 +170,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def step_export(work: Path, device: str, small: bool, variants: list[str]) -> dict[str, Any]:
+def step_export(work: Path, device: str, small: bool, variants: list[str], default: bool = True) -> dict[str, Any]:
     ranges = sizes(small)
     out: dict[str, Any] = {}
     bundle = gr_bundle(work, small, ranges, "gr_timed")
-    start = time.perf_counter()
-    hstu_export.export(bundle, work / "gr_timed.aoti", settings(device, ranges, False, reference_device="cpu"))
-    out["gr_export_seconds"] = round(time.perf_counter() - start, 1)
-    if (work / "gr_small.aoti").is_dir():  # the timed package against the verified one, on requests both take
+    if default:
+        start = time.perf_counter()
+        hstu_export.export(bundle, work / "gr_timed.aoti", settings(device, ranges, False, reference_device="cpu"))
+        out["gr_export_seconds"] = round(time.perf_counter() - start, 1)
+    if default and (work / "gr_small.aoti").is_dir():  # the timed package against the verified one, on requests both take
         out["gr_timed_vs_verified"] = compare_with_verified(work, bundle, ranges)
     for variant in variants:
         start = time.perf_counter()
@@ -273,15 +274,14 @@ def step_time(work: Path, small: bool, iters: int, warmup: int) -> dict[str, Any
     out: dict[str, Any] = {"users": len(history), "history_tokens": sum(history), "candidate_tokens": sum(candidates),
                            "longest_history": max(history), "iters": iters}
     sides = [("zoo", zoo, zoo_request)]
-    if (work / "gr_timed.aoti").is_dir():
-        gr = hstu_export.load(work / "gr_timed.aoti")
+    gr_packages = [(f"gr_{variant}", work / f"gr_{variant}.aoti") for variant in ("timed", *VARIANTS)]
+    gr_packages = [(name.replace("_timed", ""), path) for name, path in gr_packages if path.is_dir()]
+    if gr_packages:
         model = hstu_export.load_bundle(work / "gr_timed.pt").model
-        gr_request = flatten_example(gr.input_schema, gr_ranker.example_inputs(history, candidates, seed=5), None,
-                                     model)
-        sides.append(("gr", gr, gr_request))
-        for variant in VARIANTS:
-            if (work / f"gr_{variant}.aoti").is_dir():
-                sides.append((f"gr_{variant}", hstu_export.load(work / f"gr_{variant}.aoti"), gr_request))
+        for name, path in gr_packages:
+            gr = hstu_export.load(path)
+            sides.append((name, gr, flatten_example(
+                gr.input_schema, gr_ranker.example_inputs(history, candidates, seed=5), None, model)))
     if (work / "tzrec_timed.aoti").is_dir():
         tzrec = hstu_export.load(work / "tzrec_timed.aoti")
         tzrec_model = hstu_export.load_bundle(work / "tzrec_timed.pt").model
@@ -348,6 +348,8 @@ def main() -> int:
                              "(our kernels' and cuBLAS's), and fp32 exports are held to TF32's tolerances")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                         help="GR exported again with one step left out, timed beside the default [all]")
+    parser.add_argument("--variants-only", action="store_true",
+                        help="export: the variants and the zoo, not GR's default package (time times what is there)")
     args = parser.parse_args()
     torch.set_float32_matmul_precision(args.fp32_precision)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -365,7 +367,7 @@ def main() -> int:
             if step == "verify":
                 results[step] = step_verify(work, args.device, args.small)
             elif step == "export":
-                results[step] = step_export(work, args.device, args.small, args.variants)
+                results[step] = step_export(work, args.device, args.small, args.variants, not args.variants_only)
             elif step in ("tzrec", "tzrec-verify"):
                 results[step] = step_tzrec(work, args.device, args.small, timed=step == "tzrec")
             elif step == "time":

@@ -46,7 +46,11 @@ from hstu_export.models.ranking import (
     HstuRankingModel,
 )
 from hstu_export.models.stu import LAYER_NORM_EPS
-from hstu_export.runtimes.compiled_bounds import recording_input_bounds, refuse_narrowed
+from hstu_export.runtimes.compiled_bounds import (
+    KEEPING_DECLARED_RANGES,
+    recording_input_bounds,
+    refuse_narrowed,
+)
 from hstu_export.runtimes.unbacked_ranges import unbacked_ranges_hold_at_one
 
 KV_DELTA_FILE = "kv/delta.pt2"
@@ -64,9 +68,10 @@ DELTA_INDUCTOR_OPTIONS: dict[str, bool | int | float | str] = {"combo_kernels": 
 
 def delta_inductor_options(device: torch.device, user: dict[str, Any],
                            cuda_defaults: dict[str, Any] = DELTA_INDUCTOR_OPTIONS) -> dict[str, Any]:
-    """A delta program's Inductor options on ``device``: ``cuda_defaults`` (the written program's,
-    :data:`DELTA_INDUCTOR_OPTIONS`, unless given) on CUDA, then the user's (``--aoti-option``), which win."""
-    return {**(cuda_defaults if device.type == "cuda" else {}), **user}
+    """A delta program's Inductor options on ``device``: every compile's :data:`KEEPING_DECLARED_RANGES`,
+    ``cuda_defaults`` (the written program's, :data:`DELTA_INDUCTOR_OPTIONS`, unless given) on CUDA, then the
+    user's (``--aoti-option``), which win."""
+    return {**KEEPING_DECLARED_RANGES, **(cuda_defaults if device.type == "cuda" else {}), **user}
 
 
 def check_kv_cache(backend: str) -> None:

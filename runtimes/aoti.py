@@ -37,6 +37,7 @@ from hstu_export.runtimes.base import (
     torch_dynamic_shapes,
 )
 from hstu_export.runtimes.compiled_bounds import (
+    KEEPING_DECLARED_RANGES,
     InputBounds,
     narrowed_dims,
     program_bounds,
@@ -245,7 +246,8 @@ class AotiBackend(Backend):
     description = "AOTInductor package (.pt2), CPU or CUDA"
 
     def compile(self, inputs: CompileInputs, out_dir: Path) -> BackendArtifacts:
-        options = dict(inputs.settings.aoti_options)  # --aoti-option (a copy: the compile adds its own keys)
+        # Every compile's, then --aoti-option's (the compile adds its own keys to this copy).
+        options = {**KEEPING_DECLARED_RANGES, **inputs.settings.aoti_options}
         sparse_file, sparse_libraries, sparse_meta, tables = self._compile_sparse(inputs, out_dir, options)
         program = export_dense(inputs)
         try:

@@ -39,8 +39,9 @@ def test_the_package_records_a_verified_delta_program(kv_package) -> None:  # ty
     kv = manifest["kv_cache"]
     assert kv["program"] in manifest["files"] and (root / kv["program"]).is_file()
     assert kv["page_size"] == PAGE and kv["layout"]["num_layers"] == 2
-    # On CPU the programs are compiled with Inductor's defaults (the delta program's own are CUDA's only).
-    assert kv["inductor_options"] == {} and manifest["backend"]["meta"]["inductor_options"] == {}
+    # On CPU the programs are compiled with Inductor's defaults but the matmul padding pass (the delta program's
+    # own are CUDA's only).
+    assert kv["inductor_options"] == manifest["backend"]["meta"]["inductor_options"] == {"shape_padding": False}
     # The program's exported bounds: 16 users (the export example's, above the package's 4) and their tokens,
     # and room for a shape bucket's padding user (a user, and the tokens that round the counts up).
     ranges = manifest["ranges"]["lengths"]["max_lengths"]
@@ -219,26 +220,27 @@ def test_aoti_options_reach_both_compiles_and_bad_ones_are_refused(tmp_path, mon
     options = ["--aoti-option", "max_fusion_size=32", "--aoti-option", "combo_kernels=false"]
     assert cli_main([str(bundle), "--kv-cache", "--max-batch-size", "2", *options, "-o", str(tmp_path / "o")]) == 1
     assert "AOTInductor compilation of the KV-cache delta program failed: stopped here by the test" in capsys.readouterr().err
-    assert seen == {"sparse": {"max_fusion_size": 32, "combo_kernels": False,
-                               "aot_inductor.package_constants_in_so": False},  # its tables are stored beside it
-                    "dense": {"max_fusion_size": 32, "combo_kernels": False},
-                    "delta": {"max_fusion_size": 32, "combo_kernels": False}}
+    ours = {"shape_padding": False, "max_fusion_size": 32, "combo_kernels": False}  # every compile's, then the user's
+    assert seen == {"sparse": {**ours, "aot_inductor.package_constants_in_so": False},  # its tables are stored beside it
+                    "dense": ours, "delta": ours}
     assert not (tmp_path / "o").exists()
 
     # The delta program's defaults: CUDA only, the user's options over them.
     assert DELTA_INDUCTOR_OPTIONS == {"combo_kernels": True}
-    assert delta_inductor_options(torch.device("cuda"), {}) == {"combo_kernels": True}
-    assert delta_inductor_options(torch.device("cuda"), {"combo_kernels": False, "x": 1}) == {"combo_kernels": False,
-                                                                                             "x": 1}
-    assert delta_inductor_options(torch.device("cpu"), {}) == {}
+    kept = {"shape_padding": False}  # every compile's (runtimes/compiled_bounds.py)
+    assert delta_inductor_options(torch.device("cuda"), {}) == {**kept, "combo_kernels": True}
+    assert delta_inductor_options(torch.device("cuda"), {"combo_kernels": False, "x": 1}) == {
+        **kept, "combo_kernels": False, "x": 1}
+    assert delta_inductor_options(torch.device("cpu"), {}) == kept
+    assert delta_inductor_options(torch.device("cpu"), {"shape_padding": True}) == {"shape_padding": True}
     # The derived program's (any model but the zoo's): tuned on its example run once, the user's options over it.
     from hstu_export.kv_derived_export import DERIVED_CUDA_OPTIONS
 
     assert DERIVED_CUDA_OPTIONS == {"triton.autotune_at_compile_time": False}
-    assert delta_inductor_options(torch.device("cuda"), {}, DERIVED_CUDA_OPTIONS) == DERIVED_CUDA_OPTIONS
+    assert delta_inductor_options(torch.device("cuda"), {}, DERIVED_CUDA_OPTIONS) == {**kept, **DERIVED_CUDA_OPTIONS}
     assert delta_inductor_options(torch.device("cuda"), {"triton.autotune_at_compile_time": True, "x": 1},
-                                  DERIVED_CUDA_OPTIONS) == {"triton.autotune_at_compile_time": True, "x": 1}
-    assert delta_inductor_options(torch.device("cpu"), {"x": 1}, DERIVED_CUDA_OPTIONS) == {"x": 1}
+                                  DERIVED_CUDA_OPTIONS) == {**kept, "triton.autotune_at_compile_time": True, "x": 1}
+    assert delta_inductor_options(torch.device("cpu"), {"x": 1}, DERIVED_CUDA_OPTIONS) == {**kept, "x": 1}
 
     # Options Inductor does not have, values of the wrong type, and the wrong backend: one line, exit code 2.
     for bad, message in [
