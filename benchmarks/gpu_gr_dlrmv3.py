@@ -276,12 +276,12 @@ def step_time(work: Path, small: bool, iters: int, warmup: int) -> dict[str, Any
     sides = [("zoo", zoo, zoo_request)]
     gr_packages = [(f"gr_{variant}", work / f"gr_{variant}.aoti") for variant in ("timed", *VARIANTS)]
     gr_packages = [(name.replace("_timed", ""), path) for name, path in gr_packages if path.is_dir()]
-    if gr_packages:
+    if gr_packages:  # one request for them all: the variants take the default's inputs
         model = hstu_export.load_bundle(work / "gr_timed.pt").model
-        for name, path in gr_packages:
-            gr = hstu_export.load(path)
-            sides.append((name, gr, flatten_example(
-                gr.input_schema, gr_ranker.example_inputs(history, candidates, seed=5), None, model)))
+        predictors = [(name, hstu_export.load(path)) for name, path in gr_packages]
+        gr_request = flatten_example(predictors[0][1].input_schema,
+                                     gr_ranker.example_inputs(history, candidates, seed=5), None, model)
+        sides.extend((name, predictor, gr_request) for name, predictor in predictors)
     if (work / "tzrec_timed.aoti").is_dir():
         tzrec = hstu_export.load(work / "tzrec_timed.aoti")
         tzrec_model = hstu_export.load_bundle(work / "tzrec_timed.pt").model
