@@ -28,7 +28,7 @@ Steps (each writes into ``--work``, so later steps can run in another call on th
 - ``tzrec``: the TorchEasyRec-style test model (``tests/user_models/tzrec_style.py``, its ``Batch`` in) at the
   same dims, verified in fp32 at the small ranges against its own forward on the CPU, then exported in bf16
   for the timed ranges; ``time`` times it too when it is there. ``tzrec-verify``: its verification alone.
-- ``profile``: each dense half's GPU kernels on the same workload, by total time (torch.profiler).
+- ``profile``: the GPU kernels of each package ``time`` times, on the same workload, by total time (torch.profiler).
 
 Writes ``gr_dlrmv3.json`` into ``--out``.
 """
@@ -265,18 +265,20 @@ def dense_timer(predictor: Any, request: dict[str, torch.Tensor], iters: int, wa
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
 
 
-def step_time(work: Path, small: bool, iters: int, warmup: int) -> dict[str, Any]:
+def timed_sides(work: Path, small: bool) -> tuple[list[tuple[str, Any, Any]], dict[str, Any]]:
+    """Every package in ``work`` with the workload's request for it: (name, predictor, request), and notes.
+
+    The zoo first; GR's default and its variants share one request (the variants take the default's inputs);
+    the TorchEasyRec-style package when it serves the workload's users."""
     history, candidates = workload(small)
-    tokens = sum(history) + sum(candidates)
     zoo = hstu_export.load(work / "zoo.aoti")
     zoo_request = hstu_export.generate_batch(zoo.input_schema, len(history), seed=5,
                                              lengths={"uih_lengths": history, "candidate_lengths": candidates})
-    out: dict[str, Any] = {"users": len(history), "history_tokens": sum(history), "candidate_tokens": sum(candidates),
-                           "longest_history": max(history), "iters": iters}
-    sides = [("zoo", zoo, zoo_request)]
+    sides: list[tuple[str, Any, Any]] = [("zoo", zoo, zoo_request)]
+    notes: dict[str, Any] = {}
     gr_packages = [(f"gr_{variant}", work / f"gr_{variant}.aoti") for variant in ("timed", *VARIANTS)]
     gr_packages = [(name.replace("_timed", ""), path) for name, path in gr_packages if path.is_dir()]
-    if gr_packages:  # one request for them all: the variants take the default's inputs
+    if gr_packages:
         model = hstu_export.load_bundle(work / "gr_timed.pt").model
         predictors = [(name, hstu_export.load(path)) for name, path in gr_packages]
         gr_request = flatten_example(predictors[0][1].input_schema,
@@ -287,10 +289,20 @@ def step_time(work: Path, small: bool, iters: int, warmup: int) -> dict[str, Any
         tzrec_model = hstu_export.load_bundle(work / "tzrec_timed.pt").model
         served = tzrec.manifest["ranges"]["max_batch_size"]
         if served < len(history):  # export narrowed it to what its programs were compiled for
-            out["tzrec_not_timed"] = f"the package serves at most {served} users: {tzrec.manifest['ranges']['narrowed']}"
+            notes["tzrec_not_timed"] = f"the package serves at most {served} users: {tzrec.manifest['ranges']['narrowed']}"
         else:
             sides.append(("tzrec", tzrec, flatten_example(
                 tzrec.input_schema, (tzrec_style.example_batch(history, candidates, seed=5),), None, tzrec_model)))
+    return sides, notes
+
+
+def step_time(work: Path, small: bool, iters: int, warmup: int) -> dict[str, Any]:
+    history, candidates = workload(small)
+    tokens = sum(history) + sum(candidates)
+    out: dict[str, Any] = {"users": len(history), "history_tokens": sum(history), "candidate_tokens": sum(candidates),
+                           "longest_history": max(history), "iters": iters}
+    sides, notes = timed_sides(work, small)
+    out.update(notes)
     # Alternated twice, so that no package always runs first on a warmer GPU.
     for _ in range(2):
         for name, predictor, request in sides:
@@ -308,19 +320,10 @@ def step_profile(work: Path, small: bool, iters: int = 5) -> dict[str, Any]:
     """Where each dense half's time goes: the GPU kernels of ``iters`` calls, by total time (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    history, candidates = workload(small)
-    gr = hstu_export.load(work / "gr_timed.aoti")
-    model = hstu_export.load_bundle(work / "gr_timed.pt").model
-    requests = {
-        "gr": (gr, flatten_example(gr.input_schema, gr_ranker.example_inputs(history, candidates, seed=5), None, model)),
-        "zoo": (hstu_export.load(work / "zoo.aoti"), None),
-    }
-    zoo = requests["zoo"][0]
-    requests["zoo"] = (zoo, hstu_export.generate_batch(zoo.input_schema, len(history), seed=5,
-                                                        lengths={"uih_lengths": history, "candidate_lengths": candidates}))
+    sides, _ = timed_sides(work, small)
     cuda = torch.cuda.is_available()
     out: dict[str, Any] = {}
-    for name, (predictor, request) in requests.items():
+    for name, predictor, request in sides:
         dense_timer(predictor, request, 2, 2)  # warm
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             dense_timer(predictor, request, iters, 0)
