@@ -396,34 +396,39 @@ def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, 
     return at, q_offsets, lengths, targets, stale
 
 
+def _row_lists(seq_lengths: Sequence[int], stored: Sequence[int], cached: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """(:func:`new_rows_of`, :func:`target_rows_of`), computed together (a runtime's delta call needs both)."""
+    lengths = np.asarray(seq_lengths, dtype=np.int64)
+    non_targets = np.asarray(stored, dtype=np.int64)
+    kept = np.asarray(cached, dtype=np.int64)
+    kept = np.where((kept >= 0) & (kept <= non_targets), kept, 0)  # beyond the stored tokens: none cached
+    counts, targets = lengths - kept, lengths - non_targets
+    ends, target_ends = np.cumsum(counts), np.cumsum(targets)
+    # A user's new rows run from its first uncached row, its targets end where its new rows end.
+    rows = np.repeat(np.cumsum(lengths) - lengths + kept - (ends - counts), counts)
+    rows += np.arange(rows.size, dtype=np.int64)
+    target_rows = np.repeat(ends - targets - (target_ends - targets), targets)
+    target_rows += np.arange(target_rows.size, dtype=np.int64)
+    return torch.from_numpy(rows), torch.from_numpy(target_rows)
+
+
 def new_rows_of(seq_lengths: Sequence[int], stored: Sequence[int], cached: Sequence[int]) -> Tensor:
     """``kv_new_rows`` of a delta call: the rows past each user's ``cached`` tokens (users of ``seq_lengths``
     rows side by side, of which ``stored`` are not targets), in order; int64 on the host. A cached count
     beyond a user's stored tokens counts as none, as :func:`delta_rows` takes it."""
-    lengths = np.asarray(seq_lengths, dtype=np.int64)
-    kept = np.asarray(cached, dtype=np.int64)
-    kept = np.where((kept >= 0) & (kept <= np.asarray(stored, dtype=np.int64)), kept, 0)
-    starts = np.cumsum(lengths) - lengths + kept
-    counts = lengths - kept
-    rows = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()), dtype=np.int64)
-    return torch.from_numpy(rows)
+    return _row_lists(seq_lengths, stored, cached)[0]
 
 
 def target_rows_of(seq_lengths: Sequence[int], stored: Sequence[int], cached: Sequence[int]) -> Tensor:
     """``kv_target_rows`` of a delta call: each user's target rows (its rows past the ``stored`` ones, never cached)
     as indices into :func:`new_rows_of`'s list, in order; int64 on the host."""
-    lengths, non_targets = np.asarray(seq_lengths, dtype=np.int64), np.asarray(stored, dtype=np.int64)
-    kept = np.asarray(cached, dtype=np.int64)
-    kept = np.where((kept >= 0) & (kept <= non_targets), kept, 0)
-    targets = lengths - non_targets
-    starts = np.cumsum(lengths - kept) - targets  # where each user's targets begin among the new rows
-    rows = np.repeat(starts - (np.cumsum(targets) - targets), targets) + np.arange(int(targets.sum()), dtype=np.int64)
-    return torch.from_numpy(rows)
+    return _row_lists(seq_lengths, stored, cached)[1]
 
 
 def delta_row_inputs(seq_lengths: Sequence[int], stored: Sequence[int], cached: Sequence[int]) -> dict[str, Tensor]:
     """The row lists a runtime gives a delta call, by input name (a program takes those it lists)."""
-    return {NEW_ROWS: new_rows_of(seq_lengths, stored, cached), TARGET_ROWS: target_rows_of(seq_lengths, stored, cached)}
+    new_rows, target_rows = _row_lists(seq_lengths, stored, cached)
+    return {NEW_ROWS: new_rows, TARGET_ROWS: target_rows}
 
 
 def row_tolerance(dtype: torch.dtype) -> float:

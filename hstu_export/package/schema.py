@@ -32,6 +32,7 @@ other (``uih_features.item_id.values`` → ``uih_features__item_id__values``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -58,6 +59,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=4096)  # read for every feature of every request
 def graph_name(name: str) -> str:
     """The graph-input (Python identifier) spelling of a request feature name: one FX keeps as it is (FX
     lowercases placeholder names and strips a dunder name's underscores; TorchEasyRec's data group is
