@@ -22,6 +22,7 @@ from hstu_export.models.cached import KVLayout, stacked_contextual
 from hstu_export.models.ranking import HISTORY_LENGTHS, HISTORY_TOKEN_FEATURES
 from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
 from hstu_export.runtimes.kv_graphs import Buckets, GraphCache, bucket_width, pad_to_bucket, unpad
+from hstu_export.runtimes.predictor import to_device
 from hstu_export.settings import TORCH_DTYPES
 
 # The sparse half's outputs per history token (zoo names).
@@ -100,16 +101,16 @@ class PackageDelta:
         of the users with nothing cached stacked, the cache's tensors."""
         schema = self._predictor.input_schema
         padded, keep = self._pad_history(features)
-        graph = {f.graph_name: padded[f.name].to(self.device) for f in schema.features}
+        graph = {f.graph_name: to_device(padded[f.name], self.device) for f in schema.features}
         with torch.no_grad():
             emb = self._split.dense_inputs(graph)
             if keep is not None:  # drop the padding's embeddings; the program gets the request's own history
                 emb = {**emb, **{name: emb[name].index_select(0, keep) for name in HISTORY_EMBEDDINGS}}
-                emb.update({name: features[name].to(self.device) for name in (HISTORY_LENGTHS, "uih_timestamps")})
+                emb.update({name: to_device(features[name], self.device) for name in (HISTORY_LENGTHS, "uih_timestamps")})
             values = {**emb, "contextual_emb": stacked_contextual(emb, self.layout.contextual_features, cached,
                                                                   emb["uih_item_emb"]),
-                      "kv_cached": cached.to(self.device, torch.int64), "kv_k_pages": k_pages, "kv_v_pages": v_pages,
-                      "kv_page_table": page_table.to(self.device, torch.int32)}
+                      "kv_cached": to_device(cached.to(torch.int64), self.device), "kv_k_pages": k_pages,
+                      "kv_v_pages": v_pages, "kv_page_table": to_device(page_table.to(torch.int32), self.device)}
         return {name: values[name].contiguous() for name in self._inputs}
 
     def table_width(self, width: int) -> int:

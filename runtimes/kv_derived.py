@@ -23,6 +23,7 @@ from hstu_export.errors import ConfigError, HstuExportError, PackageError
 from hstu_export.kv_derive import counts_on_host
 from hstu_export.runtimes.aoti import PRECHECKED_MODEL
 from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
+from hstu_export.runtimes.predictor import to_device
 from hstu_export.runtimes.shape_graphs import MAX_COPY_BYTES, ShapeGraphs, copy_limit
 from hstu_export.settings import TORCH_DTYPES
 
@@ -87,7 +88,7 @@ class PackageDerived:
         """The dense half's inputs, or with whole-request graphs the request on the device (``REQUEST_INPUT``
         before each graph input's name), which the program's call looks up."""
         features = self._predictor.check_request(request)
-        graph = {f.graph_name: features[f.name].to(self.device) for f in self._predictor.input_schema.features}
+        graph = {f.graph_name: to_device(features[f.name], self.device) for f in self._predictor.input_schema.features}
         if self.whole_request:
             return {self.REQUEST_INPUT + name: value for name, value in graph.items()}
         return self._split.dense_inputs(graph)

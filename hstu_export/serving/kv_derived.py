@@ -145,7 +145,10 @@ class DerivedCachedRanker:
         table = np.full((len(tables), width), cache.scratch_page, dtype=np.int32)
         for b, pages in enumerate(tables):
             table[b, :len(pages)] = pages
-        return self.runner.delta(dense, torch.tensor(cached, dtype=torch.int64, device=device), cache.k, cache.v,
-                                 cache.x, torch.from_numpy(table).to(device),
-                                 {name: value.to(device) for name, value in
-                                  delta_row_inputs(seq_lengths, stored, cached).items()})
+
+        def moved(value: Tensor) -> Tensor:  # from the host, without waiting for the device (as Predictor moves a request)
+            return value.to(device, non_blocking=device.type == "cuda")
+
+        return self.runner.delta(dense, moved(torch.tensor(cached, dtype=torch.int64)), cache.k, cache.v, cache.x,
+                                 moved(torch.from_numpy(table)),
+                                 {name: moved(value) for name, value in delta_row_inputs(seq_lengths, stored, cached).items()})
