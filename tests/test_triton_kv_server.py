@@ -3,7 +3,9 @@ tests/triton_server.py): a package exported with --kv-cache (conftest's ``kv_pac
 features), its repository written with ``--kv-cache`` and two instances. Users send their requests
 concurrently, each named by its correlation id; every answer is the package's own (within the KV tests'
 tolerance), the metrics endpoint counts one miss per user and a hit for every later request (which
-fails if a user's request reached the other instance's cache), and a bad request fails alone."""
+fails if a user's request reached the other instance's cache), and a bad request fails alone. Two more
+repositories of the same package: a cache that holds two users evicts the least recently used one, and a
+user beyond the sequence slots waits in Triton's backlog until a slot idles out."""
 
 from __future__ import annotations
 
@@ -185,3 +187,67 @@ def test_a_bad_request_fails_alone(server: TritonServer, predictor) -> None:  # 
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         with pytest.raises(InferenceServerException, match="non-zero or non-empty correlation ID"):
             client.infer(MODEL, request_inputs(grpcclient, users.request(["20"], [1])))
+
+
+@pytest.fixture(scope="module")
+def small_server(package: Path, predictor, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One instance whose cache holds 4 pages (with the scratch page, 5 pages of the budget): two users of 20
+    history tokens, pages of kv_requests.PAGE (16) tokens."""
+    pages = predictor.kv_cache(1 << 20).cache.page_bytes * 5
+    root = tmp_path_factory.mktemp("triton-kv-evict")
+    assert cli_main(["serving-repo", str(package), "--out", str(root / "repo"), "--name", MODEL, "--kv-cache",
+                     str(pages), "--instances", "1", "--sequence-idle-us", "5000000"]) == 0
+    with TritonServer(root / "repo", root) as triton:
+        yield triton
+
+
+def test_a_full_cache_evicts_the_least_recently_used_user_and_its_return_is_a_miss(small_server: TritonServer,
+                                                                                   predictor) -> None:  # type: ignore[no-untyped-def]
+    """A, B, C in turn (C finds the cache full: A, the least recently used, is evicted), A again (a miss: B is
+    evicted), C with new candidates (a hit: still held), B again (a miss: A is evicted). Every answer is the
+    package's, and the server's metrics count exactly that."""
+    users = Users(CONFIGS["no-context"], seed=14)
+    for key in ("31", "32", "33"):
+        users.grow(key, 20)
+    order = [(31, 3), (32, 2), (33, 4), (31, 2), (33, 5), (32, 3)]
+    with grpcclient.InferenceServerClient(small_server.grpc_url) as client:
+        for step, (user, candidates) in enumerate(order):
+            request = users.request([str(user)], [candidates])
+            _same(infer_user(client, user, request), predictor(request), f"request {step} (user {user})")
+    counts = _kv_metrics(small_server, len(order))
+    total = {name: sum(values.values()) for name, values in counts.items()}
+    assert (total["misses"], total["hits"], total["evictions"], total["stale"]) == (5, 1, 3, 0), counts
+    assert (total["users"], total["pages_used"], total["pages"]) == (2, 4, 4), counts
+
+
+@pytest.fixture(scope="module")
+def one_slot_server(package: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One instance holding one user's sequence at a time (--max-sequences 1), idle after 2 s."""
+    root = tmp_path_factory.mktemp("triton-kv-backlog")
+    assert cli_main(["serving-repo", str(package), "--out", str(root / "repo"), "--name", MODEL, "--kv-cache", "1MiB",
+                     "--instances", "1", "--max-sequences", "1", "--sequence-idle-us", "2000000"]) == 0
+    with TritonServer(root / "repo", root) as triton:
+        yield triton
+
+
+def test_a_user_beyond_the_sequence_slots_waits_for_one_to_idle_out(one_slot_server: TritonServer,
+                                                                    predictor) -> None:  # type: ignore[no-untyped-def]
+    """With every slot held (one instance, one sequence), a second user's request waits in Triton's backlog
+    until the first user's sequence is idle for max_sequence_idle_microseconds (2 s), then gets the package's
+    answer; the first user's next request, within its sequence, is answered at once."""
+    users = Users(CONFIGS["no-context"], seed=15)
+    for key in ("41", "42"):
+        users.grow(key, 10)
+    first, second = users.request(["41"], [2]), users.request(["42"], [3])
+    with grpcclient.InferenceServerClient(one_slot_server.grpc_url) as client:
+        _same(infer_user(client, 41, first), predictor(first), "user 41")
+        start = time.monotonic()
+        _same(infer_user(client, 41, first), predictor(first), "user 41 again")
+        within = time.monotonic() - start
+        start = time.monotonic()
+        _same(infer_user(client, 42, second), predictor(second), "user 42")
+        waited = time.monotonic() - start
+    assert within < 1.0 and waited > 1.4, (within, waited)
+    counts = _kv_metrics(one_slot_server, 3)
+    total = {name: sum(values.values()) for name, values in counts.items()}
+    assert (total["misses"], total["hits"]) == (2, 1), counts
