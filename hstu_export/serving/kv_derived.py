@@ -20,6 +20,7 @@ from torch import Tensor
 
 from hstu_export.errors import ConfigError, RequestError
 from hstu_export.kv_derive import counts_on_host, delta_row_inputs
+from hstu_export.runtimes.predictor import to_device
 from hstu_export.serving.kv_cache import CacheFull, PagedKVCache, user_keys
 
 __all__ = ["DerivedCachedRanker", "DerivedRunner", "EagerDerived"]
@@ -145,10 +146,7 @@ class DerivedCachedRanker:
         table = np.full((len(tables), width), cache.scratch_page, dtype=np.int32)
         for b, pages in enumerate(tables):
             table[b, :len(pages)] = pages
-
-        def moved(value: Tensor) -> Tensor:  # from the host, without waiting for the device (as Predictor moves a request)
-            return value.to(device, non_blocking=device.type == "cuda")
-
-        return self.runner.delta(dense, moved(torch.tensor(cached, dtype=torch.int64)), cache.k, cache.v, cache.x,
-                                 moved(torch.from_numpy(table)),
-                                 {name: moved(value) for name, value in delta_row_inputs(seq_lengths, stored, cached).items()})
+        rows = delta_row_inputs(seq_lengths, stored, cached)
+        return self.runner.delta(dense, to_device(torch.tensor(cached, dtype=torch.int64), device), cache.k, cache.v,
+                                 cache.x, to_device(torch.from_numpy(table), device),
+                                 {name: to_device(value, device) for name, value in rows.items()})
