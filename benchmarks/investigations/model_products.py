@@ -2,7 +2,8 @@
 where the first does more than the second outside the HSTU layers. Both at DLRMv3's dense shape (5 layers of d512,
 4 heads of 128; ``benchmarks/gpu_gr_dlrmv3.py``'s), run eagerly in fp32 on a small batch under
 ``torch.utils.flop_counter``; each module's FLOPs are scaled to the timed workload of ``gpu_gr_dlrmv3.py`` by the
-rows it runs on (history, candidates, or every row), which the small batch tells apart by their counts.
+rows it runs on: a layer's, every row; another's, the history's, the users' or the candidates', as its name says
+(both models name their preprocessing of the history ``uih``/``history``; the rest runs on the candidates).
 
     GR_SRC=.gr PYTHONPATH=$PWD python benchmarks/investigations/model_products.py --out DIR   # GR_SRC: gpu_gr_dlrmv3.py's
 
