@@ -61,7 +61,7 @@ EXAMPLE_USERS = 16  # the most users the export example may need to make its siz
 
 # Inductor options the delta program is compiled with on CUDA, under the user's --aoti-option: its small
 # independent kernels (the counts' scans, the embeddings' casts, the heads' outputs) launched as one kernel
-# each group, three launches fewer a call (H100: docs/PERF.md, "KV-cached serving: the paged attention's
+# each group, three launches fewer a call (H100: docs/PERF_INVESTIGATIONS.md, "KV-cached serving: the paged attention's
 # launch choices").
 DELTA_INDUCTOR_OPTIONS: dict[str, bool | int | float | str] = {"combo_kernels": True}
 

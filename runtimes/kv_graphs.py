@@ -191,8 +191,8 @@ USER_INPUTS = (HISTORY_LENGTHS, CANDIDATE_LENGTHS, "query_time", "kv_cached")
 # The embeddings (the float inputs with a row per token) are copied each on its own (a device memcpy, at
 # the memory's speed), the other inputs of a dtype together (one kernel): CUDA's multi-tensor copy gives each
 # block a fixed chunk of elements, so on the embeddings it runs few blocks and is slow (H100 timings:
-# docs/PERF.md, "KV-cached serving: host round trips"), while the small integer inputs are many and cost a
-# launch each.
+# docs/PERF_INVESTIGATIONS.md, "KV-cached serving: host round trips"), while the small integer inputs are many
+# and cost a launch each.
 def copied_alone(name: str, value: Tensor) -> bool:
     """Whether :func:`fill_bucket` copies input ``name`` on its own."""
     return name in ROW_INPUTS and value.is_floating_point()

@@ -177,7 +177,7 @@ def check_ranges(values: list[Tensor], lows: list[int], highs: list[int], rows: 
 
     In TorchScript all the features' extremes come to the host in one read: on a GPU each read waits for
     the device and costs the host a round trip (a feature's minimum and maximum read apart would be two, ten
-    of them a sparse half: docs/PERF.md, "KV-cached serving: host round trips")."""
+    of them a sparse half: docs/PERF_INVESTIGATIONS.md, "KV-cached serving: host round trips")."""
     if torch.jit.is_scripting():
         for i in range(len(values)):
             assert values[i].size(0) <= rows[i], names[i] + " has more rows than the package was exported for"

@@ -91,7 +91,7 @@ TOKEN_ROWS = HISTORY_TOKEN_FEATURES
 class EntryRecord:
     """What a user's pages hold, left by the request that wrote them (:meth:`PagedKVCache.commit`). NumPy
     arrays on the host: each request compares and extends them user by user, and a NumPy call costs a
-    fraction of a PyTorch one (docs/PERF.md, "KV-cached serving: host round trips")."""
+    fraction of a PyTorch one (docs/PERF_INVESTIGATIONS.md, "KV-cached serving: host round trips")."""
 
     context: np.ndarray  # contextual ids [c], int64
     tokens: np.ndarray  # [3, history]: TOKEN_ROWS (int64; a request compares each row in one call)

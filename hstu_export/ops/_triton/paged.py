@@ -345,8 +345,8 @@ def query_blocks(num_users: Any, total_rows: Any, max_query_len: Any, block_m: i
 def split_count(programs: Any, max_seq_len: int, keys: Any = None) -> Any:
     """Key slices for ``programs`` query-block programs (blocks x heads) whose rows see about ``keys`` keys
     each (default: ``max_seq_len``). Arithmetic only (no branch), so that it holds for the symbolic sizes of an
-    exported program: the count follows each call's size. The rule, from timings on the H100 (docs/PERF.md,
-    "KV-cached serving: the paged attention's launch choices"):
+    exported program: the count follows each call's size. The rule, from timings on the H100
+    (docs/PERF_INVESTIGATIONS.md, "KV-cached serving: the paged attention's launch choices"):
 
     - the query blocks fill at most half the SMs: as many slices as make one wave of the programs the GPU
       keeps resident (two an SM: 264), never shorter than 256 keys of the longest sequence;
@@ -461,8 +461,8 @@ def _launch_paged(
     else:
         # The slices follow the blocks that compute, those of the targets when each user's fill whole blocks,
         # not the bound (whose other programs end at once): at 8 users of 256 targets on an H100, 128
-        # programs, which two slices spread over both of each SM's places (docs/PERF.md, "KV-cached serving:
-        # the paged attention's launch choices").
+        # programs, which two slices spread over both of each SM's places (docs/PERF_INVESTIGATIONS.md,
+        # "KV-cached serving: the paged attention's launch choices").
         out_rows = targets
         busy = torch.sym_max((targets + cfg.block_m - 1) // cfg.block_m, 1)
     # The keys a user's new rows see, about: its sequence less its new rows (the request's average).
@@ -597,8 +597,8 @@ def paged_hstu_mha_gated_triton_fwd(
     capability = _device_capability(uvqk.device)
     # A row a program on a GPU: the slices' sum is a few rows' loads at a time, so more programs finish it
     # sooner (H100, one layer at 1 user: 22.8 us for the attention and gate at 1 row a program, 26.6 at 8;
-    # within 2% of the best at 8 and 32 users: docs/PERF.md, "KV-cached serving: the paged attention's launch
-    # choices").
+    # within 2% of the best at 8 and 32 users: docs/PERF_INVESTIGATIONS.md, "KV-cached serving: the paged
+    # attention's launch choices").
     rows_each = gate_rows or (1 if capability is not None else None)
     cfg = gate_config(capability, width, block_rows=rows_each, kernel="paged_stu_gate")
     kernel = wrap_triton(_gate_slices) if traceable else _gate_slices

@@ -327,7 +327,8 @@ struct DeltaGraphs::Impl {
     entry.graph->capture_begin(*pool, cudaStreamCaptureModeThreadLocal);
     try {
       // The copies form a chain on the capturing stream: as parallel branches (a stream and two events each)
-      // they take no less GPU time and 15-37 us more host time to launch (docs/PERF.md, "Known not to work").
+      // they take no less GPU time and 15-37 us more host time to launch (docs/PERF_INVESTIGATIONS.md,
+      // "Known not to work").
       if (copies) {
         for (const auto& [name, value] : entry.sources) entry.buffers.at(name).copy_(value);
       }

@@ -1127,7 +1127,7 @@ namespace {
 // The smallest and largest value of a non-empty tensor, in one pass: a request's ids are read once, not once for
 // the least and again for the greatest (32 users of 4096 history tokens: 131k ids a feature). Integers on the host
 // are scanned on the calling thread: ATen's reduction fans out to torch's intra-op threads, which at 32 users took
-// three times as long on average as one thread, with a long tail (docs/PERF.md, "host round trips").
+// three times as long on average as one thread, with a long tail (docs/PERF_INVESTIGATIONS.md, "host round trips").
 struct Extremes {
   c10::Scalar low, high;
 
