@@ -19,15 +19,17 @@ Steps (each writes into ``--work``, so later steps can run in another call on th
   take hours), then compared with the verified fp32 package on small requests (the same model, other
   ranges and dtype: the difference is bf16's); again for each of ``--variants`` (without the ``fuse_stu_gate``
   pass; with the position and time encodings as the library wrote them; without ``prove_length_reads``, so that
-  sizes and length checks are read from the device); the zoo's dlrmv3 exported with the
+  sizes and length checks are read from the device; without ``align_linear_inputs``); the zoo's dlrmv3 exported with the
   same ranges. ``--variants-only``: the variants and the zoo alone.
 - ``time``: the packages' dense halves on the same workload: 32 users, history lengths uniform over
   [1, 2047] (mean about 1024), 2048 candidates each, bf16; median of ``--iters`` synced calls (CUDA events)
   after warm-up, and the same calls back to back. Tokens are history plus candidate tokens (contextual
-  tokens not counted), the same for both models.
+  tokens not counted), the same for both models. Each variant's answer is compared with its model's default
+  package's on that request (``<variant>_vs_<model>_rel_l2``).
 - ``tzrec``: the TorchEasyRec-style test model (``tests/user_models/tzrec_style.py``, its ``Batch`` in) at the
   same dims, verified in fp32 at the small ranges against its own forward on the CPU, then exported in bf16
-  for the timed ranges; ``time`` times it too when it is there. ``tzrec-verify``: its verification alone.
+  for the timed ranges; ``time`` times it too when it is there. ``tzrec-verify``: its verification alone;
+  ``tzrec-timed``: its timed package alone, and one for each of ``--variants`` that leaves a pass out.
 - ``profile``: the GPU kernels of each package ``time`` times, on the same workload, by total time (torch.profiler).
 
 Writes ``gr_dlrmv3.json`` into ``--out``.
@@ -101,9 +103,24 @@ def tzrec_bundle(work: Path, small: bool, ranges: dict[str, int], name: str) -> 
                 "batch.sparse_features.candidate": (1, ranges["candidates"])})
 
 
-def tzrec_settings(device: str, ranges: dict[str, int], verify: bool, dtype: str | None = None) -> ExportSettings:
+def tzrec_settings(device: str, ranges: dict[str, int], verify: bool, dtype: str | None = None,
+                   **extra: Any) -> ExportSettings:
     return settings(device, ranges, verify, dtype, reference_device="cpu",
-                    op_mappings={tzrec_style.ATTENTION: GR_ATTENTION})
+                    op_mappings={tzrec_style.ATTENTION: GR_ATTENTION}, **extra)
+
+
+def step_tzrec_timed(work: Path, device: str, small: bool, variants: list[str]) -> dict[str, Any]:
+    """The TorchEasyRec-style model exported for the timed ranges (unverified, as ``tzrec``'s second package), and
+    again for each of ``variants`` that leaves a pass out; not the zoo (``export`` writes it, so that this step
+    can run beside it in another process)."""
+    ranges, out = sizes(small), {}
+    bundle = tzrec_bundle(work, small, ranges, "tzrec_timed")
+    for variant in ("timed", *[v for v in variants if v in TZREC_VARIANTS]):
+        start = time.perf_counter()
+        hstu_export.export(bundle, work / f"tzrec_{variant}.aoti",
+                           tzrec_settings(device, ranges, False, **VARIANTS.get(variant, {})))
+        out[f"tzrec_{variant}_export_seconds"] = round(time.perf_counter() - start, 1)
+    return out
 
 
 def step_tzrec(work: Path, device: str, small: bool, timed: bool = True) -> dict[str, Any]:
@@ -167,7 +184,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "unfused": {"skip_passes": ("fuse_stu_gate",)},
     "padded_positions": {"op_mappings": {POSITIONS: "keep"}},
     "length_reads": {"skip_passes": ("prove_length_reads",)},  # sizes and proven length checks read from the device
+    "unaligned": {"skip_passes": ("align_linear_inputs",)},  # Linear inputs as wide as the model made them
 }
+# The variants that leave a pass out, which the TorchEasyRec-style model is exported with too (``tzrec-timed``).
+TZREC_VARIANTS = ("unfused", "length_reads", "unaligned")
 
 
 def step_export(work: Path, device: str, small: bool, variants: list[str], default: bool = True) -> dict[str, Any]:
@@ -225,6 +245,12 @@ def workload(small: bool, seed: int = 2026) -> tuple[list[int], list[int]]:
     gen = torch.Generator().manual_seed(seed)
     history = torch.randint(1, s["history"] + 1, (s["users"],), generator=gen).tolist()
     return history, [s["candidates"]] * s["users"]
+
+
+def dense_answer(predictor: Any, request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The package's answer to ``request`` (every output)."""
+    with torch.no_grad():
+        return dict(predictor(request))
 
 
 def dense_timer(predictor: Any, request: dict[str, torch.Tensor], iters: int, warmup: int) -> dict[str, float]:
@@ -291,8 +317,11 @@ def timed_sides(work: Path, small: bool) -> tuple[list[tuple[str, Any, Any]], di
         if served < len(history):  # export narrowed it to what its programs were compiled for
             notes["tzrec_not_timed"] = f"the package serves at most {served} users: {tzrec.manifest['ranges']['narrowed']}"
         else:
-            sides.append(("tzrec", tzrec, flatten_example(
-                tzrec.input_schema, (tzrec_style.example_batch(history, candidates, seed=5),), None, tzrec_model)))
+            request = flatten_example(tzrec.input_schema, (tzrec_style.example_batch(history, candidates, seed=5),),
+                                      None, tzrec_model)
+            sides.append(("tzrec", tzrec, request))
+            sides.extend((f"tzrec_{variant}", hstu_export.load(work / f"tzrec_{variant}.aoti"), request)
+                         for variant in TZREC_VARIANTS if (work / f"tzrec_{variant}.aoti").is_dir())
     return sides, notes
 
 
@@ -308,6 +337,13 @@ def step_time(work: Path, small: bool, iters: int, warmup: int) -> dict[str, Any
         for name, predictor, request in sides:
             timing = dense_timer(predictor, request, iters, warmup)
             out.setdefault(name, []).append(timing)
+    answers = {name: dense_answer(predictor, request) for name, predictor, request in sides if name != "zoo"}
+    for name, answer in answers.items():  # a variant against its model's default package, on the same request
+        base = name.split("_")[0]
+        if name != base and base in answers:
+            want = {k: v.float() for k, v in answers[base].items()}
+            out[f"{name}_vs_{base}_rel_l2"] = max(
+                float((answer[k].float() - want[k]).norm() / want[k].norm().clamp_min(1e-30)) for k in answer)
     for name, _, _ in sides:
         best = min(out[name], key=lambda t: t["ms"])
         out[f"{name}_ms"] = best["ms"]
@@ -341,7 +377,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=None, help="where packages are kept between steps [--out]")
-    parser.add_argument("--steps", nargs="+", default=["verify", "export", "time"], choices=["verify", "export", "tzrec", "tzrec-verify", "time", "profile"])
+    parser.add_argument("--steps", nargs="+", default=["verify", "export", "time"], choices=["verify", "export", "tzrec", "tzrec-verify", "tzrec-timed", "time", "profile"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="small shapes and sizes (a dry run)")
     parser.add_argument("--iters", type=int, default=30)
@@ -371,6 +407,8 @@ def main() -> int:
                 results[step] = step_verify(work, args.device, args.small)
             elif step == "export":
                 results[step] = step_export(work, args.device, args.small, args.variants, not args.variants_only)
+            elif step == "tzrec-timed":
+                results[step] = step_tzrec_timed(work, args.device, args.small, args.variants)
             elif step in ("tzrec", "tzrec-verify"):
                 results[step] = step_tzrec(work, args.device, args.small, timed=step == "tzrec")
             elif step == "time":

@@ -271,6 +271,7 @@ def capture(bundle: ModelBundle, settings: ExportSettings, op_target: str, *, ti
             probe_inputs=[schema.to_graph_inputs(_to_device(p, device)) for p in probes],
             attention_scale=settings.attention_scale, op_mappings=op_mappings, ranges=ranges,
             quantization=settings.quantization, export_dtype=settings.dtype,
+            export_device=settings.torch_device.type,
             reference=lambda graph_batch: reference({f.name: graph_batch[f.graph_name] for f in schema.features}),
         )
         names = list(settings.passes) if settings.passes else None

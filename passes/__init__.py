@@ -47,6 +47,8 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("fuse_parallel_mlps", "fuse_parallel_mlps:FuseParallelMlps"),
     # Reduced-precision exports: a layer's floating inputs take its parameters' dtype, as autocast would.
     PassSpec("follow_parameter_dtypes", "follow_parameter_dtypes:FollowParameterDtypes"),
+    # CUDA: a Linear whose input rows are not 16-byte multiples reads them padded (cuBLAS's fast kernels).
+    PassSpec("align_linear_inputs", "align_linear_inputs:AlignLinearInputs"),
     PassSpec("eliminate_dead_code", "eliminate_dead_code:EliminateDeadCode"),
     # After the rewrites: the quantized tables call fbgemm lookups no pass above should rewrite (a no-op unless asked).
     PassSpec("quantize_embeddings", "quantize_embeddings:QuantizeEmbeddings"),

@@ -47,6 +47,7 @@ class PassContext:
     reference: Any = None
     quantization: Any = None  # quantize_embeddings: an EmbeddingQuantization (None: tables stay as they are)
     export_dtype: str = "float32"  # the dtype the graphs are compiled in (follow_parameter_dtypes)
+    export_device: str = "cpu"  # the device type the graphs are compiled for (align_linear_inputs)
     # Written while passes run.
     boundary: BoundarySchema | None = None  # set by split_sparse_dense
     current_graph: str = ""  # submodule path of the graph a pass is running on ("" = top)

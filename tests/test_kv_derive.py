@@ -58,7 +58,7 @@ class Setup:
     """A user model traced and split as an export does it, the attention kept as our op (its CPU kernel)."""
 
     def __init__(self, model: torch.nn.Module, example: tuple, keys: tuple[list[str], list[str]], ranges: dict,
-                 attention_scale: str = "fixed:64") -> None:
+                 attention_scale: str = "fixed:64", export_device: str = "cpu") -> None:
         self.model, self.keys = model.eval(), keys
         self.schema = infer_schema(model, example, ranges=ranges)
         flat = flatten_example(self.schema, example, None, model)
@@ -66,7 +66,7 @@ class Setup:
         gm = trace(model, flat, schema=self.schema,
                    opaque_functions=imported_functions(list(function_mappings(mappings))))
         ctx = PassContext(example_inputs=self.schema.to_graph_inputs(flat), schema=self.schema, op_mappings=mappings,
-                          op_target="triton", attention_scale=attention_scale,
+                          op_target="triton", attention_scale=attention_scale, export_device=export_device,
                           ranges=export_ranges(self.schema, ExportSettings(max_batch_size=4)))
         self.result = on_the_cpu(run_passes(gm, ctx, skip=("fuse_stu_gate",)))
         self.example = self.dense_inputs(flat)
@@ -157,15 +157,23 @@ def test_cached_answers_equal_the_model_on_every_request(make: Callable[..., Set
     assert stats["hits"] >= 6 and stats["misses"] == 4 and stats["bypassed"] == 2, stats
 
 
-def test_a_torcheasyrec_style_model_is_served_through_its_derived_program() -> None:
+@pytest.mark.parametrize("export_device", ["cpu", "cuda"])
+def test_a_torcheasyrec_style_model_is_served_through_its_derived_program(export_device: str) -> None:
     """tzrec_style (forward on a Batch dataclass; contextual tokens from pooled ids and dense features before
     the history) with a fixed attention length: the same batch again is all hits, new candidates for the same
-    histories hit too, new histories of the same lengths are found stale; every answer is the model's."""
+    histories hit too, new histories of the same lengths are found stale; every answer is the model's. With the
+    passes of a CUDA export its history projection (33 wide) reads its rows zero-padded (align_linear_inputs),
+    and the derivation takes that layer as row-local."""
     import dataclasses
+
+    from hstu_export.passes.align_linear_inputs import AlignedLinear
 
     model = tzrec_style.build_ranker()
     lengths = ([5, 3, 7], [2, 1, 3])
-    setup = Setup(model, (tzrec_style.example_batch(*lengths),), ([], []), tzrec_style.RANGES)
+    setup = Setup(model, (tzrec_style.example_batch(*lengths),), ([], []), tzrec_style.RANGES,
+                  export_device=export_device)
+    aligned = [m for m in setup.result.dense.modules() if isinstance(m, AlignedLinear)]
+    assert [(m.in_features, m.pad) for m in aligned] == ([(36, 3)] if export_device == "cuda" else [])
 
     def request(seed: int, candidate_seed: int | None = None) -> dict[str, torch.Tensor]:
         batch = tzrec_style.example_batch(*lengths, seed=seed)

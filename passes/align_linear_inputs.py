@@ -1,0 +1,109 @@
+"""align_linear_inputs: on CUDA, a ``Linear`` whose input width is not a multiple of 16 bytes reads its input
+padded with zero columns.
+
+cuBLAS picks its fast kernels only where a matrix's rows start on 16-byte boundaries. A ``Linear(1025, 512)``
+(two 512-wide embeddings and a timestamp, a common way to add a scalar feature) or generative-recommenders'
+``Linear(516, 512)`` (its output postprocessor's time features) fails that in bf16, and cuBLAS falls back to
+kernels of an older generation that run at a fraction of the rate: on an H200 the TorchEasyRec-style test
+model's 36,496-row history projection took 0.36 ms at about 110 TFLOP/s (docs/PERF.md).
+
+Here each such module becomes an :class:`AlignedLinear`: its weight gets zero columns up to the next multiple
+(8 elements in bf16 or fp16, 4 in fp32), and its forward pads the input with as many zeros before the product.
+The products and sums are the model's own plus ``0 * 0`` terms, so the answer is the same up to the order in
+which a kernel adds; the padding is one more elementwise step, which the compiler writes with the producer of
+the input (a concatenation, a cast). Inductor has a pass of its own that pads products (``shape_padding``);
+our compiles leave it off because it narrows the batch ranges a program is compiled for (docs/PERF.md, "CUDA
+correctness"): this pass pads only a weight's own width, which no request changes.
+
+Runs only for CUDA exports (``ctx.export_device``); ``AlignedLinear`` is a ``Linear``, so the KV delta
+derivation treats it as a row-local layer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hstu_export.settings import TORCH_DTYPES
+
+if TYPE_CHECKING:
+    from hstu_export.passes.context import PassContext
+
+__all__ = ["AlignLinearInputs", "AlignedLinear", "align_linear_inputs", "alignment"]
+
+ALIGNMENT_BYTES = 16  # what cuBLAS's tensor-core kernels want of a row's start
+
+
+class AlignedLinear(nn.Linear):
+    """``Linear(in_features, out)`` computed as ``Linear(in_features + pad, out)`` on its input padded with
+    ``pad`` zero columns (the weight's extra columns are zeros)."""
+
+    def __init__(self, source: nn.Linear, pad: int) -> None:
+        weight = source.weight
+        super().__init__(source.in_features + pad, source.out_features, bias=source.bias is not None,
+                         device=weight.device, dtype=weight.dtype)
+        self.pad = int(pad)
+        with torch.no_grad():
+            self.weight.zero_()
+            self.weight[:, :source.in_features].copy_(weight)
+            if self.bias is not None and source.bias is not None:
+                self.bias.copy_(source.bias)
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.linear(F.pad(input, [0, self.pad]), self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, zero columns={self.pad}"
+
+
+def alignment(dtype: str) -> int:
+    """Elements in 16 bytes of ``dtype`` (an export dtype's name)."""
+    return max(1, ALIGNMENT_BYTES // TORCH_DTYPES[dtype].itemsize)
+
+
+class AlignLinearInputs:
+    name = "align_linear_inputs"
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+        if ctx.export_device != "cuda":
+            ctx.add_stat("skipped", f"a {ctx.export_device} export (cuBLAS's alignment only)")
+            return gm
+        aligned = align_linear_inputs(gm, alignment(ctx.export_dtype))
+        ctx.add_stat("aligned", len(aligned))
+        if aligned:
+            ctx.add_stat("modules", [f"{name}: {width} -> {padded}" for name, (width, padded) in aligned.items()])
+        return gm
+
+
+def align_linear_inputs(gm: torch.fx.GraphModule, multiple: int) -> dict[str, tuple[int, int]]:
+    """Each call of an ``nn.Linear`` module whose ``in_features`` is not a multiple of ``multiple`` retargeted
+    to an :class:`AlignedLinear` copy of it, added to ``gm`` as ``aligned_<path>`` (the model's own module is
+    left as it is, for dead code elimination); returns {module path: (in features, padded)}."""
+    aligned: dict[str, tuple[int, int]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        path = str(node.target)
+        if path not in aligned:
+            module = gm.get_submodule(path)
+            if type(module) is not nn.Linear or module.in_features % multiple == 0:
+                continue
+            pad = -module.in_features % multiple
+            gm.add_submodule(_name(path), AlignedLinear(module, pad))
+            aligned[path] = (module.in_features, module.in_features + pad)
+        node.target = _name(path)
+    if aligned:
+        gm.graph.lint()
+        gm.recompile()
+    return aligned
+
+
+def _name(path: str) -> str:
+    return "aligned_" + path.replace(".", "_")

@@ -1,0 +1,74 @@
+"""align_linear_inputs: which Linear modules a CUDA export pads, that the answers stay the model's, and that
+the user's model is left as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx
+from torch import Tensor, nn
+
+from hstu_export.passes.align_linear_inputs import AlignedLinear, AlignLinearInputs, alignment
+from hstu_export.passes.context import PassContext
+
+
+class ThreeProjections(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.odd = nn.Linear(33, 8)        # 33 columns: padded
+        self.even = nn.Linear(32, 8)       # already a multiple of 8 (and of 4)
+        self.no_bias = nn.Linear(6, 5, bias=False)
+
+    def forward(self, x: Tensor, t: Tensor, small: Tensor) -> Tensor:
+        joined = torch.cat([x, t], dim=-1)  # 32 + 1 columns, as a timestamp beside two embeddings
+        return self.odd(joined) + self.even(x) + self.odd(joined * 2) + self.no_bias(small).sum(-1, keepdim=True)
+
+
+def inputs() -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(7, 32, generator=g), torch.randn(7, 1, generator=g), torch.randn(7, 6, generator=g)
+
+
+def run(model: nn.Module, device: str, dtype: str = "bfloat16") -> tuple[torch.fx.GraphModule, PassContext]:
+    gm = torch.fx.symbolic_trace(model)
+    ctx = PassContext(example_inputs={}, export_device=device, export_dtype=dtype)
+    return AlignLinearInputs().run(gm, ctx), ctx
+
+
+def test_a_cuda_export_pads_the_inputs_of_unaligned_linears_and_answers_the_same() -> None:
+    model = ThreeProjections().eval()
+    with torch.no_grad():
+        want = model(*inputs())
+    gm, ctx = run(model, "cuda")
+    assert ctx.stats == {"aligned": 2, "modules": ["odd: 33 -> 40", "no_bias: 6 -> 8"]}
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    assert called == ["aligned_odd", "even", "aligned_odd", "aligned_no_bias"]  # both calls of one copy
+    odd = gm.get_submodule("aligned_odd")
+    assert isinstance(odd, AlignedLinear) and odd.weight.shape == (8, 40) and odd.pad == 7
+    assert torch.equal(odd.weight[:, 33:], torch.zeros(8, 7)) and torch.equal(odd.bias, model.odd.bias)
+    assert gm.get_submodule("aligned_no_bias").bias is None
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs()), want, rtol=1e-6, atol=1e-6)
+    # The user's model keeps its own modules (they are the verification's reference).
+    assert type(model.odd) is nn.Linear and model.odd.in_features == 33
+
+
+def test_fp32_pads_to_four_columns_and_other_devices_are_left_alone() -> None:
+    assert (alignment("bfloat16"), alignment("float16"), alignment("float32")) == (8, 8, 4)
+    gm, ctx = run(ThreeProjections(), "cuda", "float32")
+    assert ctx.stats["modules"] == ["odd: 33 -> 36", "no_bias: 6 -> 8"]
+    gm, ctx = run(ThreeProjections(), "cpu")
+    assert all(not isinstance(m, AlignedLinear) for m in gm.modules())
+    assert ctx.stats == {"skipped": "a cpu export (cuBLAS's alignment only)"}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_padded_product_is_the_linear_of_the_padded_input(dtype: torch.dtype) -> None:
+    source = nn.Linear(33, 8).to(dtype)
+    aligned = AlignedLinear(source, 7)
+    x = torch.randn(5, 33, dtype=dtype)
+    padded = torch.cat([x, torch.zeros(5, 7, dtype=dtype)], dim=-1)
+    with torch.no_grad():
+        assert torch.equal(aligned(x), nn.functional.linear(padded, aligned.weight, aligned.bias))
+        torch.testing.assert_close(aligned(x), source(x))
+    assert "zero columns=7" in repr(aligned)
