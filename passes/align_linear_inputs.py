@@ -5,7 +5,7 @@ cuBLAS picks its fast kernels only where a matrix's rows start on 16-byte bounda
 (two 512-wide embeddings and a timestamp, a common way to add a scalar feature) or generative-recommenders'
 ``Linear(516, 512)`` (its output postprocessor's time features) fails that in bf16, and cuBLAS falls back to
 kernels of an older generation that run at a fraction of the rate: on an H200 the TorchEasyRec-style test
-model's 36,496-row history projection took 0.36 ms at about 110 TFLOP/s (docs/PERF.md).
+model's 36,496-row history projection took about 0.36 ms, 107 TFLOP/s (docs/PERF.md).
 
 Here each such module becomes an :class:`AlignedLinear`: its weight gets zero columns up to the next multiple
 (8 elements in bf16 or fp16, 4 in fp32), and its forward pads the input with as many zeros before the product.
