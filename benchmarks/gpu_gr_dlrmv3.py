@@ -19,8 +19,8 @@ Steps (each writes into ``--work``, so later steps can run in another call on th
   take hours), then compared with the verified fp32 package on small requests (the same model, other
   ranges and dtype: the difference is bf16's); again for each of ``--variants`` (without the ``fuse_stu_gate``
   pass; with the position and time encodings as the library wrote them; without ``prove_length_reads``, so that
-  sizes and length checks are read from the device; without ``align_linear_inputs``); the zoo's dlrmv3 exported with the
-  same ranges. ``--variants-only``: the variants and the zoo alone.
+  sizes and length checks are read from the device; without ``align_linear_inputs``); the zoo's dlrmv3 exported
+  with the same ranges. ``--variants-only``: the variants and the zoo alone.
 - ``time``: the packages' dense halves on the same workload: 32 users, history lengths uniform over
   [1, 2047] (mean about 1024), 2048 candidates each, bf16; median of ``--iters`` synced calls (CUDA events)
   after warm-up, and the same calls back to back. Tokens are history plus candidate tokens (contextual

@@ -10,8 +10,8 @@ model's 36,496-row history projection took about 0.36 ms, 107 TFLOP/s (docs/PERF
 Here each such module becomes an :class:`AlignedLinear`: its weight gets zero columns up to the next multiple
 (8 elements in bf16 or fp16, 4 in fp32), and its forward pads the input with as many zeros before the product.
 The products and sums are the model's own plus ``0 * 0`` terms, so the answer is the same up to the order in
-which a kernel adds; the padding is one more elementwise step, which the compiler writes with the producer of
-the input (a concatenation, a cast). Inductor has a pass of its own that pads products (``shape_padding``);
+which a kernel adds; the padding is one more elementwise step, which the compiler can fuse with the producer
+of the input (a concatenation, a cast). Inductor has a pass of its own that pads products (``shape_padding``);
 our compiles leave it off because it narrows the batch ranges a program is compiled for (docs/PERF.md, "CUDA
 correctness"): this pass pads only a weight's own width, which no request changes.
 
