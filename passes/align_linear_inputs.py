@@ -28,6 +28,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hstu_export.capture.graph_functions import to_dtype_of
 from hstu_export.settings import TORCH_DTYPES
 
 if TYPE_CHECKING:
@@ -83,27 +84,28 @@ class AlignLinearInputs:
 
 
 def align_linear_inputs(gm: torch.fx.GraphModule, multiple: int) -> dict[str, tuple[int, int]]:
-    """Each call of an ``nn.Linear`` module whose ``in_features`` is not a multiple of ``multiple`` retargeted
-    to an :class:`AlignedLinear` copy of it, added to ``gm`` as ``aligned_<path>`` (the model's own module is
-    left as it is, for dead code elimination); returns {module path: (in features, padded)}."""
+    """Each ``nn.Linear`` module ``gm.graph`` calls whose ``in_features`` is not a multiple of ``multiple``
+    replaced, at its path in ``gm``, by an :class:`AlignedLinear` copy; returns {module path: (in features,
+    padded)}. The replacement goes into ``gm``'s own container: a GraphModule holds copies of the model's
+    containers and the model's leaf modules themselves, so the user's model (the verification's reference)
+    keeps its module. A module whose parameters the graph also reads by ``get_attr`` for anything but their
+    dtype (``to_dtype_of``, follow_parameter_dtypes' casts) is left as it is: those reads expect its shape."""
+    read = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
     aligned: dict[str, tuple[int, int]] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_module":
-            continue
         path = str(node.target)
-        if path not in aligned:
-            module = gm.get_submodule(path)
-            if type(module) is not nn.Linear or module.in_features % multiple == 0:
-                continue
-            pad = -module.in_features % multiple
-            gm.add_submodule(_name(path), AlignedLinear(module, pad))
-            aligned[path] = (module.in_features, module.in_features + pad)
-        node.target = _name(path)
+        if node.op != "call_module" or path in aligned:
+            continue
+        module = gm.get_submodule(path)
+        if type(module) is not nn.Linear or module.in_features % multiple == 0:
+            continue
+        reads = [n for name, n in read.items() if name.startswith(path + ".")]
+        if any(user.target is not to_dtype_of for n in reads for user in n.users):
+            continue
+        pad = -module.in_features % multiple
+        owner, _, attr = path.rpartition(".")
+        setattr(gm.get_submodule(owner) if owner else gm, attr, AlignedLinear(module, pad))
+        aligned[path] = (module.in_features, module.in_features + pad)
     if aligned:
-        gm.graph.lint()
         gm.recompile()
     return aligned
-
-
-def _name(path: str) -> str:
-    return "aligned_" + path.replace(".", "_")

@@ -8,8 +8,10 @@ import torch
 import torch.fx
 from torch import Tensor, nn
 
+from hstu_export.capture.graph_functions import to_dtype_of
 from hstu_export.passes.align_linear_inputs import AlignedLinear, AlignLinearInputs, alignment
 from hstu_export.passes.context import PassContext
+from hstu_export.passes.prune_unused import prune_unused_attributes
 
 
 class ThreeProjections(nn.Module):
@@ -30,7 +32,7 @@ def inputs() -> tuple[Tensor, Tensor, Tensor]:
 
 
 def run(model: nn.Module, device: str, dtype: str = "bfloat16") -> tuple[torch.fx.GraphModule, PassContext]:
-    gm = torch.fx.symbolic_trace(model)
+    gm = model if isinstance(model, torch.fx.GraphModule) else torch.fx.symbolic_trace(model)
     ctx = PassContext(example_inputs={}, export_device=device, export_dtype=dtype)
     return AlignLinearInputs().run(gm, ctx), ctx
 
@@ -41,12 +43,14 @@ def test_a_cuda_export_pads_the_inputs_of_unaligned_linears_and_answers_the_same
         want = model(*inputs())
     gm, ctx = run(model, "cuda")
     assert ctx.stats == {"aligned": 2, "modules": ["odd: 33 -> 40", "no_bias: 6 -> 8"]}
-    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
-    assert called == ["aligned_odd", "even", "aligned_odd", "aligned_no_bias"]  # both calls of one copy
-    odd = gm.get_submodule("aligned_odd")
+    called = [(str(n.target), type(gm.get_submodule(str(n.target))).__name__) for n in gm.graph.nodes
+              if n.op == "call_module"]
+    assert called == [("odd", "AlignedLinear"), ("even", "Linear"), ("odd", "AlignedLinear"),
+                      ("no_bias", "AlignedLinear")]  # both calls of one copy
+    odd = gm.get_submodule("odd")
     assert isinstance(odd, AlignedLinear) and odd.weight.shape == (8, 40) and odd.pad == 7
     assert torch.equal(odd.weight[:, 33:], torch.zeros(8, 7)) and torch.equal(odd.bias, model.odd.bias)
-    assert gm.get_submodule("aligned_no_bias").bias is None
+    assert gm.get_submodule("no_bias").bias is None
     with torch.no_grad():
         torch.testing.assert_close(gm(*inputs()), want, rtol=1e-6, atol=1e-6)
     # The user's model keeps its own modules (they are the verification's reference).
@@ -72,3 +76,38 @@ def test_the_padded_product_is_the_linear_of_the_padded_input(dtype: torch.dtype
         assert torch.equal(aligned(x), nn.functional.linear(padded, aligned.weight, aligned.bias))
         torch.testing.assert_close(aligned(x), source(x))
     assert "zero columns=7" in repr(aligned)
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(33, 8), nn.SiLU())
+        self.tied = nn.Linear(33, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block(x) + self.tied(x) + x[:, :8] @ self.tied.weight[:, :8]  # the weight read in the math too
+
+
+def test_a_nested_module_is_replaced_in_the_graphs_own_container_and_the_model_keeps_its_parameters() -> None:
+    """A GraphModule holds copies of the model's containers: the padded copy goes there, and pruning the graph
+    (which drops unused tensors of the modules it keeps) leaves the user's module whole. A dtype read of the
+    weight (follow_parameter_dtypes' cast) follows the copy; a module whose weight the math reads is kept."""
+    model = Nested().eval()
+    x = torch.randn(4, 33)
+    with torch.no_grad():
+        want = model(x)
+    gm = torch.fx.symbolic_trace(model)
+    (linear,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "block.0"]
+    with gm.graph.inserting_before(linear):
+        weight = gm.graph.get_attr("block.0.weight")
+        cast = gm.graph.call_function(to_dtype_of, (linear.args[0], weight))
+    linear.args = (cast,)
+    gm.recompile()
+    gm, ctx = run(gm, "cuda")
+    assert ctx.stats["modules"] == ["block.0: 33 -> 40"]  # not "tied": its weight is read by the model's math
+    prune_unused_attributes(gm)
+    assert type(model.block[0]) is nn.Linear and model.block[0].bias is not None and model.block[0].in_features == 33
+    assert isinstance(gm.get_submodule("block.0"), AlignedLinear)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
