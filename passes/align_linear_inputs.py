@@ -3,7 +3,8 @@ padded with zero columns.
 
 cuBLAS picks its fast kernels only where a matrix's rows start on 16-byte boundaries. A ``Linear(1025, 512)``
 (two 512-wide embeddings and a timestamp, a common way to add a scalar feature) or generative-recommenders'
-``Linear(516, 512)`` (its output postprocessor's time features) fails that in bf16, and cuBLAS falls back to
+``Linear(516, 512)`` (its output postprocessor's time features; left as it is here, as the model reads its
+weight's dtype: see :func:`align_linear_inputs`) fails that in bf16, and cuBLAS falls back to
 kernels of an older generation that run at a fraction of the rate: on an H200 the TorchEasyRec-style test
 model's 36,496-row history projection took about 0.36 ms, 107 TFLOP/s (docs/PERF.md).
 
