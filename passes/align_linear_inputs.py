@@ -3,8 +3,7 @@ padded with zero columns.
 
 cuBLAS picks its fast kernels only where a matrix's rows start on 16-byte boundaries. A ``Linear(1025, 512)``
 (two 512-wide embeddings and a timestamp, a common way to add a scalar feature) or generative-recommenders'
-``Linear(516, 512)`` (its output postprocessor's time features; left as it is here, as the model reads its
-weight's dtype: see :func:`align_linear_inputs`) fails that in bf16, and cuBLAS falls back to
+``Linear(516, 512)`` (its output postprocessor's time features) fails that in bf16, and cuBLAS falls back to
 kernels of an older generation that run at a fraction of the rate: on an H200 the TorchEasyRec-style test
 model's 36,496-row history projection took about 0.36 ms, 107 TFLOP/s (docs/PERF.md).
 
@@ -90,8 +89,12 @@ def align_linear_inputs(gm: torch.fx.GraphModule, multiple: int) -> dict[str, tu
     padded)}. The replacement goes into ``gm``'s own container: a GraphModule holds copies of the model's
     containers and the model's leaf modules themselves, so the user's model (the verification's reference)
     keeps its module. A module whose parameters the graph also reads by ``get_attr`` for anything but their
-    dtype (``to_dtype_of``, follow_parameter_dtypes' casts) is left as it is: those reads expect its shape."""
-    read = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
+    dtype or device (``to_dtype_of``, follow_parameter_dtypes' casts; ``weight.dtype`` in the model's own
+    code) is left as it is: those reads expect its shape."""
+    reads_of: dict[str, list[torch.fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            reads_of.setdefault(str(n.target), []).append(n)
     aligned: dict[str, tuple[int, int]] = {}
     for node in gm.graph.nodes:
         path = str(node.target)
@@ -100,8 +103,8 @@ def align_linear_inputs(gm: torch.fx.GraphModule, multiple: int) -> dict[str, tu
         module = gm.get_submodule(path)
         if type(module) is not nn.Linear or module.in_features % multiple == 0:
             continue
-        reads = [n for name, n in read.items() if name.startswith(path + ".")]
-        if any(user.target is not to_dtype_of for n in reads for user in n.users):
+        reads = [n for name, nodes in reads_of.items() if name.startswith(path + ".") for n in nodes]
+        if not all(_reads_dtype_or_device(user) for n in reads for user in n.users):
             continue
         pad = -module.in_features % multiple
         owner, _, attr = path.rpartition(".")
@@ -110,3 +113,12 @@ def align_linear_inputs(gm: torch.fx.GraphModule, multiple: int) -> dict[str, tu
     if aligned:
         gm.recompile()
     return aligned
+
+
+def _reads_dtype_or_device(user: torch.fx.Node) -> bool:
+    """Whether ``user`` reads of a parameter only what padding keeps: its dtype through ``to_dtype_of``, or
+    its ``.dtype`` / ``.device`` attribute (generative-recommenders casts to its combiner's weight dtype)."""
+    if user.op == "call_function" and user.target is to_dtype_of:
+        return True
+    return (user.op == "call_function" and user.target is getattr and len(user.args) == 2
+            and user.args[1] in ("dtype", "device"))

@@ -111,3 +111,36 @@ def test_a_nested_module_is_replaced_in_the_graphs_own_container_and_the_model_k
     with torch.no_grad():
         torch.testing.assert_close(gm(x), want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+
+
+class ReadsWeights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.combiner = nn.Linear(33, 8)   # its weight's dtype read by the model, as generative-recommenders does
+        self.tied = nn.Linear(33, 8)       # its weight read in the math before the module is called
+
+    def forward(self, x: Tensor) -> Tensor:
+        mixed = x[:, :8] @ self.tied.weight[:, :8]
+        combined = self.combiner(x.to(self.combiner.weight.dtype).to(self.combiner.weight.device))
+        return combined + mixed + self.tied(x)
+
+
+def test_reads_of_a_weights_dtype_or_device_allow_padding_and_every_read_of_a_weight_is_looked_at() -> None:
+    """The model's own ``weight.dtype``/``.device`` reads keep working on the padded copy; a weight read twice
+    (the math's read, then a cast's read inserted later in the graph) is judged by both reads."""
+    model = ReadsWeights().eval()
+    x = torch.randn(4, 33)
+    with torch.no_grad():
+        want = model(x)
+    gm = torch.fx.symbolic_trace(model)
+    (linear,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "tied"]
+    with gm.graph.inserting_before(linear):
+        cast = gm.graph.call_function(to_dtype_of, (linear.args[0], gm.graph.get_attr("tied.weight")))
+    linear.args = (cast,)
+    gm.recompile()
+    assert [str(n.target) for n in gm.graph.nodes if n.op == "get_attr"].count("tied.weight") == 2
+    gm, ctx = run(gm, "cuda")
+    assert ctx.stats["modules"] == ["combiner: 33 -> 40"]
+    assert type(gm.get_submodule("tied")) is nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), want, rtol=1e-6, atol=1e-6)
