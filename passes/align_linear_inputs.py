@@ -104,7 +104,7 @@ def align_linear_inputs(gm: torch.fx.GraphModule, multiple: int) -> dict[str, tu
         if type(module) is not nn.Linear or module.in_features % multiple == 0:
             continue
         reads = [n for name, nodes in reads_of.items() if name.startswith(path + ".") for n in nodes]
-        if not all(_reads_dtype_or_device(user) for n in reads for user in n.users):
+        if not all(_reads_dtype_or_device(n, user) for n in reads for user in n.users):
             continue
         pad = -module.in_features % multiple
         owner, _, attr = path.rpartition(".")
@@ -115,10 +115,13 @@ def align_linear_inputs(gm: torch.fx.GraphModule, multiple: int) -> dict[str, tu
     return aligned
 
 
-def _reads_dtype_or_device(user: torch.fx.Node) -> bool:
-    """Whether ``user`` reads of a parameter only what padding keeps: its dtype through ``to_dtype_of``, or
-    its ``.dtype`` / ``.device`` attribute (generative-recommenders casts to its combiner's weight dtype)."""
-    if user.op == "call_function" and user.target is to_dtype_of:
-        return True
-    return (user.op == "call_function" and user.target is getattr and len(user.args) == 2
-            and user.args[1] in ("dtype", "device"))
+def _reads_dtype_or_device(read: torch.fx.Node, user: torch.fx.Node) -> bool:
+    """Whether ``user`` takes of the parameter ``read`` only what padding keeps: its dtype, as the reference of a
+    ``to_dtype_of`` cast, or its ``.dtype`` / ``.device`` attribute (generative-recommenders casts to its
+    combiner's weight dtype)."""
+    if user.op != "call_function":
+        return False
+    if user.target is to_dtype_of:
+        value = user.args[0] if user.args else user.kwargs.get("value")
+        return value is not read  # the cast's reference, not the value cast
+    return user.target is getattr and user.args[:1] == (read,) and user.args[1:] in (("dtype",), ("device",))

@@ -9,7 +9,12 @@ import torch.fx
 from torch import Tensor, nn
 
 from hstu_export.capture.graph_functions import to_dtype_of
-from hstu_export.passes.align_linear_inputs import AlignedLinear, AlignLinearInputs, alignment
+from hstu_export.passes.align_linear_inputs import (
+    AlignedLinear,
+    AlignLinearInputs,
+    align_linear_inputs,
+    alignment,
+)
 from hstu_export.passes.context import PassContext
 from hstu_export.passes.prune_unused import prune_unused_attributes
 
@@ -127,7 +132,8 @@ class ReadsWeights(nn.Module):
 
 def test_reads_of_a_weights_dtype_or_device_allow_padding_and_every_read_of_a_weight_is_looked_at() -> None:
     """The model's own ``weight.dtype``/``.device`` reads keep working on the padded copy; a weight read twice
-    (the math's read, then a cast's read inserted later in the graph) is judged by both reads."""
+    (the math's read, then a cast's read inserted later in the graph) is judged by both reads; a weight that is
+    itself the value of a ``to_dtype_of`` cast (not its reference) is read whole."""
     model = ReadsWeights().eval()
     x = torch.randn(4, 33)
     with torch.no_grad():
@@ -137,8 +143,16 @@ def test_reads_of_a_weights_dtype_or_device_allow_padding_and_every_read_of_a_we
     with gm.graph.inserting_before(linear):
         cast = gm.graph.call_function(to_dtype_of, (linear.args[0], gm.graph.get_attr("tied.weight")))
     linear.args = (cast,)
+    (combined,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "combiner"]
+    with gm.graph.inserting_after(combined):  # the weight itself cast: a read of its shape
+        weight = gm.graph.get_attr("combiner.weight")
+        weight_cast = gm.graph.call_function(to_dtype_of, (weight, combined))
     gm.recompile()
     assert [str(n.target) for n in gm.graph.nodes if n.op == "get_attr"].count("tied.weight") == 2
+    assert align_linear_inputs(gm, 8) == {}  # neither: one weight is cast itself, the other read by the math
+    gm.graph.erase_node(weight_cast)
+    gm.graph.erase_node(weight)
+    gm.recompile()
     gm, ctx = run(gm, "cuda")
     assert ctx.stats["modules"] == ["combiner: 33 -> 40"]
     assert type(gm.get_submodule("tied")) is nn.Linear
