@@ -58,7 +58,7 @@ import hstu_export
 from hstu_export.models.config import preset_config
 from hstu_export.models.ranking import HstuRankingModel
 from hstu_export.package.tensor_dir import load_tensors, save_tensors
-from hstu_export.serving.native import LIBRARY_NAME, NativePredictor
+from hstu_export.runtimes.native import LIBRARY_NAME, NativePredictor
 
 REPO = Path(__file__).resolve().parent.parent
 LATENCY = re.compile(r"p50 ([0-9.]+) ms, p99 ([0-9.]+) ms")

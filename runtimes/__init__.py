@@ -1,6 +1,6 @@
 """Backends: compile the dense graph (AOTInductor, TorchScript, ONNX, TensorRT), load what they wrote, and
 the package loader and predictor (``predictor``), KV-cached serving of a package (``kv_delta``,
-``kv_graphs``). Backends by name: adding one is one file plus one line in ``_BACKENDS``."""
+``kv_graphs``), the C++ runtime called from Python (``native``). Backends by name: adding one is one file plus one line in ``_BACKENDS``."""
 
 from __future__ import annotations
 

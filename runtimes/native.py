@@ -2,7 +2,8 @@
 by runtimes/cpp/build.sh beside ``hstu-export-run``), with no Python between the request and the answer.
 
     predictor = NativePredictor("model.aoti")           # Package::open: the C++ runtime's checks and loading
-                                                        # (a CUDA package on device=, else the current device)
+                                                        # (a CUDA package on device=, else the current device;
+                                                        # also: hstu_export.load("model.aoti", runtime="native"))
     scores = predictor(request)                         # Package::run: validation, sparse and dense halves
     ranker = predictor.kv_cache()                       # CachedRanker::open (a package exported with --kv-cache)
     followed = NativePredictor("/srv/ranker", follow_seconds=1)   # PublishedPackage: a publish root, followed
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from hstu_export.errors import ConfigError, HstuExportError, PackageError, RequestError
 from hstu_export.package.directory import load_manifest
+from hstu_export.runtimes.shape_graphs import copy_limit
 from hstu_export.settings import check_time_drift, parse_size
 
 __all__ = ["RUNTIMES", "NativeCachedRanker", "NativePredictor", "check_runtime", "native_library"]
@@ -46,7 +48,8 @@ T = TypeVar("T")
 def native_library(library: str | Path | None = None) -> Path:
     """The library's path (see the module's text); ConfigError when it is not there."""
     given = library or os.environ.get("HSTU_EXPORT_NATIVE_LIBRARY")
-    path = Path(given) if given else Path(__file__).resolve().parents[2] / "build" / "cpp" / LIBRARY_NAME
+    checkout = Path(__file__).resolve().parents[1]  # runtimes/ sits in the checkout's root
+    path = Path(given) if given else checkout / "build" / "cpp" / LIBRARY_NAME
     if not path.is_file():
         raise ConfigError(f"the C++ runtime's Python library {path} is not there: build it with "
                           "`bash runtimes/cpp/build.sh` (or give its path: library=..., $HSTU_EXPORT_NATIVE_LIBRARY)")
@@ -111,11 +114,13 @@ class NativePredictor:
     """A package served by the C++ runtime; called like ``hstu_export.load``'s predictor, with a request of
     tensors (on the host or the package's device) and answering its outputs in ``output_names`` order.
     ``cuda_graphs`` (default: on where it is safe) replays whole requests of shapes seen before from CUDA graphs
-    (``Options::graphs``, as ``hstu_export.load``'s)."""
+    and ``graph_copy_limit`` bounds the requests it replays (``Options::graphs`` and ``graph_copy_limit``, as
+    ``hstu_export.load``'s); ``hstu_export.load(path, runtime="native")`` opens one."""
 
     def __init__(self, path: str | Path, *, device: str | torch.device | None = None, tables_device: str | None = None,
                  verify_checksums: bool = True, library: str | Path | None = None,
-                 follow_seconds: float | None = None, cuda_graphs: bool | None = None) -> None:
+                 follow_seconds: float | None = None, cuda_graphs: bool | None = None,
+                 graph_copy_limit: int | str | None = None) -> None:
         if tables_device not in (None, "cpu", "cuda"):
             raise ConfigError(f"tables device {str(tables_device)[:40]!r}: expected cpu or cuda")
         if follow_seconds is not None and not 0 <= follow_seconds <= 86400:
@@ -125,11 +130,13 @@ class NativePredictor:
         index = wanted.index if wanted is not None and wanted.index is not None else _current_cuda_device()
         self.following = follow_seconds is not None
         graphs = _graphs_mode(cuda_graphs)
+        limit = 0 if graph_copy_limit is None else copy_limit(graph_copy_limit)  # 0: the C++ runtime's default
         if self.following:
             self._package = _call(classes.Published, str(path), tables_device or "", verify_checksums, index,
-                                  float(follow_seconds), graphs)  # type: ignore[arg-type]
+                                  float(follow_seconds), graphs, limit)  # type: ignore[arg-type]
         else:
-            self._package = _call(classes.Package, str(path), tables_device or "", verify_checksums, index, graphs)
+            self._package = _call(classes.Package, str(path), tables_device or "", verify_checksums, index, graphs,
+                                  limit)
         self._classes = classes
         self.output_names: list[str] = list(self._package.output_names())
         self.max_batch_size: int = self._package.max_batch_size()
@@ -170,8 +177,6 @@ class NativePredictor:
         """The C++ runtime's KV cache over this package (as ``Predictor.kv_cache``): ``budget_bytes`` (bytes or a
         size such as ``"2GiB"``; default: room for the maximum batch at the longest sequence); ``graph_copy_limit``
         as ``Predictor.kv_cache``'s."""
-        from hstu_export.runtimes.shape_graphs import copy_limit
-
         budget = 0  # the C++ runtime's default
         if budget_bytes is not None:
             budget = parse_size(budget_bytes) if isinstance(budget_bytes, str) else budget_bytes

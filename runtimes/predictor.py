@@ -29,6 +29,7 @@ from hstu_export.package.schema import InputSchema
 from hstu_export.package.tables import check_tables_device
 from hstu_export.runtimes import get_backend
 from hstu_export.runtimes.base import RANGE_CHECK_MESSAGES, Runner, SplitRunner
+from hstu_export.runtimes.native import NativePredictor, check_runtime
 from hstu_export.runtimes.shape_graphs import REQUEST_COPY_BYTES, ShapeGraphs, copy_limit
 
 
@@ -352,7 +353,7 @@ def _tables_device(manifest: Manifest, root: Path, device: torch.device, asked: 
 
 def load(path: str | Path, *, verify_checksums: bool = True, require_signature: str | Path | None = None,
          tables_device: str | None = None, cuda_graphs: bool | None = None,
-         graph_copy_limit: int | str | None = None) -> Predictor:
+         graph_copy_limit: int | str | None = None, runtime: str = "python") -> Predictor | NativePredictor:
     """Load a package written by ``hstu_export.export`` / ``hstu-export MODEL``, or the current version of a
     directory ``hstu-export publish`` writes. With
     ``require_signature`` (a public key, PEM), the package must carry a signature by its private key over
@@ -362,7 +363,13 @@ def load(path: str | Path, *, verify_checksums: bool = True, require_signature: 
     ``cuda_graphs`` (default: on for a CUDA package whose programs read nothing back from the device) replays
     whole requests from CUDA graphs, one per exact request shapes seen twice, for the first 16 shapes captured
     (:mod:`~hstu_export.runtimes.shape_graphs`); a request whose tensors exceed ``graph_copy_limit`` (bytes or a size such as ``"2MiB"``;
-    default 512 KiB: a few users of long histories, past which the GPU's work bounds a request) runs as it is. ``True`` refuses a package that cannot be replayed (``graphs_unsafe``)."""
+    default 512 KiB: a few users of long histories, past which the GPU's work bounds a request) runs as it is. ``True`` refuses a package that cannot be replayed (``graphs_unsafe``).
+    ``runtime="native"`` returns the package served by the C++ runtime instead
+    (:class:`~hstu_export.runtimes.native.NativePredictor`, built by ``make cpp-runtime``; its library found as that
+    class finds it): the same answers bit for bit and the same refusals, with these options, called and cached
+    (``kv_cache``) the same way, without the interpreter's time in each call (docs/PERF.md); a required signature is
+    checked here first."""
+    check_runtime(runtime)
     root = Path(path)
     if is_published_root(root):  # hstu-export publish's directory: its current version
         root = current_path(root)
@@ -372,6 +379,9 @@ def load(path: str | Path, *, verify_checksums: bool = True, require_signature: 
         from hstu_export.package.signing import verify_signature
 
         verify_signature(root, require_signature)
+    if runtime == "native":
+        return NativePredictor(root, tables_device=tables_device, verify_checksums=verify_checksums,
+                               cuda_graphs=cuda_graphs, graph_copy_limit=graph_copy_limit)
     manifest = load_manifest(root, verify_checksums=verify_checksums)
     device = check_environment(manifest, root)
     load_op_libraries(manifest.op_libraries, root)

@@ -18,8 +18,8 @@ from manifests import rewrite_manifest
 
 import hstu_export
 from hstu_export.package.tensor_dir import load_tensors, save_tensors
+from hstu_export.runtimes.native import LIBRARY_NAME, NativePredictor
 from hstu_export.serving.kv_cache import page_bytes
-from hstu_export.serving.native import LIBRARY_NAME, NativePredictor
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,7 @@ def test_cpp_cache_serves_as_python_bit_for_bit(cpp_runtime, kv_package, tmp_pat
     done, cpp = _run_cpp(cpp_runtime, root, steps, tmp_path, "--kv-cache", budget or "auto")
     predictor = hstu_export.load(root)
     ranker = predictor.kv_cache(budget_bytes=budget)
-    # The C++ runtime's cache from Python too (hstu_export.serving.native): the CLI's answers and counters.
+    # The C++ runtime's cache from Python too (hstu_export.runtimes.native): the CLI's answers and counters.
     native = NativePredictor(root, library=cpp_runtime.path.parent / LIBRARY_NAME).kv_cache(budget)
     for k, ((who, request), got) in enumerate(zip(steps, cpp)):
         python = ranker(request, [IDS[u] for u in who])

@@ -97,10 +97,10 @@ def test_a_publish_root_opens_its_current_version(runner, packages, tmp_path) ->
 
 
 def test_native_predictor_serves_from_python_as_the_cli(runner, packages, tmp_path) -> None:
-    """hstu_export.serving.native: the C++ runtime called from Python answers as hstu_export.load bit for bit, in
+    """hstu_export.runtimes.native: the C++ runtime called from Python answers as hstu_export.load bit for bit, in
     the package's output order, and refuses as it does, with the same exception types."""
     from hstu_export.errors import ConfigError, PackageError
-    from hstu_export.serving.native import LIBRARY_NAME, NativePredictor
+    from hstu_export.runtimes.native import LIBRARY_NAME, NativePredictor
 
     library = runner.path.parent / LIBRARY_NAME
     for backend, package in packages.items():
@@ -125,6 +125,33 @@ def test_native_predictor_serves_from_python_as_the_cli(runner, packages, tmp_pa
     native, python = NativePredictor(packages["aoti"], library=library, device="cpu"), hstu_export.load(packages["aoti"])
     # what the serving paths read of a predictor
     assert native.input_schema == python.input_schema and native.package_manifest.raw == python.package_manifest.raw
+
+
+def test_load_with_runtime_native_opens_the_cpp_runtime(runner, packages, tmp_path, monkeypatch) -> None:
+    """``hstu_export.load(path, runtime="native")``: the C++ runtime behind the Python API's one entry point
+    (a publish root's current version, its answers bit for bit Python's, its options checked as load's), and a
+    signature required of the package is checked before the C++ runtime opens it."""
+    from hstu_export.errors import ConfigError, PackageError
+    from hstu_export.package.publish import publish
+    from hstu_export.runtimes.native import LIBRARY_NAME, NativePredictor
+
+    monkeypatch.setenv("HSTU_EXPORT_NATIVE_LIBRARY", str(runner.path.parent / LIBRARY_NAME))
+    root = tmp_path / "ranker"
+    publish(packages["torchscript"], root)
+    native = hstu_export.load(root, runtime="native", graph_copy_limit="1MiB", cuda_graphs=False)
+    python = hstu_export.load(packages["torchscript"])
+    assert isinstance(native, NativePredictor) and native.path.parent == root and not native.following
+    request = generate_batch(python.input_schema, 3, seed=71)
+    answer, expected = native(request), python(request)
+    assert list(answer) == python.output_names and all(torch.equal(answer[k], v) for k, v in expected.items())
+    with pytest.raises(ConfigError, match="runtime 'cpp': expected python or native"):
+        hstu_export.load(packages["aoti"], runtime="cpp")
+    with pytest.raises(ConfigError, match="graph_copy_limit"):
+        hstu_export.load(packages["aoti"], runtime="native", graph_copy_limit="lots")
+    key = tmp_path / "release.pub.pem"
+    key.write_text("not a key")
+    with pytest.raises(PackageError, match="is not signed"):
+        hstu_export.load(packages["aoti"], runtime="native", require_signature=key)
 
 
 def _follow(runner, root: Path, request: Path, *args: object) -> subprocess.Popen[str]:  # type: ignore[no-untyped-def]

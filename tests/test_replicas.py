@@ -18,7 +18,7 @@ from kv_requests import CONFIGS, Users
 
 import hstu_export
 from hstu_export.errors import ConfigError, HstuExportError, PackageError, RequestError, ServingError
-from hstu_export.serving.native import LIBRARY_NAME
+from hstu_export.runtimes.native import LIBRARY_NAME
 from hstu_export.serving.processes import decode_tensors, encode_tensors
 from hstu_export.serving.replicas import ReplicaSet, replica_of
 
@@ -237,7 +237,7 @@ def test_native_replicas_follow_a_publish_root(tiny_serving_package, tiny_servin
     """runtime="native" on a publish root: the C++ runtime's PublishedPackage serves its current version and moves to
     a newly published one, each answer bit for bit the version's own; a KV cache is refused on a followed root."""
     from hstu_export.package.publish import publish
-    from hstu_export.serving.native import NativePredictor
+    from hstu_export.runtimes.native import NativePredictor
 
     root = tmp_path / "ranker"
     publish(tiny_serving_package, root)

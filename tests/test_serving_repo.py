@@ -248,7 +248,7 @@ def test_a_native_repository_serves_with_the_cpp_runtime(package: Path, predicto
     alone; a publish root's repository follows it through the C++ runtime. No library: refused in one line and
     nothing is written."""
     from hstu_export.package.publish import publish
-    from hstu_export.serving.native import LIBRARY_NAME
+    from hstu_export.runtimes.native import LIBRARY_NAME
 
     library = cpp_runtime.path.parent / LIBRARY_NAME
     monkeypatch.setenv("HSTU_EXPORT_NATIVE_LIBRARY", str(library))

@@ -298,7 +298,7 @@ def test_a_native_repository_answers_bit_for_bit(package, predictor, cpp_runtime
     """``serving-repo --runtime native``: the server's Python backend serves the package through the C++ runtime's
     library the config names; a request alone in its execution is answered as the package answers it, bit for
     bit, and a bad request gets its own error while the one beside it is answered."""
-    from hstu_export.serving.native import LIBRARY_NAME
+    from hstu_export.runtimes.native import LIBRARY_NAME
 
     monkeypatch.setenv("HSTU_EXPORT_NATIVE_LIBRARY", str(cpp_runtime.path.parent / LIBRARY_NAME))
     assert cli_main(["serving-repo", str(package), "--out", str(tmp_path / "repo"), "--runtime", "native"]) == 0

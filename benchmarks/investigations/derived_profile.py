@@ -31,7 +31,7 @@ from cpp_kv_cache import export_package
 from kv_cache import WORKLOADS, bench, request
 
 import hstu_export
-from hstu_export.serving.native import LIBRARY_NAME, NativePredictor
+from hstu_export.runtimes.native import LIBRARY_NAME, NativePredictor
 
 BENCHMARKS = Path(__file__).resolve().parent.parent
 

@@ -31,7 +31,7 @@ from cpp_kv_cache import LATENCY, REPO, export_package, prefix_of, python_latenc
 from kv_cache import WORKLOADS, request
 
 from hstu_export.package.tensor_dir import load_tensors, save_tensors
-from hstu_export.serving.native import LIBRARY_NAME, NativePredictor
+from hstu_export.runtimes.native import LIBRARY_NAME, NativePredictor
 
 WAYS = ("native", "threads1", "bare")
 

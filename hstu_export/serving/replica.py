@@ -34,8 +34,8 @@ from torch import Tensor
 
 from hstu_export.errors import ConfigError
 from hstu_export.package.publish import is_published_root
+from hstu_export.runtimes.native import NativePredictor, check_runtime
 from hstu_export.serving.batching import BatchingPredictor
-from hstu_export.serving.native import NativePredictor, check_runtime
 from hstu_export.serving.published import PublishedPredictor
 
 __all__ = ["Item", "Replica"]

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, HstuExportError, RequestError
+from hstu_export.runtimes.native import check_runtime
 from hstu_export.serving.batching import batch_size
 from hstu_export.serving.kv_cache import user_keys
-from hstu_export.serving.native import check_runtime
 from hstu_export.serving.processes import ProcessReplica
 from hstu_export.serving.replica import Item, Replica
 from hstu_export.settings import check_whole_number

@@ -18,7 +18,7 @@ the package parameter names that directory and each instance serves its current 
 one between requests (``hstu_export.serving.published.PublishedPredictor``). With ``tables_device``
 (``serving-repo --tables-device``), each instance keeps the tables stored beside a compiled sparse half there
 (``hstu_export.load``'s argument). With ``native_library`` (``serving-repo --runtime native``), the C++ runtime
-of that library serves each instance's calls (``hstu_export.serving.native``), on the instance's device. With
+of that library serves each instance's calls (``hstu_export.runtimes.native``), on the instance's device. With
 ``host_threads`` (``serving-repo --host-threads``), the instance's torch uses that many host threads.
 
 Needs, in the Python environment Triton runs this file with: hstu-export and the torch the package was
@@ -38,8 +38,8 @@ from torch.utils import dlpack
 
 import hstu_export
 from hstu_export.errors import HstuExportError, RequestError
+from hstu_export.runtimes.native import NativePredictor
 from hstu_export.serving.batching import BatchingPredictor
-from hstu_export.serving.native import NativePredictor
 from hstu_export.serving.published import PublishedPredictor
 from hstu_export.serving.triton_repo import (
     DRIFT_PARAMETER,

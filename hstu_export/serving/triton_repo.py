@@ -41,8 +41,8 @@ from hstu_export.package.directory import (
 from hstu_export.package.manifest import Manifest
 from hstu_export.package.publish import current_path, current_version, is_published_root
 from hstu_export.package.tables import check_tables_device
+from hstu_export.runtimes.native import check_runtime, native_library
 from hstu_export.serving.batching import output_rows
-from hstu_export.serving.native import check_runtime, native_library
 from hstu_export.settings import check_time_drift, check_whole_number, parse_size
 from hstu_export.version import __version__
 
@@ -75,7 +75,7 @@ class ServingRepoSettings:
     # "cpu" serves a CUDA package's tables from pinned host memory); None: on the instance's device.
     tables_device: str | None = None
     # What serves each instance's calls: "python" (hstu_export.load) or "native" (the C++ runtime's library,
-    # hstu_export.serving.native, found when the repository is written and named in its config).
+    # hstu_export.runtimes.native, found when the repository is written and named in its config).
     runtime: str = "python"
     # torch's host threads in each instance's process (torch.set_num_threads). None: 1 for a CUDA package's
     # instances, whose host work is small tensors (on an H200, one instance served 971-1,278 queries/s with a thread

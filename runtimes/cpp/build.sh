@@ -2,7 +2,7 @@
 # Builds the C++ runtime against the torch of $PYTHON (default: the repository's .venv, else python3):
 #   runtimes/cpp/build.sh [BUILD_DIR]        (default BUILD_DIR: build/cpp)
 # The binary is BUILD_DIR/hstu-export-run; the library BUILD_DIR/libhstu_export_runtime.so; the runtime for Python
-# (hstu_export.serving.native) BUILD_DIR/libhstu_export_native.so.
+# (hstu_export.runtimes.native) BUILD_DIR/libhstu_export_native.so.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"

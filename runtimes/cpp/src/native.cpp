@@ -1,6 +1,6 @@
 // libhstu_export_native: the C++ runtime for Python, as torch custom classes (torch.classes.hstu_export_native):
 // Package (Package::open and run), Published (PublishedPackage: a publish root followed) and CachedRanker
-// (CachedRanker::open and run). Python's wrapper is hstu_export/serving/native.py; a request crosses as a dict of
+// (CachedRanker::open and run). Python's wrapper is runtimes/native.py; a request crosses as a dict of
 // tensors, without copies.
 //
 // An error of the runtime reaches Python as a RuntimeError whose text starts with its class ("RequestError: ",
@@ -51,9 +51,10 @@ struct NativePackage : torch::CustomClassHolder {
   std::shared_ptr<const hstu_export::Package> package;
 
   NativePackage(const std::string& path, const std::string& tables_device, bool verify_checksums,
-                int64_t device_index, const std::string& graphs) {
+                int64_t device_index, const std::string& graphs, int64_t graph_copy_limit) {
     hstu_export::Options options;
     options.graphs = graphs_of(graphs);
+    options.graph_copy_limit = graph_copy_limit;
     options.tables_device = tables_device;
     options.device_index = static_cast<int>(device_index);
     options.verify_checksums = verify_checksums;
@@ -76,9 +77,11 @@ struct NativePublished : torch::CustomClassHolder {
   std::shared_ptr<hstu_export::PublishedPackage> published;
 
   NativePublished(const std::string& root, const std::string& tables_device, bool verify_checksums,
-                  int64_t device_index, double check_seconds, const std::string& graphs) {
+                  int64_t device_index, double check_seconds, const std::string& graphs,
+                  int64_t graph_copy_limit) {
     hstu_export::Options options;
     options.graphs = graphs_of(graphs);
+    options.graph_copy_limit = graph_copy_limit;
     options.tables_device = tables_device;
     options.verify_checksums = verify_checksums;
     options.device_index = static_cast<int>(device_index);
@@ -127,14 +130,14 @@ struct NativeRanker : torch::CustomClassHolder {
 
 TORCH_LIBRARY(hstu_export_native, m) {
   m.class_<NativePackage>("Package")
-      .def(torch::init<std::string, std::string, bool, int64_t, std::string>())
+      .def(torch::init<std::string, std::string, bool, int64_t, std::string, int64_t>())
       .def("run", &NativePackage::run)
       .def("output_names", &NativePackage::output_names)
       .def("max_batch_size", &NativePackage::max_batch_size)
       .def("device", &NativePackage::device)
       .def("path", &NativePackage::path);
   m.class_<NativePublished>("Published")
-      .def(torch::init<std::string, std::string, bool, int64_t, double, std::string>())
+      .def(torch::init<std::string, std::string, bool, int64_t, double, std::string, int64_t>())
       .def("run", &NativePublished::run)
       .def("refresh", &NativePublished::refresh)
       .def("version", &NativePublished::version)
