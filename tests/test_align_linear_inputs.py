@@ -83,6 +83,14 @@ def test_the_padded_product_is_the_linear_of_the_padded_input(dtype: torch.dtype
     assert "zero columns=7" in repr(aligned)
 
 
+def cast_input_to_weight_dtype(gm: torch.fx.GraphModule, path: str) -> None:
+    """The input of the module at ``path`` cast to its weight's dtype, as follow_parameter_dtypes does: a
+    ``to_dtype_of`` whose reference is a ``get_attr`` read of the weight, inserted before the call."""
+    (linear,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == path]
+    with gm.graph.inserting_before(linear):
+        linear.args = (gm.graph.call_function(to_dtype_of, (linear.args[0], gm.graph.get_attr(f"{path}.weight"))),)
+
+
 class Nested(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -102,11 +110,7 @@ def test_a_nested_module_is_replaced_in_the_graphs_own_container_and_the_model_k
     with torch.no_grad():
         want = model(x)
     gm = torch.fx.symbolic_trace(model)
-    (linear,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "block.0"]
-    with gm.graph.inserting_before(linear):
-        weight = gm.graph.get_attr("block.0.weight")
-        cast = gm.graph.call_function(to_dtype_of, (linear.args[0], weight))
-    linear.args = (cast,)
+    cast_input_to_weight_dtype(gm, "block.0")
     gm.recompile()
     gm, ctx = run(gm, "cuda")
     assert ctx.stats["modules"] == ["block.0: 33 -> 40"]  # not "tied": its weight is read by the model's math
@@ -139,10 +143,7 @@ def test_reads_of_a_weights_dtype_or_device_allow_padding_and_every_read_of_a_we
     with torch.no_grad():
         want = model(x)
     gm = torch.fx.symbolic_trace(model)
-    (linear,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "tied"]
-    with gm.graph.inserting_before(linear):
-        cast = gm.graph.call_function(to_dtype_of, (linear.args[0], gm.graph.get_attr("tied.weight")))
-    linear.args = (cast,)
+    cast_input_to_weight_dtype(gm, "tied")
     (combined,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "combiner"]
     with gm.graph.inserting_after(combined):  # the weight itself cast: a read of its shape
         weight = gm.graph.get_attr("combiner.weight")
