@@ -20,6 +20,8 @@ dlrmv3 through its own, on the "same history, new candidates" workload, timed in
   Python, with and without the GR program's graphs.
 - ``--only zoo zoo_derived``: the zoo's model also exported with ``--kv-program derived`` and timed as GR's is; its
   written program's served call over the derived one's (``zoo_derived_over_written``).
+- ``--export-only``: export into ``--work`` and stop; processes exporting one model each side by side, then one
+  ``--reuse`` run that times them all, fit the device's command limit.
 - ``--cpp``: also the whole request through the C++ runtime (``hstu-export-run``, built in this run), p50 of
   ``--iters`` calls of the second request without the cache and cached (after the first request), with the phase
   times of a cached call (``cpp``, per users).
@@ -307,6 +309,8 @@ def main() -> int:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--reuse", action="store_true", help="keep packages already in --work")
+    parser.add_argument("--export-only", action="store_true",
+                        help="export into --work and stop (several processes can export side by side, then one times)")
     parser.add_argument("--only", nargs="+", default=["zoo", "gr"], choices=["zoo", "gr", "zoo_derived"],
                         help="zoo_derived: the zoo's model with --kv-program derived, against its written program "
                              "(with zoo)")
@@ -342,6 +346,11 @@ def main() -> int:
         except Exception as exc:
             result[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "trace": traceback.format_exc()[-3000:]}
         save()
+    if args.export_only:
+        if building is not None:  # built into --work too, for the run that times
+            result["cpp_build"] = building.communicate()[0][-2000:] if building.wait() else "built"
+            save()
+        return 0
     w = workload(args.small)
     runner = None
     if building is not None:

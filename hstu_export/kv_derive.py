@@ -7,20 +7,27 @@ Walking back from each attention's q, k and v, a node is
 - *row-local*: a projection, norm, activation, elementwise op, cast, embedding lookup, or a reshape or split
   that keeps the first axis; row ``i`` of its output depends on row ``i`` of its inputs only;
 - the *attention* (``hstu_export::hstu_mha`` after map_ops, whichever library it came from);
-- *row-mixing*: anything else that makes token rows (jagged concatenations, gathers, the arithmetic of
-  positions and time buckets). Those nodes are the *frontier*: the rows the layers start from. The walk also
-  stops at integer rows (a position or time bucket an embedding looks up, a mask): those are compared exactly,
-  a few bytes a row, and the float work they feed runs on the new rows only.
+- a *row selection*: a jagged concatenation (``concat_2D_jagged`` after map_ops), each of whose rows is a row of
+  one of its two sides, picked by the request's lengths alone. The walk goes on into each side, on that side's
+  rows (its *space*), so that the row-local work before it (the projections and MLPs a model builds its tokens
+  with) runs on the new rows only;
+- *row-mixing*: anything else that makes token rows (gathers, the arithmetic of positions and time buckets).
+  Those nodes are the *frontier*: the rows the layers start from. The walk also stops at integer rows (a
+  position or time bucket an embedding looks up, a mask): those are compared exactly, a few bytes a row, and the
+  float work they feed runs on the new rows only. A side's input read only by a cast to a narrower float (a
+  bf16 export's cast before a projection) is compared after the cast.
 
 The layers are the row-local nodes and attentions reached from the frontier. Because the attention is
 causal and a history row never attends to a candidate, a row's K/V in every layer depends only on the
 frontier rows up to it. So the delta program
 
-1. runs everything up to the frontier on the whole request (gathers and additions, cheap),
+1. runs everything up to the frontier on the whole request (gathers and additions, cheap), and takes each
+   token's frontier row through the selections (:func:`frontier_rows`),
 2. compares each user's cached prefix of frontier rows with the rows stored when it was cached: a user
    whose prefix differs in any bit is *stale* (the program says so and the caller recomputes it; stale
    K/V are never served),
-3. runs the layers on the rows past each user's cached prefix only, each attention reading the cached
+3. runs the layers on the rows past each user's cached prefix only (each side of a selection on the rows of
+   its own those rows come from: :func:`concat_sources`), each attention reading the cached
    K/V from the pages and storing the new rows' K/V (and frontier rows) there (on the ``triton`` target an
    attention between a projection's column slices and the STU gate is one op, the written program's),
 4. puts the layers' rows back in their places (cached rows zero) for whatever reads them after the last
@@ -40,7 +47,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +65,10 @@ from hstu_export.ops.reference import stu_gate
 
 # The attention every mapped model calls (map_ops' generic op, before its lowering to a target).
 ATTENTION = "hstu_export.hstu_mha.default"
+# A row selection: each output row is a row of one of its two inputs, picked by the lengths alone.
+CONCAT = "hstu_export.concat_2D_jagged.default"
+# The rows a region node is computed on: the sequence's (None), or a branch of a selection: (selection, 0 or 1).
+Space = tuple[torch.fx.Node, int] | None
 
 ROW_LOCAL_MODULES = (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.SiLU, nn.ReLU, nn.GELU, nn.Sigmoid, nn.Tanh,
                      nn.Dropout, nn.Identity, nn.Embedding)  # fmt: skip
@@ -177,43 +188,51 @@ class _Analysis:
                               f"other ranges (the example's lengths follow them)")
         self.region: set[torch.fx.Node] = set()
         self.frontier: list[torch.fx.Node] = []
+        self.space: dict[torch.fx.Node, Space] = {}  # region node -> the rows it is computed on
+        self.leaf_spaces: dict[torch.fx.Node, set[Space]] = {}  # frontier node -> the spaces its rows are read in
+        self.blocked: set[torch.fx.Node] = set()  # selections read as frontier
 
     def _bind(self, node: torch.fx.Node) -> dict[str, Any]:
         bound = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
         return dict(bound.kwargs)
 
-    def rowish(self, n: Any) -> bool:
+    def rowish(self, n: Any, rows: int | None = None) -> bool:
+        """Whether ``n`` holds token rows: ``rows`` of them (the sequence's by default), from the request."""
         if not isinstance(n, torch.fx.Node) or n not in self.from_request:
             return False
+        rows = self.rows if rows is None else rows
         v = self.values.get(n)
         if isinstance(v, Tensor):
-            return v.dim() > 0 and v.shape[0] == self.rows
+            return v.dim() > 0 and v.shape[0] == rows
         if isinstance(v, (tuple, list)) and v:
-            return all(isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == self.rows for t in v)
+            return all(isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows for t in v)
         return False
 
-    def _dim(self, node: torch.fx.Node, dim: Any) -> int | None:
-        first = next((a for a in node.all_input_nodes if self.rowish(a)), None)
+    def _dim(self, node: torch.fx.Node, dim: Any, rows: int | None = None) -> int | None:
+        first = next((a for a in node.all_input_nodes if self.rowish(a, rows)), None)
+        if first is None:
+            return None  # no input holds these rows: the op made them (a flatten of the first axes)
         v = self.values.get(first)
         ndim = v.dim() if isinstance(v, Tensor) else v[0].dim()
         return dim % max(ndim, 1) if isinstance(dim, int) else None
 
-    def row_local(self, n: torch.fx.Node) -> bool:
-        """Whether row i of ``n`` depends on row i of its inputs only (shapes from the example)."""
-        if not self.rowish(n):
+    def row_local(self, n: torch.fx.Node, rows: int | None = None) -> bool:
+        """Whether row i of ``n`` depends on row i of its inputs only (shapes from the example; ``rows``: the row
+        count of the space it is read in, the sequence's by default)."""
+        if not self.rowish(n, rows):
             return False
         if n.op == "call_module":
             return isinstance(self.gm.get_submodule(str(n.target)), ROW_LOCAL_MODULES)
         if n.op == "call_function" and n.target in LOOKUPS:
             at = LOOKUPS[n.target]
             indices, table = n.args[at], n.args[1 - at] if len(n.args) > 1 else n.kwargs.get("weight")
-            return self.rowish(indices) and not self.rowish(table)
+            return self.rowish(indices, rows) and not self.rowish(table, rows)
         if (n.op == "call_function" and n.target is torch.index_select) or (
                 n.op == "call_method" and n.target == "index_select"):
             # table.index_select(0, indices): a lookup as above (a table that is not static is refused below).
             bound = dict(zip(("input", "dim", "index"), n.args), **n.kwargs)
             table, dim, indices = bound.get("input"), bound.get("dim"), bound.get("index")
-            return dim == 0 and self.rowish(indices) and not self.rowish(table)
+            return dim == 0 and self.rowish(indices, rows) and not self.rowish(table, rows)
         if n.op == "call_function" and n.target is operator.getitem:
             source, index = n.args
             if isinstance(self.values.get(source), (tuple, list)):
@@ -222,15 +241,15 @@ class _Analysis:
             return (len(entries) > 1 and entries[0] in (slice(None), Ellipsis)
                     and not _nodes_in(entries))  # fmt: skip
         if n.op == "call_function" and n.target in (torch.cat, torch.concat):
-            return self._dim(n, n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)) not in (0, None)
+            return self._dim(n, n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0), rows) not in (0, None)
         if n.op == "call_function" and n.target in (torch.split, torch.chunk):
-            return self._dim(n, n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)) not in (0, None)
+            return self._dim(n, n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0), rows) not in (0, None)
         if n.op == "call_function" and n.target in (torch.addmm, torch.mm, torch.matmul, operator.matmul):
             # A product with the rows on the left and weights on the right (addmm's bias broadcast or per row).
             operands = [a for a in n.args if isinstance(a, torch.fx.Node)]
             left, right = operands[-2:] if len(operands) >= 2 else (None, None)
             weights = self.values.get(right)
-            return (self.rowish(left) and not self.rowish(right) and isinstance(weights, Tensor)
+            return (self.rowish(left, rows) and not self.rowish(right, rows) and isinstance(weights, Tensor)
                     and weights.dim() <= 2)
         if n.op == "call_function" and n.target in (torch.flatten, torch.reshape):
             return True  # the first axis keeps its size (rowish): each row stays itself
@@ -242,13 +261,13 @@ class _Analysis:
             return True
         if n.op == "call_method" and n.target in ("flatten",):
             start = n.kwargs.get("start_dim", n.args[1] if len(n.args) > 1 else 0)
-            return self._dim(n, start) not in (0, None)
+            return self._dim(n, start, rows) not in (0, None)
         if n.op == "call_method" and n.target in ("unsqueeze", "squeeze", "split", "chunk"):
             dim = n.kwargs.get("dim", n.args[2] if n.target in ("split", "chunk") and len(n.args) > 2 else
                                n.args[1] if n.target in ("unsqueeze", "squeeze") and len(n.args) > 1 else 0)
             if n.target in ("unsqueeze", "squeeze"):
                 return True  # the output keeps the rows (rowish), so the first axis was not touched
-            return self._dim(n, dim) not in (0, None)
+            return self._dim(n, dim, rows) not in (0, None)
         return False
 
     def exact(self, n: torch.fx.Node) -> bool:
@@ -258,38 +277,152 @@ class _Analysis:
         return isinstance(v, Tensor) and not v.is_floating_point() and not v.is_complex()
 
     def walk(self) -> None:
-        """Region (row-local nodes and attentions) and frontier, from the attentions backward, then forward
-        over whatever row-local work follows them."""
-        frontier: set[torch.fx.Node] = set()
+        """Region (row-local nodes, attentions and the row selections before them) and frontier, from the
+        attentions backward, then forward over whatever row-local work follows them. A selection whose branches'
+        nodes are read anywhere but on their way to it is read as the frontier instead (:meth:`_unsound`)."""
+        while True:
+            conflicts = self._walk_once()
+            unsound = self._unsound(conflicts)
+            if not unsound:
+                return
+            self.blocked |= unsound
 
-        def visit(n: torch.fx.Node) -> None:
-            stack = [n]
+    def _walk_once(self) -> set[torch.fx.Node]:
+        """One walk with the selections of ``blocked`` read as frontier; returns the selections one of whose
+        branches' nodes was reached in another space too."""
+        self.region, self.space, self.leaf_spaces = set(), {}, {}
+        conflicts: set[torch.fx.Node] = set()
+        frontier = self.leaf_spaces
+
+        def visit(n: torch.fx.Node, space: Space) -> None:
+            stack = [(n, space)]
             while stack:
-                m = stack.pop()
-                if m in self.region or m in frontier:
+                m, sp = stack.pop()
+                if m in self.region:
+                    if self.space[m] != sp:
+                        conflicts.update(s for s in (self._owner(self.space[m]), self._owner(sp)) if s is not None)
                     continue
-                if m in self.attentions:
-                    self.region.add(m)
+                if m in frontier:
+                    frontier[m].add(sp)
+                    continue
+                rows = self.rows_in(sp)
+                if m in self.attentions and sp is None:
+                    self._enter(m, sp)
                     bound = self.args[self.attentions.index(m)]
-                    stack.extend(bound[name] for name in ("q", "k", "v"))
-                elif self.row_local(m) and not self.exact(m):
-                    self.region.add(m)
-                    stack.extend(a for a in m.all_input_nodes if self.rowish(a))
+                    stack.extend((bound[name], sp) for name in ("q", "k", "v"))
+                elif self._selection(m, rows):
+                    self._enter(m, sp)
+                    stack.extend(((m.args[0], (m, 0)), (m.args[2], (m, 1))))
+                elif self.row_local(m, rows) and not self.exact(m) and (sp is None or self._reads_own_rows(m, rows)):
+                    self._enter(m, sp)
+                    stack.extend((a, sp) for a in m.all_input_nodes if self.rowish(a, rows))
                 else:
-                    frontier.add(m)
+                    frontier[m] = {sp}
 
         for a in self.attentions:
-            visit(a)
+            visit(a, None)
         for n in self.gm.graph.nodes:  # topological: what the layers' rows feed, row by row
             if n in self.region or n in frontier or n.op == "output":
                 continue
-            if any(a in self.region for a in n.all_input_nodes) and (n in self.attentions or (
+            if any(self.space.get(a, 0) is None for a in n.all_input_nodes) and (n in self.attentions or (
                     self.row_local(n) and not self.exact(n))):
                 for a in n.all_input_nodes:
                     if self.rowish(a) and a not in self.region:
-                        visit(a)
-                self.region.add(n)
+                        visit(a, None)
+                self._enter(n, None)
+        for f in list(frontier):  # a side's input read only by a cast to a narrower float: compared after the cast
+            readers = [u for u in f.users if u in self.region]
+            if (len(readers) == 1 and len(frontier[f]) == 1 and None not in frontier[f] and len(f.users) == 1
+                    and self._narrowing(readers[0], self.rows_in(self.space[readers[0]]))):
+                cast = readers[0]
+                self.region.discard(cast)
+                frontier[cast] = {self.space.pop(cast)}
+                del frontier[f]
         self.frontier = [n for n in self.gm.graph.nodes if n in frontier]
+        return conflicts
+
+    def _enter(self, n: torch.fx.Node, space: Space) -> None:
+        self.region.add(n)
+        self.space[n] = space
+
+    @staticmethod
+    def _owner(space: Space) -> torch.fx.Node | None:
+        return None if space is None else space[0]
+
+    def rows_in(self, space: Space) -> int:
+        """The example's row count of ``space``: the sequence's, or a selection's branch's."""
+        if space is None:
+            return self.rows
+        selection, branch = space
+        return int(self.values[selection.args[2 * branch]].shape[0])
+
+    def _selection(self, n: torch.fx.Node, rows: int) -> bool:
+        """Whether ``n`` is a jagged concatenation the walk goes through: each output row is a row of one of its
+        branches, picked by the request's lengths alone (never by a layer's value), and its branches' rows can be
+        told apart from the batch's other sizes on the example."""
+        if n.op != "call_function" or str(n.target) != CONCAT or n in self.blocked or len(n.args) != 4:
+            return False
+        if not self.rowish(n, rows) or self.exact(n):
+            return False
+        offsets = [self.values.get(a) for a in (n.args[1], n.args[3])]
+        if not all(isinstance(o, Tensor) and o.dim() == 1 for o in offsets):
+            return False
+        users = int(offsets[0].shape[0]) - 1
+        for branch in (n.args[0], n.args[2]):
+            v = self.values.get(branch)
+            if not isinstance(branch, torch.fx.Node) or not isinstance(v, Tensor) or v.dim() == 0:
+                return False
+            if v.shape[0] in {users, users + 1, *v.shape[1:], *self.values[n].shape[1:]}:
+                return False
+        attentions = set(self.attentions)
+        return not (_ancestors([n], through_metadata=False) & attentions)
+
+    def _narrowing(self, n: torch.fx.Node, rows: int) -> bool:
+        """A cast of one input's floating rows to a narrower floating dtype (a bf16 export's cast before a layer)."""
+        v = self.values.get(n)
+        inputs = [a for a in n.all_input_nodes if self.rowish(a, rows)]
+        if not isinstance(v, Tensor) or not v.is_floating_point() or len(inputs) != 1 or not self.row_local(n, rows):
+            return False
+        source = self.values.get(inputs[0])
+        return (isinstance(source, Tensor) and source.is_floating_point() and source.shape == v.shape
+                and v.element_size() < source.element_size())
+
+    def never_empty(self, n: torch.fx.Node, inputs: set[str]) -> bool:
+        """Whether ``n`` holds a row whenever one of ``inputs`` does (a dense input of those, or a row-local value
+        of one's rows)."""
+        if n.op == "placeholder":
+            return n.target in inputs
+        v = self.values.get(n)
+        if not isinstance(v, Tensor) or v.dim() == 0:
+            return False
+        rows = int(v.shape[0])
+        return self.row_local(n, rows) and any(self.never_empty(a, inputs) for a in n.all_input_nodes
+                                               if self.rowish(a, rows))
+
+    def _reads_own_rows(self, n: torch.fx.Node, rows: int) -> bool:
+        """A node in a branch of a selection reads only rows of that branch and values the same for every
+        request of one shape (else it stays before the frontier, computed on every row)."""
+        return all(self.rowish(a, rows) or self._static(a) for a in n.all_input_nodes)
+
+    def _unsound(self, conflicts: set[torch.fx.Node]) -> set[torch.fx.Node]:
+        """The selections to read as frontier: those reached in two spaces or read outside the layers, and those
+        whose branches' nodes are read outside their way to it or whose lengths are computed from the layers."""
+        unsound = set(conflicts)
+        for n in self.region:
+            space = self.space[n]
+            if str(n.target) == CONCAT and n.op == "call_function" and n not in self.attentions and (
+                    any(u not in self.region and not _metadata(u) for u in n.users)
+                    or _ancestors(_nodes_in((n.args[1], n.args[3])), through_metadata=False) & self.region):
+                unsound.add(n)
+            if space is None:
+                continue
+            owner, branch = space
+            for u in n.users:
+                if u is owner and owner.args[2 * branch] is n and owner.args[2 - 2 * branch] is not n:
+                    continue
+                if (u not in self.region and not _metadata(u)) or (u in self.region and self.space[u] != space):
+                    unsound.add(owner)
+        return unsound
 
     def check(self) -> None:
         """The conditions under which cached K/V are exact; a refusal names the node."""
@@ -319,8 +452,8 @@ class _Analysis:
                 raise ConfigError(f"--kv-cache: the layers start from {f.name} ({_what(f)}), which is not a tensor of "
                                   f"real or integer rows; only those can be compared with the cached ones")
         for n in self.region:
-            if n in self.attentions:
-                continue
+            if n in self.attentions or (n.op == "call_function" and str(n.target) == CONCAT):
+                continue  # a selection's lengths: read before the layers, never computed from them (_unsound)
             for a in n.all_input_nodes:
                 if a in self.region or a in self.frontier or self.rowish(a):
                     continue
@@ -538,6 +671,88 @@ def jagged_right_rows(offsets_left: Tensor, offsets_right: Tensor, total_right: 
     return left[1:][user] + right[:-1][user] + pos
 
 
+def concat_sources(offsets_left: Tensor, offsets_right: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Where rows ``positions`` of :func:`~hstu_export.ops.reference.concat_2D_jagged_reference`'s output come
+    from: ``(row among the left rows, row among the right rows, whether from the left)``; a row from one side
+    reads row 0 of the other (never used)."""
+    left, right = offsets_left.to(torch.int64), offsets_right.to(torch.int64)
+    joined = left + right
+    user = (torch.searchsorted(joined, positions, right=True) - 1).clamp(min=0, max=joined.size(0) - 2)
+    pos = positions - joined[user]
+    left_len = left[user + 1] - left[user]
+    from_left = pos < left_len
+    return (torch.where(from_left, left[user] + pos, 0), torch.where(from_left, 0, right[user] + pos - left_len),
+            from_left)
+
+
+def take_rows(rows: Tensor, positions: Tensor, may_be_empty: bool) -> Tensor:
+    """Rows ``positions`` of ``rows``, each clamped to its last row. Where ``rows`` may hold no row in a request
+    (the export's ranges let it), they are read with a zero row after them (a copy), so that a side without rows
+    is still read inside its bounds; the rows read past a side's own are never used."""
+    if may_be_empty:
+        rows = torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])
+    return rows.index_select(0, positions.clamp(0, rows.shape[0] - 1))
+
+
+def pick_rows(from_left: Tensor, left: Tensor, right: Tensor) -> Tensor:
+    """Per row, the left row where ``from_left`` holds, else the right one."""
+    return torch.where(from_left.reshape(-1, *([1] * (max(left.dim(), right.dim()) - 1))), left, right)
+
+
+def _merged(from_left: Tensor, left: list[Tensor], right: list[Tensor]) -> list[Tensor]:
+    """The frontier rows of a selection's two branches as one list: a left tensor and a right one of the same
+    row shape share their columns (each row holds its own side's; floating ones of any two dtypes, as they are
+    compared in the row dtype, integer ones of one dtype), the others keep their own (zero on the other side's
+    rows); then which side each row is from, so that rows of different sides never compare equal."""
+
+    def shared(a: Tensor, b: Tensor) -> bool:
+        return a.shape[1:] == b.shape[1:] and (a.dtype == b.dtype or (a.is_floating_point() and b.is_floating_point()))
+
+    out, unused = [], list(range(len(right)))
+    for lhs in left:
+        j = next((j for j in unused if shared(lhs, right[j])), None)
+        if j is None:
+            out.append(pick_rows(from_left, lhs, torch.zeros((), dtype=lhs.dtype, device=lhs.device)))
+        else:
+            unused.remove(j)
+            out.append(pick_rows(from_left, lhs, right[j]))
+    for j in unused:
+        out.append(pick_rows(from_left, torch.zeros((), dtype=right[j].dtype, device=right[j].device), right[j]))
+    return [*out, from_left.to(torch.int64)]
+
+
+# A space's frontier: (its frontier tensors, each with whether it may hold no row, and its selections as
+# (offsets_left, offsets_right, left's, right's)).
+Plan = tuple[list[tuple[Tensor, bool]], list[tuple[Tensor, Tensor, Any, Any]]]
+
+
+def frontier_rows(plan: Plan, positions: Tensor | None = None) -> list[Tensor]:
+    """The rows the cache compares for a space (the sequence's: ``positions`` None, its frontier tensors whole; a
+    branch's: rows ``positions`` of its ones, :func:`take_rows`): its frontier tensors' rows, then each
+    selection's branches' rows, :func:`_merged`. A token's row so holds what its layer rows are computed from."""
+    leaves, selections = plan
+    out = [leaf if positions is None else take_rows(leaf, positions, empty) for leaf, empty in leaves]
+    if positions is None:
+        positions = torch.arange(_plan_rows(plan), device=_plan_device(plan))
+    for offsets_left, offsets_right, left, right in selections:
+        from_left_rows, from_right_rows, from_left = concat_sources(offsets_left, offsets_right, positions)
+        out += _merged(from_left, frontier_rows(left, from_left_rows), frontier_rows(right, from_right_rows))
+    return out
+
+
+def _plan_rows(plan: Plan) -> Any:
+    leaves, selections = plan
+    if leaves:
+        return leaves[0][0].shape[0]
+    _, _, left, right = selections[0]
+    return _plan_rows(left) + _plan_rows(right)
+
+
+def _plan_device(plan: Plan) -> torch.device:
+    leaves, selections = plan
+    return leaves[0][0].device if leaves else selections[0][0].device
+
+
 def paged_attention_reference(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, k_pool: Tensor, v_pool: Tensor,
                               layer: int, page_table: Tensor, seq_lens: Tensor, num_targets: Tensor,
                               scaling_seqlen: int, alpha: float, contextual_seq_len: int, max_attn_len: int,
@@ -646,36 +861,51 @@ def delta_inputs(derived: DerivedDelta) -> tuple[str, ...]:
 
 
 def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_target: str = "aten",
-                 fill: float = 0.0, targets_only: bool = True) -> DerivedDelta:  # fmt: skip
+                 fill: float = 0.0, targets_only: bool = True,
+                 never_empty_inputs: Collection[str] = ()) -> DerivedDelta:  # fmt: skip
     """The delta program of a dense graph whose attentions are ``hstu_export::hstu_mha`` nodes (map_ops'
     generic op), read on ``example`` (the dense inputs by placeholder name). ``op_target`` picks the paged
     attention (``triton``: our kernel; else plain aten); ``fill`` is what the rows of cached tokens read
     after the last layer (a check may pass NaN: no output may read them). ``targets_only``: the last layer,
     past its projection (every new row's K/V is stored), runs on the targets' rows alone where the outputs
-    read no other row of it (:func:`_reads_targets_only`, on ``example``). Raises ConfigError naming why a
-    model cannot be cached."""
+    read no other row of it (:func:`_reads_targets_only`, on ``example``). ``never_empty_inputs``: the dense
+    inputs whose first axis holds a row in every request the export allows (a side of a jagged concatenation
+    computed from one is read without a copy). Raises ConfigError naming why a model cannot be cached."""
     gm, values = _without_dtype_reads(gm, example)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     analysis = _Analysis(gm, values)
     analysis.walk()
     analysis.check()
     region, frontier, attentions = analysis.region, analysis.frontier, analysis.attentions
+    space, leaf_spaces = analysis.space, analysis.leaf_spaces
+    selections = [n for n in gm.graph.nodes if n in region and n.op == "call_function" and str(n.target) == CONCAT]
+    lengths_of_selections = _nodes_in([(s.args[1], s.args[3]) for s in selections])
+    never_empty = {f for f in frontier if analysis.never_empty(f, set(never_empty_inputs))}
+
+    def plan(where: Space, leaf: Any, arg: Any) -> Plan:
+        """``where``'s :data:`Plan`, of ``leaf(frontier node, space)`` and ``arg(node)``."""
+        return ([leaf(f, where) for f in frontier if where in leaf_spaces[f]],
+                [(arg(s.args[1]), arg(s.args[3]), plan((s, 0), leaf, arg), plan((s, 1), leaf, arg))
+                 for s in selections if space[s] == where])
+
+    example_rows = frontier_rows(plan(None, lambda f, where: (values[f], f not in never_empty), values.__getitem__))
     bound0 = analysis.args[0]
     shapes = [(tuple(values[b["k"]].shape), tuple(values[b["v"]].shape)) for b in analysis.args]
     if len({s for s in shapes}) != 1:
         raise ConfigError(f"--kv-cache: the layers' attentions differ in shape ({sorted(set(shapes))}); one pool holds "
                           f"every layer's K/V")
     (_, heads, dqk), (_, _, dv) = shapes[0]
-    row_dtypes = {values[f].dtype for f in frontier if values[f].is_floating_point()}
+    row_dtypes = {f.dtype for f in example_rows if f.is_floating_point()}
     row_dtype = row_dtypes.pop() if len(row_dtypes) == 1 else torch.float32
-    width = row_width([values[f][0] for f in frontier], row_dtype)
+    width = row_width([f[0] for f in example_rows], row_dtype)
     seq_offsets, num_targets = bound0["seq_offsets"], bound0.get("num_targets")
     contextual = int(bound0.get("contextual_seq_len", 0) or 0)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     (result,) = output.args
     if not isinstance(result, dict):
         raise ConfigError("--kv-cache: the dense half returns no named outputs")
-    early = _ancestors([*frontier, *_nodes_in((seq_offsets, num_targets))], through_metadata=False) - set(placeholders)
+    early = _ancestors([*frontier, *_nodes_in((seq_offsets, num_targets)), *lengths_of_selections],
+                       through_metadata=False) - set(placeholders)
     # Parameters first: an early node may read one's size (a table's rows capping an index) without the walk
     # above, which does not go through such reads, having counted the parameter as early.
     attrs = [n for n in gm.graph.nodes if n.op == "get_attr"]
@@ -683,7 +913,6 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
                *(n for n in gm.graph.nodes if n not in early and n.op != "get_attr")]
     # The last layer past its attention: what only the outputs read (nothing after it feeds an attention).
     tail = _computed_from(attentions[-1], region) if num_targets is not None else set()
-    size_of_rows = analysis.rows
     # With our kernels, an attention between a projection's column slices and the STU gate runs as one op.
     blocks = {n: block for n, bound in zip(attentions, analysis.args, strict=True)
               if (block := _gated_block(n, bound)) is not None}  # fmt: skip
@@ -695,6 +924,8 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         graph = torch.fx.Graph()
         env: dict[torch.fx.Node, Any] = {}   # original node -> its value in the delta graph (whole rows)
         rows: dict[torch.fx.Node, Any] = {}  # region / frontier node -> its new rows (the tail's: the targets')
+        leaf_rows: dict[tuple[torch.fx.Node, Space], Any] = {}  # a frontier node's rows a branch's new rows read
+        picks: dict[torch.fx.Node, Any] = {}  # a selection -> which of its new rows are from the left
         backs: dict[torch.fx.Node, torch.fx.Node] = {}
         picked: dict[torch.fx.Node, torch.fx.Node] = {}  # a node's new rows -> the targets' among them
         for p in placeholders:
@@ -718,7 +949,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         def whole(n: torch.fx.Node) -> Any:
             if n in region:  # a region value read outside the layers: its rows put back
                 if n not in backs:
-                    backs[n] = graph.call_function(rows_back, (rows[n], computed_at(n), env[frontier[0]], fill))
+                    backs[n] = graph.call_function(rows_back, (rows[n], computed_at(n), book["like"], fill))
                 return backs[n]
             return env[n]
 
@@ -736,7 +967,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
                 wanted = env[wanted]
             else:
                 return None
-            return graph.call_function(rows_at, (rows[source], computed_at(source), env[frontier[0]], wanted, fill))
+            return graph.call_function(rows_at, (rows[source], computed_at(source), book["like"], wanted, fill))
 
         def local(a: torch.fx.Node, tail_node: bool) -> Any:
             """``a``'s rows as a node of the layers reads them: a tail node reads the targets' rows."""
@@ -746,10 +977,24 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
                 picked[a] = graph.call_function(torch.index_select, (rows[a], 0, extra[TARGET_ROWS]))
             return picked[a]
 
+        def whole_rows(v: torch.fx.Node) -> tuple[Any, torch.fx.Node]:
+            """How many rows region node ``v`` has on the whole request, and a frontier value it is computed from:
+            read off the frontier values before it (a selection's: its branches' added up)."""
+            if v in frontier:
+                return graph.call_method("size", (env[v], 0)), env[v]
+            if v in selections:
+                (left, leaf), (right, _) = whole_rows(v.args[0]), whole_rows(v.args[2])
+                return graph.call_function(operator.add, (left, right)), leaf
+            rows = analysis.rows_in(space[v]) if v not in attentions else analysis.rows
+            return whole_rows(next(a for a in (
+                [analysis.args[attentions.index(v)]["q"]] if v in attentions else v.all_input_nodes)
+                if a in region or analysis.rowish(a, rows)))
+
         def layer_metadata(n: torch.fx.Node) -> Any:
             """A size, shape or device read of a layer value outside the layers: read off the whole request's
-            rows (the frontier's: as many), the other sizes as recorded; it can then come before the layers run."""
-            rows = graph.call_method("size", (env[frontier[0]], 0))
+            rows (the frontier values': as many), the other sizes as recorded; it can then come before the layers
+            run."""
+            rows, leaf = whole_rows(n.all_input_nodes[0])
             value = values[n]
             if n.target == "size" and isinstance(value, int):
                 dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0)
@@ -757,18 +1002,36 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
             if isinstance(value, torch.Size):
                 return graph.call_function(_rows_shape, (rows, tuple(value)))
             if n.target == "device" or (isinstance(n.args[-1], str) and n.args[-1] == "device"):
-                return graph.call_function(getattr, (env[frontier[0]], "device"))
+                return graph.call_function(getattr, (leaf, "device"))
             return value  # dim(), ndim, dtype: the same on every request
 
         def bookkeeping() -> None:
+            compared = graph.call_function(frontier_rows, (
+                plan(None, lambda f, where: (env[f], f not in never_empty), env.__getitem__),))
+            book["like"] = graph.call_function(operator.getitem, (compared, 0))  # as many rows as the request
             out = graph.call_function(delta_rows, (
                 env[seq_offsets], env[num_targets] if num_targets is not None else None, extra["kv_cached"],
-                [env[f] for f in frontier], extra["kv_x_pages"], extra["kv_page_table"], extra[NEW_ROWS],
-                contextual > 0))
+                compared, extra["kv_x_pages"], extra["kv_page_table"], extra[NEW_ROWS], contextual > 0))
             for i, name in enumerate(("new_rows", "q_offsets", "seq_lens", "num_targets", "stale")):
                 book[name] = graph.call_function(operator.getitem, (out, i))
+            positions: dict[Space, torch.fx.Node] = {None: book["new_rows"]}
+            for s in reversed(selections):  # a selection before those in its branches
+                got = graph.call_function(concat_sources, (env[s.args[1]], env[s.args[3]], positions[space[s]]))
+                positions[(s, 0)], positions[(s, 1)], picks[s] = (
+                    graph.call_function(operator.getitem, (got, i)) for i in range(3))
             for f in frontier:
-                rows[f] = graph.call_function(torch.index_select, (env[f], 0, book["new_rows"]))
+                for where in leaf_spaces[f]:
+                    if where is None:
+                        rows[f] = graph.call_function(torch.index_select, (env[f], 0, book["new_rows"]))
+                    else:
+                        leaf_rows[(f, where)] = graph.call_function(take_rows, (env[f], positions[where],
+                                                                                f not in never_empty))
+
+        def row_input(a: torch.fx.Node, where: Space, on: bool) -> Any:
+            """``a``'s new rows as a region node computed on ``where``'s rows reads them (None: not rows)."""
+            if a in region or (where is None and a in rows):
+                return local(a, on)
+            return leaf_rows.get((a, where)) if where is not None else None
 
         gated = blocks if target == "triton" else {}
         at_gate = {block.gate: n for n, block in gated.items()}
@@ -799,13 +1062,19 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
                     b.get("max_attn_len", 0), b["max_seq_len"]))
                 if last and n in tail:  # every new row's query ran; the targets' are read on
                     rows[n] = graph.call_function(torch.index_select, (rows[n], 0, extra[TARGET_ROWS]))
+            elif n in selections:
+                rows[n] = graph.call_function(pick_rows, (picks[n], row_input(n.args[0], (n, 0), False),
+                                                          row_input(n.args[2], (n, 1), False)))
             elif n in region:
-                on = bool(last) and n in tail
-                first_row = local(next(a for a in n.all_input_nodes if a in rows), on)
+                on, where = bool(last) and n in tail, space[n]
+                size_of_rows = analysis.rows_in(where)
+                first_row = next(r for a in n.all_input_nodes if (r := row_input(a, where, on)) is not None)
 
-                def arg(a: torch.fx.Node, on: bool = on, first_row: torch.fx.Node = first_row) -> Any:
-                    if a in rows:
-                        return local(a, on)
+                def arg(a: torch.fx.Node, on: bool = on, where: Space = where, first_row: torch.fx.Node = first_row,
+                        size_of_rows: int = size_of_rows) -> Any:
+                    got = row_input(a, where, on)
+                    if got is not None:
+                        return got
                     value = values.get(a)
                     if isinstance(value, int) and not isinstance(value, bool) and value == size_of_rows:
                         return graph.call_method("size", (first_row, 0))  # the row count: the rows computed

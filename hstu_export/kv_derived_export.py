@@ -52,7 +52,12 @@ def derive_for_export(result: Any, inputs: Any, op_target: str) -> DerivedDelta:
     names = [n.target for n in dense.graph.nodes if n.op == "placeholder"]
     if names != inputs.dense_input_names:
         raise ExportError(f"--kv-cache: the dense half traced again takes {names}, not {inputs.dense_input_names}")
-    derived = derive_delta(dense, dict(inputs.example_dense_inputs), op_target=op_target)
+    never_empty = [name for name, dims in inputs.dense_dynamic_dims.items()
+                   if inputs.example_dense_inputs[name].dim() > 0 and (
+                       dims[0].min * dims[0].scale + dims[0].offset >= 1 if 0 in dims
+                       else inputs.example_dense_inputs[name].shape[0] >= 1)]  # fmt: skip
+    derived = derive_delta(dense, dict(inputs.example_dense_inputs), op_target=op_target,
+                           never_empty_inputs=never_empty)
     derived.program = MapOps().run(derived.program, PassContext(example_inputs={}, op_target=op_target))
     derived.program.recompile()
     return derived

@@ -27,6 +27,7 @@ from hstu_export.kv_derive import (
     _Analysis,
     _computed_from,
     _without_dtype_reads,
+    concat_sources,
     counts_on_host,
     delta_rows,
     derive_delta,
@@ -39,10 +40,11 @@ from hstu_export.kv_derive import (
     rows_at,
     rows_back,
     sequence_counts,
+    take_rows,
     target_rows_of,
 )
 from hstu_export.ops.mappings import function_mappings, imported_functions
-from hstu_export.ops.reference import split_2D_jagged_reference
+from hstu_export.ops.reference import concat_2D_jagged_reference, split_2D_jagged_reference
 from hstu_export.passes.context import PassContext
 from hstu_export.passes.manager import run_passes
 from hstu_export.runtimes.shape_graphs import ShapeGraphs
@@ -375,6 +377,23 @@ def test_counts_from_lengths_read_as_rows_of_their_concatenation_are_sums() -> N
     inputs = {"history": torch.tensor([5, 0, 9]), "candidates": torch.tensor([2, 4, 1]), "other": torch.tensor([7, 7, 7])}
     for got, want in zip(counts_on_host(sums, inputs), counts(**inputs), strict=True):
         assert torch.equal(got, want)
+
+
+def test_the_sources_of_a_jagged_concatenations_rows_give_its_rows() -> None:
+    """concat_sources: each row of concat_2D_jagged is the left row or the right row it names (users with an empty
+    side included), for every row and for some rows in any order; take_rows reads a side that may be empty through
+    a zero row, and clamps a row past a side's own to its last one."""
+    left_offsets, right_offsets = torch.tensor([0, 3, 3, 7, 8]), torch.tensor([0, 2, 3, 5, 5])
+    left, right = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.randn(5, 4)
+    want = concat_2D_jagged_reference(left, left_offsets, right, right_offsets)
+    for positions in (torch.arange(13), torch.tensor([12, 0, 5, 5, 9, 3])):
+        from_left_rows, from_right_rows, from_left = concat_sources(left_offsets, right_offsets, positions)
+        got = torch.where(from_left.unsqueeze(1), take_rows(left, from_left_rows, False),
+                          take_rows(right, from_right_rows, False))
+        assert got.equal(want[positions]), positions
+    empty = torch.zeros(0, 4)
+    assert take_rows(empty, torch.tensor([0, 3]), True).equal(torch.zeros(2, 4))
+    assert take_rows(left, torch.tensor([0, 30]), False).equal(left[[0, 7]])
 
 
 def test_rows_gathered_from_the_rows_computed_equal_a_gather_of_the_rows_put_back() -> None:
@@ -1016,10 +1035,20 @@ def test_the_zoo_model_in_bf16_derives_through_its_casts(tmp_path: Path) -> None
     casts = [n for n in derived.program.graph.nodes if n.op == "call_function" and n.target.__name__ == "to_dtype_of"]
     assert casts, "a bf16 dense half has casts before its layers"
     # The position and time-bucket lookups run in the layers: the frontier holds their indices (8 bytes each, as
-    # 4 bf16 lanes) beside the token rows, not the looked-up rows.
+    # 4 bf16 lanes), not the looked-up rows. The projections before the jagged concatenations run there too: the
+    # frontier holds the embeddings they project, cast to bf16 (history item and action side by side, the
+    # candidates' and the contextual rows in the item's columns), and which side of each concatenation a row is from.
     lookups = [n for n in derived.program.graph.nodes if n.op == "call_function" and n.target is F.embedding]
     assert len(lookups) == 2 and all(n.args[0].target is torch.index_select for n in lookups), lookups
-    assert derived.row_width == model.config.embedding_dim + 2 * 4, (derived.frontier, derived.row_width)
+    assert not any(name.startswith("concat") for name in derived.frontier), derived.frontier
+    assert derived.row_width == 2 * model.config.embedding_dim + 4 * 4, (derived.frontier, derived.row_width)
+    # The embeddings' rows are dense inputs the ranges never leave empty: read without a copy; the contextual rows,
+    # computed in the graph, through a zero row.
+    reads = {n.args[0].name: n.args[2] for n in derived.program.graph.nodes if n.target is take_rows}
+    assert reads == {"to": False, "to_1": False, "to_2": False, "flatten": True}, reads
+    projected: list[int] = []  # the rows each call's history projection computes
+    derived.program.get_submodule("transducer.preprocessor.history_proj").register_forward_hook(
+        lambda m, args, out: projected.append(out.shape[0]))
 
     def dense_inputs(request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         graph = captured.schema.to_graph_inputs(request)
@@ -1039,6 +1068,9 @@ def test_the_zoo_model_in_bf16_derives_through_its_casts(tmp_path: Path) -> None
             assert got[name].dtype == torch.bfloat16
             torch.testing.assert_close(got[name].float(), want[name].float(), rtol=2e-2, atol=2e-2)
     assert ranker.cache.stats()["hits"] == 2, ranker.cache.stats()
+    # Per request the program's call, then the dense half's (the module is shared): the hit projects the new
+    # candidates' rows alone, where the dense half projects every history row.
+    assert projected == [30, 21, 2 + 4, 21], projected
 
 
 def test_the_delta_program_choice_is_checked(tmp_path: Path) -> None:
