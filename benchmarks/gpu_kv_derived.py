@@ -348,7 +348,8 @@ def main() -> int:
         save()
     if args.export_only:
         if building is not None:  # built into --work too, for the run that times
-            result["cpp_build"] = building.communicate()[0][-2000:] if building.wait() else "built"
+            log = building.communicate()[0]  # read to the end before the exit code: a full pipe would block wait()
+            result["cpp_build"] = log[-2000:] if building.returncode else "built"
             save()
         return 0
     w = workload(args.small)
