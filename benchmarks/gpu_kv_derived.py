@@ -164,9 +164,12 @@ def hit(package: Any, first: dict, second: dict) -> tuple[Any, list[int], dict, 
     (ranker, user ids, the hit's answers, its dense inputs, the delta program's inputs for that hit)."""
     ranker = package.kv_cache()
     runner = ranker.runner
-    dense = runner.dense_inputs(second)
+    given = runner.dense_inputs(second)  # with the request ids the program compares, where it takes them
     if runner.whole_request:  # that is the request: the dense half's inputs looked up here, to time it alone
-        dense = package.split.dense_inputs({name[len(runner.REQUEST_INPUT):]: value for name, value in dense.items()})
+        request = {name[len(runner.REQUEST_INPUT):]: value for name, value in given.items()}
+        given = {**request, **package.split.dense_inputs(request)}
+    names = [t["name"] for t in package.manifest["artifacts"]["dense"]["inputs"]]
+    dense = {name: given[name] for name in names}
     lengths, targets = runner.counts(dense, second)
     ids = list(range(lengths.shape[0]))
     ranker(first, ids)
@@ -176,7 +179,7 @@ def hit(package: Any, first: dict, second: dict) -> tuple[Any, list[int], dict, 
     table = torch.tensor([ranker.cache.entry(u).pages + [ranker.cache.scratch_page] * (width - len(ranker.cache.entry(u).pages))
                           for u in ids], dtype=torch.int32, device=package.device)
     c = ranker.cache
-    inputs = runner.program_inputs(dense, torch.tensor(stored, dtype=torch.int64, device=package.device), c.k, c.v, c.x,
+    inputs = runner.program_inputs(given, torch.tensor(stored, dtype=torch.int64, device=package.device), c.k, c.v, c.x,
                                    table, {name: rows.to(package.device) for name, rows in
                                            delta_row_inputs(seq_lengths, stored, stored).items()})
     return ranker, ids, got, dense, inputs
@@ -190,7 +193,10 @@ def time_derived(package: Any, users: int, w: dict[str, Any], iters: int, reques
     ranker, ids, got, dense, inputs = hit(package, first, second)
     row: dict[str, Any] = {"stats": ranker.cache.stats(), "rel_l2_cached_vs_package": rel_l2(got, package(second))}
     runner = ranker.runner
-    row["device_reads"] = package.manifest["kv_cache"].get("device_reads")
+    section = package.manifest["kv_cache"]
+    row["device_reads"] = section.get("device_reads")
+    row["row_width"], row["row_dtype"] = section["layout"]["row_width"], section["layout"]["row_dtype"]
+    row["compared_ids"] = section.get("compared_ids")
     row["no_cache_ms"] = bench(lambda: package.split.dense(**dense), iters)
     row["cached_ms"] = bench(lambda: runner.run_program(inputs, graphed=False), iters)
     if runner.graphs is not None:  # replayed from a CUDA graph, as served

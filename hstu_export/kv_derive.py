@@ -48,7 +48,7 @@ from __future__ import annotations
 import inspect
 import operator
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -114,6 +114,11 @@ class DerivedDelta:
     gated_fused: int = 0  # layers whose attention and STU gate run as one op (the triton target's gated op)
     targets_only: bool = False  # the last layer past its projection runs on the targets' rows (kv_target_rows)
     host_counts: dict[str, dict[str, Any]] | None = None  # the counts as sums of their inputs (:func:`host_counts`)
+    # Request inputs the program takes after the dense ones: the ids compared instead of the rows looked up from
+    # them (``row_keys`` of :func:`derive_delta`).
+    key_inputs: list[str] = field(default_factory=list)
+    # frontier node -> what is compared for it: its ids, a block of ids ({"ids", "rows_each"}), nothing ([])
+    compared_ids: dict[str, list[Any]] = field(default_factory=dict)
 
     def layout(self) -> dict[str, Any]:
         return {"num_layers": self.num_layers, "num_heads": self.num_heads, "attention_dim": self.attention_dim,
@@ -399,6 +404,119 @@ class _Analysis:
         return self.row_local(n, rows) and any(self.never_empty(a, inputs) for a in n.all_input_nodes
                                                if self.rowish(a, rows))
 
+    def looked_up_from(self, n: torch.fx.Node, keys: dict[str, Sequence[str]]) -> tuple[str, ...] | None:
+        """The request inputs whose rows ``n``'s rows are a function of, row by row: ``n`` a dense input the sparse
+        half looked up from them (``keys``: dense input -> those inputs), or row-local work on such inputs and on
+        values the same for every request (parameters, constants); None for anything else."""
+        if n.op == "placeholder":
+            return tuple(keys[n.target]) if n.target in keys else None
+        v = self.values.get(n)
+        first = v[0] if isinstance(v, (tuple, list)) and v else v
+        if not isinstance(first, Tensor) or first.dim() == 0 or not self.row_local(n, int(first.shape[0])):
+            return None
+        rows, found = int(first.shape[0]), []
+        for a in n.all_input_nodes:
+            if self.rowish(a, rows):
+                got = self.looked_up_from(a, keys)
+                if got is None:
+                    return None
+                found += got
+            elif not self._static(a):
+                return None
+        return tuple(dict.fromkeys(found)) or None
+
+    def blocks_of(self, n: torch.fx.Node, keys: dict[str, Sequence[str]], example: dict[str, Tensor],
+                  ) -> tuple[tuple[str, ...], int] | None:  # fmt: skip
+        """Where ``n`` (a frontier value) is computed from dense inputs the sparse half looked up (``keys``) and
+        values the same for every request alone, ``k`` rows of it from each of their rows (row ``r`` from their row
+        ``r // k``, the same function of it for every ``r // k``: a user's contextual tokens from its per-user
+        embeddings): the ids of those inputs and ``k`` (:func:`block_keys`); None otherwise. The graph is read for
+        the inputs; which rows make which is checked on the example: each input row changed alone changes its
+        ``k`` rows alone, and the input rows reordered reorder the rows' blocks alike."""
+        v = self.values.get(n)
+        read = self._read_from(n)
+        sources = [p for p in self.gm.graph.nodes if p.op == "placeholder" and p in read]
+        if (not isinstance(v, Tensor) or not v.is_floating_point() or v.dim() == 0 or not sources
+                or any(p.target not in keys for p in sources)):
+            return None
+        counts = {int(self.values[p].shape[0]) for p in sources if isinstance(self.values.get(p), Tensor)
+                  and self.values[p].dim() > 0}  # fmt: skip
+        floats = [p for p in sources if self.values[p].is_floating_point()]
+        if len(counts) != 1 or not floats:
+            return None
+        (m,) = counts
+        if m < 2 or v.shape[0] % m or not 1 <= v.shape[0] // m <= _MAX_BLOCK:
+            return None
+        k = int(v.shape[0]) // m
+        graph = torch.fx.Graph()
+        copies: dict[torch.fx.Node, torch.fx.Node] = {}
+        graph.graph_copy(self.gm.graph, copies)
+        graph.output(copies[n])
+        alone = torch.fx.GraphModule(self.gm, graph)
+        alone.graph.eliminate_dead_code()
+        alone.recompile()
+        names = [str(p.target) for p in graph.nodes if p.op == "placeholder"]
+        generator = torch.Generator().manual_seed(0)
+
+        def run(changed: dict[str, Tensor]) -> Tensor:
+            with torch.no_grad():
+                return alone(*[changed.get(name, example[name]) for name in names]).float().reshape(v.shape[0], -1)
+
+        base = run({})
+        for j in range(m):
+            changed = {}
+            for p in floats:
+                x = self.values[p].clone()
+                noise = torch.randn(x[j].shape, generator=generator).to(device=x.device, dtype=x.dtype)
+                x[j] = x[j] + noise * (1 + float(x.abs().max()))
+                changed[str(p.target)] = x
+            moved = (run(changed) != base).any(dim=1)
+            block = torch.zeros_like(moved)
+            block[j * k:(j + 1) * k] = True
+            if bool((moved & ~block).any()) or not bool(moved[block].all()):
+                return None
+        order = torch.roll(torch.arange(m, device=v.device), 1)
+        got = run({str(p.target): self.values[p].index_select(0, order.to(self.values[p].device)) for p in sources})
+        want = base.reshape(m, k, -1).index_select(0, order).reshape(v.shape[0], -1)
+        if not bool((got - want).abs().max() <= row_tolerance(v.dtype) * want.abs().max()):  # as rows are compared
+            return None
+        return tuple(dict.fromkeys(k_ for p in sources for k_ in keys[str(p.target)])), k
+
+    def _read_from(self, n: torch.fx.Node) -> set[torch.fx.Node]:
+        """``n`` and what it is computed from (not what a size, shape or dtype is read from), where an entry of
+        what a call returned that is one of its arguments as it is (the same tensor, on the example: a model's
+        dict of its features, built by a function of its own) is read from that argument alone."""
+        seen: set[torch.fx.Node] = set()
+        stack = [n]
+        while stack:
+            m = stack.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if _metadata(m):
+                continue
+            if m.op == "call_function" and m.target is operator.getitem and isinstance(m.args[0], torch.fx.Node):
+                value = self.values.get(m)
+                same = [a for a in m.args[0].all_input_nodes if value is not None and self.values.get(a) is value]
+                if isinstance(value, Tensor) and len(same) == 1 and m.args[0].op == "call_function":
+                    stack.append(same[0])
+                    continue
+            stack.extend(m.all_input_nodes)
+        return seen
+
+    def constant_rows(self, n: torch.fx.Node) -> bool:
+        """Whether every row of ``n`` is the same in every request: a tile, repeat or expand of one row of values
+        the same for every request (a model's one embedding for every candidate's unknown action)."""
+        v = self.values.get(n)
+        if not isinstance(v, Tensor) or v.dim() == 0 or not (
+                (n.op == "call_method" and n.target in ("tile", "repeat", "expand"))
+                or (n.op == "call_function" and n.target in (torch.tile, torch.Tensor.repeat, torch.Tensor.expand))):
+            return False
+        source = n.args[0]
+        one = self.values.get(source)
+        return (isinstance(source, torch.fx.Node) and isinstance(one, Tensor) and one.dim() == v.dim()
+                and one.shape[0] == 1 and self._static(source))
+
     def _reads_own_rows(self, n: torch.fx.Node, rows: int) -> bool:
         """A node in a branch of a selection reads only rows of that branch and values the same for every
         request of one shape (else it stays before the frontier, computed on every row)."""
@@ -641,6 +759,16 @@ def _rows_differ(cached: Tensor, parts: tuple[list[Tensor], Tensor | None]) -> T
 
 
 _UNROLLED_LANES = 16
+_MAX_BLOCK = 64  # rows made from one input row, at most, for :meth:`_Analysis.blocks_of` (a user's contextual tokens)
+
+
+def block_keys(ids: list[Tensor], k: int) -> Tensor:
+    """The compared rows of a frontier value each of whose input rows makes ``k`` rows of it, row ``r`` from input
+    row ``r // k`` alone (a user's contextual tokens, made from its per-user ids): per row, that input row's ids
+    (``ids``, the keys of each input, as int64 columns) and ``r % k``, its place among the ``k``."""
+    held = torch.cat([t.reshape(t.shape[0], -1).to(torch.int64) for t in ids], dim=1)
+    rows = torch.arange(held.shape[0] * k, device=held.device)
+    return torch.cat([held.index_select(0, rows // k), (rows % k).unsqueeze(1)], dim=1)
 
 
 def rows_back(new: Tensor, new_rows: Tensor, like: Tensor, fill: float) -> Tensor:
@@ -862,7 +990,8 @@ def delta_inputs(derived: DerivedDelta) -> tuple[str, ...]:
 
 def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_target: str = "aten",
                  fill: float = 0.0, targets_only: bool = True,
-                 never_empty_inputs: Collection[str] = ()) -> DerivedDelta:  # fmt: skip
+                 never_empty_inputs: Collection[str] = (),
+                 row_keys: dict[str, Sequence[str]] | None = None) -> DerivedDelta:  # fmt: skip
     """The delta program of a dense graph whose attentions are ``hstu_export::hstu_mha`` nodes (map_ops'
     generic op), read on ``example`` (the dense inputs by placeholder name). ``op_target`` picks the paged
     attention (``triton``: our kernel; else plain aten); ``fill`` is what the rows of cached tokens read
@@ -870,7 +999,11 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
     past its projection (every new row's K/V is stored), runs on the targets' rows alone where the outputs
     read no other row of it (:func:`_reads_targets_only`, on ``example``). ``never_empty_inputs``: the dense
     inputs whose first axis holds a row in every request the export allows (a side of a jagged concatenation
-    computed from one is read without a copy). Raises ConfigError naming why a model cannot be cached."""
+    computed from one is read without a copy). ``row_keys``: the dense inputs whose rows the sparse half looked
+    up, row by row, from request inputs (ids; their examples in ``example``), by those inputs' names: a frontier
+    row computed from such inputs alone is compared as those ids, a few bytes a row instead of the rows looked up
+    (the program takes them after the dense inputs, :attr:`DerivedDelta.key_inputs`); the tables are the
+    package's, the same on every call. Raises ConfigError naming why a model cannot be cached."""
     gm, values = _without_dtype_reads(gm, example)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     analysis = _Analysis(gm, values)
@@ -881,14 +1014,38 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
     selections = [n for n in gm.graph.nodes if n in region and n.op == "call_function" and str(n.target) == CONCAT]
     lengths_of_selections = _nodes_in([(s.args[1], s.args[3]) for s in selections])
     never_empty = {f for f in frontier if analysis.never_empty(f, set(never_empty_inputs))}
+    # What is compared for a frontier node, where not its rows: the ids they are looked up from (key input
+    # names), a block of ids (:func:`block_keys`), or nothing (rows the same in every request).
+    keyed: dict[torch.fx.Node, tuple[Any, ...]] = {}
+    for f in frontier if row_keys else ():
+        if (ids := analysis.looked_up_from(f, row_keys)) is not None:
+            keyed[f] = ids
+        elif (block := analysis.blocks_of(f, row_keys, example)) is not None:
+            keyed[f] = (block,)
+    for f in frontier:
+        if f not in keyed and analysis.constant_rows(f):
+            keyed[f] = ()
+    dense_names = {str(p.target) for p in placeholders}
+    key_inputs = [k for k in dict.fromkeys(name for got in keyed.values() for source in got
+                                           for name in ((source,) if isinstance(source, str) else source[0]))
+                  if k not in dense_names]
 
-    def plan(where: Space, leaf: Any, arg: Any) -> Plan:
-        """``where``'s :data:`Plan`, of ``leaf(frontier node, space)`` and ``arg(node)``."""
-        return ([leaf(f, where) for f in frontier if where in leaf_spaces[f]],
-                [(arg(s.args[1]), arg(s.args[3]), plan((s, 0), leaf, arg), plan((s, 1), leaf, arg))
+    def plan(where: Space, value: Any, arg: Any) -> Plan:
+        """``where``'s :data:`Plan`, of ``value(node, key input name or block)`` and ``arg(node)``: each frontier
+        node's rows, or the ids they are looked up from."""
+        return ([(value(k), f not in never_empty) for f in frontier if where in leaf_spaces[f]
+                 for k in keyed.get(f, (f,))],
+                [(arg(s.args[1]), arg(s.args[3]), plan((s, 0), value, arg), plan((s, 1), value, arg))
                  for s in selections if space[s] == where])
 
-    example_rows = frontier_rows(plan(None, lambda f, where: (values[f], f not in never_empty), values.__getitem__))
+    def example_value(source: Any) -> Tensor:
+        if isinstance(source, tuple):
+            return block_keys([example[name] for name in source[0]], source[1])
+        return example[source] if isinstance(source, str) else values[source]
+
+    example_rows = frontier_rows(plan(None, example_value, values.__getitem__))
+    if not example_rows:
+        raise ExportError("--kv-cache: the derivation left no frontier row to compare")
     bound0 = analysis.args[0]
     shapes = [(tuple(values[b["k"]].shape), tuple(values[b["v"]].shape)) for b in analysis.args]
     if len({s for s in shapes}) != 1:
@@ -931,6 +1088,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         for p in placeholders:
             env[p] = graph.placeholder(p.target)
             env[p].meta = dict(p.meta)
+        keys = {**{str(p.target): env[p] for p in placeholders}, **{k: graph.placeholder(k) for k in key_inputs}}
         names = (*DELTA_INPUTS, TARGET_ROWS) if on_targets else DELTA_INPUTS
         extra = {name: graph.placeholder(name) for name in names}
         book: dict[str, torch.fx.Node] = {}
@@ -1006,8 +1164,12 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
             return value  # dim(), ndim, dtype: the same on every request
 
         def bookkeeping() -> None:
-            compared = graph.call_function(frontier_rows, (
-                plan(None, lambda f, where: (env[f], f not in never_empty), env.__getitem__),))
+            def value(source: Any) -> Any:
+                if isinstance(source, tuple):
+                    return graph.call_function(block_keys, ([keys[name] for name in source[0]], source[1]))
+                return keys[source] if isinstance(source, str) else env[source]
+
+            compared = graph.call_function(frontier_rows, (plan(None, value, env.__getitem__),))
             book["like"] = graph.call_function(operator.getitem, (compared, 0))  # as many rows as the request
             out = graph.call_function(delta_rows, (
                 env[seq_offsets], env[num_targets] if num_targets is not None else None, extra["kv_cached"],
@@ -1115,7 +1277,9 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         num_layers=len(attentions), num_heads=heads, attention_dim=dqk, linear_dim=dv, row_width=width,
         row_dtype=row_dtype, max_seq_len=int(bound0["max_seq_len"]), frontier=[f.name for f in frontier],
         layer_nodes=len(region), gated_fused=len(blocks) if op_target == "triton" else 0,
-        targets_only=on_targets, host_counts=sums,
+        targets_only=on_targets, host_counts=sums, key_inputs=key_inputs,
+        compared_ids={f.name: [name if isinstance(name, str) else {"ids": list(name[0]), "rows_each": name[1]}
+                               for name in got] for f, got in keyed.items()},
         target_inputs=[str(n.target) for n in _ancestors(_nodes_in(num_targets)) if n.op == "placeholder"])  # fmt: skip
 
 

@@ -56,11 +56,31 @@ def derive_for_export(result: Any, inputs: Any, op_target: str) -> DerivedDelta:
                    if inputs.example_dense_inputs[name].dim() > 0 and (
                        dims[0].min * dims[0].scale + dims[0].offset >= 1 if 0 in dims
                        else inputs.example_dense_inputs[name].shape[0] >= 1)]  # fmt: skip
-    derived = derive_delta(dense, dict(inputs.example_dense_inputs), op_target=op_target,
-                           never_empty_inputs=never_empty)
+    keys = row_keys(inputs)
+    example = {**inputs.example_dense_inputs, **{k: inputs.example_features[k] for ids in keys.values() for k in ids}}
+    derived = derive_delta(dense, example, op_target=op_target, never_empty_inputs=never_empty, row_keys=keys)
     derived.program = MapOps().run(derived.program, PassContext(example_inputs={}, op_target=op_target))
     derived.program.recompile()
     return derived
+
+
+def row_keys(inputs: Any) -> dict[str, list[str]]:
+    """The dense inputs the sparse half looked up row by row from request ids (:mod:`hstu_export.lookup_keys`),
+    each with those ids: integer request inputs with as many rows as it, on the example and in the ranges (the
+    same dynamic dim)."""
+    from hstu_export.lookup_keys import looked_up_ids
+
+    boundary = [n for n in inputs.dense_input_names if n not in inputs.example_features]
+    found = looked_up_ids(inputs.sparse, boundary)
+    dense, features = inputs.example_dense_inputs, inputs.example_features
+
+    def same_rows(name: str, ids: str) -> bool:
+        value, key = dense[name], features.get(ids)
+        return (isinstance(key, Tensor) and key.dim() >= 1 and value.dim() >= 1 and key.shape[0] == value.shape[0]
+                and not key.is_floating_point() and key.dtype != torch.bool
+                and inputs.sparse_dynamic_dims.get(ids, {}).get(0) == inputs.dense_dynamic_dims.get(name, {}).get(0))
+
+    return {name: ids for name, ids in found.items() if all(same_rows(name, k) for k in ids)}
 
 
 def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out_dir: Path) -> dict[str, Any]:
@@ -71,8 +91,9 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
     from hstu_export.runtimes.unbacked_ranges import device_reads, unbacked_ranges_hold_at_one
 
     start = time.perf_counter()
-    program, example = derived.program, dict(inputs.example_dense_inputs)
-    names = list(inputs.dense_input_names)
+    program = derived.program
+    example = {**inputs.example_dense_inputs, **{k: inputs.example_features[k] for k in derived.key_inputs}}
+    names = [*inputs.dense_input_names, *derived.key_inputs]
     page_size, device = settings.kv_page_size, settings.torch_device
     width_bound = page_table_width_bound(derived.max_seq_len, page_size)
     batch = _batch_dim(derived.counts, inputs)
@@ -91,7 +112,8 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
            if name in delta_inputs(derived)},
     }
     pages_dim = DimSpec("kv_pages", 2, 2**31 - 1)
-    dims = {**inputs.dense_dynamic_dims, "kv_cached": {0: batch}, "kv_k_pages": {1: pages_dim},
+    dims = {**{k: inputs.sparse_dynamic_dims[k] for k in derived.key_inputs}, **inputs.dense_dynamic_dims,
+            "kv_cached": {0: batch}, "kv_k_pages": {1: pages_dim},
             "kv_v_pages": {1: pages_dim}, "kv_x_pages": {0: pages_dim},
             "kv_page_table": {0: batch, 1: DimSpec("kv_page_table_width", 1, width_bound)},
             "kv_new_rows": {0: DimSpec("kv_new_rows", 0, batch.max * derived.max_seq_len)},
@@ -141,6 +163,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
         "max_seq_len": derived.max_seq_len,
         "layout": derived.layout(),
         "frontier": derived.frontier,
+        **({"compared_ids": derived.compared_ids} if derived.compared_ids else {}),
         "target_inputs": derived.target_inputs,
         "layer_nodes": derived.layer_nodes,
         "fused": {"gated_attention": derived.gated_fused, "last_layer_on_targets": derived.targets_only},

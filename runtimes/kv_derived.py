@@ -3,14 +3,15 @@
 :class:`hstu_export.serving.kv_derived.DerivedCachedRanker`: ``predictor.kv_cache(budget_bytes=...)``.
 
 A request goes through the package's own sparse half as it does without the cache; the counts program
-gives each user's sequence length and target count; the delta program gets the dense half's inputs and
-the cache's pages, page table and cached counts, and returns the outputs and which users were stale. Where the
-counts are sums of request features (``kv_cache.counts_on_host``), they are added up on the host instead. On CUDA,
-a program that reads nothing back to the host replays calls of shapes it has seen before from CUDA graphs
-(:mod:`~hstu_export.runtimes.shape_graphs`). Where nothing before it reads the device either (the counts added
-up on the host, the compiled sparse half's prechecked model), a graph holds the whole request: the sparse half's
-lookups, then the delta program, keyed by the request's shapes; its copies are then the request's ids and
-lengths rather than the rows looked up."""
+gives each user's sequence length and target count; the delta program gets the dense half's inputs, the
+request's ids its frontier rows are compared as (``kv_derive.DerivedDelta.key_inputs``), and the cache's pages,
+page table and cached counts, and returns the outputs and which users were stale. Where the counts are sums of
+request features (``kv_cache.counts_on_host``), they are added up on the host instead. On CUDA, a program that
+reads nothing back to the host replays calls of shapes it has seen before from CUDA graphs
+(:mod:`~hstu_export.runtimes.shape_graphs`). Where nothing before it reads the device either (the counts added up
+on the host, the compiled sparse half's prechecked model), a graph holds the whole request: the sparse half's
+lookups, then the delta program, keyed by the request's shapes; its copies are then the request's ids and lengths
+rather than the rows looked up."""
 
 from __future__ import annotations
 
@@ -59,6 +60,15 @@ class PackageDerived:
             if not self._features.get(name):
                 raise PackageError(f"{predictor.root}: manifest field kv_cache.counts_on_host: names {name!r}, which "
                                    f"is not a counts input fed from the request")
+        # Request inputs the program takes beside the dense ones (the ids its frontier rows are compared as), each
+        # fed from the request as the sparse half is: an input of the sparse artifact that names a feature.
+        sparse = {t["name"]: t.get("feature") for t in predictor.manifest["artifacts"].get("sparse", {}).get("inputs", [])}
+        made = {"kv_cached", "kv_k_pages", "kv_v_pages", "kv_x_pages", "kv_page_table", "kv_new_rows", "kv_target_rows"}
+        self._request_inputs = [name for name in self._inputs if name not in self._features and name not in made]
+        for name in self._request_inputs:
+            if not sparse.get(name):
+                raise PackageError(f"{predictor.root}: manifest field kv_cache.inputs: takes {name!r}, which is neither "
+                                   f"a dense input, a cache input nor a sparse input fed from the request")
         self._outputs = list(section["outputs"])
         try:
             self._program = _load_pt2(resolve_inside(predictor.root, section["program"], "kv_cache.program"))
@@ -91,7 +101,7 @@ class PackageDerived:
         graph = {f.graph_name: to_device(features[f.name], self.device) for f in self._predictor.input_schema.features}
         if self.whole_request:
             return {self.REQUEST_INPUT + name: value for name, value in graph.items()}
-        return self._split.dense_inputs(graph)
+        return {**self._split.dense_inputs(graph), **{name: graph[name] for name in self._request_inputs}}
 
     def counts(self, dense: dict[str, Tensor], request: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         if self._host_counts is not None:
@@ -134,6 +144,6 @@ class PackageDerived:
         start = len(self.REQUEST_INPUT)
         request = {name[start:]: value for name, value in inputs.items() if name.startswith(self.REQUEST_INPUT)}
         if request:  # the sparse half first (inside the graph)
-            dense = self._split.dense_inputs(request)
+            dense = {**request, **self._split.dense_inputs(request)}
             inputs = {name: inputs[name] if name in inputs else dense[name] for name in self._inputs}
         return as_output_dict(self._program(**inputs), self._outputs)

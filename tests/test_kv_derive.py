@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -921,6 +922,27 @@ def test_verification_requests_check_new_candidates_only_where_targets_are_count
                            first["candidates_features.cand_item_id.values"])
 
 
+_UNKNOWN_INPUT = "takes 'no_such_ids', which is neither a dense input, a cache input nor a sparse input fed from the request"
+
+
+def test_a_derived_section_taking_an_input_no_one_feeds_is_refused_at_load(derived_package: Any, tmp_path: Path) -> None:
+    """A delta program input that is no dense input, cache input or request input: Python's kv_cache() is refused
+    in one line naming it (the C++ runtime's refusal is below)."""
+    import shutil
+
+    from manifests import rewrite_manifest
+
+    import hstu_export
+    from hstu_export.errors import PackageError
+
+    package = tmp_path / "pkg"
+    shutil.copytree(derived_package.path, package)
+    rewrite_manifest(package, lambda m: m["kv_cache"]["inputs"].insert(0, "no_such_ids"))
+    with pytest.raises(PackageError, match=re.escape(_UNKNOWN_INPUT)) as caught:
+        hstu_export.load(package).kv_cache()
+    assert "\n" not in str(caught.value)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("edit, message", [
     (lambda kv: kv.update(counts=kv.pop("counts_program")), "torch.export counts program of an older hstu-export"),
@@ -929,7 +951,8 @@ def test_verification_requests_check_new_candidates_only_where_targets_are_count
     (lambda kv: kv["layout"].update(row_dtype="int64"), "'kv_cache.layout.row_dtype' is 'int64'"),
     (lambda kv: kv["counts_on_host"]["seq_lengths"]["terms"].update(kv_cached=1),
      "'kv_cache.counts_on_host.seq_lengths.terms' names 'kv_cached', which is not a counts input fed from the request"),
-], ids=["old-counts", "no-x-pages", "no-stale", "row-dtype", "host-counts"])
+    (lambda kv: kv["inputs"].insert(0, "no_such_ids"), _UNKNOWN_INPUT),
+], ids=["old-counts", "no-x-pages", "no-stale", "row-dtype", "host-counts", "unknown-input"])
 def test_the_cpp_runtime_refuses_a_damaged_derived_section_in_one_line(derived_package: Any, cpp_runtime: Any,
                                                                        tmp_path: Path, edit: Any, message: str) -> None:  # fmt: skip
     """--kv-cache refused in one line naming the field; the package still serves requests without a cache."""
@@ -1011,59 +1034,92 @@ def test_a_gated_attention_is_written_as_the_attention_and_its_gate() -> None:
     torch.testing.assert_close(gm(uvqk, offsets), want, rtol=1e-5, atol=1e-6)
 
 
+class _Zoo:
+    """The zoo's tiny preset captured as an export does with ``--kv-cache --kv-program derived`` (the attention as
+    our op with its CPU kernel), before its delta program is derived."""
+
+    def __init__(self, tmp_path: Path, dtype: str) -> None:
+        import hstu_export
+        from hstu_export.exporter import _compile_inputs, capture
+        from hstu_export.models import build_preset
+
+        self.model = build_preset("tiny", seed=0)
+        self.schema = self.model.input_schema()
+        bundle = hstu_export.load_bundle(hstu_export.save_bundle(self.model, tmp_path / "zoo.pt",
+                                                                 hstu_export.generate_batch(self.schema, 2, seed=1)))
+        settings = hstu_export.ExportSettings(backend="aoti", kv_cache=True, kv_program="derived", dtype=dtype,
+                                              max_batch_size=4, skip_passes=("fuse_stu_gate",))
+        with torch.no_grad():
+            self.captured = capture(bundle, settings, "triton")
+            self.result = on_the_cpu(self.captured.result)
+            self.inputs = _compile_inputs(self.result, self.captured.schema.to_graph_inputs(self.captured.example),
+                                          self.captured.schema, self.captured.ranges, settings)
+
+    def derive(self) -> Any:
+        from hstu_export.kv_derived_export import derive_for_export
+
+        with torch.no_grad():
+            return derive_for_export(self.result, self.inputs, "aten")  # lowered to the target that runs here
+
+    def request_inputs(self, request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The request's features and the dense inputs (a program comparing ids takes both)."""
+        graph = self.captured.schema.to_graph_inputs(request)
+        sparse = self.result.sparse(**{t.name: graph[t.name] for t in self.result.boundary.sparse_inputs})
+        return {**graph, **{t.name: sparse[t.name] if t.source == "sparse" else graph[t.name]
+                            for t in self.result.boundary.dense_inputs}}
+
+    def full(self, request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        dense = self.request_inputs(request)
+        with torch.no_grad():
+            return self.result.dense(**{n: dense[n] for n in self.inputs.dense_input_names})
+
+    def requests(self) -> list[dict[str, torch.Tensor]]:
+        """Two users, then the same histories with new candidates."""
+        import hstu_export
+
+        lengths = {"uih_lengths": [12, 9]}
+        whole = hstu_export.generate_batch(self.schema, 2, seed=11, lengths={**lengths, "candidate_lengths": [3, 2]})
+        again = hstu_export.generate_batch(self.schema, 2, seed=12, lengths={**lengths, "candidate_lengths": [2, 4]})
+        return [whole, {**again, **{k: v for k, v in whole.items()
+                                    if k.startswith("uih_") or k in ("query_time", "user_id", "user_age")}}]
+
+
 def test_the_zoo_model_in_bf16_derives_through_its_casts(tmp_path: Path) -> None:
     """A bf16 export casts each layer's input to its weights' dtype (follow_parameter_dtypes' ``to_dtype_of``):
     the derivation reads those casts as row-local, and the derived program answers a first request and the same
     histories with new candidates (hits) as the dense half does, in bf16."""
-    import hstu_export
-    from hstu_export.exporter import _compile_inputs, capture
-    from hstu_export.kv_derived_export import derive_for_export
-    from hstu_export.models import build_preset
-
-    model = build_preset("tiny", seed=0)
-    schema = model.input_schema()
-    bundle = hstu_export.load_bundle(hstu_export.save_bundle(model, tmp_path / "zoo.pt",
-                                                             hstu_export.generate_batch(schema, 2, seed=1)))
-    settings = hstu_export.ExportSettings(backend="aoti", kv_cache=True, kv_program="derived", dtype="bf16",
-                                          max_batch_size=4, skip_passes=("fuse_stu_gate",))
-    with torch.no_grad():
-        captured = capture(bundle, settings, "triton")
-        result = on_the_cpu(captured.result)  # the attention as our op with its CPU kernel
-        inputs = _compile_inputs(result, captured.schema.to_graph_inputs(captured.example), captured.schema,
-                                 captured.ranges, settings)
-        derived = derive_for_export(result, inputs, "aten")  # lowered to the target that runs here
+    zoo = _Zoo(tmp_path, "bf16")
+    derived = zoo.derive()
     casts = [n for n in derived.program.graph.nodes if n.op == "call_function" and n.target.__name__ == "to_dtype_of"]
     assert casts, "a bf16 dense half has casts before its layers"
-    # The position and time-bucket lookups run in the layers: the frontier holds their indices (8 bytes each, as
-    # 4 bf16 lanes), not the looked-up rows. The projections before the jagged concatenations run there too: the
-    # frontier holds the embeddings they project, cast to bf16 (history item and action side by side, the
-    # candidates' and the contextual rows in the item's columns), and which side of each concatenation a row is from.
+    # The position and time-bucket lookups run in the layers: the frontier holds their indices, not the looked-up
+    # rows. The projections before the jagged concatenations run there too: the frontier holds the embeddings they
+    # project, cast to bf16, and which side of each concatenation a row is from.
     lookups = [n for n in derived.program.graph.nodes if n.op == "call_function" and n.target is F.embedding]
     assert len(lookups) == 2 and all(n.args[0].target is torch.index_select for n in lookups), lookups
     assert not any(name.startswith("concat") for name in derived.frontier), derived.frontier
-    assert derived.row_width == 2 * model.config.embedding_dim + 4 * 4, (derived.frontier, derived.row_width)
-    # The embeddings' rows are dense inputs the ranges never leave empty: read without a copy; the contextual rows,
-    # computed in the graph, through a zero row.
+    # The embeddings are compared as the ids the sparse half looked them up from; the contextual rows (each user's
+    # two, projected from its id and age embeddings) as the user's two ids and the row's place among its two.
+    assert derived.compared_ids == {"to": ["uih_item_ids"], "to_1": ["uih_action_ids"], "to_2": ["candidate_item_ids"],
+                                    "flatten": [{"ids": ["user_id", "user_age"], "rows_each": 2}]}, derived.compared_ids
+    assert derived.key_inputs == ["uih_item_ids", "uih_action_ids", "candidate_item_ids", "user_id", "user_age"]
+    # Nine int64 columns, two float32 lanes each: the item ids (history and candidates share them), the action ids,
+    # the contextual ids and place, the position and time bucket, and the two concatenations' sides. The
+    # embeddings' rows were 2 x 32 bf16 columns of these (a kilobyte at the dlrmv3 preset's 512).
+    assert (derived.row_width, derived.row_dtype) == (9 * 2, torch.float32), (derived.frontier, derived.row_width)
+    # The embeddings' rows are dense inputs the ranges never leave empty: the layers read them without a copy; the
+    # contextual rows, computed in the graph, through a zero row.
     reads = {n.args[0].name: n.args[2] for n in derived.program.graph.nodes if n.target is take_rows}
     assert reads == {"to": False, "to_1": False, "to_2": False, "flatten": True}, reads
     projected: list[int] = []  # the rows each call's history projection computes
     derived.program.get_submodule("transducer.preprocessor.history_proj").register_forward_hook(
         lambda m, args, out: projected.append(out.shape[0]))
 
-    def dense_inputs(request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        graph = captured.schema.to_graph_inputs(request)
-        sparse = result.sparse(**{t.name: graph[t.name] for t in result.boundary.sparse_inputs})
-        return {t.name: sparse[t.name] if t.source == "sparse" else graph[t.name] for t in result.boundary.dense_inputs}
-
-    ranker = DerivedCachedRanker(EagerDerived(dense_inputs, derived, dtype=torch.bfloat16), budget_bytes="4MiB",
-                                 page_size=16)
-    whole = hstu_export.generate_batch(schema, 2, seed=11, lengths={"uih_lengths": [12, 9], "candidate_lengths": [3, 2]})
-    again = hstu_export.generate_batch(schema, 2, seed=12, lengths={"uih_lengths": [12, 9], "candidate_lengths": [2, 4]})
-    again = {**again, **{k: v for k, v in whole.items() if k.startswith("uih_") or k in ("query_time", "user_id",
-                                                                                          "user_age")}}
-    for request in (whole, again):
+    ranker = DerivedCachedRanker(EagerDerived(zoo.request_inputs, derived, dtype=torch.bfloat16),
+                                 budget_bytes="4MiB", page_size=16)
+    for request in zoo.requests():
         with torch.no_grad():
-            got, want = ranker(request, [1, 2]), result.dense(**dense_inputs(request))
+            got, want = ranker(request, [1, 2]), zoo.full(request)
         for name in want:
             assert got[name].dtype == torch.bfloat16
             torch.testing.assert_close(got[name].float(), want[name].float(), rtol=2e-2, atol=2e-2)
@@ -1071,6 +1127,54 @@ def test_the_zoo_model_in_bf16_derives_through_its_casts(tmp_path: Path) -> None
     # Per request the program's call, then the dense half's (the module is shared): the hit projects the new
     # candidates' rows alone, where the dense half projects every history row.
     assert projected == [30, 21, 2 + 4, 21], projected
+
+
+def _with_neighbour(rows: torch.Tensor) -> torch.Tensor:
+    """Each user's two contextual rows plus the user's before it (a row reading another user's)."""
+    return rows + 0.5 * rows.roll(2, 0)
+
+
+def _with_place(rows: torch.Tensor) -> torch.Tensor:
+    """The contextual rows plus their place in the batch (a row reading its user's position)."""
+    return rows + 0.5 * torch.arange(rows.shape[0], dtype=rows.dtype).unsqueeze(1)
+
+
+@pytest.mark.parametrize("change, stats", [(None, (3, 3, 0)), (_with_neighbour, (3, 2, 1)), (_with_place, (3, 0, 3))],
+                         ids=["own_user", "neighbour", "place"])
+def test_contextual_rows_are_compared_as_their_users_ids_only_where_made_from_them_alone(
+        tmp_path: Path, change: Any, stats: tuple[int, int, int]) -> None:
+    """The zoo's contextual rows, each user's two projected from its id and age embeddings, are compared as the
+    user's ids and each row's place among its two. Made to read the user before them too, or their place in the
+    batch, they are compared as the rows they are: two users reordered are then hits (the same neighbours) or
+    stale (new places), a cached user beside a new one is stale where it read its neighbour, and every answer is
+    the model's."""
+    import hstu_export
+    from hstu_export.kv_derived_export import _users
+
+    zoo = _Zoo(tmp_path, "fp32")
+    graph = zoo.result.dense.graph
+    flatten = next(n for n in graph.nodes if n.name == "flatten")
+    if change is not None:
+        readers = list(flatten.users)
+        with graph.inserting_after(flatten):
+            changed = graph.call_function(change, (flatten,))
+        for reader in readers:
+            reader.replace_input_with(flatten, changed)
+        zoo.result.dense.recompile()
+    derived = zoo.derive()
+    blocks = {name: got for name, got in derived.compared_ids.items() if got and isinstance(got[0], dict)}
+    assert blocks == ({"flatten": [{"ids": ["user_id", "user_age"], "rows_each": 2}]} if change is None else {}), blocks
+    schema = zoo.captured.schema
+    first, other = zoo.requests()[0], hstu_export.generate_batch(schema, 1, seed=21)
+    reordered = {name: _users(schema, first, [1, 0], name) for name in first}
+    newcomer = {name: torch.cat([_users(schema, first, [0], name), other[name]]) for name in first}
+    ranker = DerivedCachedRanker(EagerDerived(zoo.request_inputs, derived), budget_bytes="4MiB", page_size=16)
+    for ids, request in (([1, 2], first), ([2, 1], reordered), ([1, 3], newcomer)):
+        got, want = ranker(request, ids), zoo.full(request)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
+    c = ranker.cache.stats()
+    assert (c["misses"], c["hits"], c["stale"]) == stats, c
 
 
 def test_the_delta_program_choice_is_checked(tmp_path: Path) -> None:

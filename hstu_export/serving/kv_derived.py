@@ -71,7 +71,9 @@ class EagerDerived:
               page_table: Tensor, rows: dict[str, Tensor]) -> dict[str, Tensor]:
         takes = {n.target for n in self._derived.program.graph.nodes if n.op == "placeholder"}
         with torch.no_grad():
-            return self._derived.program(**dense, kv_cached=cached, kv_k_pages=k_pages, kv_v_pages=v_pages,
+            # ``dense`` may hold the request too: the program takes the ids its frontier rows are compared as
+            return self._derived.program(**{name: value for name, value in dense.items() if name in takes},
+                                         kv_cached=cached, kv_k_pages=k_pages, kv_v_pages=v_pages,
                                          kv_x_pages=x_pages, kv_page_table=page_table,
                                          **{name: value for name, value in rows.items() if name in takes})
 

@@ -934,6 +934,8 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
       auto it = made.find(name);
       if (it != made.end()) {
         inputs[name] = it->second;
+      } else if (auto feature = d.request_inputs.find(name); feature != d.request_inputs.end()) {
+        inputs[name] = on_device.at(feature->second);
       } else if (!whole_request) {
         inputs[name] = dense.at(name);
       }

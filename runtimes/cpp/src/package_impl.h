@@ -112,7 +112,9 @@ struct DerivedKVSection {
   std::filesystem::path program;
   std::string counts_file;
   std::filesystem::path counts;
-  std::vector<std::string> inputs;         // the dense half's inputs, then the cache's (kv_*)
+  std::vector<std::string> inputs;         // the dense half's inputs, request ids, then the cache's (kv_*)
+  // Inputs fed from the request (the ids the frontier rows are compared as): input name -> feature name.
+  std::map<std::string, std::string> request_inputs;
   std::vector<std::string> counts_inputs;  // dense inputs -> (sequence length, target count) per user
   std::vector<std::string> outputs;        // the package's outputs, then kv_stale
   int64_t page_size = 0;

@@ -608,10 +608,24 @@ detail::DerivedKVSection read_derived_kv_section(const Fields& fields, const Val
   const std::set<std::string> made = {"kv_cached", "kv_k_pages", "kv_v_pages", "kv_x_pages", "kv_page_table"};
   // kv_new_rows: the rows past each cached prefix, given by the runtime (an older export's program counts them
   // itself); kv_target_rows: the targets' among them (a program whose last layer runs on the targets alone).
-  for (const auto& name : out.inputs) {
-    if (!is_dense(name) && !made.count(name) && name != "kv_new_rows" && name != "kv_target_rows") {
-      fields.fail(where + ".inputs", "takes " + in_quotes(name) + ", which is neither a dense input nor a cache input");
+  // An input of the sparse artifact that names its feature: fed from the request (the ids a frontier row is
+  // compared as).
+  auto request_feature = [&](const std::string& name) -> std::string {
+    auto sparse = impl.artifacts.find("sparse");
+    if (sparse == impl.artifacts.end()) return "";
+    for (const auto& spec : sparse->second.inputs) {
+      if (spec.name == name) return spec.feature;
     }
+    return "";
+  };
+  for (const auto& name : out.inputs) {
+    if (is_dense(name) || made.count(name) || name == "kv_new_rows" || name == "kv_target_rows") continue;
+    std::string feature = request_feature(name);
+    if (feature.empty()) {
+      fields.fail(where + ".inputs", "takes " + in_quotes(name) + ", which is neither a dense input, a cache input nor a "
+                  "sparse input fed from the request");
+    }
+    out.request_inputs[name] = feature;
   }
   for (const auto& name : made) {
     if (std::find(out.inputs.begin(), out.inputs.end(), name) == out.inputs.end()) {
