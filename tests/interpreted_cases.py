@@ -253,9 +253,11 @@ def test_a_derived_program_runs_each_attention_and_its_gate_as_one_op_and_answer
     assert programs["triton"].targets_only and programs["aten"].targets_only  # the last layer: the targets' rows
 
     def dense_inputs(request: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The dense inputs, and the request's features (the ids the programs compare their frontier rows as)."""
         graph = captured.schema.to_graph_inputs(request)
         sparse = result.sparse(**{t.name: graph[t.name] for t in result.boundary.sparse_inputs})
-        return {t.name: sparse[t.name] if t.source == "sparse" else graph[t.name] for t in result.boundary.dense_inputs}
+        return {**graph, **{t.name: sparse[t.name] if t.source == "sparse" else graph[t.name]
+                            for t in result.boundary.dense_inputs}}
 
     whole = hstu_export.generate_batch(schema, 2, seed=11, lengths={"uih_lengths": [12, 9], "candidate_lengths": [3, 2]})
     again = hstu_export.generate_batch(schema, 2, seed=12, lengths={"uih_lengths": [12, 9], "candidate_lengths": [2, 4]})
@@ -265,7 +267,8 @@ def test_a_derived_program_runs_each_attention_and_its_gate_as_one_op_and_answer
                for target, derived in programs.items()}
     for request in (whole, again):
         with torch.no_grad():
-            want = result.dense(**dense_inputs(request))
+            given = dense_inputs(request)
+            want = result.dense(**{name: given[name] for name in inputs.dense_input_names})
             got = {target: ranker(request, [1, 2]) for target, ranker in rankers.items()}
         for name in want:
             for target in got:
