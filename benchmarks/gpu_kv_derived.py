@@ -304,6 +304,9 @@ def time_zoo(package: Any, users: int, w: dict[str, Any], iters: int) -> dict[st
     row["ratio"] = row["no_cache_ms"] / row["cached_ms"]
     if "cached_served_ms" in row:
         row["ratio_served"] = row["no_cache_ms"] / row["cached_served_ms"]
+    if PROFILE:
+        row["profile_cached"] = kernels(lambda: runner.run_program(inputs, bucketed=False))
+        row["profile_no_cache"] = kernels(lambda: package.split.dense(**dense))
     return row
 
 
@@ -320,7 +323,7 @@ def main() -> int:
     parser.add_argument("--only", nargs="+", default=["zoo", "gr"], choices=["zoo", "gr", "zoo_derived"],
                         help="zoo_derived: the zoo's model with --kv-program derived, against its written program "
                              "(with zoo)")
-    parser.add_argument("--profile", action="store_true", help="also the GPU kernels of the GR package's calls")
+    parser.add_argument("--profile", action="store_true", help="also the GPU kernels of each package's calls")
     parser.add_argument("--cpp", action="store_true", help="also the whole request through the C++ runtime")
     parser.add_argument("--skip-passes", nargs="*", default=[], metavar="PASS",
                         help="export the GR package without these passes (an A/B of a pass: run once with, once without)")

@@ -432,7 +432,8 @@ class _Analysis:
         ``r // k``, the same function of it for every ``r // k``: a user's contextual tokens from its per-user
         embeddings): the ids of those inputs and ``k`` (:func:`block_keys`); None otherwise. The graph is read for
         the inputs; which rows make which is checked on the example: each input row changed alone changes its
-        ``k`` rows alone, and the input rows reordered reorder the rows' blocks alike."""
+        ``k`` rows alone, the input rows reordered reorder the rows' blocks alike, and a batch of one user fewer
+        leaves the other users' rows as they were (no read of the batch's size)."""
         v = self.values.get(n)
         read = self._read_from(n)
         sources = [p for p in self.gm.graph.nodes if p.op == "placeholder" and p in read]
@@ -460,7 +461,7 @@ class _Analysis:
 
         def run(changed: dict[str, Tensor]) -> Tensor:
             with torch.no_grad():
-                return alone(*[changed.get(name, example[name]) for name in names]).float().reshape(v.shape[0], -1)
+                return alone(*[changed.get(name, example[name]) for name in names]).float().reshape(-1, v[0].numel())
 
         base = run({})
         for j in range(m):
@@ -479,6 +480,17 @@ class _Analysis:
         got = run({str(p.target): self.values[p].index_select(0, order.to(self.values[p].device)) for p in sources})
         want = base.reshape(m, k, -1).index_select(0, order).reshape(v.shape[0], -1)
         if not bool((got - want).abs().max() <= row_tolerance(v.dtype) * want.abs().max()):  # as rows are compared
+            return None
+        # A batch of one user fewer (every input of that many rows cut, so that a size read anywhere sees it): the
+        # rows left must be the same, or they read the batch's size.
+        fewer = {name: example[name][: m - 1] for name in names
+                 if isinstance(example[name], Tensor) and example[name].dim() > 0 and example[name].shape[0] == m}
+        try:
+            got = run(fewer)
+        except Exception:  # an input cut that the graph needs whole: a batch whose size it cannot be told apart from
+            return None
+        want = base[: (m - 1) * k]
+        if got.shape != want.shape or not bool((got - want).abs().max() <= row_tolerance(v.dtype) * want.abs().max()):
             return None
         return tuple(dict.fromkeys(k_ for p in sources for k_ in keys[str(p.target)])), k
 

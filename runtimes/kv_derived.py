@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from hstu_export.errors import ConfigError, HstuExportError, PackageError
-from hstu_export.kv_derive import counts_on_host
+from hstu_export.kv_derive import DELTA_INPUTS, TARGET_ROWS, counts_on_host
 from hstu_export.runtimes.aoti import PRECHECKED_MODEL
 from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
 from hstu_export.runtimes.predictor import to_device
@@ -63,7 +63,7 @@ class PackageDerived:
         # Request inputs the program takes beside the dense ones (the ids its frontier rows are compared as), each
         # fed from the request as the sparse half is: an input of the sparse artifact that names a feature.
         sparse = {t["name"]: t.get("feature") for t in predictor.manifest["artifacts"].get("sparse", {}).get("inputs", [])}
-        made = {"kv_cached", "kv_k_pages", "kv_v_pages", "kv_x_pages", "kv_page_table", "kv_new_rows", "kv_target_rows"}
+        made = {*DELTA_INPUTS, TARGET_ROWS}
         self._request_inputs = [name for name in self._inputs if name not in self._features and name not in made]
         for name in self._request_inputs:
             if not sparse.get(name):

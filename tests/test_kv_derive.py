@@ -1139,15 +1139,22 @@ def _with_place(rows: torch.Tensor) -> torch.Tensor:
     return rows + 0.5 * torch.arange(rows.shape[0], dtype=rows.dtype).unsqueeze(1)
 
 
-@pytest.mark.parametrize("change, stats", [(None, (3, 3, 0)), (_with_neighbour, (3, 2, 1)), (_with_place, (3, 0, 3))],
-                         ids=["own_user", "neighbour", "place"])
+def _with_batch_size(rows: torch.Tensor) -> torch.Tensor:
+    """The contextual rows plus the batch's size (a row reading no other row, yet not its user's alone)."""
+    return rows + 0.25 * rows.shape[0]
+
+
+@pytest.mark.parametrize("change, stats", [(None, (3, 4, 0)), (_with_neighbour, (3, 2, 2)), (_with_place, (3, 1, 3)),
+                                           (_with_batch_size, (3, 3, 1))],
+                         ids=["own_user", "neighbour", "place", "batch_size"])
 def test_contextual_rows_are_compared_as_their_users_ids_only_where_made_from_them_alone(
         tmp_path: Path, change: Any, stats: tuple[int, int, int]) -> None:
     """The zoo's contextual rows, each user's two projected from its id and age embeddings, are compared as the
-    user's ids and each row's place among its two. Made to read the user before them too, or their place in the
-    batch, they are compared as the rows they are: two users reordered are then hits (the same neighbours) or
-    stale (new places), a cached user beside a new one is stale where it read its neighbour, and every answer is
-    the model's."""
+    user's ids and each row's place among its two. Made to read the user before them too, their place in the
+    batch or the batch's size, they are compared as the rows they are: two users reordered are then hits (the
+    same neighbours, the same size) or stale (new places), a cached user beside a new one is stale where it read
+    its neighbour, a user alone is stale where it read its neighbour or the size, and every answer is the
+    model's."""
     import hstu_export
     from hstu_export.kv_derived_export import _users
 
@@ -1169,7 +1176,8 @@ def test_contextual_rows_are_compared_as_their_users_ids_only_where_made_from_th
     reordered = {name: _users(schema, first, [1, 0], name) for name in first}
     newcomer = {name: torch.cat([_users(schema, first, [0], name), other[name]]) for name in first}
     ranker = DerivedCachedRanker(EagerDerived(zoo.request_inputs, derived), budget_bytes="4MiB", page_size=16)
-    for ids, request in (([1, 2], first), ([2, 1], reordered), ([1, 3], newcomer)):
+    alone = {name: _users(schema, first, [0], name) for name in first}
+    for ids, request in (([1, 2], first), ([2, 1], reordered), ([1, 3], newcomer), ([1], alone)):
         got, want = ranker(request, ids), zoo.full(request)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
