@@ -74,7 +74,7 @@ def workload(small: bool) -> dict[str, Any]:
 
 def settings(device: str, w: dict[str, Any], **kwargs: Any) -> ExportSettings:
     return ExportSettings(backend="aoti", device=device, dtype="bfloat16" if device == "cuda" else "float32",
-                          max_batch_size=max(w["users"]), force=True, kv_cache=True,
+                          max_batch_size=max(w["users"]), force=True, kv_cache=True, prechecked_sparse="on",
                           verify=VerifySettings(enabled=False), **kwargs)
 
 
@@ -165,11 +165,11 @@ def hit(package: Any, first: dict, second: dict) -> tuple[Any, list[int], dict, 
     ranker = package.kv_cache()
     runner = ranker.runner
     given = runner.dense_inputs(second)  # with the request ids the program compares, where it takes them
-    if runner.whole_request:  # that is the request: the dense half's inputs looked up here, to time it alone
-        request = {name[len(runner.REQUEST_INPUT):]: value for name, value in given.items()}
-        given = {**request, **package.split.dense_inputs(request)}
-    names = [t["name"] for t in package.manifest["artifacts"]["dense"]["inputs"]]
-    dense = {name: given[name] for name in names}
+    features = package.check_request(second)
+    request = {f.graph_name: features[f.name].to(package.device) for f in package.input_schema.features}
+    dense = package.split.dense_inputs(request)  # the dense half's inputs, to time it alone
+    if runner.whole_request:  # the program's call takes the request and looks it up; timed here as it is
+        given = {**request, **dense}
     lengths, targets = runner.counts(dense, second)
     ids = list(range(lengths.shape[0]))
     ranker(first, ids)

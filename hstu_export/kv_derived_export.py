@@ -4,8 +4,9 @@ and its verification by scripted requests served through the package's cache (do
 
 from __future__ import annotations
 
+import operator
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ KV_COUNTS_FILE = "kv/counts.pt2"  # AOTInductor, as the delta program: C++ loads
 DERIVED = "derived"
 GROWN = "the histories grown by a token"
 NEW_CANDIDATES = "the same histories with new candidates"
+# A delta program with the sparse half inside takes the tables it reads as inputs named thus, then a number.
+TABLE_INPUT = "kv_table_"
 
 # Inductor options the derived program is compiled with on CUDA, under the user's --aoti-option. It is tuned on
 # its export example, run once (Inductor's two-pass AOT compile), not on the generated tensors of compile-time
@@ -83,9 +86,87 @@ def row_keys(inputs: Any) -> dict[str, list[str]]:
     return {name: ids for name, ids in found.items() if all(same_rows(name, k) for k in ids)}
 
 
-def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out_dir: Path) -> dict[str, Any]:
+def sparse_inside(program: torch.fx.GraphModule, sparse: torch.fx.GraphModule, boundary: list[str],
+                  tables: Collection[str]) -> tuple[torch.fx.GraphModule, dict[str, str]] | None:
+    """``program`` (a derived delta program) with the sparse half inside it: each of its inputs that the sparse
+    half computes (``boundary``, in the order ``sparse`` returns them where it returns a tuple) computed from the
+    request by ``sparse``'s nodes, and the tables ``sparse`` reads taken as inputs. Returns the program and its
+    table inputs (input name -> the table's name among the package's ``tables``). A lookup whose rows the program
+    reads at its new rows alone (a frontier value compared as its ids) then runs on those rows only, the gather
+    fused into it, and one it never reads is not run. None where ``sparse`` returns something else, calls a
+    module or reads a value that is not one of ``tables``."""
+    nodes = list(sparse.graph.nodes)
+    (result,) = next(n for n in nodes if n.op == "output").args
+    returned = dict(result) if isinstance(result, dict) else (
+        dict(zip(boundary, result, strict=True)) if isinstance(result, (tuple, list)) and len(result) == len(boundary)
+        else {})
+    read = list(dict.fromkeys(str(n.target) for n in nodes if n.op == "get_attr"))
+    if (any(name not in returned for name in boundary) or any(n.op == "call_module" for n in nodes)
+            or any(name not in tables for name in read)):
+        return None
+    graph = torch.fx.Graph()
+    own: dict[torch.fx.Node, torch.fx.Node] = {}
+    for p in program.graph.nodes:
+        if p.op == "placeholder" and p.target not in boundary:
+            own[p] = graph.placeholder(str(p.target))
+            own[p].meta = dict(p.meta)
+    taken = {str(n.target): n for n in own.values()}
+    added: list[torch.fx.Node] = []
+    copied: dict[torch.fx.Node, torch.fx.Node] = {}
+    for p in (n for n in nodes if n.op == "placeholder"):
+        if str(p.target) not in taken:
+            taken[str(p.target)] = graph.placeholder(str(p.target))
+            added.append(taken[str(p.target)])
+        copied[p] = taken[str(p.target)]
+    table_inputs = {f"{TABLE_INPUT}{i}": name for i, name in enumerate(read)}
+    by_table = {name: graph.placeholder(input_name) for input_name, name in table_inputs.items()}
+    added += by_table.values()
+    for n in (n for n in nodes if n.op == "get_attr"):
+        copied[n] = by_table[str(n.target)]
+    before = set(copied)
+    outputs = graph.graph_copy(sparse.graph, copied)
+    made = [copied[n] for n in nodes if n not in before and n.op != "output"]
+    env = {**own, **{p: outputs[p.target] for p in program.graph.nodes if p.op == "placeholder" and p.target in boundary}}
+    graph.output(graph.graph_copy(program.graph, env))
+    # The sparse half's work the program does not read, and the inputs only that work read: gone (the rest of the
+    # program is left to the compiler, which knows which of its calls write the cache's pages).
+    for n in reversed(made):
+        if not n.users:
+            graph.erase_node(n)
+    for p in added:
+        if not p.users:
+            graph.erase_node(p)
+    remaining = {str(p.target) for p in graph.nodes if p.op == "placeholder"}
+    return (torch.fx.GraphModule(program, graph),
+            {name: table for name, table in table_inputs.items() if name in remaining})
+
+
+def _with_sparse_inside(derived: DerivedDelta, inputs: Any, artifacts: Any,
+                        ) -> tuple[torch.fx.GraphModule, dict[str, str]] | None:  # fmt: skip
+    """:func:`sparse_inside` of ``derived``'s program, where the package's sparse half is a compiled program with
+    a prechecked model (the runtimes check each request's ranges on the host first, so that the program, which
+    clamps ids as that model does, reads nothing back from the device) and its tables stored outside it (handed to
+    the delta program as inputs too), and the counts read request inputs alone; else None."""
+    from hstu_export.runtimes.aoti import prechecked_sparse
+
+    meta = artifacts.meta.get("sparse_program") or {}
+    tables = [t["name"] for t in (artifacts.constants.get("sparse") or {}).get("tensors", [])]
+    boundary = [n for n in inputs.dense_input_names if n not in inputs.example_features]
+    counts = [str(n.target) for n in derived.counts.graph.nodes if n.op == "placeholder"]
+    if (artifacts.formats.get("sparse") != "aoti" or not meta.get("prechecked") or not tables
+            or any(name in boundary for name in counts)):
+        return None
+    prechecked = prechecked_sparse(inputs.sparse)
+    if prechecked is None:
+        return None
+    return sparse_inside(derived.program, prechecked[0], boundary, tables)
+
+
+def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out_dir: Path,
+                          artifacts: Any) -> dict[str, Any]:
     """Export and compile ``derived`` (:func:`derive_for_export`) into ``out_dir`` (the package being built);
-    returns the manifest's ``kv_cache`` section."""
+    returns the manifest's ``kv_cache`` section. ``artifacts``: the package's compiled halves (the backend's
+    BackendArtifacts), whose sparse half the program holds inside it where :func:`_with_sparse_inside` can."""
     from hstu_export.capture.opaque import export_builtins
     from hstu_export.runtimes.graph_io import export_ready, plain_first_line
     from hstu_export.runtimes.unbacked_ranges import device_reads, unbacked_ranges_hold_at_one
@@ -94,6 +175,14 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
     program = derived.program
     example = {**inputs.example_dense_inputs, **{k: inputs.example_features[k] for k in derived.key_inputs}}
     names = [*inputs.dense_input_names, *derived.key_inputs]
+    table_inputs: dict[str, str] = {}
+    inside = _with_sparse_inside(derived, inputs, artifacts)
+    if inside is not None:
+        program, table_inputs = inside
+        names = [str(p.target) for p in program.graph.nodes if p.op == "placeholder"
+                 and p.target not in delta_inputs(derived)]
+        example = {**inputs.example_features, **{name: operator.attrgetter(table)(inputs.sparse).detach()
+                                                  for name, table in table_inputs.items()}}
     page_size, device = settings.kv_page_size, settings.torch_device
     width_bound = page_table_width_bound(derived.max_seq_len, page_size)
     batch = _batch_dim(derived.counts, inputs)
@@ -112,13 +201,15 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
            if name in delta_inputs(derived)},
     }
     pages_dim = DimSpec("kv_pages", 2, 2**31 - 1)
-    dims = {**{k: inputs.sparse_dynamic_dims[k] for k in derived.key_inputs}, **inputs.dense_dynamic_dims,
+    dims = {**{k: inputs.sparse_dynamic_dims[k] for k in names if k in inputs.sparse_dynamic_dims},
+            **inputs.dense_dynamic_dims,
             "kv_cached": {0: batch}, "kv_k_pages": {1: pages_dim},
             "kv_v_pages": {1: pages_dim}, "kv_x_pages": {0: pages_dim},
             "kv_page_table": {0: batch, 1: DimSpec("kv_page_table_width", 1, width_bound)},
             "kv_new_rows": {0: DimSpec("kv_new_rows", 0, batch.max * derived.max_seq_len)},
             TARGET_ROWS: {0: DimSpec(TARGET_ROWS, 0, batch.max * derived.max_seq_len)}}
-    all_names = [*names, *delta_inputs(derived)]
+    all_names = [*names, *delta_inputs(derived)] if inside is None else [
+        str(p.target) for p in program.graph.nodes if p.op == "placeholder"]  # the program's own order
     # In the manifest's order: a caller without names (the C++ runtime) passes the inputs in that order.
     kwargs = {name: {**example, **kv_example}[name] for name in all_names}
     try:
@@ -164,6 +255,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
         "layout": derived.layout(),
         "frontier": derived.frontier,
         **({"compared_ids": derived.compared_ids} if derived.compared_ids else {}),
+        **({"sparse_inside": {"tables": table_inputs}} if inside is not None else {}),
         "target_inputs": derived.target_inputs,
         "layer_nodes": derived.layer_nodes,
         "fused": {"gated_attention": derived.gated_fused, "last_layer_on_targets": derived.targets_only},

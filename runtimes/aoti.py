@@ -387,19 +387,32 @@ def load_sparse_program(root: Path, fields: BackendFields, meta: Any, constants:
                            f"{f' (its model {model!r})' if model else ''}: {plain_first_line(exc)}") from exc
     if constants is not None:
         _hand_tables(program, root, constants, device or torch.device("cpu"), tables_device)
+    return SparseProgram(program, input_names, output_names, checks)
 
-    def run(features: Features) -> Features:
+
+class SparseProgram:
+    """A compiled sparse half as a Runner (features -> the boundary tensors by name), with the tables handed to
+    it (``tables``: by name, as the program reads them; a derived delta program with the sparse half inside it
+    reads the same tensors)."""
+
+    def __init__(self, program: _Serialised, input_names: list[str], output_names: list[str],
+                 checks: dict[str, list[str]]) -> None:
+        self._program, self._input_names, self._output_names, self._checks = program, input_names, output_names, checks
+
+    @property
+    def tables(self) -> dict[str, torch.Tensor]:
+        return dict(self._program._constants)
+
+    def __call__(self, features: Features) -> Features:
         try:
             with torch.no_grad():
-                outputs = program(**{n: features[n] for n in input_names})
+                outputs = self._program(**{n: features[n] for n in self._input_names})
         except RuntimeError as exc:
-            named = named_range_refusal(exc, checks)
+            named = named_range_refusal(exc, self._checks)
             if named is exc:
                 raise
             raise named from exc
-        return as_output_dict(tuple(outputs), output_names)
-
-    return run
+        return as_output_dict(tuple(outputs), self._output_names)
 
 
 def _hand_tables(program: _Serialised, root: Path, constants: dict[str, Any], device: torch.device,
@@ -505,6 +518,7 @@ class _Serialised:
     def __init__(self, fn: Any) -> None:
         self._fn = fn
         self._lock = threading.Lock()
+        self._constants: dict[str, torch.Tensor] = {}
         self._keywords = _keyword_call(fn)
 
     def constant_fqns(self) -> list[str]:

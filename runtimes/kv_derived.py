@@ -11,7 +11,9 @@ reads nothing back to the host replays calls of shapes it has seen before from C
 (:mod:`~hstu_export.runtimes.shape_graphs`). Where nothing before it reads the device either (the counts added up
 on the host, the compiled sparse half's prechecked model), a graph holds the whole request: the sparse half's
 lookups, then the delta program, keyed by the request's shapes; its copies are then the request's ids and lengths
-rather than the rows looked up."""
+rather than the rows looked up. A program that holds the sparse half (``kv_cache.sparse_inside``) takes the
+request's features and the sparse program's own tables instead of the sparse half's outputs: no sparse half runs
+before it."""
 
 from __future__ import annotations
 
@@ -63,12 +65,19 @@ class PackageDerived:
         # Request inputs the program takes beside the dense ones (the ids its frontier rows are compared as), each
         # fed from the request as the sparse half is: an input of the sparse artifact that names a feature.
         sparse = {t["name"]: t.get("feature") for t in predictor.manifest["artifacts"].get("sparse", {}).get("inputs", [])}
-        made = {*DELTA_INPUTS, TARGET_ROWS}
+        # A program with the sparse half inside takes the request and the sparse half's tables, not its outputs.
+        self._tables = self._tables_inside(predictor, section.get("sparse_inside"), split)
+        made = {*DELTA_INPUTS, TARGET_ROWS, *self._tables}
         self._request_inputs = [name for name in self._inputs if name not in self._features and name not in made]
         for name in self._request_inputs:
             if not sparse.get(name):
                 raise PackageError(f"{predictor.root}: manifest field kv_cache.inputs: takes {name!r}, which is neither "
                                    f"a dense input, a cache input nor a sparse input fed from the request")
+        boundary = set(predictor.manifest.get("sparse_output_names", []))
+        outputs = [name for name in self._inputs if name in boundary] if self._tables else []
+        if outputs:
+            raise PackageError(f"{predictor.root}: manifest field kv_cache.inputs: takes {outputs[0]!r}, an output of "
+                               f"the sparse half, which the program holds (kv_cache.sparse_inside)")
         self._outputs = list(section["outputs"])
         try:
             self._program = _load_pt2(resolve_inside(predictor.root, section["program"], "kv_cache.program"))
@@ -90,9 +99,33 @@ class PackageDerived:
             raise ConfigError(f"CUDA graphs need a CUDA package; {predictor.root} is for {self.device.type}")
         use = self.device.type == "cuda" and reads == 0 if cuda_graphs is None else cuda_graphs
         limit = MAX_COPY_BYTES if graph_copy_limit is None else copy_limit(graph_copy_limit)
-        self.graphs: ShapeGraphs | None = ShapeGraphs(self._call, self.STATIC_INPUTS, max_bytes=limit) if use else None
-        # The graphs hold the sparse half too: dense_inputs then gives the request, which _call looks up.
-        self.whole_request = bool(use and self._host_counts is not None and split.sparse_model == PRECHECKED_MODEL)
+        self.graphs: ShapeGraphs | None = ShapeGraphs(self._call, (*self.STATIC_INPUTS, *self._tables),
+                                                      max_bytes=limit) if use else None
+        # The graphs hold the sparse half too: dense_inputs then gives the request, which _call looks up. (A program
+        # with the sparse half inside is the whole request itself.)
+        self.whole_request = bool(use and self._host_counts is not None and split.sparse_model == PRECHECKED_MODEL
+                                  and not self._tables)
+
+    @staticmethod
+    def _tables_inside(predictor: Any, inside: Any, split: Any) -> dict[str, Tensor]:
+        """The tables a program with the sparse half inside takes (``kv_cache.sparse_inside``), by input name: the
+        very tensors handed to the package's sparse program, whose prechecked model must be the one that runs (the
+        program clamps ids to the ranges that model was prechecked for)."""
+        if inside is None:
+            return {}
+        names = inside.get("tables") if isinstance(inside, dict) else None
+        if not isinstance(names, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
+            raise PackageError(f"{predictor.root}: manifest field kv_cache.sparse_inside.tables: is not an object of "
+                               f"input names to table names")
+        if split.sparse_model != PRECHECKED_MODEL:
+            raise PackageError(f"{predictor.root}: its KV-cache delta program holds the sparse half's prechecked "
+                               f"model, which this package's ranges do not let run; re-export with --kv-cache")
+        held = getattr(split.sparse, "tables", {})
+        missing = [table for table in names.values() if table not in held]
+        if missing:
+            raise PackageError(f"{predictor.root}: manifest field kv_cache.sparse_inside.tables: names "
+                               f"{missing[0]!r}, which the sparse half's tables do not hold")
+        return {name: held[table] for name, table in names.items()}
 
     def dense_inputs(self, request: dict[str, Tensor]) -> dict[str, Tensor]:
         """The dense half's inputs, or with whole-request graphs the request on the device (``REQUEST_INPUT``
@@ -101,6 +134,8 @@ class PackageDerived:
         graph = {f.graph_name: to_device(features[f.name], self.device) for f in self._predictor.input_schema.features}
         if self.whole_request:
             return {self.REQUEST_INPUT + name: value for name, value in graph.items()}
+        if self._tables:  # the program looks up the request itself
+            return {name: graph[name] for name in (*self._inputs, *self._counts_inputs) if name in graph}
         return {**self._split.dense_inputs(graph), **{name: graph[name] for name in self._request_inputs}}
 
     def counts(self, dense: dict[str, Tensor], request: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -134,7 +169,7 @@ class PackageDerived:
         (:func:`~hstu_export.kv_derive.delta_row_inputs`); the program takes those it lists (an older export's
         takes no ``kv_target_rows``, or no ``kv_new_rows`` either: it counts its new rows itself)."""
         values = {**dense, "kv_cached": cached, "kv_k_pages": k_pages, "kv_v_pages": v_pages, "kv_x_pages": x_pages,
-                  "kv_page_table": page_table, **rows}
+                  "kv_page_table": page_table, **rows, **self._tables}
         request = {name: value for name, value in dense.items() if name.startswith(self.REQUEST_INPUT)}
         if request:  # dense_inputs gave the request (whole-request graphs): _call looks it up
             return {**{name: values[name] for name in self._inputs if name in values}, **request}

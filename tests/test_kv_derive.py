@@ -643,14 +643,16 @@ def test_a_model_whose_attention_scale_follows_the_batch_is_refused_before_compi
 
 @pytest.fixture(scope="module")
 def derived_package(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """gr_style with a fixed attention length exported with --kv-cache (aoti, CPU), verified through its
-    cache at export: the ExportResult."""
+    """gr_style with a fixed attention length exported with --kv-cache (aoti, CPU, the sparse half's prechecked
+    model, so that the delta program holds the sparse half), verified through its cache at export: the
+    ExportResult."""
     import hstu_export
 
     work = tmp_path_factory.mktemp("derived")
     bundle = _cacheable_bundle(work / "grc.pt")
     return hstu_export.export(bundle, work / "pkg", hstu_export.ExportSettings(
-        backend="aoti", kv_cache=True, max_batch_size=4, op_mappings={gr_style.ATTENTION: GR_ATTENTION}))
+        backend="aoti", kv_cache=True, max_batch_size=4, op_mappings={gr_style.ATTENTION: GR_ATTENTION},
+        prechecked_sparse="on"))  # as on CUDA: the delta program holds the sparse half
 
 
 def _script() -> list[tuple[list[int], list[User]]]:
@@ -884,10 +886,12 @@ def test_calls_past_the_graph_copy_limit_run_as_they_are(derived_package: Any, c
     predictor = hstu_export.load(derived_package.path)
     ranker = predictor.kv_cache()
     # The same bookkeeping in Python (kept without CUDA): every call's copies exceed the limit.
-    ranker.runner.graphs = ShapeGraphs(ranker.runner._call, ranker.runner.STATIC_INPUTS, capture=False, max_bytes=1024)
+    # (Its program holds the sparse half: the copies are the request's ids and the cache's row lists, a few bytes.)
+    ranker.runner.graphs = ShapeGraphs(ranker.runner._call, (*ranker.runner.STATIC_INPUTS, *ranker.runner._tables),
+                                       capture=False, max_bytes=8)
     script = _script() + [_script()[-1]] * 3
     done = _served_alike(derived_package.path, predictor, ranker, script, cpp_runtime, tmp_path, "--kv-graphs",
-                         "buckets", "--kv-graph-copy-limit", "1KiB")
+                         "buckets", "--kv-graph-copy-limit", "8")
     counts = ranker.runner.graphs.counts
     assert counts["replays"] == 0 and counts["eager"] >= len(script)
     assert f"exact shapes: 0 replays, 0 graphs captured, {counts['eager']} run as they are" in done.stdout, done.stdout
@@ -923,11 +927,23 @@ def test_verification_requests_check_new_candidates_only_where_targets_are_count
 
 
 _UNKNOWN_INPUT = "takes 'no_such_ids', which is neither a dense input, a cache input nor a sparse input fed from the request"
+_UNKNOWN_TABLE = "names 'no.such.weight', which the sparse half's tables do not hold"
+_SPARSE_OUTPUT = "takes 'embedding_collection__uih_item_id__values', an output of the sparse half, which the program holds (kv_cache.sparse_inside)"
+# Damaged kv_cache sections that both runtimes refuse with the same words.
+_REFUSED_BY_BOTH = [
+    (lambda kv: kv["inputs"].insert(0, "no_such_ids"), _UNKNOWN_INPUT),
+    (lambda kv: kv["sparse_inside"]["tables"].update(kv_table_0="no.such.weight"), _UNKNOWN_TABLE),
+    (lambda kv: kv["inputs"].insert(0, "embedding_collection__uih_item_id__values"), _SPARSE_OUTPUT),
+]
+_REFUSED_IDS = ["unknown-input", "unknown-table", "sparse-output"]
 
 
-def test_a_derived_section_taking_an_input_no_one_feeds_is_refused_at_load(derived_package: Any, tmp_path: Path) -> None:
-    """A delta program input that is no dense input, cache input or request input: Python's kv_cache() is refused
-    in one line naming it (the C++ runtime's refusal is below)."""
+@pytest.mark.parametrize("edit, message", _REFUSED_BY_BOTH, ids=_REFUSED_IDS)
+def test_a_damaged_derived_section_is_refused_at_load(derived_package: Any, tmp_path: Path, edit: Any,
+                                                      message: str) -> None:
+    """A delta program input that is no dense input, cache input or request input, a table the sparse half does
+    not hold, or an output of the sparse half the program holds: Python's kv_cache() is refused in one line naming
+    it (the C++ runtime's refusal is below)."""
     import shutil
 
     from manifests import rewrite_manifest
@@ -937,8 +953,8 @@ def test_a_derived_section_taking_an_input_no_one_feeds_is_refused_at_load(deriv
 
     package = tmp_path / "pkg"
     shutil.copytree(derived_package.path, package)
-    rewrite_manifest(package, lambda m: m["kv_cache"]["inputs"].insert(0, "no_such_ids"))
-    with pytest.raises(PackageError, match=re.escape(_UNKNOWN_INPUT)) as caught:
+    rewrite_manifest(package, lambda m: edit(m["kv_cache"]))
+    with pytest.raises(PackageError, match=re.escape(message)) as caught:
         hstu_export.load(package).kv_cache()
     assert "\n" not in str(caught.value)
 
@@ -951,8 +967,8 @@ def test_a_derived_section_taking_an_input_no_one_feeds_is_refused_at_load(deriv
     (lambda kv: kv["layout"].update(row_dtype="int64"), "'kv_cache.layout.row_dtype' is 'int64'"),
     (lambda kv: kv["counts_on_host"]["seq_lengths"]["terms"].update(kv_cached=1),
      "'kv_cache.counts_on_host.seq_lengths.terms' names 'kv_cached', which is not a counts input fed from the request"),
-    (lambda kv: kv["inputs"].insert(0, "no_such_ids"), _UNKNOWN_INPUT),
-], ids=["old-counts", "no-x-pages", "no-stale", "row-dtype", "host-counts", "unknown-input"])
+    *_REFUSED_BY_BOTH,
+], ids=["old-counts", "no-x-pages", "no-stale", "row-dtype", "host-counts", *_REFUSED_IDS])
 def test_the_cpp_runtime_refuses_a_damaged_derived_section_in_one_line(derived_package: Any, cpp_runtime: Any,
                                                                        tmp_path: Path, edit: Any, message: str) -> None:  # fmt: skip
     """--kv-cache refused in one line naming the field; the package still serves requests without a cache."""
@@ -1200,10 +1216,13 @@ def test_the_delta_program_choice_is_checked(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_zoo_model_serves_through_a_derived_delta_program(cpp_runtime: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("prechecked", ["auto", "on"], ids=["sparse_apart", "sparse_inside"])
+def test_the_zoo_model_serves_through_a_derived_delta_program(cpp_runtime: Any, tmp_path: Path, prechecked: str) -> None:
     """The zoo's tiny preset exported with --kv-program derived (its gated attention read as the attention and
     its gate; its contextual rows see the whole history): verified at export, a grown history is stale, and
-    every answer of its cache, in Python and C++, equals the package's without the cache."""
+    every answer of its cache, in Python and C++, equals the package's without the cache. With the sparse half's
+    prechecked model (on the CPU only when asked for), the program holds the sparse half: it takes the request's
+    ids and the sparse half's tables, none of its outputs."""
     import hstu_export
     from hstu_export.models import build_preset
     from hstu_export.package.tensor_dir import load_tensors, save_tensors
@@ -1212,8 +1231,17 @@ def test_the_zoo_model_serves_through_a_derived_delta_program(cpp_runtime: Any, 
     schema = model.input_schema()
     bundle = hstu_export.save_bundle(model, tmp_path / "zoo.pt", hstu_export.generate_batch(schema, 2, seed=1))
     result = hstu_export.export(bundle, tmp_path / "pkg", hstu_export.ExportSettings(
-        backend="aoti", kv_cache=True, kv_program="derived", max_batch_size=4))
+        backend="aoti", kv_cache=True, kv_program="derived", max_batch_size=4, prechecked_sparse=prechecked))
     assert result.manifest["kv_cache"]["kind"] == "derived"
+    inside = result.manifest["kv_cache"].get("sparse_inside")
+    boundary = set(result.manifest["sparse_output_names"])
+    taken = set(result.manifest["kv_cache"]["inputs"])
+    if prechecked == "on":
+        tables = {t["name"] for t in result.manifest["artifacts"]["sparse"]["constants"]["tensors"]}
+        assert inside is not None and set(inside["tables"].values()) == tables, inside
+        assert not taken & boundary and {"uih_item_ids", "user_id"} <= taken, taken
+    else:
+        assert inside is None and boundary <= taken, taken
     # Each user's sequence: its 2 contextual tokens, history and candidates (a range over the users times 2 in the
     # graph), added up on the host.
     assert result.manifest["kv_cache"]["counts_on_host"] == {

@@ -237,6 +237,8 @@ struct CachedRanker::Impl {
   // Whether shape_graphs holds the whole request (the compiled sparse half, then the delta program) rather than
   // the delta program alone: see open_derived.
   bool whole_request = false;
+  // A derived program holding the sparse half: the tables it takes, by input name (the sparse program's own).
+  std::map<std::string, at::Tensor> derived_tables;
 
   NamedTensors run(const Tensors& request, const std::vector<int64_t>& users, int64_t batch, detail::PhaseClock& clock);
   NamedTensors run_derived(const Tensors& request, const std::vector<int64_t>& users, int64_t batch,
@@ -400,10 +402,28 @@ std::unique_ptr<CachedRanker::Impl> open_derived(const Package::Impl& pkg, const
   };
   impl->program = load(d.program, d.program_file);
   impl->counts_program = load(d.counts, d.counts_file);
+  std::set<std::string> unchanging = {"kv_k_pages", "kv_v_pages", "kv_x_pages"};
+  if (d.sparse_inside) {  // the very tables handed to the sparse program
+    if (!pkg.sparse_program || pkg.sparse_model == "model") {
+      throw PackageError(pkg.root + ": its KV-cache delta program holds the sparse half's prechecked model, which this "
+                         "package's ranges do not let run; re-export with --kv-cache");
+    }
+    const auto& held = pkg.sparse_program->constants();
+    for (const auto& [name, table] : d.table_inputs) {
+      auto it = held.find(table);
+      if (it == held.end()) {
+        throw PackageError(pkg.root + ": its KV-cache delta program takes the table " + detail::in_quotes(table) +
+                           ", which its sparse program was not handed; re-export with --kv-cache");
+      }
+      impl->derived_tables[name] = it->second;
+      unchanging.insert(name);
+    }
+  }
   if (graphs != KVGraphs::kOff) {
     const detail::AotiProgram* program = impl->program.get();
     const std::vector<std::string>* names = &impl->derived->inputs;
-    impl->whole_request = d.host_counts.has_value() && pkg.sparse_program && pkg.sparse_model != "model";
+    impl->whole_request = d.host_counts.has_value() && pkg.sparse_program && pkg.sparse_model != "model" &&
+                          !d.sparse_inside;  // a program holding the sparse half is the whole request itself
     detail::RunProgram run = [program, names](const detail::ProgramInputs& inputs) {
       std::vector<at::Tensor> ordered;
       for (const auto& name : *names) ordered.push_back(inputs.at(name));
@@ -426,7 +446,7 @@ std::unique_ptr<CachedRanker::Impl> open_derived(const Package::Impl& pkg, const
       };
     }
     impl->shape_graphs = std::make_unique<detail::ShapeGraphs>(
-        std::move(run), std::set<std::string>{"kv_k_pages", "kv_v_pages", "kv_x_pages"},
+        std::move(run), unchanging,
         /*capture=*/graphs == KVGraphs::kOn, /*max_graphs=*/16,
         options.graph_copy_limit > 0 ? options.graph_copy_limit : detail::kMaxCopyBytes);
   }
@@ -828,8 +848,12 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
   Tensors on_device = pkg->plain(request);
   clock.end_part(&PhaseTimes::to_device_ms);
   std::map<std::string, at::Tensor> dense;  // the dense half's inputs by name (a whole-request graph: none)
-  clock.sparse_in_dense(whole_request);
-  if (!whole_request) {
+  clock.sparse_in_dense(whole_request || d.sparse_inside);
+  if (d.sparse_inside) {  // the program looks the request up itself: the dense inputs it takes are request features
+    for (const auto& spec : pkg->artifacts.at("dense").inputs) {
+      if (!spec.feature.empty()) dense[spec.name] = on_device.at(spec.feature);
+    }
+  } else if (!whole_request) {
     clock.begin_part();
     NamedTensors boundary = pkg->sparse_outputs(on_device);
     clock.end_part(&PhaseTimes::sparse_ms);
@@ -934,6 +958,8 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
       auto it = made.find(name);
       if (it != made.end()) {
         inputs[name] = it->second;
+      } else if (auto table = derived_tables.find(name); table != derived_tables.end()) {
+        inputs[name] = table->second;
       } else if (auto feature = d.request_inputs.find(name); feature != d.request_inputs.end()) {
         inputs[name] = on_device.at(feature->second);
       } else if (!whole_request) {

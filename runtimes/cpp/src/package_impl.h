@@ -44,6 +44,8 @@ class AotiProgram {
   // The program reads `tables` in place from now on (AOTInductor's user-managed constants; kept alive here).
   // PackageError naming `what` when the program takes a constant `tables` lacks, or of another dtype.
   void use_constants(std::unordered_map<std::string, at::Tensor> tables, const std::string& what);
+  // The tables handed by use_constants, by name (empty before).
+  const std::unordered_map<std::string, at::Tensor>& constants() const { return constants_; }
 
  private:
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
@@ -115,6 +117,10 @@ struct DerivedKVSection {
   std::vector<std::string> inputs;         // the dense half's inputs, request ids, then the cache's (kv_*)
   // Inputs fed from the request (the ids the frontier rows are compared as): input name -> feature name.
   std::map<std::string, std::string> request_inputs;
+  // kv_cache.sparse_inside: the program holds the sparse half (its prechecked model) and takes the request and
+  // the sparse half's tables (input name -> table name), not the sparse half's outputs.
+  bool sparse_inside = false;
+  std::map<std::string, std::string> table_inputs;
   std::vector<std::string> counts_inputs;  // dense inputs -> (sequence length, target count) per user
   std::vector<std::string> outputs;        // the package's outputs, then kv_stale
   int64_t page_size = 0;

@@ -618,7 +618,34 @@ detail::DerivedKVSection read_derived_kv_section(const Fields& fields, const Val
     }
     return "";
   };
+  if (const Value* inside = kv.find("sparse_inside"); inside != nullptr && !inside->is_null()) {
+    const std::string at_inside = where + ".sparse_inside";
+    const Value& tables = fields.member(fields.of_type(*inside, Value::Type::Object, at_inside), "tables", at_inside);
+    if (tables.type != Value::Type::Object) fields.fail(at_inside + ".tables", "is not an object");
+    auto sparse = impl.artifacts.find("sparse");
+    for (const auto& [name, table] : tables.object) {
+      if (table.type != Value::Type::String) fields.fail(at_inside + ".tables." + name, "is not a table name");
+      const bool held = sparse != impl.artifacts.end() &&
+                        std::any_of(sparse->second.constants.begin(), sparse->second.constants.end(),
+                                    [&](const detail::TableSpec& spec) { return spec.name == table.string; });
+      if (!held) fields.fail(at_inside + ".tables." + name, "names " + in_quotes(table.string) + ", which the sparse half's tables do not hold");
+      if (std::find(out.inputs.begin(), out.inputs.end(), name) == out.inputs.end()) {
+        fields.fail(at_inside + ".tables", "names " + in_quotes(name) + ", which kv_cache.inputs does not take");
+      }
+      out.table_inputs[name] = table.string;
+    }
+    out.sparse_inside = true;
+  }
+  const auto& boundary = impl.artifacts.at("dense").inputs;
   for (const auto& name : out.inputs) {
+    if (out.sparse_inside) {
+      auto spec = std::find_if(boundary.begin(), boundary.end(), [&](const TensorSpec& s) { return s.name == name; });
+      if (spec != boundary.end() && spec->feature.empty()) {
+        fields.fail(where + ".inputs", "takes " + in_quotes(name) + ", an output of the sparse half, which the program "
+                    "holds (kv_cache.sparse_inside)");
+      }
+    }
+    if (out.table_inputs.count(name)) continue;
     if (is_dense(name) || made.count(name) || name == "kv_new_rows" || name == "kv_target_rows") continue;
     std::string feature = request_feature(name);
     if (feature.empty()) {
