@@ -7,7 +7,9 @@ dlrmv3 through its own, on the "same history, new candidates" workload, timed in
 - Packages: ``examples/generative_recommenders/gr_ranker.py`` at DLRMv3's dense shape (5 layers of d512, 4 heads
   of 128), exported with ``--kv-cache --attention-scale fixed:N`` (N: the longest sequence the ranges allow),
   traced on the CPU in fp32 (``--reference-device cpu``; its eager code needs fbgemm's CUDA ops, which the GPU
-  machine lacks); the zoo's dlrmv3 with ``--kv-cache``. Both bf16, CUDA, the same ranges, unverified at export
+  machine lacks); the zoo's dlrmv3 with ``--kv-cache``. Both bf16, CUDA, the same ranges, the sparse half's
+  prechecked model (on CUDA by default; asked for here so that a CPU dry run builds the same programs: a derived
+  delta program then holds the sparse half), unverified at export
   (the corners on the CPU would take hours); checked here instead.
 - Workload: per user a history of 4096 items, all cached by a first request, then a request with the same
   history and 256 new candidates (re-ranking: the case generative-recommenders' positions, counted from the end
