@@ -636,11 +636,10 @@ detail::DerivedKVSection read_derived_kv_section(const Fields& fields, const Val
     }
     out.sparse_inside = true;
   }
-  const auto& boundary = impl.artifacts.at("dense").inputs;
   for (const auto& name : out.inputs) {
     if (out.sparse_inside) {
-      auto spec = std::find_if(boundary.begin(), boundary.end(), [&](const TensorSpec& s) { return s.name == name; });
-      if (spec != boundary.end() && spec->feature.empty()) {
+      auto spec = std::find_if(dense.begin(), dense.end(), [&](const TensorSpec& s) { return s.name == name; });
+      if (spec != dense.end() && spec->feature.empty()) {
         fields.fail(where + ".inputs", "takes " + in_quotes(name) + ", an output of the sparse half, which the program "
                     "holds (kv_cache.sparse_inside)");
       }
