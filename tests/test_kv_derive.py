@@ -281,6 +281,56 @@ def test_stale_is_found_per_user_from_its_own_rows() -> None:
     assert _delta(offsets, None, cached, [rows], kept, table)[4].tolist() == [False, True, False]
 
 
+def test_stale_users_are_those_with_a_changed_row_within_both_their_cached_prefix_and_their_page_table() -> None:
+    """delta_rows' stale flags on random batches equal a row-by-row reading of the rule: a user is stale when a
+    row before its cached count (a count beyond its stored tokens is none), in a page its table holds, differs
+    from the row stored there. Users with no rows, none cached, and counts past the table's pages included."""
+    generator = torch.Generator().manual_seed(5)
+    page_size, width = 4, 3
+    for _ in range(40):
+        users = int(torch.randint(1, 6, (1,), generator=generator))
+        lengths = torch.randint(0, 16, (users,), generator=generator)
+        lengths[0] += 1  # a request has a row
+        targets = torch.minimum(torch.randint(0, 3, (users,), generator=generator), lengths)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        total = int(offsets[-1])
+        rows = torch.randn(total, 2, generator=generator)
+        pages = torch.zeros(users * width + 1, page_size, 2)
+        table = torch.arange(users * width, dtype=torch.int32).reshape(users, width)
+        _delta(offsets, targets, torch.zeros(users, dtype=torch.int64), [rows], pages, table)  # stores them
+        cached = torch.randint(-1, 16, (users,), generator=generator)
+        changed, moved = rows.clone(), torch.rand(total, generator=generator) < 0.1
+        changed[moved] += 1.0
+        want = []
+        for b in range(users):
+            stored = int(lengths[b] - targets[b])
+            count = int(cached[b]) if 0 <= int(cached[b]) <= stored else 0
+            place = torch.arange(int(lengths[b]))
+            compared = (place < count) & (place < width * page_size)
+            want.append(bool((moved[int(offsets[b]):int(offsets[b + 1])] & compared).any()))
+        stale = _delta(offsets, targets, cached, [changed], pages.clone(), table)[4]
+        assert stale.tolist() == want, (lengths, cached, moved)
+
+
+def test_the_stale_check_investigation_reduces_per_page_to_the_same_users_as_delta_rows() -> None:
+    """benchmarks/investigations/stale_check.py's two reductions (on the CPU here) flag the same users as each
+    other: none on the rows as stored, each user whose cached row 7 changed, and only those."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "investigations" / "stale_check.py"
+    spec = importlib.util.spec_from_file_location("stale_check", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    offsets, cached, frontier, pages, table = script.inputs(3, "cpu")
+    changed = frontier.clone()
+    changed[offsets[1] + 7] += 1.0  # user 1's row 7
+    changed[offsets[2] + script.CACHED] += 1.0  # user 2's first new row: not cached
+    for reduce in (script.atomics, script.per_page):
+        assert reduce(offsets, cached, frontier, pages, table).tolist() == [False, False, False]
+        assert reduce(offsets, cached, changed, pages, table).tolist() == [False, True, False]
+
+
 @pytest.mark.parametrize("id_columns", [1, 5])  # 8 lanes of bf16 compared one by one; 24 in one reduction
 def test_integer_frontier_rows_are_compared_bit_for_bit_in_the_pages_of_a_narrow_dtype(id_columns: int) -> None:
     """An integer frontier tensor (a position or bucket an embedding looks up) is stored in bf16 pages as its

@@ -1296,7 +1296,8 @@ namespace detail {
 void to_device(std::vector<at::Tensor>& tensors, c10::Device device) {
   constexpr int64_t kAlign = 256;  // what the CUDA allocator gives: compiled kernels may assume aligned inputs
   // Larger tensors go on their own: their copies cost bandwidth, not a wait each, and packing them would add a
-  // copy on the host (at 32 users of 4096 history tokens, the request reached the device 0.2 ms later).
+  // copy on the host (at 32 users of 4096 history tokens, the request reached the device 0.2 ms later; 0.07 ms
+  // later with that copy shared by the intra-op threads: docs/PERF_INVESTIGATIONS.md, "Known not to work").
   constexpr int64_t kPackedAtMost = 256 * 1024;
   auto padded = [&](const at::Tensor& t) { return (static_cast<int64_t>(t.nbytes()) + kAlign - 1) / kAlign * kAlign; };
   std::vector<size_t> packed;
