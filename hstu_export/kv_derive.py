@@ -61,7 +61,7 @@ from torch.fx.operator_schemas import normalize_function
 from hstu_export.capture.graph_functions import to_dtype_of, to_floating_dtype
 from hstu_export.errors import ConfigError, ExportError, RequestError
 from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offsets
-from hstu_export.ops.reference import stu_gate
+from hstu_export.ops.reference import _append_row, stu_gate
 
 # The attention every mapped model calls (map_ops' generic op, before its lowering to a target).
 ATTENTION = "hstu_export.hstu_mha.default"
@@ -643,13 +643,15 @@ def delta_rows(seq_offsets: Tensor, num_targets: Tensor | None, cached: Tensor, 
     col = pos // page_size
     page = page_table.to(torch.int64)[user, col.clamp(0, max(width - 1, 0))].clamp(0, scratch)
     slot = pos % page_size
-    before = cached[user]
     differs = _rows_differ(x_pages[page, slot], _frontier_parts(frontier, x_pages.dtype))
-    differs = (differs & (pos < before) & (col < width)).to(torch.int32)
-    # per user: its differing rows added up by user (`user` is within the batch). In int32, which Inductor adds
-    # with atomics in the kernel; an int64 sum by index falls back to aten's, a sort on CUDA, and a running count
-    # over the rows is one long scan (0.33 ms of a 32-user call on an H200, docs/PERF.md).
-    stale = differs.new_zeros(lengths.shape[0]).index_put_((user,), differs, accumulate=True) > 0
+    differs = differs & (pos < cached[user]) & (col < width)
+    # per user: its differing rows added up by user, in int32 (which Inductor adds with atomics in the kernel; an
+    # int64 sum by index falls back to aten's, a sort on CUDA). The other rows add their zero to a place of their
+    # own past the users', so that only a stale user's rows ever wait on each other's atomics: all of them on the
+    # user's place cost 0.10 ms of a 32-user call on an H100 (docs/PERF_INVESTIGATIONS.md).
+    places = torch.where(differs, user, lengths.shape[0] + torch.arange(total, device=user.device))
+    stale = differs.new_zeros(lengths.shape[0] + total, dtype=torch.int32).index_put_(
+        (places,), differs.to(torch.int32), accumulate=True)[:lengths.shape[0]] > 0
     if whole_history:
         stale = stale | ((cached > 0) & (cached < stored))
     at = new_rows.to(torch.int64).clamp(0, max(total - 1, 0))
@@ -830,7 +832,7 @@ def take_rows(rows: Tensor, positions: Tensor, may_be_empty: bool) -> Tensor:
     (the export's ranges let it), they are read with a zero row after them (a copy), so that a side without rows
     is still read inside its bounds; the rows read past a side's own are never used."""
     if may_be_empty:
-        rows = torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])
+        rows = _append_row(rows, 0)
     return rows.index_select(0, positions.clamp(0, rows.shape[0] - 1))
 
 

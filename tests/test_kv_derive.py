@@ -312,8 +312,8 @@ def test_stale_users_are_those_with_a_changed_row_within_both_their_cached_prefi
         assert stale.tolist() == want, (lengths, cached, moved)
 
 
-def test_the_stale_check_investigation_reduces_per_page_to_the_same_users_as_delta_rows() -> None:
-    """benchmarks/investigations/stale_check.py's two reductions (on the CPU here) flag the same users as each
+def test_the_stale_check_investigation_reduces_to_the_same_users_every_way() -> None:
+    """benchmarks/investigations/stale_check.py's three reductions (on the CPU here) flag the same users as each
     other: none on the rows as stored, each user whose cached row 7 changed, and only those."""
     import importlib.util
 
@@ -326,7 +326,7 @@ def test_the_stale_check_investigation_reduces_per_page_to_the_same_users_as_del
     changed = frontier.clone()
     changed[offsets[1] + 7] += 1.0  # user 1's row 7
     changed[offsets[2] + script.CACHED] += 1.0  # user 2's first new row: not cached
-    for reduce in (script.atomics, script.per_page):
+    for reduce in (script.atomics, script.spread, script.per_page):
         assert reduce(offsets, cached, frontier, pages, table).tolist() == [False, False, False]
         assert reduce(offsets, cached, changed, pages, table).tolist() == [False, True, False]
 

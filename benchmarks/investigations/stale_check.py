@@ -3,16 +3,17 @@
     PYTHONPATH=$PWD python benchmarks/investigations/stale_check.py --out $OUT/stale_check.json [--batches 1 8 32]
 
 ``delta_rows`` (hstu_export/kv_derive.py) compares each cached row of a request with the row stored in the pages
-and flags the users with a differing row. Two ways to make the per-row flags per-user ones, each compiled alone by
+and flags the users with a differing row. Three ways to make the per-row flags per-user ones, each compiled alone by
 ``torch.compile`` with dynamic shapes, on the re-ranking workload's sizes (each user 4096 cached rows and 256 new
 ones, pages of 64, a page table 128 pages wide, rows of 10 fp32 values, nothing changed):
 
-- ``atomics``: the flags added up by user (``index_put_`` with ``accumulate``), as ``delta_rows`` does;
+- ``atomics``: the flags added up by user (``index_put_`` with ``accumulate``), every row's on its user's place;
+- ``spread``: the same, a row that does not differ adding its zero to a place of its own, as ``delta_rows`` does;
 - ``per_page``: a grid of (user, page, place in page), each place reading its row's flag or a false one past the
   user's cached rows, reduced over each page and then over each user's pages.
 
 GPU time per call: the sum of the kernels' device times in a ``torch.profiler`` trace of 20 calls, divided by 20.
-The two give the same flags (checked, also with one row changed per user).
+The three give the same flags (checked, also with one row changed per user).
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ def atomics(offsets: Tensor, cached: Tensor, frontier: Tensor, x_pages: Tensor, 
     user, pos, differs = _row_flags(offsets, frontier, x_pages, table)
     counted = (differs & (pos < cached[user]) & (pos // PAGE < table.shape[1])).to(torch.int32)
     return counted.new_zeros(cached.shape[0]).index_put_((user,), counted, accumulate=True) > 0
+
+
+def spread(offsets: Tensor, cached: Tensor, frontier: Tensor, x_pages: Tensor, table: Tensor) -> Tensor:
+    user, pos, differs = _row_flags(offsets, frontier, x_pages, table)
+    differs = differs & (pos < cached[user]) & (pos // PAGE < table.shape[1])
+    users, total = cached.shape[0], frontier.shape[0]
+    places = torch.where(differs, user, users + torch.arange(total, device=user.device))
+    counted = differs.new_zeros(users + total, dtype=torch.int32).index_put_((places,), differs.to(torch.int32),
+                                                                           accumulate=True)
+    return counted[:users] > 0
 
 
 def per_page(offsets: Tensor, cached: Tensor, frontier: Tensor, x_pages: Tensor, table: Tensor) -> Tensor:
@@ -88,7 +99,7 @@ def main() -> int:
     device = "cuda"
     result: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "date": time.strftime("%Y-%m-%d"), "gpu_us": {}}
-    compiled = {fn.__name__: torch.compile(fn, dynamic=True) for fn in (atomics, per_page)}
+    compiled = {fn.__name__: torch.compile(fn, dynamic=True) for fn in (atomics, spread, per_page)}
     for users in args.batches:
         given = inputs(users, device)
         changed = given[2].clone()
