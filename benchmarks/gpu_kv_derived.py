@@ -26,7 +26,8 @@ dlrmv3 through its own, on the "same history, new candidates" workload, timed in
   ``--reuse`` run that times them all, fit the device's command limit.
 - ``--cpp``: also the whole request through the C++ runtime (``hstu-export-run``, built in this run), p50 of
   ``--iters`` calls of the second request without the cache and cached (after the first request), with the phase
-  times of a cached call (``cpp``, per users).
+  times of a cached call (``cpp``, per users); and the same two through the C++ runtime called from Python in this
+  process (``NativePredictor``, ``hstu_export.load(path, runtime="native")``; ``native``, per users).
 
 Writes ``kv_derived.json`` into ``--out`` after every step.
 """
@@ -258,6 +259,22 @@ def time_cpp(runner: Path, package: Path, requests: tuple[dict, dict], users: in
     return row
 
 
+def time_native(library: Path, package: Path, requests: tuple[dict, dict], users: int, iters: int) -> dict[str, Any]:
+    """The second of ``requests`` through the C++ runtime called from Python (``NativePredictor``, in this process):
+    without the cache, and cached after the first (a hit), p50 of ``iters`` calls each."""
+    from hstu_export.runtimes.native import NativePredictor
+
+    predictor = NativePredictor(package, library=library)
+    first, second = requests
+    ids = list(range(users))
+    ranker = predictor.kv_cache()
+    ranker(first, ids)
+    row: dict[str, Any] = {"no_cache_ms": bench(lambda: predictor(second), iters),
+                           "cached_ms": bench(lambda: ranker(second, ids), iters), "stats": ranker.stats()}
+    row["request_ratio"] = row["no_cache_ms"] / row["cached_ms"]
+    return row
+
+
 PROFILE = False
 
 
@@ -381,6 +398,12 @@ def main() -> int:
                     requests = {"zoo": zoo_requests, "zoo_derived": zoo_requests, "gr": gr_requests}[name]
                     row["cpp"] = time_cpp(runner, work / f"{name}.aoti", requests(package, users, w), users,
                                           args.iters, work / f"requests_{name}_{users}")
+                    try:
+                        row["native"] = time_native(runner.parent / "libhstu_export_native.so",
+                                                    work / f"{name}.aoti", requests(package, users, w), users,
+                                                    args.iters)
+                    except Exception as exc:
+                        row["native"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             except Exception as exc:
                 result.setdefault(name, {})[str(users)] = {"error": f"{type(exc).__name__}: {exc}"[:2000],
                                                            "trace": traceback.format_exc()[-3000:]}
