@@ -60,7 +60,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from hstu_export.capture.graph_functions import to_dtype_of, to_floating_dtype
 from hstu_export.errors import ConfigError, ExportError, RequestError
-from hstu_export.ops.jagged import jagged_positions_by_search, lengths_to_offsets
+from hstu_export.ops.jagged import jagged_positions_by_search, jagged_positions_of, lengths_to_offsets
 from hstu_export.ops.reference import _append_row, stu_gate
 
 # The attention every mapped model calls (map_ops' generic op, before its lowering to a target).
@@ -818,9 +818,7 @@ def concat_sources(offsets_left: Tensor, offsets_right: Tensor, positions: Tenso
     from: ``(row among the left rows, row among the right rows, whether from the left)``; a row from one side
     reads row 0 of the other (never used)."""
     left, right = offsets_left.to(torch.int64), offsets_right.to(torch.int64)
-    joined = left + right
-    user = (torch.searchsorted(joined, positions, right=True) - 1).clamp(min=0, max=joined.size(0) - 2)
-    pos = positions - joined[user]
+    user, pos = jagged_positions_of(left + right, positions)
     left_len = left[user + 1] - left[user]
     from_left = pos < left_len
     return (torch.where(from_left, left[user] + pos, 0), torch.where(from_left, 0, right[user] + pos - left_len),

@@ -104,7 +104,12 @@ def jagged_positions_by_search(offsets: Tensor, total_len: int) -> tuple[Tensor,
     the ``aten`` target keeps the reference, because the ONNX exporter has no ``searchsorted``.
     """
     offsets = offsets.to(torch.int64)
-    index = torch.arange(total_len, dtype=torch.int64, device=offsets.device)
+    return jagged_positions_of(offsets, torch.arange(total_len, dtype=torch.int64, device=offsets.device))
+
+
+def jagged_positions_of(offsets: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+    """(sequence id, position within it) of the tokens ``index`` (int64) of a jagged batch with int64
+    ``offsets``, by a binary search of each in ``offsets`` (:func:`jagged_positions_by_search` for every token)."""
     # The count of offsets <= index, minus one; right=True steps over the repeated offsets of empty
     # sequences. The clamp keeps ids inside [0, B-1] for tokens that belong to no sequence (past
     # offsets[B], where the reference says B): only inconsistent inputs have such tokens, and
