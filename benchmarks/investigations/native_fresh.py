@@ -17,21 +17,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpu_kv_derived import bench
+from gpu_kv_derived import time_native
 
 from hstu_export.package.tensor_dir import load_tensors
-from hstu_export.runtimes.native import NativePredictor
-
-
-def time_package(package: Path, library: Path, requests: Path, users: int) -> dict[str, Any]:
-    first, second = load_tensors(requests / "0"), load_tensors(requests / "1")
-    predictor = NativePredictor(package, library=library)
-    ranker, ids = predictor.kv_cache(), list(range(users))
-    ranker(first, ids)
-    row = {"no_cache_ms": bench(lambda: predictor(second), 20), "cached_ms": bench(lambda: ranker(second, ids), 20),
-           "stats": ranker.stats()}
-    row["ratio"] = row["no_cache_ms"] / row["cached_ms"]
-    return row
 
 
 def main() -> int:
@@ -44,8 +32,11 @@ def main() -> int:
             where = work / f"requests_{name}_{users}"
             if not (work / f"{name}.aoti").is_dir() or not where.is_dir():
                 continue
+            row: dict[str, Any]
             try:
-                row = time_package(work / f"{name}.aoti", work / "build" / "libhstu_export_native.so", where, users)
+                requests = (load_tensors(where / "0"), load_tensors(where / "1"))
+                row = time_native(work / "build" / "libhstu_export_native.so", work / f"{name}.aoti", requests, users,
+                                  20)
             except Exception as exc:
                 row = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             result.setdefault(name, {})[str(users)] = row
