@@ -395,13 +395,12 @@ def main() -> int:
             try:
                 result.setdefault(name, {})[str(users)] = row = timer(package, users, w, args.iters)
                 if runner is not None:
-                    requests = {"zoo": zoo_requests, "zoo_derived": zoo_requests, "gr": gr_requests}[name]
-                    row["cpp"] = time_cpp(runner, work / f"{name}.aoti", requests(package, users, w), users,
-                                          args.iters, work / f"requests_{name}_{users}")
+                    made = {"zoo": zoo_requests, "zoo_derived": zoo_requests, "gr": gr_requests}[name](package, users, w)
+                    row["cpp"] = time_cpp(runner, work / f"{name}.aoti", made, users, args.iters,
+                                          work / f"requests_{name}_{users}")
                     try:
                         row["native"] = time_native(runner.parent / "libhstu_export_native.so",
-                                                    work / f"{name}.aoti", requests(package, users, w), users,
-                                                    args.iters)
+                                                    work / f"{name}.aoti", made, users, args.iters)
                     except Exception as exc:
                         row["native"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             except Exception as exc:
