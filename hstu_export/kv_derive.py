@@ -707,19 +707,19 @@ def frontier_row(frontier: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, in
     """The frontier rows as one row of ``dtype`` a token, and how many of its leading values are floating: the
     floating frontier tensors cast to ``dtype``, then the integer ones as int64, their bytes read as ``dtype``
     (8 bytes a value: :func:`row_width`), so that a stored row gives them back bit for bit."""
-    floats, lanes = _frontier_parts(frontier, dtype)
-    return (torch.cat([*floats, *([lanes.view(dtype)] if lanes is not None else [])], dim=1),
-            sum(f.shape[1] for f in floats))
+    floats, ints = _frontier_parts(frontier, dtype)
+    lanes = [_int64_lanes(t, dtype).view(dtype) for t in ints]
+    return torch.cat([*floats, *lanes], dim=1), sum(f.shape[1] for f in floats)
 
 
-def _frontier_parts(frontier: list[Tensor], dtype: torch.dtype) -> tuple[list[Tensor], Tensor | None]:
+def _frontier_parts(frontier: list[Tensor], dtype: torch.dtype) -> tuple[list[Tensor], list[Tensor]]:
     """:func:`frontier_row`'s parts before they are put side by side: the floating frontier tensors as [rows, k] of
-    ``dtype``, and the integer ones' lanes (:func:`_int64_lanes`, integers of ``dtype``'s size; None without
-    any)."""
+    ``dtype``, and the integer ones as [rows, k] int64, in that order (each integer value is then
+    :func:`_int64_lanes`' integers of ``dtype``'s size)."""
     total = frontier[0].shape[0]
     floats = [f.reshape(total, -1).to(dtype) for f in frontier if f.is_floating_point()]
     ints = [f.reshape(total, -1).to(torch.int64) for f in frontier if not f.is_floating_point()]
-    return floats, _int64_lanes(torch.cat(ints, dim=1), dtype) if ints else None
+    return floats, ints
 
 
 def _int64_lanes(ints: Tensor, dtype: torch.dtype) -> Tensor:
@@ -729,10 +729,17 @@ def _int64_lanes(ints: Tensor, dtype: torch.dtype) -> Tensor:
     size = torch.empty((), dtype=dtype).element_size()
     if size == ints.element_size():
         return ints
-    bits, lanes = 8 * size, ints.element_size() // size
-    mask = (1 << bits) - 1
-    parts = [((ints >> (bits * i)) & mask).to(_SAME_SIZE_INT[size]) for i in range(lanes)]
+    parts = [_lane(ints, dtype, i) for i in range(ints.element_size() // size)]
     return torch.stack(parts, dim=-1).reshape(ints.shape[0], -1)
+
+
+def _lane(ints: Tensor, dtype: torch.dtype, i: int) -> Tensor:
+    """Lane ``i`` of int64 ``ints`` as integers of ``dtype``'s size (:func:`_int64_lanes`)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if size == ints.element_size():
+        return ints
+    bits = 8 * size
+    return ((ints >> (bits * i)) & ((1 << bits) - 1)).to(_SAME_SIZE_INT[size])
 
 
 def row_width(frontier: list[Tensor], dtype: torch.dtype) -> int:
@@ -744,14 +751,15 @@ def row_width(frontier: list[Tensor], dtype: torch.dtype) -> int:
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _rows_differ(cached: Tensor, parts: tuple[list[Tensor], Tensor | None]) -> Tensor:
+def _rows_differ(cached: Tensor, parts: tuple[list[Tensor], list[Tensor]]) -> Tensor:
     """Per row: whether the frontier row of ``parts`` (:func:`_frontier_parts`) differs from ``cached`` (rows in
     :func:`frontier_row`'s layout): its floating values beyond :func:`row_tolerance` (NaN differs), the integer
     lanes in any bit. Each part is held against its own columns of ``cached``, so that the request's rows are
-    read once and never put side by side (a copy of them all); a part's largest difference and largest value
-    are two reductions of one pass over both rows, and a few integer lanes are compared one by one, elementwise
-    over the rows, which joins that pass where a reduction over them would be a pass of its own."""
-    floats, lanes = parts
+    read once and never put side by side (a copy of them all, which on a GPU costs more than the comparison:
+    each of its values picks its part); a part's largest difference and largest value are two reductions of one
+    pass over both rows, and an integer part of a few columns is compared lane by lane, elementwise over the rows,
+    which joins that pass where a reduction over them would be a pass of its own."""
+    floats, ints = parts
     differs = torch.zeros(cached.shape[0], dtype=torch.bool, device=cached.device)
     start, gap, top = 0, None, None
     for f in floats:
@@ -762,13 +770,20 @@ def _rows_differ(cached: Tensor, parts: tuple[list[Tensor], Tensor | None]) -> T
         start += f.shape[1]
     if gap is not None:
         differs = ~(gap <= row_tolerance(cached.dtype) * top)
-    if lanes is not None:  # lane by lane, a few: each a read of one value a row, in the same pass as the floats
-        held = cached[:, start:].view(_SAME_SIZE_INT[cached.element_size()])
-        if lanes.shape[1] <= _UNROLLED_LANES:
-            for j in range(lanes.shape[1]):
-                differs = differs | (held[:, j] != lanes[:, j])
+    if not ints:
+        return differs
+    held = cached[:, start:].view(_SAME_SIZE_INT[cached.element_size()])
+    lanes = torch.empty((), dtype=torch.int64).element_size() // cached.element_size()
+    at = 0
+    for t in ints:
+        width = t.shape[1] * lanes
+        if width <= _UNROLLED_LANES:
+            for j in range(t.shape[1]):
+                for i in range(lanes):
+                    differs = differs | (held[:, at + j * lanes + i] != _lane(t[:, j], cached.dtype, i))
         else:
-            differs = differs | (held != lanes).any(dim=1)
+            differs = differs | (held[:, at:at + width] != _int64_lanes(t, cached.dtype)).any(dim=1)
+        at += width
     return differs
 
 
@@ -825,11 +840,61 @@ def concat_sources(offsets_left: Tensor, offsets_right: Tensor, positions: Tenso
             from_left)
 
 
+def concat_by_search(values_left: Tensor, offsets_left: Tensor, values_right: Tensor, offsets_right: Tensor) -> Tensor:
+    """:func:`~hstu_export.ops.reference.concat_2D_jagged_reference` as one gather whose sources are found by a
+    binary search of each row (:func:`concat_sources`): a compiler fuses it into what reads it, where the
+    ``triton`` target's concatenation is a kernel of its own that writes every row (:func:`gathered_jagged`)."""
+    left_rows = values_left.shape[0]
+    total = left_rows + values_right.shape[0]
+    from_left_rows, from_right_rows, from_left = concat_sources(
+        offsets_left, offsets_right, torch.arange(total, dtype=torch.int64, device=offsets_left.device))
+    index = torch.where(from_left, from_left_rows, left_rows + from_right_rows).clamp(0, max(total - 1, 0))
+    return torch.cat([values_left, values_right], dim=0).index_select(0, index)
+
+
+def split_by_search(values: Tensor, offsets_left: Tensor, offsets_right: Tensor, total_len_left: int,
+                    total_len_right: int) -> tuple[Tensor, Tensor]:
+    """:func:`~hstu_export.ops.reference.split_2D_jagged_reference` as two gathers (:func:`concat_by_search`'s
+    inverse); a side nothing reads is not computed."""
+    left, right = offsets_left.to(torch.int64), offsets_right.to(torch.int64)
+    user, pos = jagged_positions_by_search(left, total_len_left)
+    last = max(values.shape[0] - 1, 0)
+    left_rows = (left[user] + right[user] + pos).clamp(0, last)
+    right_rows = jagged_right_rows(left, right, total_len_right).clamp(0, last)
+    return values.index_select(0, left_rows), values.index_select(0, right_rows)
+
+
+def gathered_jagged(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` (a derived delta program, before its lowering to a target) with each jagged concatenation and split
+    it still holds (those outside the layers: the whole request's positions and timestamps before the frontier,
+    the heads' inputs after the layers) written as gathers (:func:`concat_by_search`, :func:`split_by_search`).
+    Their rows are few values wide, and as gathers they join the kernels that read them: on an H100 the ``triton``
+    target's kernels cost 36 us of a 32-user call of generative-recommenders' program, three passes over every
+    row."""
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in (CONCAT, SPLIT)]:
+        op = torch.ops.hstu_export.concat_2D_jagged.default if str(node.target) == CONCAT else (
+            torch.ops.hstu_export.split_2D_jagged.default)
+        bound = normalize_function(op, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+        with gm.graph.inserting_before(node):
+            gathered = gm.graph.call_function(concat_by_search if op is torch.ops.hstu_export.concat_2D_jagged.default
+                                              else split_by_search, (), dict(bound))
+        gathered.meta = dict(node.meta)
+        node.replace_all_uses_with(gathered)
+        gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
 def take_rows(rows: Tensor, positions: Tensor, may_be_empty: bool) -> Tensor:
     """Rows ``positions`` of ``rows``, each clamped to its last row. Where ``rows`` may hold no row in a request
     (the export's ranges let it), they are read with a zero row after them (a copy), so that a side without rows
-    is still read inside its bounds; the rows read past a side's own are never used."""
+    is still read inside its bounds; the rows read past a side's own are never used. Boolean rows are padded as
+    bytes: Inductor's vectorized C++ for a padded boolean computed in the same kernel does not compile
+    (torch 2.13, a blend of two mask types)."""
     if may_be_empty:
+        if rows.dtype == torch.bool:
+            return take_rows(rows.to(torch.uint8), positions, True).to(torch.bool)
         rows = _append_row(rows, 0)
     return rows.index_select(0, positions.clamp(0, rows.shape[0] - 1))
 

@@ -19,6 +19,7 @@ from hstu_export.kv_derive import (
     DerivedDelta,
     delta_inputs,
     derive_delta,
+    gathered_jagged,
     generic_ops,
     prefill_rows,
 )
@@ -62,7 +63,7 @@ def derive_for_export(result: Any, inputs: Any, op_target: str) -> DerivedDelta:
     keys = row_keys(inputs)
     example = {**inputs.example_dense_inputs, **{k: inputs.example_features[k] for ids in keys.values() for k in ids}}
     derived = derive_delta(dense, example, op_target=op_target, never_empty_inputs=never_empty, row_keys=keys)
-    derived.program = MapOps().run(derived.program, PassContext(example_inputs={}, op_target=op_target))
+    derived.program = MapOps().run(gathered_jagged(derived.program), PassContext(example_inputs={}, op_target=op_target))
     derived.program.recompile()
     return derived
 

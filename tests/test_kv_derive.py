@@ -28,10 +28,12 @@ from hstu_export.kv_derive import (
     _Analysis,
     _computed_from,
     _without_dtype_reads,
+    concat_by_search,
     concat_sources,
     counts_on_host,
     delta_rows,
     derive_delta,
+    gathered_jagged,
     host_counts,
     jagged_right_rows,
     new_rows_of,
@@ -41,6 +43,7 @@ from hstu_export.kv_derive import (
     rows_at,
     rows_back,
     sequence_counts,
+    split_by_search,
     take_rows,
     target_rows_of,
 )
@@ -445,6 +448,54 @@ def test_the_sources_of_a_jagged_concatenations_rows_give_its_rows() -> None:
     empty = torch.zeros(0, 4)
     assert take_rows(empty, torch.tensor([0, 3]), True).equal(torch.zeros(2, 4))
     assert take_rows(left, torch.tensor([0, 30]), False).equal(left[[0, 7]])
+
+
+def test_boolean_rows_of_a_side_that_may_be_empty_compile_and_read_their_rows() -> None:
+    """take_rows on booleans computed in the same kernel (generative-recommenders' action bits), padded for a side
+    that may be empty: Inductor's C++ compiles it (a padded boolean directly does not, in torch 2.13) and the rows
+    are the eager ones, the padded row False."""
+
+    def rows(weights: torch.Tensor, bits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return take_rows(((weights.unsqueeze(-1) & bits) > 0).unsqueeze(1), positions, True)
+
+    g = torch.Generator().manual_seed(2)
+    weights, bits = torch.randint(0, 16, (37,), generator=g), torch.tensor([1, 2, 4, 8])
+    positions = torch.randint(0, 40, (50,), generator=g)
+    got = torch.compile(rows, dynamic=True)(weights, bits, positions)
+    assert got.dtype == torch.bool and got.equal(rows(weights, bits, positions))
+    assert not got[positions >= 37].any() and got[positions < 37].equal(rows(weights, bits, positions.clamp(max=36))[positions < 37])
+
+
+def test_jagged_concatenations_and_splits_written_as_gathers_give_the_ops_rows() -> None:
+    """gathered_jagged: a derived program's jagged concatenation and split, written as gathers by search
+    (concat_by_search, split_by_search), give the reference ops' rows bit for bit, with empty sides and empty users,
+    on rows of one value and of many; the program's graph then holds neither op, and a split's side nothing reads is
+    gone."""
+    g = torch.Generator().manual_seed(3)
+    for lengths_left, lengths_right in (([3, 0, 4, 1], [2, 1, 2, 0]), ([0, 0], [2, 1]), ([2, 5], [0, 0]), ([], [])):
+        left_offsets = torch.tensor([0, *lengths_left]).cumsum(0)
+        right_offsets = torch.tensor([0, *lengths_right]).cumsum(0)
+        for rest in ((), (1,), (3, 2)):
+            left = torch.randint(-9, 9, (sum(lengths_left), *rest), generator=g)
+            right = torch.randint(-9, 9, (sum(lengths_right), *rest), generator=g)
+            joined = concat_2D_jagged_reference(left, left_offsets, right, right_offsets)
+            assert concat_by_search(left, left_offsets, right, right_offsets).equal(joined)
+            got = split_by_search(joined, left_offsets, right_offsets, left.shape[0], right.shape[0])
+            assert got[0].equal(left) and got[1].equal(right)
+
+    class Jagged(torch.nn.Module):
+        def forward(self, a: torch.Tensor, oa: torch.Tensor, b: torch.Tensor, ob: torch.Tensor) -> torch.Tensor:
+            joined = torch.ops.hstu_export.concat_2D_jagged.default(a, oa, b, ob)
+            _, right = torch.ops.hstu_export.split_2D_jagged.default(joined * 2, oa, ob, a.shape[0], b.shape[0])
+            return right
+
+    gm = gathered_jagged(torch.fx.symbolic_trace(Jagged()))
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert concat_by_search in targets and split_by_search in targets
+    assert not any("jagged" in str(t) and "hstu_export." in str(t) for t in targets), targets
+    oa, ob = torch.tensor([0, 3, 3, 7]), torch.tensor([0, 2, 3, 5])
+    a, b = torch.randn(7, 4, generator=g), torch.randn(5, 4, generator=g)
+    assert gm(a, oa, b, ob).equal(2 * b)
 
 
 def test_rows_gathered_from_the_rows_computed_equal_a_gather_of_the_rows_put_back() -> None:
