@@ -755,8 +755,7 @@ def _rows_differ(cached: Tensor, parts: tuple[list[Tensor], list[Tensor]]) -> Te
     """Per row: whether the frontier row of ``parts`` (:func:`_frontier_parts`) differs from ``cached`` (rows in
     :func:`frontier_row`'s layout): its floating values beyond :func:`row_tolerance` (NaN differs), the integer
     lanes in any bit. Each part is held against its own columns of ``cached``, so that the request's rows are
-    read once and never put side by side (a copy of them all, which on a GPU costs more than the comparison:
-    each of its values picks its part); a part's largest difference and largest value are two reductions of one
+    read once and never put side by side (a copy of them all); a part's largest difference and largest value are two reductions of one
     pass over both rows, and an integer part of a few columns is compared lane by lane, elementwise over the rows,
     which joins that pass where a reduction over them would be a pass of its own."""
     floats, ints = parts
@@ -868,16 +867,15 @@ def gathered_jagged(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``gm`` (a derived delta program, before its lowering to a target) with each jagged concatenation and split
     it still holds (those outside the layers: the whole request's positions and timestamps before the frontier,
     the heads' inputs after the layers) written as gathers (:func:`concat_by_search`, :func:`split_by_search`).
-    Their rows are few values wide, and as gathers they join the kernels that read them: on an H100 the ``triton``
-    target's kernels cost 36 us of a 32-user call of generative-recommenders' program, three passes over every
-    row."""
+    Their rows are few values wide, and a gather is one the compiler can fuse into what reads it, where the
+    ``triton`` target's ops are kernels of their own: on an H100 three of them took 36 us of a 32-user call of
+    generative-recommenders' program (`benchmarks/results/h100_kv_inside/profile/`)."""
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in (CONCAT, SPLIT)]:
-        op = torch.ops.hstu_export.concat_2D_jagged.default if str(node.target) == CONCAT else (
-            torch.ops.hstu_export.split_2D_jagged.default)
+        concat = str(node.target) == CONCAT
+        op = torch.ops.hstu_export.concat_2D_jagged.default if concat else torch.ops.hstu_export.split_2D_jagged.default
         bound = normalize_function(op, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
         with gm.graph.inserting_before(node):
-            gathered = gm.graph.call_function(concat_by_search if op is torch.ops.hstu_export.concat_2D_jagged.default
-                                              else split_by_search, (), dict(bound))
+            gathered = gm.graph.call_function(concat_by_search if concat else split_by_search, (), dict(bound))
         gathered.meta = dict(node.meta)
         node.replace_all_uses_with(gathered)
         gm.graph.erase_node(node)
