@@ -879,7 +879,6 @@ def gathered_jagged(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         gathered.meta = dict(node.meta)
         node.replace_all_uses_with(gathered)
         gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
 
