@@ -742,9 +742,14 @@ def _lane(ints: Tensor, dtype: torch.dtype, i: int) -> Tensor:
     return ((ints >> (bits * i)) & ((1 << bits) - 1)).to(_SAME_SIZE_INT[size])
 
 
+def _lanes_of(dtype: torch.dtype) -> int:
+    """How many values of ``dtype`` an int64 takes in a frontier row (:func:`_int64_lanes`)."""
+    return torch.empty((), dtype=torch.int64).element_size() // torch.empty((), dtype=dtype).element_size()
+
+
 def row_width(frontier: list[Tensor], dtype: torch.dtype) -> int:
     """The width of :func:`frontier_row`'s rows (of one token's frontier tensors ``frontier``)."""
-    lanes = torch.empty((), dtype=torch.int64).element_size() // torch.empty((), dtype=dtype).element_size()
+    lanes = _lanes_of(dtype)
     return sum(f.numel() * (1 if f.is_floating_point() else lanes) for f in frontier)
 
 
@@ -755,9 +760,9 @@ def _rows_differ(cached: Tensor, parts: tuple[list[Tensor], list[Tensor]]) -> Te
     """Per row: whether the frontier row of ``parts`` (:func:`_frontier_parts`) differs from ``cached`` (rows in
     :func:`frontier_row`'s layout): its floating values beyond :func:`row_tolerance` (NaN differs), the integer
     lanes in any bit. Each part is held against its own columns of ``cached``, so that the request's rows are
-    read once and never put side by side (a copy of them all); a part's largest difference and largest value are two reductions of one
-    pass over both rows, and an integer part of a few columns is compared lane by lane, elementwise over the rows,
-    which joins that pass where a reduction over them would be a pass of its own."""
+    read once and never put side by side (a copy of them all); a part's largest difference and largest value
+    are two reductions of one pass over both rows, and an integer part of a few columns is compared lane by lane,
+    elementwise over the rows, which joins that pass where a reduction over them would be a pass of its own."""
     floats, ints = parts
     differs = torch.zeros(cached.shape[0], dtype=torch.bool, device=cached.device)
     start, gap, top = 0, None, None
@@ -772,7 +777,7 @@ def _rows_differ(cached: Tensor, parts: tuple[list[Tensor], list[Tensor]]) -> Te
     if not ints:
         return differs
     held = cached[:, start:].view(_SAME_SIZE_INT[cached.element_size()])
-    lanes = torch.empty((), dtype=torch.int64).element_size() // cached.element_size()
+    lanes = _lanes_of(cached.dtype)
     at = 0
     for t in ints:
         width = t.shape[1] * lanes
@@ -841,7 +846,7 @@ def concat_sources(offsets_left: Tensor, offsets_right: Tensor, positions: Tenso
 
 def concat_by_search(values_left: Tensor, offsets_left: Tensor, values_right: Tensor, offsets_right: Tensor) -> Tensor:
     """:func:`~hstu_export.ops.reference.concat_2D_jagged_reference` as one gather whose sources are found by a
-    binary search of each row (:func:`concat_sources`): a compiler fuses it into what reads it, where the
+    binary search of each row (:func:`concat_sources`): a compiler can fuse it into what reads it, where the
     ``triton`` target's concatenation is a kernel of its own that writes every row (:func:`gathered_jagged`)."""
     left_rows = values_left.shape[0]
     total = left_rows + values_right.shape[0]
