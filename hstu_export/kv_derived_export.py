@@ -215,7 +215,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
     kwargs = {name: {**example, **kv_example}[name] for name in all_names}
     try:
         with torch.no_grad(), export_builtins(set(inputs.user_packages)), unbacked_ranges_hold_at_one():
-            exported = torch.export.export(export_ready(program), args=(), kwargs=kwargs, strict=False,
+            exported = torch.export.export(export_ready(program, fold_parameters=True), args=(), kwargs=kwargs, strict=False,
                                            dynamic_shapes=torch_dynamic_shapes(all_names, dims))
             counts_names = [n.target for n in derived.counts.graph.nodes if n.op == "placeholder"]
             counts = torch.export.export(derived.counts, args=(), kwargs={n: example[n] for n in counts_names},

@@ -76,7 +76,7 @@ def export_dense(inputs: CompileInputs) -> torch.export.ExportedProgram:
     try:
         with torch.no_grad(), export_builtins(set(inputs.user_packages)), unbacked_ranges_hold_at_one():
             return torch.export.export(
-                export_ready(inputs.dense), args=(), kwargs=inputs.example_dense_inputs, dynamic_shapes=dynamic,
+                export_ready(inputs.dense, fold_parameters=True), args=(), kwargs=inputs.example_dense_inputs, dynamic_shapes=dynamic,
                 strict=False,
             )
     except Exception as exc:

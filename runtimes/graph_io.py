@@ -16,6 +16,7 @@ from torch.fx import GraphModule
 
 from hstu_export.errors import ExportError
 from hstu_export.ops.mappings import op_key
+from hstu_export.runtimes.compile_rewrites import fold_parameter_work, offsets_in_one_scan
 from hstu_export.runtimes.symbolic import check_non_negative, symbolic_float, symbolic_int
 
 # Namespaces of ops that need a library loaded in the serving process, and the module that loads it.
@@ -90,12 +91,14 @@ def data_dependent_advice(exc: BaseException) -> str:
     return ""
 
 
-def export_ready(gm: GraphModule) -> GraphModule:
+def export_ready(gm: GraphModule, *, fold_parameters: bool = False) -> GraphModule:
     """``gm`` (sharing its parameters) with the spellings torch.export cannot trace replaced: ``int()``
     and ``float()`` of tensor data become their symbolic forms, and ints read from tensor data
     (``x.item()``, ``int(x)``) that were never negative on the batches ``observe_values`` ran are
     declared non-negative, so they can be sizes; a dict output becomes a tuple in its key order.
-    TorchScript keeps the original spellings."""
+    TorchScript keeps the original spellings. Offsets are rewritten to compile as one scan each, and with
+    ``fold_parameters`` the work on parameters alone is done here, once (``runtimes/compile_rewrites.py``)."""
+
     graph = copy.deepcopy(gm.graph)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is int:
@@ -117,8 +120,11 @@ def export_ready(gm: GraphModule) -> GraphModule:
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     if isinstance(output.args[0], dict):
         output.args = (tuple(output.args[0].values()),)
+    offsets_in_one_scan(graph)
     ready = GraphModule(gm, graph, class_name=type(gm).__name__)
     ready.meta.update(gm.meta)
+    if fold_parameters:
+        fold_parameter_work(ready)
     return ready
 
 
