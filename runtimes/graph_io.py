@@ -16,7 +16,6 @@ from torch.fx import GraphModule
 
 from hstu_export.errors import ExportError
 from hstu_export.ops.mappings import op_key
-from hstu_export.runtimes.compile_rewrites import fold_parameter_work, offsets_in_one_scan
 from hstu_export.runtimes.symbolic import check_non_negative, symbolic_float, symbolic_int
 
 # Namespaces of ops that need a library loaded in the serving process, and the module that loads it.
@@ -98,6 +97,8 @@ def export_ready(gm: GraphModule, *, fold_parameters: bool = False) -> GraphModu
     declared non-negative, so they can be sizes; a dict output becomes a tuple in its key order.
     TorchScript keeps the original spellings. Offsets are rewritten to compile as one scan each, and with
     ``fold_parameters`` the work on parameters alone is done here, once (``runtimes/compile_rewrites.py``)."""
+    # Here, not at the top: loading a package imports this module, and must not import the capture's code.
+    from hstu_export.runtimes.compile_rewrites import fold_parameter_work, offsets_in_one_scan
 
     graph = copy.deepcopy(gm.graph)
     for node in list(graph.nodes):
