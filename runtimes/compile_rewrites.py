@@ -6,13 +6,14 @@ the passes left it (``prove_length_reads`` and ``kv_derive`` recognise offsets w
   here, and read as a buffer. AOTInductor takes parameters as inputs and folds nothing, so a model that casts
   its weights where it uses them casts them on every call: generative-recommenders' layers hand each output
   norm's weight and bias to the norm in fp32, which in a bf16 export is ten cast kernels a call, each on its
-  own because our gated op reads them (its cached program on an H100, ``benchmarks/results/h100_kv_inside/
-  profile/``: ``triton_poi_fused__to_copy_35``, 10 a call, 12 µs at 1 user).
+  own because our gated op reads them (its cached program on an H100: 12 µs a call at 1 user,
+  ``benchmarks/results/h100_compile_rewrites/gr_before/``; none in ``h100_compile_rewrites/``). A cast whose
+  dtype the graph reads from an activation (``weight.to(x.dtype)``) is not folded: the dtype is known only once
+  the graph runs, and its uncached program has ten such casts.
 - :func:`offsets_in_one_scan`: offsets written as a running sum padded with a leading zero
   (``pad(cumsum(lengths), (1, 0))``, fbgemm's complete cumsum as mapped) become the running sum of the padded
   lengths, which Inductor computes in the scan's own kernel: the pad was a kernel of its own after each scan
-  (the same program: ``triton_poi_fused_constant_pad_nd_1``, 7 a call). Identical running sums are computed
-  once.
+  (the same program: 7 a call). Identical running sums are computed once.
 """
 
 from __future__ import annotations
