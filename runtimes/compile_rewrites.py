@@ -77,9 +77,12 @@ def fold_parameter_work(gm: GraphModule) -> list[str]:
         elif _pure(node) and node.all_input_nodes and all(a in values for a in node.all_input_nodes):
             args = torch.fx.node.map_arg(node.args, lambda a: values[a])
             kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: values[a])
-            with torch.no_grad():
-                values[node] = (getattr(args[0], str(node.target))(*args[1:], **kwargs) if node.op == "call_method"
-                                else node.target(*args, **kwargs))  # type: ignore[operator]
+            try:
+                with torch.no_grad():
+                    values[node] = (getattr(args[0], str(node.target))(*args[1:], **kwargs)
+                                    if node.op == "call_method" else node.target(*args, **kwargs))  # type: ignore[operator]
+            except Exception:  # not computable here (a method the value lacks): left to the call, as written
+                continue
     held = _storages([*gm.parameters(), *gm.buffers()])
     folded: list[str] = []
     stays: set[Node] = set()  # parameter work left to the call (a view of a parameter, a result not dense)

@@ -63,6 +63,16 @@ def test_casts_of_parameters_become_buffers_and_views_of_parameters_stay() -> No
                 and n.args[0].op == "get_attr" and str(n.args[0].target).startswith("norm_")]
 
 
+def test_a_call_that_fails_on_the_parameters_is_left_to_the_graph() -> None:
+    gm = traced()
+    norm = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "norm_weight")
+    cast = next(iter(norm.users))
+    cast.args = (norm, "no_such_dtype")  # raises when computed
+    gm.recompile()
+    folded = fold_parameter_work(gm)
+    assert cast.name not in folded and cast in gm.graph.nodes and "mul" in folded
+
+
 def test_results_over_the_bound_are_left_to_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compile_rewrites, "FOLDED_AT_MOST_BYTES", 8 * 4 - 1)  # under one 8-float vector
     gm = traced()
