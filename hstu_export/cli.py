@@ -402,6 +402,8 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
             fusions = kv.get("fused") if isinstance(kv.get("fused"), dict) else {}
             fused = fusions.get("gated_attention", 0)
             last = ", the last on the targets' rows past its projection" if fusions.get("last_layer_on_targets") is True else ""
+            norms = fusions.get("residual_norms")
+            last += f", {norms} residual sums with the next norm" if isinstance(norms, int) and norms else ""
             line += (f"; derived from the graph: {layers} layers ({fused} with the attention and gate as one op{last}), "
                      f"frontier rows of {kv['layout'].get('row_width')} values")
             if kv.get("counts_on_host"):

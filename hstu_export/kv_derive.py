@@ -112,6 +112,7 @@ class DerivedDelta:
     layer_nodes: int
     target_inputs: list[str]  # the dense inputs the target counts are computed from (the candidates' lengths)
     gated_fused: int = 0  # layers whose attention and STU gate run as one op (the triton target's gated op)
+    op_target: str = "aten"  # the op target the program is lowered to
     targets_only: bool = False  # the last layer past its projection runs on the targets' rows (kv_target_rows)
     host_counts: dict[str, dict[str, Any]] | None = None  # the counts as sums of their inputs (:func:`host_counts`)
     # Request inputs the program takes after the dense ones: the ids compared instead of the rows looked up from
@@ -1356,7 +1357,7 @@ def derive_delta(gm: torch.fx.GraphModule, example: dict[str, Tensor], *, op_tar
         program=build(op_target, on_targets, fill), counts=counts,
         num_layers=len(attentions), num_heads=heads, attention_dim=dqk, linear_dim=dv, row_width=width,
         row_dtype=row_dtype, max_seq_len=int(bound0["max_seq_len"]), frontier=[f.name for f in frontier],
-        layer_nodes=len(region), gated_fused=len(blocks) if op_target == "triton" else 0,
+        layer_nodes=len(region), gated_fused=len(blocks) if op_target == "triton" else 0, op_target=op_target,
         targets_only=on_targets, host_counts=sums, key_inputs=key_inputs,
         compared_ids={f.name: [name if isinstance(name, str) else {"ids": list(name[0]), "rows_each": name[1]}
                                for name in got] for f, got in keyed.items()},

@@ -170,6 +170,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
     BackendArtifacts), whose sparse half the program holds inside it where :func:`_with_sparse_inside` can."""
     from hstu_export.capture.opaque import export_builtins
     from hstu_export.runtimes.graph_io import export_ready, plain_first_line
+    from hstu_export.runtimes.residual_norms import fuse_residual_norms
     from hstu_export.runtimes.unbacked_ranges import device_reads, unbacked_ranges_hold_at_one
 
     start = time.perf_counter()
@@ -217,6 +218,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
         with torch.no_grad(), export_builtins(set(inputs.user_packages)), unbacked_ranges_hold_at_one():
             exported = torch.export.export(export_ready(program, fold_parameters=True), args=(), kwargs=kwargs, strict=False,
                                            dynamic_shapes=torch_dynamic_shapes(all_names, dims))
+            residual_norms = fuse_residual_norms(exported) if derived.op_target == "triton" else 0
             counts_names = [n.target for n in derived.counts.graph.nodes if n.op == "placeholder"]
             counts = torch.export.export(derived.counts, args=(), kwargs={n: example[n] for n in counts_names},
                                          dynamic_shapes=torch_dynamic_shapes(counts_names, dims), strict=False)
@@ -259,7 +261,8 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
         **({"sparse_inside": {"tables": table_inputs}} if inside is not None else {}),
         "target_inputs": derived.target_inputs,
         "layer_nodes": derived.layer_nodes,
-        "fused": {"gated_attention": derived.gated_fused, "last_layer_on_targets": derived.targets_only},
+        "fused": {"gated_attention": derived.gated_fused, "last_layer_on_targets": derived.targets_only,
+                  "residual_norms": residual_norms},
         **({"counts_on_host": on_host} if on_host is not None else {}),
         "device_reads": device_reads(exported),
         "inductor_options": options,

@@ -51,6 +51,7 @@ from hstu_export.runtimes.graph_io import (
     export_ready,
     plain_first_line,
 )
+from hstu_export.runtimes.residual_norms import fuse_residual_norms
 from hstu_export.runtimes.sparse_torchscript import compile_sparse, load_sparse
 from hstu_export.runtimes.unbacked_ranges import device_reads, unbacked_ranges_hold_at_one
 
@@ -250,6 +251,8 @@ class AotiBackend(Backend):
         options = {**KEEPING_DECLARED_RANGES, **inputs.settings.aoti_options}
         sparse_file, sparse_libraries, sparse_meta, tables = self._compile_sparse(inputs, out_dir, options)
         program = export_dense(inputs)
+        op_target = inputs.settings.op_target or self.default_op_target(inputs.settings.torch_device)
+        residual_norms = fuse_residual_norms(program) if op_target == "triton" else 0
         try:
             bounds = _compile(program, out_dir / DENSE_FILE, options)
         except Exception as exc:
@@ -260,6 +263,7 @@ class AotiBackend(Backend):
         return BackendArtifacts(
             files={"sparse": sparse_file, "dense": DENSE_FILE},
             meta={"dense_exported_nodes": len(program.graph.nodes), "dense_device_reads": device_reads(program),
+                  "dense_residual_norms": residual_norms,
                   "inductor_options": options, "sparse_program": sparse_meta,
                   **({"narrowed_dims": narrowed} if narrowed else {})},
             op_libraries=sorted(set(sparse_libraries) | package_op_libraries(out_dir / DENSE_FILE)),

@@ -783,7 +783,7 @@ def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_
 
     section, parity = derived_package.manifest["kv_cache"], derived_package.parity["kv_cache"]
     assert section["kind"] == "derived" and section["layout"]["num_layers"] == 2
-    assert section["fused"] == {"gated_attention": 0, "last_layer_on_targets": True}
+    assert section["fused"] == {"gated_attention": 0, "last_layer_on_targets": True, "residual_norms": 0}
     _print_summary(derived_package.manifest, derived_package.path)
     summary = " ".join(capsys.readouterr().out.split())
     assert (f"derived from the graph: 2 layers (0 with the attention and gate as one op, the last on the targets' rows "
