@@ -327,3 +327,23 @@ def test_a_layer_written_out_by_the_model_is_fused_in_its_derived_program_too() 
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5)
     assert ranker.cache.stats()["hits"] == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_norms_rewrite_serves_through_the_kernel(dtype: torch.dtype) -> None:
+    """An exported program rewritten by runtimes/residual_norms.py runs the residual kernel itself (here on the
+    CPU, the kernel interpreted) and answers as the program did before: both layer ends of tests/test_residual_norms.py
+    (an add of a product, an addmm); in bf16 within a unit in the last place of the operands (the addmm's product
+    is rounded before its sum, and a sum near zero keeps that unit)."""
+    from test_residual_norms import FUSED, Layers, calls, exported
+
+    from hstu_export.runtimes.residual_norms import fuse_residual_norms
+
+    program, args = exported(Layers(), dtype, rows=37)
+    want = program.module()(*args)
+    assert fuse_residual_norms(program, devices=("cpu",)) == 2 and calls(program).count(FUSED) == 2
+    got = program.module()(*args)
+    for a, b in zip(want, got, strict=True):
+        assert a.dtype == b.dtype == dtype
+        rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2**-7, 2**-4)  # operands of a few units
+        torch.testing.assert_close(b.float(), a.float(), rtol=rtol, atol=atol)
