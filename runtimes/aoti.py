@@ -252,8 +252,8 @@ class AotiBackend(Backend):
         sparse_file, sparse_libraries, sparse_meta, tables = self._compile_sparse(inputs, out_dir, options)
         program = export_dense(inputs)
         op_target = inputs.settings.op_target or self.default_op_target(inputs.settings.torch_device)
-        residual_norms = fuse_residual_norms(program) if op_target == "triton" else 0
         try:
+            residual_norms = fuse_residual_norms(program) if op_target == "triton" else 0
             bounds = _compile(program, out_dir / DENSE_FILE, options)
         except Exception as exc:
             raise ExportError(f"AOTInductor compilation failed: {plain_first_line(exc)}"
