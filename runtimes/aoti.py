@@ -496,9 +496,10 @@ def _load_pt2(path: Path, model: str = "model") -> Any:
     return _Serialised(load_package(str(path), model, run_single_threaded=True))
 
 
-def _keyword_call(compiled: Any) -> list[str] | None:
-    """For a program that takes keyword tensors only and returns a flat tuple of tensors: the keywords in the
-    order it takes them. None for any other program, or a torch without these internals.
+def _keyword_call(compiled: Any) -> tuple[list[str], list[str] | None] | None:
+    """For a program that takes keyword tensors only and returns a flat tuple or a flat dict of tensors: the
+    keywords in the order it takes them, and the dict's keys in the order it returns them (None: a tuple). None
+    for any other program, or a torch without these internals.
 
     torch's wrapper reads the program's call spec, parses its two tree specs and flattens the arguments on
     every call (tens of microseconds a call from Python, paid by the sparse half, the dense half and the KV-cache
@@ -510,10 +511,12 @@ def _keyword_call(compiled: Any) -> list[str] | None:
         args, kwargs = (in_spec.child(0), in_spec.child(1)) if in_spec.num_children == 2 else (None, None)
         if (in_spec.type is not tuple or args is None or args.type is not tuple or args.num_children != 0
                 or kwargs.type is not dict or not all(kwargs.child(i).is_leaf() for i in range(kwargs.num_children))
-                or out_spec.type is not tuple or not all(out_spec.child(i).is_leaf() for i in range(out_spec.num_children))
+                or out_spec.type not in (tuple, dict)
+                or not all(out_spec.child(i).is_leaf() for i in range(out_spec.num_children))
                 or not callable(getattr(compiled.loader, "boxed_run", None))):
             return None
-        return [str(name) for name in kwargs.context]
+        keys = list(out_spec.context) if out_spec.type is dict else None
+        return [str(name) for name in kwargs.context], keys
     except Exception:  # internals of another torch: the wrapper's own call
         return None
 
@@ -523,7 +526,8 @@ class _Serialised:
         self._fn = fn
         self._lock = threading.Lock()
         self._constants: dict[str, torch.Tensor] = {}
-        self._keywords = _keyword_call(fn)
+        call = _keyword_call(fn)
+        self._keywords, self._output_keys = call if call is not None else (None, None)
 
     def constant_fqns(self) -> list[str]:
         return list(self._fn.get_constant_fqns())
@@ -540,6 +544,7 @@ class _Serialised:
         if names is not None and not args and len(kwargs) == len(names) and all(n in kwargs for n in names):
             inputs = [kwargs[n] for n in names]
             with self._lock:
-                return tuple(self._fn.loader.boxed_run(inputs))
+                outputs = self._fn.loader.boxed_run(inputs)
+            return tuple(outputs) if self._output_keys is None else dict(zip(self._output_keys, outputs, strict=True))
         with self._lock:  # anything else (a missing keyword: its error) through torch's wrapper
             return self._fn(*args, **kwargs)

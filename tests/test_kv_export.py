@@ -121,6 +121,32 @@ def test_cached_package_answers_as_the_package_without_cache(kv_package, buckete
 
 
 @pytest.mark.slow
+def test_the_delta_program_takes_the_keyword_call(kv_package) -> None:  # type: ignore[no-untyped-def]
+    """The delta program returns a dict of its outputs: it takes the keyword call as the halves do (its call spec
+    read once, not flattened on every request), answering torch's wrapper's dict, keys in the same order."""
+    name, root, manifest = kv_package
+    ranker = hstu_export.load(root).kv_cache(budget_bytes=1 << 20)
+    program = ranker.runner._program
+    assert program._keywords == manifest["kv_cache"]["inputs"]
+    assert program._output_keys == manifest["kv_cache"]["outputs"]
+    seen: dict[str, torch.Tensor] = {}
+    run = ranker.runner._run
+
+    def spy(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        seen.update(inputs)
+        return run(**inputs)
+
+    ranker.runner._run = spy  # type: ignore[method-assign]
+    users = Users(CONFIGS[name], seed=4)
+    users.grow("a", 9)
+    ranker(users.request(["a"], [3]), ["a"])
+    ours, torchs = program(**seen), program._fn(**seen)  # the same K/V written into the pages again
+    assert isinstance(ours, dict) and list(ours) == list(torchs) == manifest["kv_cache"]["outputs"]
+    for key in torchs:
+        assert torch.equal(ours[key], torchs[key])
+
+
+@pytest.mark.slow
 def test_eviction_same_user_twice_and_threads(kv_package) -> None:  # type: ignore[no-untyped-def]
     name, root, manifest = kv_package
     predictor = hstu_export.load(root)
