@@ -43,7 +43,7 @@ from hstu_export.models.ranking import HstuRankingModel
 from hstu_export.ops import Kernel
 from hstu_export.ops._triton import cached_hstu_mha_triton_fwd, hstu_mha_triton_fwd
 from hstu_export.ops._triton.paged import paged_hstu_mha_triton_fwd
-from hstu_export.serving.kv_cache import TOKEN_ROWS, CachedRanker, EntryRecord, valid_query_times
+from hstu_export.serving.kv_cache import TOKEN_ROWS, CachedRanker, EntryRecord, token_run, valid_query_times
 
 WORKLOADS = {"long": dict(history=4096, cached=3968, candidates=256), "dlrm": dict(history=1024, cached=1024,
                                                                                    candidates=2048)}
@@ -368,7 +368,7 @@ def prefix_record(host: dict, work: dict, b: int, layout) -> EntryRecord:  # typ
     now = int(host["query_time"][b])
     stamps = events[TOKEN_ROWS.index("uih_timestamps")]
     lo, hi = valid_query_times(stamps, torch.full_like(stamps, now), torch.zeros_like(stamps), 1, layout)
-    return EntryRecord(np.empty(0, dtype=np.int64), torch.stack(events).numpy(), now, (lo[0], hi[0]))
+    return EntryRecord(np.empty(0, dtype=np.int64), (token_run([e.numpy() for e in events]),), now, (lo[0], hi[0]))
 
 
 def model_row(gpu: HstuRankingModel, model: HstuRankingModel, package, work: dict, batch: int,  # type: ignore[no-untyped-def]

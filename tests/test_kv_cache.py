@@ -16,7 +16,7 @@ from hstu_export.models.cached import GatedAttention, KVLayout
 from hstu_export.models.config import HSTUConfig
 from hstu_export.models.ranking import HstuRankingModel
 from hstu_export.models.transducer import bucket_edges, time_buckets
-from hstu_export.serving.kv_cache import CachedRanker, valid_query_times
+from hstu_export.serving.kv_cache import MAX_RUNS, CachedRanker, valid_query_times
 
 # Same shapes as the tiny preset, with and without contextual tokens.
 CONTEXT = HSTUConfig()
@@ -69,6 +69,33 @@ def check_every_kind_of_delta(config: HSTUConfig, gated_attention: GatedAttentio
     before = ranker.cache.stats()["stale"]
     _check(ranker, users.request(["b"], [2]), ["b"])
     assert ranker.cache.stats()["stale"] == before + 1
+
+
+def test_a_history_grown_request_by_request_is_kept_as_runs_and_merged() -> None:
+    """Each hit that adds tokens appends them as a run of the entry's record (the cached ones are not copied);
+    past MAX_RUNS the record is one run again. A token changed in any run makes the entry stale."""
+    model = _model(NO_CONTEXT)
+    ranker = CachedRanker(model, budget_bytes=1 << 24, page_size=16)
+    users = Users(NO_CONTEXT, seed=6)
+    users.grow("u", 5)
+    _check(ranker, users.request(["u"], [2]), ["u"])
+    counts = []
+    for _ in range(MAX_RUNS + 1):
+        first = ranker.cache.entry("u").record.runs[0]
+        users.grow("u", 2)
+        _check(ranker, users.request(["u"], [1]), ["u"])
+        record = ranker.cache.entry("u").record
+        counts.append(len(record.runs))
+        assert record.history == len(users.history["u"])
+        if len(record.runs) > 1:
+            assert record.runs[0] is first  # shared with the record before, not copied
+    assert counts == [*range(2, MAX_RUNS + 1), 1, 2]
+    assert ranker.cache.stats()["hits"] == MAX_RUNS + 1 and ranker.cache.stats()["stale"] == 0
+    for at in (0, len(users.history["u"]) - 1):  # in the first run, then in the last
+        item, action, stamp = users.history["u"][at]
+        users.history["u"][at] = (item + 1, action, stamp)
+        _check(ranker, users.request(["u"], [1]), ["u"])
+        assert ranker.cache.stats()["stale"] == (1 if at == 0 else 2)
 
 
 def test_cached_path_equals_the_full_model_in_fp32_on_cpu() -> None:

@@ -9,9 +9,8 @@ page table, the new tokens' gather and the entries' update. Before each request 
 put back to its 3968 cached tokens (as in benchmarks/kv_cache.py), so every request is a hit that grows
 each history by 128 tokens. ``--runs K`` stores those 3968 tokens with K requests, each adding 128 tokens to the
 one before (the last K-1 requests are hits), so that an entry that keeps its history as runs of the tokens each
-request added (as the C++ runtime's records do) holds K of them: 8 is the average over the 16 requests
-between two merges, 15 the most. Python's EntryRecord keeps one copy of the history, so --runs does not
-change what it holds.
+request added (as Python's EntryRecord and the C++ runtime's records do) holds K of them: 8 is the average over
+the 16 requests between two merges, 15 the most.
 
 The script only uses the cache's public pieces and the entries' own fields, so it also runs against another
 commit (PYTHONPATH pointing at a checkout of it): two versions are compared in turn on the same machine.
