@@ -31,7 +31,8 @@ subprocess alongside this code's export. ``--ab-kv-program derived`` runs the sa
 code exports, one runtime: the zoo's delta program derived by the compiler (``new``) against the hand-written one
 (``baseline``). ``--ab-graphs`` runs it between one runtime's request without the cache with whole-request CUDA
 graphs (``--graphs auto``, ``new``) and without (``--graphs off``, ``baseline``), the cache timed once, and times
-Python's no-cache paths with and without them in a fresh process. ``--ab-only`` times nothing else per batch.
+Python's no-cache paths with and without them in a fresh process. ``--ab-python DIR`` (a whole checkout of another commit) times Python's paths of this code and of DIR's, in
+fresh processes in turns, on one package (the written program's). ``--ab-only`` times nothing else per batch.
 Writes cpp_kv_cache.json (after every step).
 """
 
@@ -264,20 +265,50 @@ def python_paths(predictor, native: NativePredictor, steps: list[dict[str, torch
 
 
 def fresh_python(row: dict, package_root: Path, dirs: list[Path], ids: str, iters: int, work_dir: Path,
-                 ab_graphs: bool = False) -> None:
-    """The Python paths timed in a fresh process, as a serving process is (``python_paths``), into ``row``."""
-    fresh = subprocess.run([sys.executable, __file__, "--out", str(work_dir), "--time-python", str(package_root),
+                 ab_graphs: bool = False, checkout: Path | None = None) -> None:
+    """The Python paths timed in a fresh process, as a serving process is (``python_paths``), into ``row``;
+    ``checkout``: another commit's whole tree, whose own code and script time them."""
+    script, env = Path(__file__), None
+    if checkout is not None:
+        script = checkout / "benchmarks" / script.name
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")])}
+    fresh = subprocess.run([sys.executable, str(script), "--out", str(work_dir), "--time-python", str(package_root),
                             "--iters", str(iters), "--users", ids, *(["--ab-graphs"] if ab_graphs else []),
-                            *map(str, dirs)], capture_output=True, text=True, timeout=900)  # fmt: skip
+                            *map(str, dirs)], capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
     if fresh.returncode == 0:
         row.update(json.loads(fresh.stdout.strip().splitlines()[-1]))
     else:
         row["python_fresh_process"] = {"error": (fresh.stdout + fresh.stderr)[-2000:]}
 
 
+PYTHON_PATHS = ("python_no_cache", "python_kv", "python_kv_no_graphs", "python_native_no_cache", "python_native_kv")
+
+
+def python_ab(package_root: Path, dirs: list[Path], ids: str, iters: int, work_dir: Path, checkout: Path,
+              rounds: int = 3) -> dict:
+    """Python's paths of this code (``new``) and of ``checkout`` (``baseline``) on one package, each in a fresh
+    process, in turns, ``rounds`` times: every round's timings, and per path the median over rounds of the p50s
+    with the cache's whole-request speed-up (no cache over cached) per side."""
+    runs: dict[str, list[dict]] = {"new": [], "baseline": []}
+    for _ in range(rounds):
+        for label, src in (("new", None), ("baseline", checkout)):
+            row: dict = {}
+            fresh_python(row, package_root, dirs, ids, iters, work_dir, checkout=src)
+            runs[label].append(row)
+    summary: dict = {}
+    for label, rows in runs.items():
+        p50s = {name: statistics.median(r[name]["p50_ms"] for r in rows) for name in PYTHON_PATHS
+                if rows and all(name in r for r in rows)}
+        if "python_no_cache" in p50s and "python_kv" in p50s:
+            p50s["python_speed_up"] = p50s["python_no_cache"] / p50s["python_kv"]
+        summary[label] = p50s
+    return {"rounds": runs, "p50_of_rounds": summary}
+
+
 def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingModel, work: dict, batch: int,  # type: ignore[no-untyped-def]
               iters: int, work_dir: Path, log_dir: Path, baseline: tuple[Path, Path] | None = None,
-              ab_only: bool = False, ab_kinds: tuple[str, ...] = ("no_cache", "kv"), ab_graphs: bool = False) -> dict:
+              ab_only: bool = False, ab_kinds: tuple[str, ...] = ("no_cache", "kv"), ab_graphs: bool = False,
+              ab_python: tuple[Path, Path] | None = None) -> dict:
     row: dict = {}
     whole = request(model, work, batch, 100 + batch)  # on the host, as from a client
     steps = [prefix_of(whole, work, batch), whole] if work["cached"] < work["history"] else [whole]
@@ -298,6 +329,8 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
                                   "auto"], capture_output=True, text=True, timeout=600)
         row["cpp_graphs_line"] = [line for line in graphed.stdout.splitlines() if "graphs" in line][-1:]
         fresh_python(row, package_root, dirs, ids, iters, work_dir, ab_graphs=True)
+    if ab_python is not None:
+        row["python_ab"] = python_ab(ab_python[1], dirs, ids, iters, work_dir, ab_python[0])
     if ab_only:
         return row
 
@@ -397,8 +430,13 @@ def main() -> None:
                         help="A/B whole-request CUDA graphs without the cache: one runtime and package, --graphs auto "
                              "(new) against --graphs off (baseline), the cache timed once; Python's paths in a fresh "
                              "process with and without them")
+    parser.add_argument("--ab-python", type=Path, metavar="DIR",
+                        help="a whole checkout of another commit: Python's paths (hstu_export.load with and without "
+                             "its cache, NativePredictor) of this code and of DIR's on one package, each in a fresh "
+                             "process, in turns, three rounds (a change to Python's serving)")
     parser.add_argument("--ab-only", action="store_true",
-                        help="with --baseline-src, --ab-kv-program or --ab-graphs: time only the same-run A/B")
+                        help="with --baseline-src, --ab-kv-program, --ab-graphs or --ab-python: time only the "
+                             "same-run A/B")
     parser.add_argument("--export-only", metavar="WORKLOAD", help=argparse.SUPPRESS)  # the baseline's export
     parser.add_argument("--kv-program", default="auto", choices=["auto", "derived"],
                         help="the packages' delta program (auto: the zoo's written one); with --baseline-src, the "
@@ -487,13 +525,16 @@ def main() -> None:
                     entry["baseline_kv_parity"] = kv_parity(baseline[1])
             elif baseline_runner is not None:
                 baseline = (baseline_runner, package)
+            # Python's A/B serves the zoo's written program (with --ab-kv-program, the baseline's package).
+            ab_python = None if args.ab_python is None else (
+                args.ab_python.resolve(), baseline[1] if args.ab_kv_program and baseline is not None else package)
             predictor = None if args.ab_only else hstu_export.load(package)
             for batch in args.batches:
                 try:
                     entry["batches"][batch] = batch_row(runner, package, predictor, model, work, batch, args.iters,
                                                         work_dir, args.out, baseline, args.ab_only,
                                                         ("kv",) if args.ab_kv_program else ("no_cache", "kv"),
-                                                        args.ab_graphs)
+                                                        args.ab_graphs, ab_python)
                 except Exception as exc:  # recorded; the rest still runs
                     entry["batches"][batch] = failure(exc)
                 save()
