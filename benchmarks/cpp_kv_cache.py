@@ -285,7 +285,7 @@ PYTHON_PATHS = ("python_no_cache", "python_kv", "python_kv_no_graphs", "python_n
 
 
 def python_ab(package_root: Path, dirs: list[Path], ids: str, iters: int, work_dir: Path, checkout: Path,
-              rounds: int = 3) -> dict:
+              rounds: int = 2) -> dict:
     """Python's paths of this code (``new``) and of ``checkout`` (``baseline``) on one package, each in a fresh
     process, in turns, ``rounds`` times: every round's timings, and per path the median over rounds of the p50s
     with the cache's whole-request speed-up (no cache over cached) per side."""
@@ -433,7 +433,7 @@ def main() -> None:
     parser.add_argument("--ab-python", type=Path, metavar="DIR",
                         help="a whole checkout of another commit: Python's paths (hstu_export.load with and without "
                              "its cache, NativePredictor) of this code and of DIR's on one package, each in a fresh "
-                             "process, in turns, three rounds (a change to Python's serving)")
+                             "process, in turns, two rounds (a change to Python's serving)")
     parser.add_argument("--ab-only", action="store_true",
                         help="with --baseline-src, --ab-kv-program, --ab-graphs or --ab-python: time only the "
                              "same-run A/B")
