@@ -31,8 +31,9 @@ subprocess alongside this code's export. ``--ab-kv-program derived`` runs the sa
 code exports, one runtime: the zoo's delta program derived by the compiler (``new``) against the hand-written one
 (``baseline``). ``--ab-graphs`` runs it between one runtime's request without the cache with whole-request CUDA
 graphs (``--graphs auto``, ``new``) and without (``--graphs off``, ``baseline``), the cache timed once, and times
-Python's no-cache paths with and without them in a fresh process. ``--ab-python DIR`` (a whole checkout of another commit) times Python's paths of this code and of DIR's, in
-fresh processes in turns, on one package (the written program's). ``--ab-only`` times nothing else per batch.
+Python's no-cache paths with and without them in a fresh process. ``--ab-python DIR`` (a whole checkout of another
+commit) times Python's paths of this code and of DIR's, in fresh processes in turns, on one package (the written
+program's). ``--ab-only`` times nothing else per batch.
 Writes cpp_kv_cache.json (after every step).
 """
 

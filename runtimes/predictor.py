@@ -258,9 +258,9 @@ def plain_tensor(name: str, value: Any) -> Tensor:
     AOTInductor reads inputs as contiguous memory without checking strides, so a strided view (``t[::2]``)
     aborted the process or silently gave wrong scores; such views are copied here. Tensors with no data
     (meta) or another layout (sparse, nested, quantized, tensor subclasses) raise RequestError."""
-    if (type(value) is Tensor and value.dim() == 1 and value.layout == torch.strided and not value.requires_grad
-            and value.stride() == (1,) and not value.is_conj() and not value.is_neg() and not value.is_meta
-            and not value.is_quantized):
+    if (type(value) is Tensor and not value.is_nested and value.dim() == 1 and value.layout == torch.strided
+            and not value.requires_grad and value.stride() == (1,) and not value.is_conj() and not value.is_neg()
+            and not value.is_meta and not value.is_quantized):
         return value  # the common case, as a request arrives: a plain, contiguous 1-d tensor
     if not isinstance(value, Tensor):
         raise RequestError(f"feature {name!r} must be a tensor, got {type(value).__name__}")
