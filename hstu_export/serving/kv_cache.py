@@ -52,7 +52,8 @@ class DeltaRunner(Protocol):
     def __call__(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
                  page_table: Tensor) -> dict[str, Tensor]:
         """:meth:`hstu_export.models.cached.DeltaRanker.run`'s contract (the model's outputs; the new K/V
-        written into the pages); ``features`` may be on the host (the runner moves them to its device)."""
+        written into the pages); ``features`` and ``page_table`` may be on the host (the runner moves them to its
+        device)."""
 
     def table_width(self, width: int) -> int:
         """The width to build a page table of ``width`` pages at (later columns: the scratch page)."""
@@ -74,7 +75,7 @@ class EagerDelta:
     def __call__(self, features: dict[str, Tensor], cached: Tensor, k_pages: Tensor, v_pages: Tensor,
                  page_table: Tensor) -> dict[str, Tensor]:
         on_device = {name: value.to(self.device, non_blocking=True) for name, value in features.items()}
-        return self.delta.run(on_device, cached, k_pages, v_pages, page_table)
+        return self.delta.run(on_device, cached, k_pages, v_pages, page_table.to(self.device, non_blocking=True))
 
     def table_width(self, width: int) -> int:
         return width
@@ -472,7 +473,7 @@ class CachedRanker:
             rows_of_table = np.full((batch, width), scratch, dtype=np.int32)
             for b, pages in enumerate(tables):
                 rows_of_table[b, :len(pages)] = pages
-            table = torch.from_numpy(rows_of_table).to(self.device)
+            table = torch.from_numpy(rows_of_table)  # the runner moves it with the request, without a synchronisation
             # The delta request: each user's history after its cached prefix (one gather of the new tokens).
             new_counts = np.asarray([n - max(k - c, 0) for n, k in zip(lengths, cached)], dtype=np.int64)
             starts = np.asarray(hist_off[1:], dtype=np.int64) - new_counts
