@@ -311,7 +311,7 @@ def python_ab(package_root: Path, dirs: list[Path], ids: str, iters: int, work_d
 def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingModel, work: dict, batch: int,  # type: ignore[no-untyped-def]
               iters: int, work_dir: Path, log_dir: Path, baseline: tuple[Path, Path] | None = None,
               ab_only: bool = False, ab_kinds: tuple[str, ...] = ("no_cache", "kv"), ab_graphs: bool = False,
-              ab_python: tuple[Path, Path] | None = None) -> dict:
+              ab_python: tuple[Path, Path, int] | None = None) -> dict:
     row: dict = {}
     whole = request(model, work, batch, 100 + batch)  # on the host, as from a client
     steps = [prefix_of(whole, work, batch), whole] if work["cached"] < work["history"] else [whole]
@@ -336,7 +336,7 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
     for _ in dirs:
         kv_args += ["--user-ids", ids]
     if ab_python is not None:
-        row["python_ab"] = python_ab(ab_python[1], dirs, ids, iters, work_dir, ab_python[0])
+        row["python_ab"] = python_ab(ab_python[1], dirs, ids, iters, work_dir, ab_python[0], ab_python[2])
         # The C++ runtime's whole requests on the same package, for Python's speed-up to be set beside its own.
         _, row["cpp_no_cache"] = cpp(runner, package_root, dirs[-1], "--repeat", iters, "--warmup", 5)
         _, row["cpp_kv"] = cpp(runner, *kv_args, "--kv-graphs", "auto", "--repeat", iters, "--warmup", 5)
@@ -440,7 +440,10 @@ def main() -> None:
     parser.add_argument("--ab-python", type=Path, metavar="DIR",
                         help="a whole checkout of another commit: Python's paths (hstu_export.load with and without "
                              "its cache, NativePredictor) of this code and of DIR's on one package, each in a fresh "
-                             "process, in turns, two rounds (a change to Python's serving)")
+                             "process, in turns (a change to Python's serving)")
+    parser.add_argument("--ab-rounds", type=int, default=2,
+                        help="--ab-python's rounds (the same code's p50 differed by up to 1.6x between fresh processes "
+                             "on an H100: docs/PERF_INVESTIGATIONS.md)")
     parser.add_argument("--ab-only", action="store_true",
                         help="with --baseline-src, --ab-kv-program, --ab-graphs or --ab-python: time only the "
                              "same-run A/B")
@@ -535,7 +538,8 @@ def main() -> None:
                 baseline = (baseline_runner, package)
             # Python's A/B serves the zoo's written program (with --ab-kv-program, the baseline's package).
             ab_python = None if args.ab_python is None else (
-                args.ab_python.resolve(), baseline[1] if args.ab_kv_program and baseline is not None else package)
+                args.ab_python.resolve(), baseline[1] if args.ab_kv_program and baseline is not None else package,
+                args.ab_rounds)
             predictor = None if args.ab_only else hstu_export.load(package)
             for batch in args.batches:
                 try:
