@@ -337,14 +337,13 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
         kv_args += ["--user-ids", ids]
     if ab_python is not None:
         row["python_ab"] = python_ab(ab_python[1], dirs, ids, iters, work_dir, ab_python[0], ab_python[2])
-        # The C++ runtime's whole requests on the same package, for Python's speed-up to be set beside its own.
-        _, row["cpp_no_cache"] = cpp(runner, package_root, dirs[-1], "--repeat", iters, "--warmup", 5)
-        _, row["cpp_kv"] = cpp(runner, *kv_args, "--kv-graphs", "auto", "--repeat", iters, "--warmup", 5)
     if ab_only:
+        if ab_python is not None:  # C++'s whole requests on the same package, for Python's speed-up beside its own
+            _, row["cpp_no_cache"] = cpp(runner, package_root, dirs[-1], "--repeat", iters, "--warmup", 5)
+            _, row["cpp_kv"] = cpp(runner, *kv_args, "--kv-graphs", "auto", "--repeat", iters, "--warmup", 5)
         return row
 
-    if ab_python is None:
-        _, row["cpp_no_cache"] = cpp(runner, package_root, dirs[-1], "--repeat", iters, "--warmup", 5)
+    _, row["cpp_no_cache"] = cpp(runner, package_root, dirs[-1], "--repeat", iters, "--warmup", 5)
     out = work_dir / f"b{batch}_out"
     shutil.rmtree(out, ignore_errors=True)
     for name, graphs in (("cpp_kv_no_graphs", "off"), ("cpp_kv", "auto")):
