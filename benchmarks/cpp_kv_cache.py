@@ -35,7 +35,11 @@ Python's no-cache paths with and without them in a fresh process. ``--ab-python 
 commit) times Python's paths of this code and of DIR's, in fresh processes in turns, on one package (the written
 program's), and the C++ runtime's requests on it beside them; four fresh processes a batch size took about 200 s on
 an H100 (the dlrmv3 shapes), so one or two batch sizes fit a call of the GPU machine with the export.
-``--ab-only`` times nothing else per batch.
+``--ab-pin CPUS`` runs that A/B within this code, between fresh processes pinned to CPUS (``new``) and not pinned
+(``baseline``), and the C++ CLI's requests pinned and not, in turns.
+``--ab-only`` times nothing else per batch. ``--reuse`` keeps the work folder of an earlier run on the same machine
+(a GPU machine kept warm between calls): its runtime and each workload's package as exported then (with that run's
+``--kv-program`` and largest batch size) are used as they are; a baseline's package is exported again.
 Writes cpp_kv_cache.json (after the export and after every batch size).
 """
 
@@ -99,8 +103,29 @@ def python_latency(call, iters: int, before=None) -> dict:  # type: ignore[no-un
     return {"p50_ms": statistics.median(times), "p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))]}
 
 
-def cpp(runner: Path, *args: object) -> tuple[subprocess.CompletedProcess[str], dict]:
-    done = subprocess.run([str(runner), *map(str, args)], capture_output=True, text=True, timeout=600)
+def pinned_to(cpus: frozenset[int] | None):  # type: ignore[no-untyped-def]
+    """A ``preexec_fn`` that pins the child process to ``cpus`` (None: left where the scheduler puts it)."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
+def cpu_list(text: str) -> frozenset[int]:
+    """``--ab-pin``'s CPUs, as taskset writes them ("0-3,8"), checked against the CPUs this process may use."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CPUs such as 0-3,8, got {text!r}") from None
+    if not cpus or not cpus <= os.sched_getaffinity(0):
+        raise argparse.ArgumentTypeError(f"CPUs {text!r} are not all among this process's "
+                                         f"{sorted(os.sched_getaffinity(0))}")
+    return frozenset(cpus)
+
+
+def cpp(runner: Path, *args: object, pin: frozenset[int] | None = None) -> tuple[subprocess.CompletedProcess[str], dict]:
+    done = subprocess.run([str(runner), *map(str, args)], capture_output=True, text=True, timeout=600,
+                          preexec_fn=pinned_to(pin))
     if done.returncode != 0:
         return done, {"error": done.stderr.strip()[-2000:]}
     found = LATENCY.findall(done.stdout)
@@ -205,16 +230,22 @@ def ab_summary(ab: dict) -> dict:
     return out
 
 
+def workload_model(name: str) -> HstuRankingModel:
+    """The workload's dlrmv3-shaped model, seeded: every call builds the same model."""
+    work = WORKLOADS[name]
+    cfg = dataclasses.replace(preset_config("dlrmv3"), max_history_len=work["history"],
+                              max_num_candidates=work["candidates"])
+    torch.manual_seed(0)
+    return HstuRankingModel(cfg).eval()
+
+
 def export_package(name: str, max_batch: int, work_dir: Path,
                    kv_program: str = "auto") -> tuple[HstuRankingModel, Path, float]:
     """The workload's dlrmv3-shaped model (seeded: every export of it is the same model) and its package
     (bf16, Triton kernels, --kv-cache with ``kv_program``'s delta program), exported under ``work_dir``:
     (model, package, seconds)."""
     work = WORKLOADS[name]
-    cfg = dataclasses.replace(preset_config("dlrmv3"), max_history_len=work["history"],
-                              max_num_candidates=work["candidates"])
-    torch.manual_seed(0)
-    model = HstuRankingModel(cfg).eval()
+    model = workload_model(name)
     bundle = hstu_export.save_bundle(model, work_dir / f"{name}.pt", request(model, work, 2, 1))
     settings = hstu_export.ExportSettings(backend="aoti", device="cuda", dtype="bf16", op_target="triton",
                                           max_batch_size=max_batch, kv_cache=True, kv_page_size=PAGE,
@@ -268,16 +299,18 @@ def python_paths(predictor, native: NativePredictor, steps: list[dict[str, torch
 
 
 def fresh_python(row: dict, package_root: Path, dirs: list[Path], ids: str, iters: int, work_dir: Path,
-                 ab_graphs: bool = False, checkout: Path | None = None) -> None:
+                 ab_graphs: bool = False, checkout: Path | None = None, pin: frozenset[int] | None = None) -> None:
     """The Python paths timed in a fresh process, as a serving process is (``python_paths``), into ``row``;
-    ``checkout``: another commit's whole tree, whose own code and script time them."""
+    ``checkout``: another commit's whole tree, whose own code and script time them; ``pin``: the CPUs the process
+    runs on."""
     script, env = Path(__file__), None
     if checkout is not None:
         script = checkout / "benchmarks" / script.name
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")])}
     fresh = subprocess.run([sys.executable, str(script), "--out", str(work_dir), "--time-python", str(package_root),
                             "--iters", str(iters), "--users", ids, *(["--ab-graphs"] if ab_graphs else []),
-                            *map(str, dirs)], capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
+                            *map(str, dirs)], capture_output=True, text=True, timeout=900, env=env,
+                           preexec_fn=pinned_to(pin))  # fmt: skip
     if fresh.returncode == 0:
         row.update(json.loads(fresh.stdout.strip().splitlines()[-1]))
     else:
@@ -287,16 +320,26 @@ def fresh_python(row: dict, package_root: Path, dirs: list[Path], ids: str, iter
 PYTHON_PATHS = ("python_no_cache", "python_kv", "python_kv_no_graphs", "python_native_no_cache", "python_native_kv")
 
 
-def python_ab(package_root: Path, dirs: list[Path], ids: str, iters: int, work_dir: Path, checkout: Path,
-              rounds: int = 2) -> dict:
-    """Python's paths of this code (``new``) and of ``checkout`` (``baseline``) on one package, each in a fresh
-    process, in turns, ``rounds`` times: every round's timings, and per path the median over rounds of the p50s
-    with the cache's whole-request speed-up (no cache over cached) per side."""
+@dataclasses.dataclass(frozen=True)
+class PythonAB:
+    """Python's A/B in fresh processes on one package: ``new`` is this code, unpinned unless ``pin``; ``baseline``
+    is ``checkout``'s code (another commit), or this code unpinned (``--ab-pin``)."""
+
+    package: Path
+    checkout: Path | None
+    pin: frozenset[int] | None
+    rounds: int
+
+
+def python_ab(ab: PythonAB, dirs: list[Path], ids: str, iters: int, work_dir: Path) -> dict:
+    """Python's paths of the two sides of ``ab``, each in a fresh process, in turns, ``rounds`` times: every round's
+    timings, and per path the median over rounds of the p50s with the cache's whole-request speed-up (no cache over
+    cached) per side."""
     runs: dict[str, list[dict]] = {"new": [], "baseline": []}
-    for _ in range(rounds):
-        for label, src in (("new", None), ("baseline", checkout)):
+    for _ in range(ab.rounds):
+        for label, src, pin in (("new", None, ab.pin), ("baseline", ab.checkout, None)):
             row: dict = {}
-            fresh_python(row, package_root, dirs, ids, iters, work_dir, checkout=src)
+            fresh_python(row, ab.package, dirs, ids, iters, work_dir, checkout=src, pin=pin)
             runs[label].append(row)
     summary: dict = {}
     for label, rows in runs.items():
@@ -311,7 +354,7 @@ def python_ab(package_root: Path, dirs: list[Path], ids: str, iters: int, work_d
 def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingModel, work: dict, batch: int,  # type: ignore[no-untyped-def]
               iters: int, work_dir: Path, log_dir: Path, baseline: tuple[Path, Path] | None = None,
               ab_only: bool = False, ab_kinds: tuple[str, ...] = ("no_cache", "kv"), ab_graphs: bool = False,
-              ab_python: tuple[Path, Path, int] | None = None) -> dict:
+              ab_python: PythonAB | None = None) -> dict:
     row: dict = {}
     whole = request(model, work, batch, 100 + batch)  # on the host, as from a client
     steps = [prefix_of(whole, work, batch), whole] if work["cached"] < work["history"] else [whole]
@@ -336,11 +379,17 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
     for _ in dirs:
         kv_args += ["--user-ids", ids]
     if ab_python is not None:
-        row["python_ab"] = python_ab(ab_python[1], dirs, ids, iters, work_dir, ab_python[0], ab_python[2])
+        row["python_ab"] = python_ab(ab_python, dirs, ids, iters, work_dir)
     if ab_only:
-        if ab_python is not None:  # C++'s whole requests on the same package, for Python's speed-up beside its own
+        if ab_python is not None and ab_python.pin is None:  # C++ on the same package, beside Python's speed-up
             _, row["cpp_no_cache"] = cpp(runner, package_root, dirs[-1], "--repeat", iters, "--warmup", 5)
             _, row["cpp_kv"] = cpp(runner, *kv_args, "--kv-graphs", "auto", "--repeat", iters, "--warmup", 5)
+        elif ab_python is not None:  # C++ pinned (new) and not (baseline), in turns
+            for _ in range(ab_python.rounds):
+                for label, pin in (("new", ab_python.pin), ("baseline", None)):
+                    for name, args in (("no_cache", (package_root, dirs[-1])), ("kv", (*kv_args, "--kv-graphs", "auto"))):
+                        _, timed = cpp(runner, *args, "--repeat", iters, "--warmup", 5, pin=pin)
+                        row.setdefault("cpp_pin_ab", {}).setdefault(f"{label}_{name}", []).append(timed)
         return row
 
     _, row["cpp_no_cache"] = cpp(runner, package_root, dirs[-1], "--repeat", iters, "--warmup", 5)
@@ -440,12 +489,19 @@ def main() -> None:
                         help="a whole checkout of another commit: Python's paths (hstu_export.load with and without "
                              "its cache, NativePredictor) of this code and of DIR's on one package, each in a fresh "
                              "process, in turns (a change to Python's serving)")
+    parser.add_argument("--ab-pin", type=cpu_list, metavar="CPUS",
+                        help="CPUs such as 0-3: Python's paths and the C++ CLI on one package, pinned to CPUS (new) "
+                             "and not pinned (baseline), each in a fresh process, in turns (how much of the spread "
+                             "between processes is where they run)")
     parser.add_argument("--ab-rounds", type=int, default=2,
-                        help="--ab-python's rounds (the same code's p50 differed by up to 1.6x between fresh processes "
+                        help="--ab-python's and --ab-pin's rounds (the same code's p50 differed by up to 1.6x between fresh processes "
                              "on an H100: docs/PERF_INVESTIGATIONS.md)")
     parser.add_argument("--ab-only", action="store_true",
-                        help="with --baseline-src, --ab-kv-program, --ab-graphs or --ab-python: time only the "
-                             "same-run A/B")
+                        help="with --baseline-src, --ab-kv-program, --ab-graphs, --ab-python or --ab-pin: time only "
+                             "the same-run A/B")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the work folder (/tmp/cpp_kv_cache) of an earlier run on this machine: its runtime "
+                             "and its package of each workload, when there, are used as they are")
     parser.add_argument("--export-only", metavar="WORKLOAD", help=argparse.SUPPRESS)  # the baseline's export
     parser.add_argument("--kv-program", default="auto", choices=["auto", "derived"],
                         help="the packages' delta program (auto: the zoo's written one); with --baseline-src, the "
@@ -454,6 +510,8 @@ def main() -> None:
     parser.add_argument("--users", help=argparse.SUPPRESS)
     parser.add_argument("requests", nargs="*", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ab_pin is not None and args.ab_python is not None:
+        parser.error("--ab-pin and --ab-python are two A/Bs: give one")
     if args.time_python:  # in a fresh process, as a serving process is: the timings as JSON, last line
         steps = [load_tensors(path) for path in args.requests]
         library = args.out / "build" / LIBRARY_NAME
@@ -470,23 +528,27 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     work_dir = Path("/tmp/cpp_kv_cache")
-    shutil.rmtree(work_dir, ignore_errors=True)
-    work_dir.mkdir()
+    if not args.reuse:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    work_dir.mkdir(exist_ok=True)
     report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                     "page_size": PAGE, "iters": args.iters, "workloads": {}}
 
     def save() -> None:
         (args.out / "cpp_kv_cache.json").write_text(json.dumps(report, indent=2))
 
-    start = time.perf_counter()
-    build = subprocess.run(["bash", str(REPO / "runtimes/cpp/build.sh"), str(work_dir / "build")],
-                           capture_output=True, text=True)
-    report["build"] = {"returncode": build.returncode, "seconds": round(time.perf_counter() - start, 1),
-                       "tail": (build.stdout + build.stderr)[-1500:]}
-    save()
-    if build.returncode != 0:
-        return
     runner = work_dir / "build" / "hstu-export-run"
+    if args.reuse and runner.is_file():
+        report["build"] = {"reused": str(runner)}
+    else:
+        start = time.perf_counter()
+        build = subprocess.run(["bash", str(REPO / "runtimes/cpp/build.sh"), str(work_dir / "build")],
+                               capture_output=True, text=True)
+        report["build"] = {"returncode": build.returncode, "seconds": round(time.perf_counter() - start, 1),
+                           "tail": (build.stdout + build.stderr)[-1500:]}
+        save()
+        if build.returncode != 0:
+            return
     baseline_runner, checkout = None, None
     if args.baseline_src is not None:
         src = args.baseline_src.resolve()
@@ -514,8 +576,12 @@ def main() -> None:
                     [sys.executable, __file__, "--out", str(work_dir / "baseline"), "--export-only", name,
                      "--batches", *map(str, args.batches), *other],
                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-            model, package, entry["export_seconds"] = export_package(name, max(args.batches), work_dir,
-                                                                     args.kv_program)
+            kept = work_dir / f"{name}.aoti"
+            if args.reuse and (kept / "manifest.json").is_file():  # an earlier run's export, on this machine
+                model, package, entry["export_seconds"] = workload_model(name), kept, None
+            else:
+                model, package, entry["export_seconds"] = export_package(name, max(args.batches), work_dir,
+                                                                         args.kv_program)
             entry["kv_parity"] = kv_parity(package)
             save()  # the export's time, should a later step run out of time
             baseline = None
@@ -536,9 +602,10 @@ def main() -> None:
             elif baseline_runner is not None:
                 baseline = (baseline_runner, package)
             # Python's A/B serves the zoo's written program (with --ab-kv-program, the baseline's package).
-            ab_python = None if args.ab_python is None else (
-                args.ab_python.resolve(), baseline[1] if args.ab_kv_program and baseline is not None else package,
-                args.ab_rounds)
+            ab_python = None
+            if args.ab_python is not None or args.ab_pin is not None:
+                ab_python = PythonAB(baseline[1] if args.ab_kv_program and baseline is not None else package,
+                                     args.ab_python.resolve() if args.ab_python else None, args.ab_pin, args.ab_rounds)
             predictor = None if args.ab_only else hstu_export.load(package)
             for batch in args.batches:
                 try:
