@@ -23,7 +23,8 @@ Outputs: the C++ cache's first whole answer without graphs against Python's cach
 same program on the same inputs: bit for bit) and against the package without cache (relative L2).
 With ``--baseline-src DIR`` it also builds a baseline runtime and, per batch, runs both runtimes' requests in
 turn, three times each, without cache and cached, with --phase-times and without (``same_run_ab``): a change
-against its baseline in the same run; where both serve one package, their answers are compared bit for bit.
+against its baseline in the same run; where both serve one package, their answers are compared bit for bit
+(``--ab-cached-only``: the cached requests alone, for a change to the cached path).
 DIR is either a copy of runtimes/cpp from another commit (a runtime change: both runtimes serve
 this code's package) or a whole checkout of another commit (``git archive REV | tar -x -C DIR``; a change to
 the exported program too): its runtimes/cpp is built and its own code exports the baseline package, in a
@@ -496,6 +497,8 @@ def main() -> None:
     parser.add_argument("--ab-rounds", type=int, default=2,
                         help="--ab-python's and --ab-pin's rounds (the same code's p50 differed by up to 1.6x between fresh processes "
                              "on an H100: docs/PERF_INVESTIGATIONS.md)")
+    parser.add_argument("--ab-cached-only", action="store_true",
+                        help="with --baseline-src: time the cached requests only (a change to the cached path)")
     parser.add_argument("--ab-only", action="store_true",
                         help="with --baseline-src, --ab-kv-program, --ab-graphs, --ab-python or --ab-pin: time only "
                              "the same-run A/B")
@@ -611,7 +614,8 @@ def main() -> None:
                 try:
                     entry["batches"][batch] = batch_row(runner, package, predictor, model, work, batch, args.iters,
                                                         work_dir, args.out, baseline, args.ab_only,
-                                                        ("kv",) if args.ab_kv_program else ("no_cache", "kv"),
+                                                        ("kv",) if args.ab_kv_program or args.ab_cached_only
+                                                        else ("no_cache", "kv"),
                                                         args.ab_graphs, ab_python)
                 except Exception as exc:  # recorded; the rest still runs
                     entry["batches"][batch] = failure(exc)

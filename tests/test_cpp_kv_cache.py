@@ -186,6 +186,49 @@ def test_a_history_grown_over_many_requests(cpp_runtime, kv_package, tmp_path) -
     assert (stats["misses"], stats["hits"], stats["stale"]) == (2, grown[0] + 18, grown[1] + 1)
 
 
+@pytest.mark.parametrize("budget_pages", [None, 5], ids=["roomy", "five-pages"])
+def test_a_history_changed_in_place(cpp_runtime, kv_package, tmp_path, budget_pages) -> None:  # type: ignore[no-untyped-def]
+    """A cached history changed in its middle, as long as before, then changed and grown by a page: the C++
+    runtime compares histories while the device runs the request as if they matched, and runs it again with that
+    user from nothing; Python compares first. Answers and counters equal bit for bit. ``five-pages``: the changed,
+    grown user needs a page nobody can free, so it is served unstored and its stale entry dropped."""
+    name, root, manifest = kv_package
+    layout = manifest["kv_cache"]["layout"]
+    budget = None if budget_pages is None else budget_pages * page_bytes(
+        layout["num_layers"], layout["num_heads"], layout["attention_dim"], layout["linear_dim"], PAGE, torch.float32)
+    users = Users(CONFIGS[name], seed=13)
+    users.grow("a", 2 * PAGE)
+    users.grow("b", 2 * PAGE)
+
+    def change(user: str, at: int) -> None:
+        item, action, stamp = users.history[user][at]
+        users.history[user][at] = ((item + 1) % CONFIGS[name].item_vocab_size, action, stamp)
+
+    steps = [(["a", "b"], users.request(["a", "b"], [2, 1]))]
+    change("b", 3)
+    steps.append((["a", "b"], users.request(["a", "b"], [1, 2])))
+    change("a", 5)
+    users.grow("a", PAGE // 2)
+    steps.append((["a", "b"], users.request(["a", "b"], [2, 2])))
+    done, cpp = _run_cpp(cpp_runtime, root, steps, tmp_path, "--kv-cache", budget or "auto")
+    predictor = hstu_export.load(root)
+    ranker = predictor.kv_cache(budget_bytes=budget)
+    for k, ((who, request), got) in enumerate(zip(steps, cpp)):
+        python = ranker(request, [IDS[u] for u in who])
+        for key in python:
+            assert torch.equal(got[key], python[key]), (k, key)
+        torch.testing.assert_close(got, predictor(request), **CLOSE)
+    stats = _stats(done.stdout)
+    assert stats == ranker.cache.stats()
+    if name == "no-context":  # pages of 16: each user's 32 tokens take 2, "a" grown to 40 takes 3
+        expected = {"misses": 2, "hits": 2, "stale": 2, "evictions": 0}
+        expected.update({"bypassed": 0, "users": 2, "pages_used": 5} if budget_pages is None
+                        else {"bypassed": 1, "users": 1, "pages_used": 2})
+        assert {key: stats[key] for key in expected} == expected
+    else:
+        assert stats["stale"] >= 1
+
+
 def test_cpp_phase_times_of_cached_requests(cpp_runtime, kv_package, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """--phase-times with --kv-cache: a line per request of the sequence, the dense half (the delta program
     as served) timed apart from the bookkeeping and the sparse half; the answers stay the first pass's."""

@@ -248,9 +248,10 @@ struct CachedRanker::Impl {
     for (const auto& name : kv.inputs) ordered.push_back(inputs.at(name));
     return program->run(ordered);
   }
-  int64_t reusable(int64_t user, const int64_t* context, const std::array<const int64_t*, 3>& tokens, int64_t length,
-                   int64_t query_time, std::shared_ptr<const Record>* reused);
+  int64_t reusable(int64_t user, const int64_t* context, int64_t length, int64_t query_time,
+                   std::shared_ptr<const Record>* reused);
   std::vector<int64_t> reserve(int64_t user, int64_t tokens, int64_t keep);
+  void drop(int64_t user);
   void commit(int64_t user, int64_t length, std::shared_ptr<const Record> record);
   void count(int64_t KVCacheStats::*counter, int64_t by = 1) {
     std::lock_guard<std::mutex> lock(mutex);
@@ -547,9 +548,11 @@ NamedTensors CachedRanker::run(const Tensors& request, const std::vector<int64_t
   }
 }
 
-// Tokens of the user's entry that may be reused exactly (0: recompute), counting a hit, miss or stale.
-int64_t CachedRanker::Impl::reusable(int64_t user, const int64_t* context, const std::array<const int64_t*, 3>& tokens,
-                                     int64_t length, int64_t query_time, std::shared_ptr<const Record>* reused) {
+// Tokens of the user's entry that may be reused exactly (0: recompute, counted as a miss or stale) but for its
+// history's tokens, which run() compares with the request's while the device computes: the hit or stale is
+// counted then.
+int64_t CachedRanker::Impl::reusable(int64_t user, const int64_t* context, int64_t length, int64_t query_time,
+                                     std::shared_ptr<const Record>* reused) {
   const int64_t c = static_cast<int64_t>(kv.contextual_features.size());
   std::shared_ptr<const Record> record;
   int64_t cached = 0;
@@ -570,12 +573,14 @@ int64_t CachedRanker::Impl::reusable(int64_t user, const int64_t* context, const
   // Contextual tokens see the whole history: with them, only an unchanged history is reused.
   bool ok = hist <= length && !(c > 0 && hist != length);
   ok = ok && std::equal(record->context.begin(), record->context.end(), context);
-  ok = ok && record->history() == hist && record->prefix_of(tokens);
+  ok = ok && record->history() == hist;
   // In the same time buckets, or within the allowed drift (none by default: exact).
   bool in_buckets = record->valid_lo <= query_time && query_time < record->valid_hi;
   ok = ok && (in_buckets || (max_time_drift > 0 && query_time - record->query_time <= max_time_drift));
-  count(ok ? &KVCacheStats::hits : &KVCacheStats::stale);
-  if (!ok) return 0;
+  if (!ok) {
+    count(&KVCacheStats::stale);
+    return 0;
+  }
   *reused = record;
   return cached;
 }
@@ -626,6 +631,16 @@ std::vector<int64_t> CachedRanker::Impl::reserve(int64_t user, int64_t tokens, i
   return entry.pages;
 }
 
+// The user's entry gone, its pages free.
+void CachedRanker::Impl::drop(int64_t user) {
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = entries.find(user);
+  if (it == entries.end()) return;
+  free_pages.insert(free_pages.end(), it->second.pages.begin(), it->second.pages.end());
+  recency.erase(it->second.order);
+  entries.erase(it);
+}
+
 void CachedRanker::Impl::commit(int64_t user, int64_t length, std::shared_ptr<const Record> record) {
   std::lock_guard<std::mutex> lock(mutex);
   Entry& entry = entries.at(user);
@@ -652,6 +667,12 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
   std::vector<std::vector<int64_t>> tables(batch);
   std::vector<bool> stored(batch, false);
   std::vector<std::shared_ptr<const Record>> reused(batch);
+  // Whether user b's cached history is the start of the request's (the entry's other conditions checked apart).
+  auto same_history = [&](int64_t b) {
+    std::array<const int64_t*, 3> tokens;
+    for (size_t row = 0; row < tokens.size(); ++row) tokens[row] = rows[row].data + hist_off[b];
+    return reused[b]->prefix_of(tokens);
+  };
   std::vector<std::vector<int64_t>> contexts(batch);
   int64_t bypassed = 0;
   for (int64_t b = 0; b < batch; ++b) {
@@ -660,12 +681,15 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
       bypassed += 1;
       continue;
     }
-    std::array<const int64_t*, 3> tokens;
-    for (size_t row = 0; row < tokens.size(); ++row) tokens[row] = rows[row].data + hist_off[b];
-    int64_t reuse = reusable(users[b], contexts[b].data(), tokens, hist_len.data[b], query_time.data[b], &reused[b]);
+    int64_t reuse = reusable(users[b], contexts[b].data(), hist_len.data[b], query_time.data[b], &reused[b]);
     try {
       tables[b] = reserve(users[b], c + hist_len.data[b], reuse);
-    } catch (const CacheFull&) {
+    } catch (const CacheFull&) {  // served, not stored; its entry counted as a hit or stale, a stale one dropped
+      if (reused[b]) {
+        bool same = same_history(b);
+        count(same ? &KVCacheStats::hits : &KVCacheStats::stale);
+        if (!same) drop(users[b]);
+      }
       reused[b].reset();
       bypassed += 1;
       continue;
@@ -674,121 +698,143 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
     stored[b] = true;
   }
   if (bypassed > 0) count(&KVCacheStats::bypassed, bypassed);
-  int64_t width = 1;
-  for (const auto& row : tables) width = std::max<int64_t>(width, static_cast<int64_t>(row.size()));
-  // As wide as the request's shape bucket, if it gets one: then the graph copies the table in as it is.
-  if (graphs) width = graphs->table_width(width);
-  // The rest of a row, and the whole row of a user not stored, point at the scratch page.
-  at::Tensor table = at::full({batch, width}, scratch, at::kInt);
-  for (int64_t b = 0; b < batch; ++b) {
-    auto* row = table.data_ptr<int32_t>() + b * width;
-    for (size_t i = 0; i < tables[b].size(); ++i) row[i] = static_cast<int32_t>(tables[b][i]);
-  }
-
-  // The delta request: each user's history after its cached prefix.
-  std::vector<int64_t> new_len(batch), fresh;
-  for (int64_t b = 0; b < batch; ++b) {
-    new_len[b] = hist_len.data[b] - std::max<int64_t>(cached[b] - c, 0);
-    for (int64_t i = hist_off[b + 1] - new_len[b]; i < hist_off[b + 1]; ++i) fresh.push_back(i);
-  }
-  at::Tensor fresh_rows = at::tensor(fresh, at::kLong);
-  Tensors delta = request;
-  for (size_t row = 0; row < kTokenRows.size(); ++row) {  // from the host copies, in the request's dtype
-    const char* name = kTokenRows[row];
-    delta[name] = rows[row].tensor.index_select(0, fresh_rows).to(request.at(name).scalar_type());
-  }
-  delta[kHistoryLengths] = at::tensor(new_len, at::kLong).to(request.at(kHistoryLengths).scalar_type());
-
-  // What goes to the device besides the delta request, in the same transfer: the users' cached counts, the
-  // page table, the users with nothing cached (with contextual features), and the padded history below.
-  std::vector<at::Tensor> also = {at::tensor(cached, at::kLong), table};
-  enum Also : size_t { kCached, kTable };
-  std::optional<size_t> fresh_users_at, padded_at;
-  if (c > 0) {  // [F, contextual features, D] for the F users with nothing cached, in batch order
-    std::vector<int64_t> uncached;  // from the host's counts: nonzero() on the device would wait for it
+  // The request as a delta request, to the device, and the delta program launched: its outputs. The run writes the
+  // stored users' new K/V into their pages.
+  std::vector<int64_t> new_len(batch);
+  Tensors delta;
+  auto launch = [&]() -> std::vector<at::Tensor> {
+    int64_t width = 1;
+    for (const auto& row : tables) width = std::max<int64_t>(width, static_cast<int64_t>(row.size()));
+    // As wide as the request's shape bucket, if it gets one: then the graph copies the table in as it is.
+    if (graphs) width = graphs->table_width(width);
+    // The rest of a row, and the whole row of a user not stored, point at the scratch page.
+    at::Tensor table = at::full({batch, width}, scratch, at::kInt);
     for (int64_t b = 0; b < batch; ++b) {
-      if (cached[b] == 0) uncached.push_back(b);
+      auto* row = table.data_ptr<int32_t>() + b * width;
+      for (size_t i = 0; i < tables[b].size(); ++i) row[i] = static_cast<int32_t>(tables[b][i]);
     }
-    fresh_users_at = also.size();
-    also.push_back(at::tensor(uncached, at::kLong));
-  }
-  // The sparse half takes at least the exported minimum of history tokens per user: placeholder tokens
-  // (id 0) fill a user's up, and their embeddings are dropped. Moved: the real rows to keep, the padded
-  // token rows (kTokenRows' order) and lengths.
-  bool padded = std::any_of(new_len.begin(), new_len.end(), [&](int64_t n) { return n < kv.min_history; });
-  if (padded) {
-    std::vector<int64_t> padded_len(batch), real;
-    int64_t start = 0;
+
+    // The delta request: each user's history after its cached prefix.
+    std::vector<int64_t> fresh;
     for (int64_t b = 0; b < batch; ++b) {
-      padded_len[b] = std::max(new_len[b], kv.min_history);
-      for (int64_t i = 0; i < new_len[b]; ++i) real.push_back(start + i);
-      start += padded_len[b];
+      new_len[b] = hist_len.data[b] - std::max<int64_t>(cached[b] - c, 0);
+      for (int64_t i = hist_off[b + 1] - new_len[b]; i < hist_off[b + 1]; ++i) fresh.push_back(i);
     }
-    at::Tensor real_rows = at::tensor(real, at::kLong);
-    padded_at = also.size();
-    also.push_back(real_rows);
-    for (const char* name : kTokenRows) {
-      const at::Tensor& value = delta.at(name);
-      std::vector<int64_t> shape = value.sizes().vec();
-      shape[0] = start;
-      also.push_back(at::zeros(shape, value.options()).index_copy_(0, real_rows, value));
+    at::Tensor fresh_rows = at::tensor(fresh, at::kLong);
+    delta = request;
+    for (size_t row = 0; row < kTokenRows.size(); ++row) {  // from the host copies, in the request's dtype
+      const char* name = kTokenRows[row];
+      delta[name] = rows[row].tensor.index_select(0, fresh_rows).to(request.at(name).scalar_type());
     }
-    also.push_back(at::tensor(padded_len, at::kLong).to(request.at(kHistoryLengths).scalar_type()));
-  }
-  clock.begin_part();
-  Tensors on_device = pkg->plain(delta, &also);
-  Tensors sparse_in = on_device;
-  if (padded_at) {
-    for (size_t row = 0; row < kTokenRows.size(); ++row) sparse_in[kTokenRows[row]] = also[*padded_at + 1 + row];
-    sparse_in[kHistoryLengths] = also[*padded_at + 1 + kTokenRows.size()];
-  }
-  clock.end_part(&PhaseTimes::to_device_ms);
-  clock.begin_part();
-  NamedTensors boundary = pkg->sparse_outputs(sparse_in);
-  clock.end_part(&PhaseTimes::sparse_ms);
-  std::map<std::string, at::Tensor> emb;
-  for (auto& [name, value] : boundary) emb[name] = value;
-  if (padded_at) {
-    for (const char* name : kHistoryEmbeddings) emb[name] = emb.at(name).index_select(0, also[*padded_at]);
-  }
-  at::Tensor contextual;
-  if (c == 0) {
-    const at::Tensor& like = emb.at(kHistoryEmbeddings[0]);
-    contextual = at::zeros({0, 0, like.size(-1)}, like.options());
-  } else {
-    std::vector<at::Tensor> columns;
-    for (const auto& name : kv.contextual_features) {
-      columns.push_back(emb.at(name + "_emb").index_select(0, also[*fresh_users_at]));
+    delta[kHistoryLengths] = at::tensor(new_len, at::kLong).to(request.at(kHistoryLengths).scalar_type());
+
+    // What goes to the device besides the delta request, in the same transfer: the users' cached counts, the
+    // page table, the users with nothing cached (with contextual features), and the padded history below.
+    std::vector<at::Tensor> also = {at::tensor(cached, at::kLong), table};
+    enum Also : size_t { kCached, kTable };
+    std::optional<size_t> fresh_users_at, padded_at;
+    if (c > 0) {  // [F, contextual features, D] for the F users with nothing cached, in batch order
+      std::vector<int64_t> uncached;  // from the host's counts: nonzero() on the device would wait for it
+      for (int64_t b = 0; b < batch; ++b) {
+        if (cached[b] == 0) uncached.push_back(b);
+      }
+      fresh_users_at = also.size();
+      also.push_back(at::tensor(uncached, at::kLong));
     }
-    contextual = at::stack(columns, 1);
-  }
-  detail::ProgramInputs inputs;
-  for (const auto& name : kv.inputs) {
-    if (name == "kv_cached") {
-      inputs[name] = also[kCached];
-    } else if (name == "kv_k_pages") {
-      inputs[name] = k;
-    } else if (name == "kv_v_pages") {
-      inputs[name] = v;
-    } else if (name == "kv_page_table") {
-      inputs[name] = also[kTable];
-    } else if (name == "contextual_emb") {
-      inputs[name] = contextual.contiguous();
-    } else if (auto it = emb.find(name); it != emb.end()) {
-      inputs[name] = it->second.contiguous();
+    // The sparse half takes at least the exported minimum of history tokens per user: placeholder tokens
+    // (id 0) fill a user's up, and their embeddings are dropped. Moved: the real rows to keep, the padded
+    // token rows (kTokenRows' order) and lengths.
+    bool padded = std::any_of(new_len.begin(), new_len.end(), [&](int64_t n) { return n < kv.min_history; });
+    if (padded) {
+      std::vector<int64_t> padded_len(batch), real;
+      int64_t start = 0;
+      for (int64_t b = 0; b < batch; ++b) {
+        padded_len[b] = std::max(new_len[b], kv.min_history);
+        for (int64_t i = 0; i < new_len[b]; ++i) real.push_back(start + i);
+        start += padded_len[b];
+      }
+      at::Tensor real_rows = at::tensor(real, at::kLong);
+      padded_at = also.size();
+      also.push_back(real_rows);
+      for (const char* name : kTokenRows) {
+        const at::Tensor& value = delta.at(name);
+        std::vector<int64_t> shape = value.sizes().vec();
+        shape[0] = start;
+        also.push_back(at::zeros(shape, value.options()).index_copy_(0, real_rows, value));
+      }
+      also.push_back(at::tensor(padded_len, at::kLong).to(request.at(kHistoryLengths).scalar_type()));
+    }
+    clock.begin_part();
+    Tensors on_device = pkg->plain(delta, &also);
+    Tensors sparse_in = on_device;
+    if (padded_at) {
+      for (size_t row = 0; row < kTokenRows.size(); ++row) sparse_in[kTokenRows[row]] = also[*padded_at + 1 + row];
+      sparse_in[kHistoryLengths] = also[*padded_at + 1 + kTokenRows.size()];
+    }
+    clock.end_part(&PhaseTimes::to_device_ms);
+    clock.begin_part();
+    NamedTensors boundary = pkg->sparse_outputs(sparse_in);
+    clock.end_part(&PhaseTimes::sparse_ms);
+    std::map<std::string, at::Tensor> emb;
+    for (auto& [name, value] : boundary) emb[name] = value;
+    if (padded_at) {
+      for (const char* name : kHistoryEmbeddings) emb[name] = emb.at(name).index_select(0, also[*padded_at]);
+    }
+    at::Tensor contextual;
+    if (c == 0) {
+      const at::Tensor& like = emb.at(kHistoryEmbeddings[0]);
+      contextual = at::zeros({0, 0, like.size(-1)}, like.options());
     } else {
-      inputs[name] = on_device.at(feature_of.at(name));
+      std::vector<at::Tensor> columns;
+      for (const auto& name : kv.contextual_features) {
+        columns.push_back(emb.at(name + "_emb").index_select(0, also[*fresh_users_at]));
+      }
+      contextual = at::stack(columns, 1);
     }
+    detail::ProgramInputs inputs;
+    for (const auto& name : kv.inputs) {
+      if (name == "kv_cached") {
+        inputs[name] = also[kCached];
+      } else if (name == "kv_k_pages") {
+        inputs[name] = k;
+      } else if (name == "kv_v_pages") {
+        inputs[name] = v;
+      } else if (name == "kv_page_table") {
+        inputs[name] = also[kTable];
+      } else if (name == "contextual_emb") {
+        inputs[name] = contextual.contiguous();
+      } else if (auto it = emb.find(name); it != emb.end()) {
+        inputs[name] = it->second.contiguous();
+      } else {
+        inputs[name] = on_device.at(feature_of.at(name));
+      }
+    }
+    clock.lap(&PhaseTimes::before_dense_ms);
+    std::vector<at::Tensor> outputs = graphs ? (*graphs)(inputs) : run_program(inputs);
+    clock.split(&PhaseTimes::dense_launch_ms);
+    clock.lap(&PhaseTimes::dense_ms);
+    if (outputs.size() != kv.outputs.size()) {
+      throw Error(kv.program_file + " returned " + std::to_string(outputs.size()) + " outputs, the manifest names " +
+                  std::to_string(kv.outputs.size()));
+    }
+    return outputs;
+  };
+  std::vector<at::Tensor> outputs = launch();
+  // While the device computes: each cached history compared with the request's (the rest of the entry was checked
+  // before the launch). A user whose history differs is stale: the request runs again, that user from nothing; its
+  // pages stay its own, and the run before wrote only them and pages of users that are in this request.
+  std::vector<int64_t> differing;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (cached[b] == 0 || same_history(b)) continue;
+    differing.push_back(b);
+    cached[b] = 0;
+    reused[b].reset();
   }
-  // The run writes the stored users' new K/V into their pages.
-  clock.lap(&PhaseTimes::before_dense_ms);
-  std::vector<at::Tensor> outputs = graphs ? (*graphs)(inputs) : run_program(inputs);
-  clock.split(&PhaseTimes::dense_launch_ms);
-  clock.lap(&PhaseTimes::dense_ms);
-  if (outputs.size() != kv.outputs.size()) {
-    throw Error(kv.program_file + " returned " + std::to_string(outputs.size()) + " outputs, the manifest names " +
-                std::to_string(kv.outputs.size()));
-  }
+  count(&KVCacheStats::stale, static_cast<int64_t>(differing.size()));
+  count(&KVCacheStats::hits, static_cast<int64_t>(std::count_if(cached.begin(), cached.end(), [](int64_t n) {
+          return n > 0;
+        })));
+  if (!differing.empty()) outputs = launch();
 
   // Record what the stored users' pages hold now, with the query times at which their new tokens keep
   // their time buckets.

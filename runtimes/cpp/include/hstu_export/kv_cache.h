@@ -10,7 +10,9 @@
 // Only each user's tokens past its cached prefix are computed. An entry is reused only when that is
 // exact: the request's contextual ids and history start with the cached ones (with contextual features:
 // the history is unchanged) and every cached token keeps its timestamp bucket at the request's query
-// time; otherwise the user is recomputed (a prefill). A package whose delta program was derived from the
+// time; otherwise the user is recomputed (a prefill). The histories are compared while the device runs the
+// request as if they matched; a user whose history differs is counted stale and the request runs again, that
+// user from nothing, before run() returns. A package whose delta program was derived from the
 // model's graph (kv_cache.kind "derived", any model but the zoo's) is served the same way, reuse decided by
 // the program itself: it compares each user's cached rows and reports the stale users, which are run again
 // from nothing. Pages are allocated once, on the package's device; whole users are evicted, least recently
