@@ -823,18 +823,20 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
   // While the device computes: each cached history compared with the request's (the rest of the entry was checked
   // before the launch). A user whose history differs is stale: the request runs again, that user from nothing; its
   // pages stay its own, and the run before wrote only them and pages of users that are in this request.
-  std::vector<int64_t> differing;
+  int64_t hits = 0, differing = 0;
   for (int64_t b = 0; b < batch; ++b) {
-    if (cached[b] == 0 || same_history(b)) continue;
-    differing.push_back(b);
+    if (cached[b] == 0) continue;
+    if (same_history(b)) {
+      hits += 1;
+      continue;
+    }
+    differing += 1;
     cached[b] = 0;
     reused[b].reset();
   }
-  count(&KVCacheStats::stale, static_cast<int64_t>(differing.size()));
-  count(&KVCacheStats::hits, static_cast<int64_t>(std::count_if(cached.begin(), cached.end(), [](int64_t n) {
-          return n > 0;
-        })));
-  if (!differing.empty()) outputs = launch();
+  count(&KVCacheStats::hits, hits);
+  count(&KVCacheStats::stale, differing);
+  if (differing > 0) outputs = launch();
 
   // Record what the stored users' pages hold now, with the query times at which their new tokens keep
   // their time buckets.
