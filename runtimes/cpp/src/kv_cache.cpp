@@ -252,6 +252,12 @@ struct CachedRanker::Impl {
                    std::shared_ptr<const Record>* reused);
   std::vector<int64_t> reserve(int64_t user, int64_t tokens, int64_t keep);
   void drop(int64_t user);
+  // The entry gone, its pages free (the mutex held).
+  void release(std::unordered_map<int64_t, Entry>::iterator it) {
+    free_pages.insert(free_pages.end(), it->second.pages.begin(), it->second.pages.end());
+    recency.erase(it->second.order);
+    entries.erase(it);
+  }
   void commit(int64_t user, int64_t length, std::shared_ptr<const Record> record);
   void count(int64_t KVCacheStats::*counter, int64_t by = 1) {
     std::lock_guard<std::mutex> lock(mutex);
@@ -611,17 +617,10 @@ std::vector<int64_t> CachedRanker::Impl::reserve(int64_t user, int64_t tokens, i
       return other != user && entries.at(other).pins == 0;
     });
     if (victim == recency.end()) {
-      if (entry.length == 0) {
-        free_pages.insert(free_pages.end(), entry.pages.begin(), entry.pages.end());
-        recency.erase(entry.order);
-        entries.erase(it);
-      }
+      if (entry.length == 0) release(it);
       throw CacheFull();
     }
-    auto gone = entries.find(*victim);
-    free_pages.insert(free_pages.end(), gone->second.pages.begin(), gone->second.pages.end());
-    recency.erase(victim);
-    entries.erase(gone);
+    release(entries.find(*victim));
     counts.evictions += 1;
   }
   for (int64_t i = 0; i < missing; ++i) {
@@ -634,11 +633,7 @@ std::vector<int64_t> CachedRanker::Impl::reserve(int64_t user, int64_t tokens, i
 // The user's entry gone, its pages free.
 void CachedRanker::Impl::drop(int64_t user) {
   std::lock_guard<std::mutex> lock(mutex);
-  auto it = entries.find(user);
-  if (it == entries.end()) return;
-  free_pages.insert(free_pages.end(), it->second.pages.begin(), it->second.pages.end());
-  recency.erase(it->second.order);
-  entries.erase(it);
+  if (auto it = entries.find(user); it != entries.end()) release(it);
 }
 
 void CachedRanker::Impl::commit(int64_t user, int64_t length, std::shared_ptr<const Record> record) {
