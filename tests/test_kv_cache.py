@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 from kv_requests import Users, products_rows_independent
@@ -203,6 +204,59 @@ def test_an_entry_keeps_its_own_copy_of_the_history() -> None:
     second["uih_item_ids"][-1] += 1  # v's last token changed: its entry no longer matches
     _check(ranker, second, ["u", "v"])
     assert ranker.cache.stats()["hits"] == 3 and ranker.cache.stats()["stale"] == 1
+
+
+class _Counted:
+    """A runner that counts its calls and raises on the ones listed in ``fail`` (1-based)."""
+
+    def __init__(self, runner, fail: tuple[int, ...] = ()) -> None:
+        self.runner, self.fail, self.calls = runner, fail, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls in self.fail:
+            raise RuntimeError("the device failed")
+        return self.runner(*args, **kwargs)
+
+
+def test_a_history_found_changed_after_the_launch_runs_the_request_again() -> None:
+    """Histories are compared while the runner computes: a user run as a hit whose history changed is counted
+    stale and the whole request runs again, that user from nothing on the pages it holds; the others stay hits.
+    A failure of that second run leaves no entry claiming pages the first run wrote."""
+    model = _model(NO_CONTEXT)
+    ranker = CachedRanker(model, budget_bytes=1 << 22, page_size=16)
+    users = Users(NO_CONTEXT, seed=9)
+    for user, length in (("a", 20), ("b", 7), ("c", 33)):
+        users.grow(user, length)
+    _check(ranker, users.request(["a", "b", "c"], [2, 1, 3]), ["a", "b", "c"])
+    pages = {user: list(ranker.cache.entry(user).pages) for user in "abc"}
+    ranker.runner = counted = _Counted(ranker.runner)
+    item, action, stamp = users.history["c"][5]
+    users.history["c"][5] = (item + 1, action, stamp)  # c's cached history changed in its middle
+    _check(ranker, users.request(["a", "b", "c"], [1, 2, 1]), ["a", "b", "c"])
+    stats = ranker.cache.stats()
+    assert (counted.calls, stats["hits"], stats["stale"], stats["misses"]) == (2, 2, 1, 3)
+    assert {user: ranker.cache.entry(user).pages for user in "abc"} == pages  # no page changed hands
+    assert ranker.cache.entry("c").record.holds_prefix_of(
+        [np.asarray([x[i] for x in users.history["c"]], dtype=np.int64) for i in range(3)])
+    # Unchanged histories: one run, every user a hit.
+    _check(ranker, users.request(["a", "b", "c"], [1, 1, 1]), ["a", "b", "c"])
+    assert (counted.calls, ranker.cache.stats()["hits"]) == (3, 5)
+    # The run again fails: the changed user's entry claims nothing (a miss next), the others stay as they were.
+    users.history["b"][0] = (users.history["b"][0][0] + 1, *users.history["b"][0][1:])
+    ranker.runner = _Counted(counted.runner, fail=(2,))
+    with pytest.raises(RuntimeError, match="the device failed"):
+        ranker(users.request(["a", "b"], [1, 1]), ["a", "b"])
+    assert ranker.cache.entry("b").length == 0 and ranker.cache.entry("a").length == 20
+    ranker.runner = counted.runner
+    before = ranker.cache.stats()
+    _check(ranker, users.request(["a", "b"], [2, 2]), ["a", "b"])
+    after = ranker.cache.stats()
+    assert (after["hits"] - before["hits"], after["misses"] - before["misses"], after["stale"] - before["stale"]) == (
+        1, 1, 0)
 
 
 def test_eviction_keeps_answers_right_and_counts() -> None:

@@ -387,6 +387,12 @@ class PagedKVCache:
             entry.pages.extend(self._free.pop() for _ in range(max(missing, 0)))
             return list(entry.pages)
 
+    def restart(self, user: Hashable) -> None:
+        """Marks the user's entry empty, its pages kept (a request about to write them from the first token)."""
+        with self._lock:
+            entry = self._entries[user]
+            entry.length, entry.record = 0, None
+
     def commit(self, user: Hashable, length: int, record: EntryRecord | None) -> None:
         """Records what the user's pages hold now (after the K/V were written)."""
         with self._lock:
@@ -448,6 +454,7 @@ class CachedRanker:
             tables: list[list[int]] = []
             stored: list[EntryRecord | bool | None] = []  # per user: the record reused, True (stored afresh), None
             mine: list[list[np.ndarray]] = []  # per user: its history's rows (views)
+            unchecked: dict[int, EntryRecord] = {}  # users run as hits: their records, compared while the runner computes
             for b, user in enumerate(ids):
                 mine.append([row[hist_off[b]:hist_off[b + 1]] for row in rows])
                 if counts[user] > 1:  # the same user twice in one batch: served, not stored
@@ -456,35 +463,45 @@ class CachedRanker:
                     continue
                 entry = self.cache.entry(user)
                 reuse = self._reusable(entry, context[b] if c else None, mine[b], times[b])
+                record = entry.record if reuse and entry is not None else None
                 try:
                     tables.append(self.cache.reserve(user, c + lengths[b], reuse))
                 except CacheFull:
-                    tables.append([])
-                    stored.append(None)
-                    continue
+                    # No room: compared now, so that a changed history is counted stale and its entry dropped
+                    # (a reservation afresh releases the entry's pages first).
+                    if record is None or record.holds_prefix_of(mine[b]):
+                        if record is not None:
+                            self.cache.count("hits")
+                        tables.append([])
+                        stored.append(None)
+                        continue
+                    self.cache.count("stale")
+                    reuse, record = 0, None
+                    try:
+                        tables.append(self.cache.reserve(user, c + lengths[b], 0))
+                    except CacheFull:
+                        tables.append([])
+                        stored.append(None)
+                        continue
                 cached[b] = reuse
-                stored.append(entry.record if reuse and entry is not None else True)
+                stored.append(record if record is not None else True)
+                if record is not None:
+                    unchecked[b] = record
             bypassed = sum(kept is None for kept in stored)
             if bypassed:
                 self.cache.count("bypassed", bypassed)
-            # As wide as the request's shape bucket, if the runner has them: the graph then copies it as it is.
-            width = self.runner.table_width(max(1, *(len(t) for t in tables)))
-            scratch = self.cache.scratch_page  # the rest of a row, and the whole row of a user not stored
-            rows_of_table = np.full((batch, width), scratch, dtype=np.int32)
-            for b, pages in enumerate(tables):
-                rows_of_table[b, :len(pages)] = pages
-            table = torch.from_numpy(rows_of_table)  # the runner moves it with the request, without a synchronisation
-            # The delta request: each user's history after its cached prefix (one gather of the new tokens).
-            new_counts = np.asarray([n - max(k - c, 0) for n, k in zip(lengths, cached)], dtype=np.int64)
-            starts = np.asarray(hist_off[1:], dtype=np.int64) - new_counts
-            fresh = np.repeat(starts - (np.cumsum(new_counts) - new_counts), new_counts) + np.arange(new_counts.sum())
-            # Where the request's tensors are (the runner moves them): lengths stay on the host, so that the
-            # runner's host-side work reads them without waiting for the device.
-            delta = {name: value for name, value in features.items() if name not in HISTORY_TOKEN_FEATURES}
-            delta.update({name: torch.from_numpy(host[name].numpy()[fresh]) for name in HISTORY_TOKEN_FEATURES})
-            delta[HISTORY_LENGTHS] = torch.from_numpy(new_counts)
-            # The run writes the stored users' new K/V into their pages; then record what those hold.
-            outputs = self.runner(delta, torch.tensor(cached, dtype=torch.int64), self.cache.k, self.cache.v, table)
+            outputs, new_counts, fresh = self._launch(features, host, lengths, hist_off, cached, tables)
+            # The histories of the users run as hits, compared with their entries while the device computes. A
+            # user whose history changed is stale: the whole request runs again with that user from nothing, on
+            # the pages it holds (marked empty first, so that a failure leaves no entry claiming them).
+            changed = [b for b, record in unchecked.items() if not record.holds_prefix_of(mine[b])]
+            self.cache.count("hits", len(unchecked) - len(changed))
+            if changed:
+                self.cache.count("stale", len(changed))
+                for b in changed:
+                    cached[b], stored[b] = 0, True
+                    self.cache.restart(ids[b])
+                outputs, new_counts, fresh = self._launch(features, host, lengths, hist_off, cached, tables)
             if bypassed < batch:
                 owner = np.repeat(np.arange(batch), new_counts)
                 stamps = rows[TOKEN_ROWS.index("uih_timestamps")][fresh]  # the new tokens'
@@ -496,11 +513,38 @@ class CachedRanker:
                         self.cache.commit(user, c + lengths[b], record)
             return outputs
 
+    def _launch(self, features: dict[str, Tensor], host: dict[str, Tensor], lengths: list[int], hist_off: list[int],
+                cached: list[int], tables: list[list[int]]) -> tuple[dict[str, Tensor], np.ndarray, np.ndarray]:
+        """Runs the delta request of ``features`` (each user's history past its ``cached`` tokens), writing the
+        new K/V into the pages of ``tables``; returns the outputs (as the runner leaves them: on a CUDA device
+        the work may still be running), each user's new history tokens and their rows in the request."""
+        c = self.layout.contextual_seq_len
+        batch = len(lengths)
+        # As wide as the request's shape bucket, if the runner has them: the graph then copies it as it is.
+        width = self.runner.table_width(max(1, *(len(t) for t in tables)))
+        scratch = self.cache.scratch_page  # the rest of a row, and the whole row of a user not stored
+        rows_of_table = np.full((batch, width), scratch, dtype=np.int32)
+        for b, pages in enumerate(tables):
+            rows_of_table[b, :len(pages)] = pages
+        table = torch.from_numpy(rows_of_table)  # the runner moves it with the request, without a synchronisation
+        # The delta request: each user's history after its cached prefix (one gather of the new tokens).
+        new_counts = np.asarray([n - max(k - c, 0) for n, k in zip(lengths, cached)], dtype=np.int64)
+        starts = np.asarray(hist_off[1:], dtype=np.int64) - new_counts
+        fresh = np.repeat(starts - (np.cumsum(new_counts) - new_counts), new_counts) + np.arange(new_counts.sum())
+        # Where the request's tensors are (the runner moves them): lengths stay on the host, so that the
+        # runner's host-side work reads them without waiting for the device.
+        delta = {name: value for name, value in features.items() if name not in HISTORY_TOKEN_FEATURES}
+        delta.update({name: torch.from_numpy(host[name].numpy()[fresh]) for name in HISTORY_TOKEN_FEATURES})
+        delta[HISTORY_LENGTHS] = torch.from_numpy(new_counts)
+        outputs = self.runner(delta, torch.tensor(cached, dtype=torch.int64), self.cache.k, self.cache.v, table)
+        return outputs, new_counts, fresh
+
     def _reusable(self, entry: _Entry | None, context: np.ndarray | None, tokens: list[np.ndarray],
                   query_time: int) -> int:
-        """Tokens of the entry that may be reused exactly (0: recompute), counting hit, miss or stale.
-        ``context`` (None without contextual features) and ``tokens`` (TOKEN_ROWS, each [history]): the
-        user's in this request (views)."""
+        """Tokens of the entry that may be reused exactly (0: recompute, counted as a miss or stale) but for its
+        history's tokens, which :meth:`__call__` compares with ``tokens`` while the device computes: the hit or
+        stale is counted then. ``context`` (None without contextual features) and ``tokens`` (TOKEN_ROWS, each
+        [history]): the user's in this request (views)."""
         c = self.layout.contextual_seq_len
         if entry is None or entry.length == 0 or entry.record is None:
             self.cache.count("misses")
@@ -510,12 +554,13 @@ class CachedRanker:
         # Contextual tokens see the whole history: with them, only an unchanged history is reused.
         ok = hist <= tokens[0].shape[0] and not (c > 0 and hist != tokens[0].shape[0])
         ok = ok and (context is None or np.array_equal(record.context, context))
-        ok = ok and record.holds_prefix_of(tokens)  # the same tokens
+        ok = ok and record.history == hist
         # In the same time buckets, or within the allowed drift (none by default: exact).
         low, high = record.valid
         drift = query_time - record.query_time
         ok = ok and (low <= query_time < high or (0 < self.max_time_drift and drift <= self.max_time_drift))
-        self.cache.count("hits" if ok else "stale")
+        if not ok:
+            self.cache.count("stale")
         return entry.length if ok else 0
 
     @staticmethod
