@@ -289,6 +289,20 @@ def test_a_cache_too_small_or_full_of_users_in_use_serves_without_storing() -> N
     users.grow("other", 10)
     _check(ranker, users.request(["small", "other"], [1, 1]), ["small", "other"])
     assert ranker.cache.stats()["bypassed"] == 2 and "small" in ranker.cache and "other" not in ranker.cache
+    # A hit that no longer fits (grown to three pages) is served from its entry and keeps it; grown and changed in
+    # its cached part, it is compared at once: stale, and the entry dropped.
+    users.grow("small", 20)
+    before = ranker.cache.stats()
+    _check(ranker, users.request(["small"], [1]), ["small"])
+    after = ranker.cache.stats()
+    assert (after["hits"] - before["hits"], after["bypassed"] - before["bypassed"]) == (1, 1)
+    assert ranker.cache.entry("small").length == 20
+    users.history["small"][3] = (users.history["small"][3][0] + 1, *users.history["small"][3][1:])
+    _check(ranker, users.request(["small"], [1]), ["small"])
+    final = ranker.cache.stats()
+    assert (final["stale"] - after["stale"], final["hits"] - after["hits"], final["bypassed"] - after["bypassed"]) == (
+        1, 0, 1)
+    assert "small" not in ranker.cache and final["pages_used"] == 0
 
 
 def test_the_same_user_twice_in_a_batch() -> None:

@@ -387,6 +387,13 @@ class PagedKVCache:
             entry.pages.extend(self._free.pop() for _ in range(max(missing, 0)))
             return list(entry.pages)
 
+    def drop(self, user: Hashable) -> None:
+        """Removes the user's entry and releases its pages (a stale entry that finds no room)."""
+        with self._lock:
+            entry = self._entries.pop(user, None)
+            if entry is not None:
+                self._free.extend(entry.pages)
+
     def restart(self, user: Hashable) -> None:
         """Marks the user's entry empty, its pages kept (a request about to write them from the first token)."""
         with self._lock:
@@ -467,22 +474,15 @@ class CachedRanker:
                 try:
                     tables.append(self.cache.reserve(user, c + lengths[b], reuse))
                 except CacheFull:
-                    # No room: compared now, so that a changed history is counted stale and its entry dropped
-                    # (a reservation afresh releases the entry's pages first).
-                    if record is None or record.holds_prefix_of(mine[b]):
-                        if record is not None:
-                            self.cache.count("hits")
-                        tables.append([])
-                        stored.append(None)
-                        continue
-                    self.cache.count("stale")
-                    reuse, record = 0, None
-                    try:
-                        tables.append(self.cache.reserve(user, c + lengths[b], 0))
-                    except CacheFull:
-                        tables.append([])
-                        stored.append(None)
-                        continue
+                    # No room: compared now, so that a changed history is counted stale and its entry dropped.
+                    if record is not None and not record.holds_prefix_of(mine[b]):
+                        self.cache.count("stale")
+                        self.cache.drop(user)
+                    elif record is not None:
+                        self.cache.count("hits")
+                    tables.append([])
+                    stored.append(None)
+                    continue
                 cached[b] = reuse
                 stored.append(record if record is not None else True)
                 if record is not None:
