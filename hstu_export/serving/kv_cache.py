@@ -379,10 +379,9 @@ class PagedKVCache:
                 victim = next((u for u, e in self._entries.items() if e.pins == 0 and u != user), None)
                 if victim is None:
                     if entry.length == 0:
-                        self._free.extend(entry.pages)
-                        del self._entries[user]
+                        self._release(user)
                     raise CacheFull(f"the KV cache has no room for {tokens} tokens of user {user!r}")
-                self._free.extend(self._entries.pop(victim).pages)
+                self._release(victim)
                 self._counts["evictions"] += 1
             entry.pages.extend(self._free.pop() for _ in range(max(missing, 0)))
             return list(entry.pages)
@@ -390,9 +389,12 @@ class PagedKVCache:
     def drop(self, user: Hashable) -> None:
         """Removes the user's entry and releases its pages (a stale entry that finds no room)."""
         with self._lock:
-            entry = self._entries.pop(user, None)
-            if entry is not None:
-                self._free.extend(entry.pages)
+            if user in self._entries:
+                self._release(user)
+
+    def _release(self, user: Hashable) -> None:
+        """The user's entry gone, its pages free (the lock held)."""
+        self._free.extend(self._entries.pop(user).pages)
 
     def restart(self, user: Hashable) -> None:
         """Marks the user's entry empty, its pages kept (a request about to write them from the first token)."""
