@@ -59,11 +59,11 @@ def timed_only(prof: profile, label: str) -> tuple[float, int, str]:
     rows = sorted(totals.items(), key=lambda kv: -kv[1][1])
     calls = max(1, len(ranges))
     copies = [v for name, v in rows if name.startswith("Memcpy") or name.startswith("Memset")]
-    kernels = int(sum(v[0] for _, v in rows) - sum(v[0] for v in copies)) // calls
+    copy_count, copy_us = sum(v[0] for v in copies), sum(v[1] for v in copies)
+    kernels = int(sum(v[0] for _, v in rows) - copy_count) // calls
     total = sum(v[1] for _, v in rows)
-    copy_us = sum(v[1] for v in copies)
     lines = [f"{len(ranges)} calls; a call: {(total - copy_us) / calls:.1f} µs in {kernels} kernels, "
-             f"{copy_us / calls:.1f} µs in {int(sum(v[0] for v in copies)) // calls} copies",
+             f"{copy_us / calls:.1f} µs in {int(copy_count) // calls} copies",
              "µs a call, in all, name"]
     lines += [f"{us / calls:9.2f} {n:6d}  {name[:110]}" for name, (n, us) in rows]
     return total / calls / 1e3, kernels, "\n".join(lines)
