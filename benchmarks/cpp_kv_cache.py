@@ -148,7 +148,8 @@ def rel_l2(a: dict, b: dict) -> float:
 
 def same_run_ab(setups: dict[str, tuple[Path, Path]], request_args: list[object], kv_args: list[object],
                 iters: int, answers_dir: Path, kinds: tuple[str, ...] = ("no_cache", "kv"),
-                no_cache_args: dict[str, tuple[object, ...]] | None = None, kv_labels: set[str] | None = None) -> dict:
+                no_cache_args: dict[str, tuple[object, ...]] | None = None, kv_labels: set[str] | None = None,
+                kv_extra: dict[str, tuple[object, ...]] | None = None) -> dict:
     """Each (runtime, package)'s requests, without cache and cached, in turn, three times: p50s by label, with
     --phase-times (``<label>_no_cache``, ``<label>_kv``: the device synchronised between phases) and without
     (``..._whole``: the request as served). ``request_args``: the request's folders (the last one is the one
@@ -156,12 +157,13 @@ def same_run_ab(setups: dict[str, tuple[Path, Path]], request_args: list[object]
     under ``answers_dir``; where all setups serve one package, ``answers_equal`` says whether their answers are
     equal bit for bit, and otherwise ``answers_rel_l2`` how far apart they are. ``kinds``: which of the two to time;
     ``no_cache_args``: more arguments of a label's no-cache runs; ``kv_labels``: the labels whose cache is timed
-    (default: all)."""
+    (default: all); ``kv_extra``: more arguments of a label's cached runs."""
     out: dict = {}
     for round_ in range(3):
         for label, (runner, package) in setups.items():
             for name, args in (("no_cache", [package, request_args[-1], *(no_cache_args or {}).get(label, ())]),
-                               ("kv", [package, *request_args, *kv_args, "--kv-graphs", "auto"])):
+                               ("kv", [package, *request_args, *kv_args, "--kv-graphs", "auto",
+                                       *(kv_extra or {}).get(label, ())])):
                 if name not in kinds or (name == "kv" and kv_labels is not None and label not in kv_labels):
                     continue
                 keep = ("--out", answers_dir / f"{label}_{name}") if round_ == 0 else ()
@@ -228,6 +230,9 @@ def ab_summary(ab: dict) -> dict:
     out["request_baseline_over_new"] = {name: out[f"baseline_{name}"]["request"] / out[f"new_{name}"]["request"]
                                         for name in ("no_cache", "kv", "no_cache_whole", "kv_whole")
                                         if f"new_{name}" in out and f"baseline_{name}" in out}
+    if "held_off_kv_whole" in out and "new_kv_whole" in out:  # --ab-held-rows: the held rows' own speed-up
+        out["request_held_off_over_new"] = {name: out[f"held_off_{name}"]["request"] / out[f"new_{name}"]["request"]
+                                            for name in ("kv", "kv_whole")}
     return out
 
 
@@ -355,7 +360,7 @@ def python_ab(ab: PythonAB, dirs: list[Path], ids: str, iters: int, work_dir: Pa
 def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingModel, work: dict, batch: int,  # type: ignore[no-untyped-def]
               iters: int, work_dir: Path, log_dir: Path, baseline: tuple[Path, Path] | None = None,
               ab_only: bool = False, ab_kinds: tuple[str, ...] = ("no_cache", "kv"), ab_graphs: bool = False,
-              ab_python: PythonAB | None = None) -> dict:
+              ab_python: PythonAB | None = None, ab_held_rows: bool = False) -> dict:
     row: dict = {}
     whole = request(model, work, batch, 100 + batch)  # on the host, as from a client
     steps = [prefix_of(whole, work, batch), whole] if work["cached"] < work["history"] else [whole]
@@ -364,8 +369,11 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
     users = list(range(batch))
     ab_kv_args: list[object] = ["--kv-cache", "auto", *(a for _ in dirs for a in ("--user-ids", ids))]
     if baseline is not None:
-        row["same_run_ab"] = same_run_ab({"new": (runner, package_root), "baseline": baseline}, dirs, ab_kv_args,
-                                         iters, work_dir / f"b{batch}_ab_answers", ab_kinds)
+        # With ab_held_rows, the new package again with its held rows off (held_off), beside it in turns.
+        setups = {"new": (runner, package_root), "baseline": baseline,
+                  **({"held_off": (runner, package_root)} if ab_held_rows else {})}
+        row["same_run_ab"] = same_run_ab(setups, dirs, ab_kv_args, iters, work_dir / f"b{batch}_ab_answers", ab_kinds,
+                                         kv_extra={"held_off": ("--kv-held-rows", "off")})
         row["same_run_ab_p50_of_rounds"] = ab_summary(row["same_run_ab"])
     if ab_graphs:  # whole-request graphs without the cache against none: one runtime, one package
         row["same_run_ab"] = same_run_ab({"new": (runner, package_root), "baseline": (runner, package_root)}, dirs,
@@ -482,6 +490,9 @@ def main() -> None:
                         help="a copy of runtimes/cpp, or a whole checkout, of the commit to time against (same run)")
     parser.add_argument("--ab-kv-program", choices=["derived"],
                         help="A/B the zoo's delta program derived by the compiler against its written one (same run)")
+    parser.add_argument("--ab-held-rows", action="store_true",
+                        help="with --ab-kv-program derived: the derived package also served with --kv-held-rows off "
+                             "(held_off), in the same turns")
     parser.add_argument("--ab-graphs", action="store_true",
                         help="A/B whole-request CUDA graphs without the cache: one runtime and package, --graphs auto "
                              "(new) against --graphs off (baseline), the cache timed once; Python's paths in a fresh "
@@ -616,7 +627,7 @@ def main() -> None:
                                                         work_dir, args.out, baseline, args.ab_only,
                                                         ("kv",) if args.ab_kv_program or args.ab_cached_only
                                                         else ("no_cache", "kv"),
-                                                        args.ab_graphs, ab_python)
+                                                        args.ab_graphs, ab_python, args.ab_held_rows)
                 except Exception as exc:  # recorded; the rest still runs
                     entry["batches"][batch] = failure(exc)
                 save()

@@ -308,7 +308,10 @@ def test_bad_kv_arguments_are_refused_in_one_line(cpp_runtime, kv_package, tmp_p
         ((one, one, "--user-ids", "1,2"), "several only with --kv-cache"),
         ((one, "--kv-cache", "12XB", "--user-ids", "1,2"), "--kv-cache needs a positive integer, got '12XB'"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,x"), "--user-ids needs integers, got 'x'"),
-        ((one, "--user-ids", "1,2"), "--user-ids, --max-time-drift, --kv-graphs and --kv-graph-copy-limit go with --kv-cache"),
+        ((one, "--user-ids", "1,2"),
+         "--user-ids, --max-time-drift, --kv-graphs, --kv-graph-copy-limit and --kv-held-rows go with --kv-cache"),
+        ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-held-rows", "always"),
+         "--kv-held-rows is auto, on or off, got always"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-graphs", "always"),
          "--kv-graphs is auto, on, off or buckets, got 'always'"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-graph-copy-limit", "0MiB"),
@@ -321,6 +324,8 @@ def test_bad_kv_arguments_are_refused_in_one_line(cpp_runtime, kv_package, tmp_p
         ((one, "--kv-cache", "auto", "--user-ids", "1,2,3"), "3 user ids for a batch of 2 users"),
         ((one, "--kv-cache", "100", "--user-ids", "1,2"), "holds no page for users"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-graphs", "on"), "CUDA graphs need a CUDA package"),
+        ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-held-rows", "on"),
+         "held rows apply to a derived delta program"),
     ]
     for args, message in served:
         done = cpp_runtime.run(root, *args, "--out", tmp_path / "out")

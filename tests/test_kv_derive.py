@@ -1358,22 +1358,58 @@ def test_the_zoo_model_serves_through_a_derived_delta_program(cpp_runtime: Any, 
                                                                              "candidate_lengths": [2, 4]})
     new_candidates = {**new_candidates, **{k: v for k, v in whole.items() if k.startswith("uih_") or k in
                                            ("query_time", "user_id", "user_age")}}
-    script = [shorter, whole, whole, new_candidates]
+    changed = {**whole, "uih_item_ids": whole["uih_item_ids"].clone()}  # the first user's 5th item, in place
+    changed["uih_item_ids"][4] = whole["uih_item_ids"][6]
+    assert not torch.equal(changed["uih_item_ids"], whole["uih_item_ids"])
+    script = [shorter, whole, whole, new_candidates, changed, shorter]
     predictor = hstu_export.load(result.path)
     ranker = predictor.kv_cache()
     answers = []
-    for request in script:
+    for k, request in enumerate(script):
         got, want = ranker(request, [1, 2]), predictor(request)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
         answers.append(got)
+        if k == 3:
+            stats = ranker.cache.stats()
+            assert (stats["misses"], stats["stale"], stats["hits"]) == (2, 2, 4), stats  # grown: stale; then hits
     stats = ranker.cache.stats()
-    assert (stats["misses"], stats["stale"], stats["hits"]) == (2, 2, 4), stats  # grown: stale; then hits
+    assert (stats["stale"], stats["hits"]) == (2 + 1 + 2, 4 + 1), stats  # the changed user, then both shorter
     args: list[object] = [result.path, *(save_tensors(r, tmp_path / f"request{k}") for k, r in enumerate(script))]
     for _ in script:
         args += ["--user-ids", "1,2"]
-    done = cpp_runtime.run(*args, "--kv-cache", "auto", "--out", tmp_path / "out")
-    assert done.returncode == 0, done.stderr
-    for k, want in enumerate(answers):
-        got = load_tensors(tmp_path / "out" / str(k + 1))
-        assert all(torch.equal(got[name], want[name]) for name in want), k
+    # The C++ cache as served on the CPU (without held rows), and keeping each user's jagged request rows as on a
+    # GPU: the rows after an unchanged prefix sent, the changed history and the shorter one sent whole.
+    for held in ("auto", "on"):
+        done = cpp_runtime.run(*args, "--kv-cache", "auto", "--kv-held-rows", held, "--out", tmp_path / held)
+        assert done.returncode == 0, done.stderr
+        for k, want in enumerate(answers):
+            got = load_tensors(tmp_path / held / str(k + 1))
+            assert all(torch.equal(got[name], want[name]) for name in want), (held, k)
+        found = re.findall(r"kv cache: (\d+) hits, (\d+) misses, (\d+) stale", done.stdout)
+        assert tuple(map(int, found[-1])) == (stats["hits"], stats["misses"], stats["stale"]), done.stdout
+        counted = re.findall(r"held rows: (\d+) taken from the device, (\d+) sent", done.stdout)
+        if held == "auto":
+            assert not counted, done.stdout
+        else:
+            assert tuple(map(int, counted[-1])) == _held_rows(result.manifest, script), done.stdout
+
+
+def _held_rows(manifest: dict[str, Any], script: list[dict[str, torch.Tensor]]) -> tuple[int, int]:
+    """(rows taken from the device, rows sent) of the jagged request features of ``script``'s requests, each of the
+    same users in the same order, served through a cache that holds each user's last rows of each feature: a user's
+    rows are taken where its request's begin with those, equal, and sent otherwise."""
+    jagged = {f["name"]: f["jagged_by"] for f in manifest["input_schema"]["features"] if f["kind"] == "jagged"}
+    held: dict[tuple[str, int], torch.Tensor] = {}
+    taken = sent = 0
+    for request in script:
+        for name, by in jagged.items():
+            for b, rows in enumerate(torch.split(request[name], request[by].tolist())):
+                before = held.get((name, b))
+                reused = (before is not None and 0 < before.shape[0] <= rows.shape[0]
+                          and torch.equal(rows[:before.shape[0]], before))
+                taken += before.shape[0] if reused else 0
+                sent += rows.shape[0] - (before.shape[0] if reused else 0)
+                held[(name, b)] = rows
+    assert taken > 0
+    return taken, sent

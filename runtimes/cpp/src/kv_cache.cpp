@@ -4,6 +4,7 @@
 // inputs; tests/test_cpp_kv_cache.py compares them.
 #include "hstu_export/kv_cache.h"
 
+#include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/InferenceMode.h>
 
@@ -187,10 +188,21 @@ std::vector<std::shared_ptr<const TokenRun>> extended(const Record* before, cons
   return runs;
 }
 
+// A derived program's jagged request feature: one user's rows of it as its last served request had them, their
+// bytes on the host (what the next request's are compared with) and the rows on the device (what that request
+// then need not send again: CachedRanker::Impl::upload_held).
+struct UserRows {
+  std::vector<uint8_t> host;
+  int64_t rows = 0;
+  at::Tensor device;  // [capacity, trailing...], of which the first `rows` are held: room to grow in place
+  at::Tensor held() const { return device.narrow(0, 0, rows); }
+};
+
 struct Entry {
   std::vector<int64_t> pages;
   int64_t length = 0;  // tokens cached (contextual + history)
   std::shared_ptr<const Record> record;
+  std::map<std::string, std::shared_ptr<UserRows>> held;  // by feature (a derived program's, with held rows on)
   int pins = 0;
   std::list<int64_t>::iterator order;  // its place in the recency list
 };
@@ -239,6 +251,20 @@ struct CachedRanker::Impl {
   bool whole_request = false;
   // A derived program holding the sparse half: the tables it takes, by input name (the sparse program's own).
   std::map<std::string, at::Tensor> derived_tables;
+  // Whether each cached user's jagged request rows are kept on the device (KVCacheOptions::held_rows).
+  bool hold_rows = false;
+  HeldRowCounts held_counts;  // (the mutex held)
+  // What upload_held read of a kept user's feature, and what its entry holds once the call succeeds (keep_held).
+  struct HeldUpdate {
+    int64_t user = 0;
+    std::string feature;
+    std::shared_ptr<UserRows> before;  // its rows as held, when the request's begin with them; else null
+    at::Tensor host;                   // the request's rows of the user, on the host
+    at::Tensor device;                 // the same on the device (a view of the request's feature)
+  };
+  Tensors upload_held(const Tensors& request, const std::vector<int64_t>& users, const std::vector<bool>& kept,
+                      std::vector<HeldUpdate>& updates);
+  void keep_held(std::vector<HeldUpdate>& updates);
 
   NamedTensors run(const Tensors& request, const std::vector<int64_t>& users, int64_t batch, detail::PhaseClock& clock);
   NamedTensors run_derived(const Tensors& request, const std::vector<int64_t>& users, int64_t batch,
@@ -388,6 +414,14 @@ std::unique_ptr<CachedRanker::Impl> open_derived(const Package::Impl& pkg, const
   KVGraphs graphs = detail::resolve_graphs(pkg.root, pkg.device, options.graphs, unsafe);
   auto impl = std::make_unique<CachedRanker::Impl>();
   impl->derived = d;
+  // Held rows need the counts before the request moves (which users are kept decides what is sent).
+  if (options.held_rows == HeldRows::kOn && !d.host_counts) {
+    throw Error("held rows need a derived program whose counts are added up on the host; " + pkg.root +
+                "'s are computed by its counts program (serve without held rows on)");
+  }
+  impl->hold_rows = d.host_counts.has_value() && (options.held_rows == HeldRows::kOn ||
+                                                  (options.held_rows == HeldRows::kAuto && pkg.device.is_cuda()));
+  impl->held_counts.on = impl->hold_rows;
   detail::KVSection& kv = impl->kv;  // what the shared bookkeeping reads
   kv.program_file = d.program_file;
   kv.inputs = d.inputs;
@@ -475,6 +509,10 @@ std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> 
     if (!pkg.kv_problem.empty()) throw PackageError(pkg.kv_problem);
     throw PackageError(pkg.root + " has no KV-cache delta program; export it with --kv-cache");
   }
+  if (options.held_rows == HeldRows::kOn) {
+    throw Error("held rows apply to a derived delta program; " + pkg.root + " has the zoo model's written one "
+                "(export with --kv-program derived, or serve without held rows on)");
+  }
   auto impl = std::make_unique<Impl>();
   impl->package = package;
   impl->pkg = &pkg;
@@ -514,6 +552,11 @@ bool CachedRanker::derived() const { return impl_->derived.has_value(); }
 KVGraphCounts CachedRanker::graph_counts() const {
   if (impl_->shape_graphs) return impl_->shape_graphs->counts();
   return impl_->graphs ? impl_->graphs->counts() : KVGraphCounts{};
+}
+
+HeldRowCounts CachedRanker::held_rows() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->held_counts;
 }
 
 KVCacheStats CachedRanker::stats() const {
@@ -881,27 +924,224 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
   return out;
 }
 
+// The request on the device as Package::Impl::plain moves it, except for the jagged features' rows that a kept
+// user (kept[b]) sent with its last request: where the request's rows of that user begin with those, byte for
+// byte (compared here, on the host), they are taken from its entry on the device and only the rows after them
+// are sent. The device then holds the request exactly as if it were sent whole, so the program's comparison of
+// the cached rows still decides which users are stale. `updates`: per kept user and jagged feature, what its
+// entry holds once the call succeeds (keep_held).
+Tensors CachedRanker::Impl::upload_held(const Tensors& request, const std::vector<int64_t>& users,
+                                        const std::vector<bool>& kept, std::vector<HeldUpdate>& updates) {
+  const int64_t batch = static_cast<int64_t>(users.size());
+  const auto& features = pkg->features;
+  std::vector<at::Tensor> plain;
+  for (const auto& f : features) plain.push_back(detail::plain_tensor(request.at(f.name)));
+  // The jagged features on the host: their users' first rows, and what each kept user's entry holds of them.
+  struct Jagged {
+    size_t feature;
+    std::vector<int64_t> offsets;  // batch + 1
+    int64_t row_bytes = 0;
+    std::vector<std::shared_ptr<UserRows>> before;  // per user: held rows the request's begin with, else null
+  };
+  std::vector<Jagged> jagged;
+  for (size_t i = 0; i < features.size(); ++i) {
+    const at::Tensor& t = plain[i];
+    if (features[i].kind != "jagged" || !t.device().is_cpu() || t.dim() < 1) continue;
+    HostInts lengths(request.at(features[i].jagged_by));
+    if (lengths.tensor.numel() != batch) continue;
+    Jagged j{i, std::vector<int64_t>(batch + 1, 0), 0, std::vector<std::shared_ptr<UserRows>>(batch)};
+    for (int64_t b = 0; b < batch; ++b) j.offsets[b + 1] = j.offsets[b] + lengths.data[b];
+    if (j.offsets[batch] != t.size(0)) continue;  // the request's own check has said so already
+    j.row_bytes = t.size(0) > 0 ? static_cast<int64_t>(t.nbytes()) / t.size(0) : 0;
+    jagged.push_back(std::move(j));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (int64_t b = 0; b < batch; ++b) {
+      auto it = kept[b] ? entries.find(users[b]) : entries.end();
+      if (it == entries.end()) continue;
+      for (auto& j : jagged) {
+        if (auto held = it->second.held.find(features[j.feature].name); held != it->second.held.end()) {
+          j.before[b] = held->second;
+        }
+      }
+    }
+  }
+  // Each held prefix compared with the request's rows, users and features side by side.
+  std::vector<std::pair<size_t, int64_t>> compared;
+  for (size_t k = 0; k < jagged.size(); ++k) {
+    const Jagged& j = jagged[k];
+    const at::Tensor& t = plain[j.feature];
+    for (int64_t b = 0; b < batch; ++b) {
+      const auto& held = j.before[b];
+      bool fits = held && held->rows > 0 && held->rows <= j.offsets[b + 1] - j.offsets[b] &&
+                  static_cast<int64_t>(held->host.size()) == held->rows * j.row_bytes &&
+                  held->device.scalar_type() == t.scalar_type() && held->device.sizes().slice(1) == t.sizes().slice(1);
+      if (fits) {
+        compared.emplace_back(k, b);
+      } else {
+        jagged[k].before[b] = nullptr;
+      }
+    }
+  }
+  std::vector<char> same(compared.size(), 0);
+  at::parallel_for(0, static_cast<int64_t>(compared.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto& [k, b] = compared[i];
+      const Jagged& j = jagged[k];
+      const auto* rows = static_cast<const uint8_t*>(plain[j.feature].const_data_ptr()) + j.offsets[b] * j.row_bytes;
+      const auto& held = *j.before[b];
+      same[i] = std::memcmp(rows, held.host.data(), held.host.size()) == 0;
+    }
+  });
+  for (size_t i = 0; i < compared.size(); ++i) {
+    if (!same[i]) jagged[compared[i].first].before[compared[i].second] = nullptr;
+  }
+  // What is sent: whole tensors, and of a feature with held rows the runs of rows between them.
+  std::vector<at::Tensor> sent;
+  std::vector<std::vector<std::pair<bool, size_t>>> pieces(features.size());  // (held, index) in row order
+  std::vector<bool> whole(features.size(), true);
+  for (auto& j : jagged) {
+    bool any = std::any_of(j.before.begin(), j.before.end(), [](const auto& held) { return held != nullptr; });
+    if (!any) continue;
+    whole[j.feature] = false;
+    const at::Tensor& t = plain[j.feature];
+    int64_t from = 0;  // the first row not yet sent or taken
+    auto send_to = [&](int64_t to) {
+      if (to > from) {
+        pieces[j.feature].emplace_back(false, sent.size());
+        sent.push_back(t.narrow(0, from, to - from));
+      }
+      from = to;
+    };
+    for (int64_t b = 0; b < batch; ++b) {
+      if (const auto& held = j.before[b]) {
+        send_to(j.offsets[b]);
+        pieces[j.feature].emplace_back(true, static_cast<size_t>(b));
+        from = j.offsets[b] + held->rows;
+      }
+    }
+    send_to(j.offsets[batch]);
+  }
+  std::vector<size_t> whole_at(features.size(), 0);
+  for (size_t i = 0; i < features.size(); ++i) {
+    if (whole[i]) {
+      whole_at[i] = sent.size();
+      sent.push_back(plain[i]);
+    }
+  }
+  int64_t taken = 0, rows_sent = 0;
+  for (const auto& j : jagged) {
+    for (int64_t b = 0; b < batch; ++b) {
+      int64_t held = j.before[b] ? j.before[b]->rows : 0;
+      taken += held;
+      rows_sent += j.offsets[b + 1] - j.offsets[b] - held;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    held_counts.taken += taken;
+    held_counts.sent += rows_sent;
+  }
+  detail::to_device(sent, pkg->device);
+  Tensors out;
+  std::map<size_t, const Jagged*> jagged_of;
+  for (const auto& j : jagged) jagged_of[j.feature] = &j;
+  for (size_t i = 0; i < features.size(); ++i) {
+    if (whole[i]) {
+      out.emplace(features[i].name, sent[whole_at[i]]);
+      continue;
+    }
+    std::vector<at::Tensor> parts;
+    for (const auto& [held, index] : pieces[i]) parts.push_back(held ? jagged_of.at(i)->before[index]->held() : sent[index]);
+    out.emplace(features[i].name, parts.size() == 1 ? parts[0] : at::cat(parts, 0));
+  }
+  for (const auto& j : jagged) {
+    const std::string& name = features[j.feature].name;
+    for (int64_t b = 0; b < batch; ++b) {
+      if (!kept[b]) continue;
+      int64_t rows = j.offsets[b + 1] - j.offsets[b];
+      updates.push_back({users[b], name, j.before[b], plain[j.feature].narrow(0, j.offsets[b], rows),
+                         out.at(name).narrow(0, j.offsets[b], rows)});
+    }
+  }
+  return out;
+}
+
+// What upload_held read becomes each kept user's held rows: the rows after a held prefix appended to it, on the
+// host and on the device, where its room allows in place (a quarter more than a new one's rows, doubled when
+// outgrown), and a user's changed rows held anew; the device's copies of every user and feature made together.
+void CachedRanker::Impl::keep_held(std::vector<HeldUpdate>& updates) {
+  std::vector<at::Tensor> targets, sources;
+  std::vector<std::shared_ptr<UserRows>> kept(updates.size());
+  for (size_t i = 0; i < updates.size(); ++i) {
+    HeldUpdate& u = updates[i];
+    const int64_t rows = u.host.size(0);
+    const auto* bytes = static_cast<const uint8_t*>(u.host.const_data_ptr());
+    const int64_t row_bytes = rows > 0 ? static_cast<int64_t>(u.host.nbytes()) / rows : 0;
+    if (u.before && u.before->rows == rows) {
+      kept[i] = u.before;  // nothing new
+      continue;
+    }
+    if (rows == 0) continue;
+    auto held = u.before ? u.before : std::make_shared<UserRows>();
+    const int64_t from = held->rows;  // rows already held, on both sides
+    held->host.insert(held->host.end(), bytes + from * row_bytes, bytes + rows * row_bytes);
+    if (!held->device.defined() || held->device.size(0) < rows) {
+      int64_t room = held->device.defined() ? std::max(rows, 2 * held->device.size(0)) : rows + rows / 4;
+      std::vector<int64_t> shape = u.device.sizes().vec();
+      shape[0] = room;
+      at::Tensor larger = at::empty(shape, u.device.options());
+      if (from > 0) {
+        targets.push_back(larger.narrow(0, 0, from));
+        sources.push_back(held->held());
+      }
+      held->device = larger;
+    }
+    targets.push_back(held->device.narrow(0, from, rows - from));
+    sources.push_back(u.device.narrow(0, from, rows - from));
+    held->rows = rows;
+    kept[i] = std::move(held);
+  }
+  if (!targets.empty()) at::_foreach_copy_(targets, sources);
+  std::lock_guard<std::mutex> lock(mutex);
+  for (size_t i = 0; i < updates.size(); ++i) {
+    auto it = entries.find(updates[i].user);
+    if (it == entries.end()) continue;
+    if (kept[i]) {
+      it->second.held[updates[i].feature] = kept[i];
+    } else {
+      it->second.held.erase(updates[i].feature);
+    }
+  }
+}
+
 // Python's DerivedCachedRanker step for step: each user's cached count (its entry's, when no longer than its
 // non-target tokens now) and pages for all those tokens; the program stores the new K/V and frontier rows and
 // says which users' cached prefix no longer matches; those are run again from nothing, in one more call.
 NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::vector<int64_t>& users, int64_t batch,
                                              detail::PhaseClock& clock) {
   const detail::DerivedKVSection& d = *derived;
-  clock.begin_part();
-  Tensors on_device = pkg->plain(request);
-  clock.end_part(&PhaseTimes::to_device_ms);
+  Tensors on_device;
   std::map<std::string, at::Tensor> dense;  // the dense half's inputs by name (a whole-request graph: none)
   clock.sparse_in_dense(whole_request || d.sparse_inside);
-  if (d.sparse_inside) {  // the program looks the request up itself: the dense inputs it takes are request features
-    for (const auto& spec : pkg->artifacts.at("dense").inputs) {
-      if (!spec.feature.empty()) dense[spec.name] = on_device.at(spec.feature);
-    }
-  } else if (!whole_request) {
+  // The request on the device, then the dense half's inputs; with held rows, once the kept users are known.
+  auto move = [&](const std::vector<int64_t>& kept_users, const std::vector<bool>& kept, std::vector<HeldUpdate>* updates) {
     clock.begin_part();
-    NamedTensors boundary = pkg->sparse_outputs(on_device);
-    clock.end_part(&PhaseTimes::sparse_ms);
-    dense = dense_inputs_of(*pkg, on_device, boundary);
-  }
+    on_device = updates ? upload_held(request, kept_users, kept, *updates) : pkg->plain(request);
+    clock.end_part(&PhaseTimes::to_device_ms);
+    if (d.sparse_inside) {  // the program looks the request up itself: the dense inputs it takes are request features
+      for (const auto& spec : pkg->artifacts.at("dense").inputs) {
+        if (!spec.feature.empty()) dense[spec.name] = on_device.at(spec.feature);
+      }
+    } else if (!whole_request) {
+      clock.begin_part();
+      NamedTensors boundary = pkg->sparse_outputs(on_device);
+      clock.end_part(&PhaseTimes::sparse_ms);
+      dense = dense_inputs_of(*pkg, on_device, boundary);
+    }
+  };
+  if (!hold_rows) move({}, {}, nullptr);
   std::vector<at::Tensor> counted;
   if (d.host_counts) {  // sums of request features: added up here, with nothing read back from the device
     auto sum = [&](const detail::DerivedKVSection::HostSum& part) {
@@ -964,6 +1204,8 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
     kept[b] = true;
   }
   if (bypassed > 0) count(&KVCacheStats::bypassed, bypassed);
+  std::vector<HeldUpdate> held_updates;
+  if (hold_rows) move(users, kept, &held_updates);
 
   const c10::Device device = pkg->device;
   auto call = [&]() {
@@ -1041,6 +1283,7 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
   }
   clock.split(&PhaseTimes::dense_launch_ms);
   clock.lap(&PhaseTimes::dense_ms);
+  keep_held(held_updates);
   for (int64_t b = 0; b < batch; ++b) {
     if (kept[b]) commit(users[b], stored[b], nullptr);
   }

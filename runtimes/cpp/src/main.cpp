@@ -90,7 +90,10 @@ constexpr const char* kUsage =
     "                         graphs, any device: shape buckets, or exact shapes for a derived program)\n"
     "  --kv-graph-copy-limit BYTES\n"
     "                         a derived program's call whose inputs copied into its CUDA graph exceed\n"
-    "                         BYTES (KiB, MiB or GiB allowed; default 160MiB) runs as it is\n";
+    "                         BYTES (KiB, MiB or GiB allowed; default 160MiB) runs as it is\n"
+    "  --kv-held-rows MODE    a derived delta program's cache keeps each user's jagged request rows on the\n"
+    "                         device and sends only the rows after an unchanged prefix: auto (default: on a\n"
+    "                         CUDA package), on, or off\n";
 
 struct Args {
   std::string package, out, latency_log;
@@ -236,6 +239,12 @@ Args parse(int argc, char** argv) {
       args.kv_graphs_given = true;
     } else if (arg == "--max-time-drift") {
       args.kv_options.max_time_drift = integer(arg, value(), 0);
+    } else if (arg == "--kv-held-rows") {
+      std::string mode = value();
+      if (mode != "auto" && mode != "on" && mode != "off") usage_error("--kv-held-rows is auto, on or off, got " + mode);
+      args.kv_options.held_rows = mode == "on" ? hstu_export::HeldRows::kOn
+                                  : mode == "off" ? hstu_export::HeldRows::kOff : hstu_export::HeldRows::kAuto;
+      args.kv_graphs_given = true;
     } else if (!arg.empty() && arg[0] == '-') {
       usage_error("unknown option " + arg);
     } else {
@@ -247,7 +256,7 @@ Args parse(int argc, char** argv) {
                                       : "expected PACKAGE and one REQUEST_DIR (several only with --kv-cache)");
   }
   if (!args.kv && (!args.user_ids.empty() || args.kv_options.max_time_drift != 0 || args.kv_graphs_given)) {
-    usage_error("--user-ids, --max-time-drift, --kv-graphs and --kv-graph-copy-limit go with --kv-cache");
+    usage_error("--user-ids, --max-time-drift, --kv-graphs, --kv-graph-copy-limit and --kv-held-rows go with --kv-cache");
   }
   if (args.kv && args.graphs_given) {
     usage_error("--graphs and --graph-copy-limit serve without --kv-cache; the cache's are --kv-graphs and "
@@ -451,6 +460,9 @@ std::string stats_line(const hstu_export::CachedRanker& ranker) {
                 static_cast<double>(ranker.bytes()) / (1 << 20));
   std::string out = line;
   if (ranker.bucketed()) out += "; " + graphs_line(ranker.derived() ? "exact shapes" : "shape buckets", ranker.graph_counts());
+  if (hstu_export::HeldRowCounts held = ranker.held_rows(); held.on) {
+    out += "; held rows: " + std::to_string(held.taken) + " taken from the device, " + std::to_string(held.sent) + " sent";
+  }
   return out;
 }
 

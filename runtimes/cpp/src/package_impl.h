@@ -142,6 +142,9 @@ struct DerivedKVSection {
   std::optional<std::pair<HostSum, HostSum>> host_counts;
 };
 
+// A request tensor as compiled code may read it: row-major strides exactly, no autograd history.
+at::Tensor plain_tensor(const at::Tensor& value);
+
 // Each tensor not on `device` replaced by its copy there, row-major. To a CUDA device, the small host tensors
 // (up to 256 KiB each) go in one transfer: packed into one pinned buffer and copied with one asynchronous copy
 // into one device buffer, of which they are views (a request's separate small copies each wait on the host).

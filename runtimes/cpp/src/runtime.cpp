@@ -1293,6 +1293,11 @@ bool plain_strides(const at::Tensor& t) {
 
 namespace detail {
 
+at::Tensor plain_tensor(const at::Tensor& value) {
+  at::Tensor t = value.detach().resolve_conj().resolve_neg();
+  return plain_strides(t) ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
 void to_device(std::vector<at::Tensor>& tensors, c10::Device device) {
   constexpr int64_t kAlign = 256;  // what the CUDA allocator gives: compiled kernels may assume aligned inputs
   // Larger tensors go on their own: their copies cost bandwidth, not a wait each, and packing them would add a
@@ -1337,11 +1342,7 @@ void to_device(std::vector<at::Tensor>& tensors, c10::Device device) {
 // The request as compiled code may read it: row-major, no autograd history, on the package's device.
 Tensors Package::Impl::plain(const Tensors& request, std::vector<at::Tensor>* also) const {
   std::vector<at::Tensor> tensors;
-  for (const auto& f : features) {
-    at::Tensor t = request.at(f.name).detach().resolve_conj().resolve_neg();
-    if (!plain_strides(t)) t = t.clone(at::MemoryFormat::Contiguous);
-    tensors.push_back(std::move(t));
-  }
+  for (const auto& f : features) tensors.push_back(detail::plain_tensor(request.at(f.name)));
   if (also != nullptr) tensors.insert(tensors.end(), also->begin(), also->end());
   detail::to_device(tensors, device);
   Tensors out;

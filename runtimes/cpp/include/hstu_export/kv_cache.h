@@ -36,6 +36,10 @@ namespace hstu_export {
 using KVGraphs = Graphs;
 using KVGraphCounts = GraphCounts;
 
+// Whether a derived delta program's cache keeps its users' jagged request rows on the device
+// (KVCacheOptions::held_rows).
+enum class HeldRows { kAuto, kOn, kOff };
+
 struct KVCacheOptions {
   // Bytes of K/V pages, allocated at open. 0: room for max_batch_size users at the longest sequence.
   int64_t budget_bytes = 0;
@@ -46,6 +50,11 @@ struct KVCacheOptions {
   // A derived delta program's exact-shape graphs: a call whose inputs copied into its graph exceed this many
   // bytes runs as it is (the copies would cost more than the launches they save). 0: 160 MiB.
   int64_t graph_copy_limit = 0;
+  // A derived delta program's jagged request features (a user's history rows) kept on the device for each cached
+  // user: a request whose rows of a feature begin with the ones its user sent last, byte for byte (compared on
+  // the host), sends only the rows after them. kAuto: on a CUDA device, where the counts are added up on the
+  // host (on the host the request is where the program reads it already).
+  HeldRows held_rows = HeldRows::kAuto;
 };
 
 struct KVCacheStats {
@@ -57,6 +66,14 @@ struct KVCacheStats {
   int64_t users = 0;
   int64_t pages_used = 0;
   int64_t pages = 0;
+};
+
+// A derived delta program's jagged request rows with held rows on (KVCacheOptions::held_rows): those taken from
+// the users' entries on the device, and those sent from the host.
+struct HeldRowCounts {
+  bool on = false;
+  int64_t taken = 0;
+  int64_t sent = 0;
 };
 
 class CachedRanker {
@@ -79,6 +96,7 @@ class CachedRanker {
   bool bucketed() const;
   bool derived() const;
   KVGraphCounts graph_counts() const;
+  HeldRowCounts held_rows() const;
   int64_t bytes() const;      // of the K/V pages
   int64_t page_size() const;  // tokens per page
   const Package& package() const;
