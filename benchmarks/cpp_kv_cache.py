@@ -369,11 +369,11 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
     users = list(range(batch))
     ab_kv_args: list[object] = ["--kv-cache", "auto", *(a for _ in dirs for a in ("--user-ids", ids))]
     if baseline is not None:
-        # With ab_held_rows, the new package again with its held rows off (held_off), beside it in turns.
+        # With ab_held_rows, the new package served with held rows (new) and without (held_off), in turns.
         setups = {"new": (runner, package_root), "baseline": baseline,
                   **({"held_off": (runner, package_root)} if ab_held_rows else {})}
         row["same_run_ab"] = same_run_ab(setups, dirs, ab_kv_args, iters, work_dir / f"b{batch}_ab_answers", ab_kinds,
-                                         kv_extra={"held_off": ("--kv-held-rows", "off")})
+                                         kv_extra={"new": ("--kv-held-rows", "on")} if ab_held_rows else None)
         row["same_run_ab_p50_of_rounds"] = ab_summary(row["same_run_ab"])
     if ab_graphs:  # whole-request graphs without the cache against none: one runtime, one package
         row["same_run_ab"] = same_run_ab({"new": (runner, package_root), "baseline": (runner, package_root)}, dirs,
@@ -491,8 +491,8 @@ def main() -> None:
     parser.add_argument("--ab-kv-program", choices=["derived"],
                         help="A/B the zoo's delta program derived by the compiler against its written one (same run)")
     parser.add_argument("--ab-held-rows", action="store_true",
-                        help="with --ab-kv-program derived: the derived package also served with --kv-held-rows off "
-                             "(held_off), in the same turns")
+                        help="with --ab-kv-program derived: the derived package served with --kv-held-rows on (new) "
+                             "and also without (held_off), in the same turns")
     parser.add_argument("--ab-graphs", action="store_true",
                         help="A/B whole-request CUDA graphs without the cache: one runtime and package, --graphs auto "
                              "(new) against --graphs off (baseline), the cache timed once; Python's paths in a fresh "

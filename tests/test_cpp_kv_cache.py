@@ -311,7 +311,7 @@ def test_bad_kv_arguments_are_refused_in_one_line(cpp_runtime, kv_package, tmp_p
         ((one, "--user-ids", "1,2"),
          "--user-ids, --max-time-drift, --kv-graphs, --kv-graph-copy-limit and --kv-held-rows go with --kv-cache"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-held-rows", "always"),
-         "--kv-held-rows is auto, on or off, got always"),
+         "--kv-held-rows is on or off, got always"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-graphs", "always"),
          "--kv-graphs is auto, on, off or buckets, got 'always'"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-graph-copy-limit", "0MiB"),

@@ -1378,9 +1378,9 @@ def test_the_zoo_model_serves_through_a_derived_delta_program(cpp_runtime: Any, 
     args: list[object] = [result.path, *(save_tensors(r, tmp_path / f"request{k}") for k, r in enumerate(script))]
     for _ in script:
         args += ["--user-ids", "1,2"]
-    # The C++ cache as served on the CPU (without held rows), and keeping each user's jagged request rows as on a
-    # GPU: the rows after an unchanged prefix sent, the changed history and the shorter one sent whole.
-    for held in ("auto", "on"):
+    # The C++ cache without held rows, and with them: each user's jagged request rows kept, the rows after an
+    # unchanged prefix sent, the changed history and the shorter one sent whole.
+    for held in ("off", "on"):
         done = cpp_runtime.run(*args, "--kv-cache", "auto", "--kv-held-rows", held, "--out", tmp_path / held)
         assert done.returncode == 0, done.stderr
         for k, want in enumerate(answers):
@@ -1389,10 +1389,19 @@ def test_the_zoo_model_serves_through_a_derived_delta_program(cpp_runtime: Any, 
         found = re.findall(r"kv cache: (\d+) hits, (\d+) misses, (\d+) stale", done.stdout)
         assert tuple(map(int, found[-1])) == (stats["hits"], stats["misses"], stats["stale"]), done.stdout
         counted = re.findall(r"held rows: (\d+) taken from the device, (\d+) sent", done.stdout)
-        if held == "auto":
+        if held == "off":
             assert not counted, done.stdout
         else:
             assert tuple(map(int, counted[-1])) == _held_rows(result.manifest, script), done.stdout
+    # The same from Python, through the C++ runtime's library.
+    from hstu_export.runtimes.native import LIBRARY_NAME, NativePredictor
+
+    native = NativePredictor(result.path, library=cpp_runtime.path.parent / LIBRARY_NAME).kv_cache(held_rows=True)
+    for k, (request, want) in enumerate(zip(script, answers, strict=True)):
+        got = native(request, [1, 2])
+        assert all(torch.equal(got[name], want[name]) for name in want), k
+    with pytest.raises(ConfigError, match="held_rows is True or False"):
+        NativePredictor(result.path, library=cpp_runtime.path.parent / LIBRARY_NAME).kv_cache(held_rows="on")
 
 
 def _held_rows(manifest: dict[str, Any], script: list[dict[str, torch.Tensor]]) -> tuple[int, int]:

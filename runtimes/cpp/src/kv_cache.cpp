@@ -415,12 +415,11 @@ std::unique_ptr<CachedRanker::Impl> open_derived(const Package::Impl& pkg, const
   auto impl = std::make_unique<CachedRanker::Impl>();
   impl->derived = d;
   // Held rows need the counts before the request moves (which users are kept decides what is sent).
-  if (options.held_rows == HeldRows::kOn && !d.host_counts) {
+  if (options.held_rows && !d.host_counts) {
     throw Error("held rows need a derived program whose counts are added up on the host; " + pkg.root +
-                "'s are computed by its counts program (serve without held rows on)");
+                "'s are computed by its counts program (serve without held rows)");
   }
-  impl->hold_rows = d.host_counts.has_value() && (options.held_rows == HeldRows::kOn ||
-                                                  (options.held_rows == HeldRows::kAuto && pkg.device.is_cuda()));
+  impl->hold_rows = options.held_rows;
   impl->held_counts.on = impl->hold_rows;
   detail::KVSection& kv = impl->kv;  // what the shared bookkeeping reads
   kv.program_file = d.program_file;
@@ -509,9 +508,9 @@ std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> 
     if (!pkg.kv_problem.empty()) throw PackageError(pkg.kv_problem);
     throw PackageError(pkg.root + " has no KV-cache delta program; export it with --kv-cache");
   }
-  if (options.held_rows == HeldRows::kOn) {
+  if (options.held_rows) {
     throw Error("held rows apply to a derived delta program; " + pkg.root + " has the zoo model's written one "
-                "(export with --kv-program derived, or serve without held rows on)");
+                "(export with --kv-program derived, or serve without held rows)");
   }
   auto impl = std::make_unique<Impl>();
   impl->package = package;

@@ -91,9 +91,9 @@ constexpr const char* kUsage =
     "  --kv-graph-copy-limit BYTES\n"
     "                         a derived program's call whose inputs copied into its CUDA graph exceed\n"
     "                         BYTES (KiB, MiB or GiB allowed; default 160MiB) runs as it is\n"
-    "  --kv-held-rows MODE    a derived delta program's cache keeps each user's jagged request rows on the\n"
-    "                         device and sends only the rows after an unchanged prefix: auto (default: on a\n"
-    "                         CUDA package), on, or off\n";
+    "  --kv-held-rows on|off  a derived delta program's cache keeps each user's jagged request rows on the\n"
+    "                         device and sends only the rows after an unchanged prefix (default off: not yet\n"
+    "                         timed on a GPU)\n";
 
 struct Args {
   std::string package, out, latency_log;
@@ -241,9 +241,8 @@ Args parse(int argc, char** argv) {
       args.kv_options.max_time_drift = integer(arg, value(), 0);
     } else if (arg == "--kv-held-rows") {
       std::string mode = value();
-      if (mode != "auto" && mode != "on" && mode != "off") usage_error("--kv-held-rows is auto, on or off, got " + mode);
-      args.kv_options.held_rows = mode == "on" ? hstu_export::HeldRows::kOn
-                                  : mode == "off" ? hstu_export::HeldRows::kOff : hstu_export::HeldRows::kAuto;
+      if (mode != "on" && mode != "off") usage_error("--kv-held-rows is on or off, got " + mode);
+      args.kv_options.held_rows = mode == "on";
       args.kv_graphs_given = true;
     } else if (!arg.empty() && arg[0] == '-') {
       usage_error("unknown option " + arg);

@@ -36,10 +36,6 @@ namespace hstu_export {
 using KVGraphs = Graphs;
 using KVGraphCounts = GraphCounts;
 
-// Whether a derived delta program's cache keeps its users' jagged request rows on the device
-// (KVCacheOptions::held_rows).
-enum class HeldRows { kAuto, kOn, kOff };
-
 struct KVCacheOptions {
   // Bytes of K/V pages, allocated at open. 0: room for max_batch_size users at the longest sequence.
   int64_t budget_bytes = 0;
@@ -52,9 +48,9 @@ struct KVCacheOptions {
   int64_t graph_copy_limit = 0;
   // A derived delta program's jagged request features (a user's history rows) kept on the device for each cached
   // user: a request whose rows of a feature begin with the ones its user sent last, byte for byte (compared on
-  // the host), sends only the rows after them. kAuto: on a CUDA device, where the counts are added up on the
-  // host (on the host the request is where the program reads it already).
-  HeldRows held_rows = HeldRows::kAuto;
+  // the host), sends only the rows after them. Needs the counts added up on the host. Off by default: not yet
+  // timed on a GPU (docs/KV_CACHE.md, "Held rows").
+  bool held_rows = false;
 };
 
 struct KVCacheStats {
