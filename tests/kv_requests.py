@@ -1,6 +1,7 @@
 """Requests for KV-cache tests: per-user histories that grow between requests, and the models of the
 packages exported with --kv-cache (shared by test_kv_cache.py, test_kv_export.py and
-test_cpp_kv_cache.py; conftest.py's ``kv_package`` exports them once a session)."""
+test_cpp_kv_cache.py; conftest.py's ``kv_package`` exports them once a session), and what the C++ runtime's
+held rows send of a script of requests (test_kv_derive.py, test_tzrec_style.py)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,23 @@ class Users:
         for i, name in enumerate(cfg.contextual_features):
             out[name] = torch.tensor([self.context[u][i] for u in users])
         return out
+
+
+def held_rows_of(manifest: dict, script: list[tuple[list[int], dict[str, torch.Tensor]]]) -> tuple[int, int]:
+    """(rows taken from the device, rows sent) of the jagged request features of ``script``'s (user ids, request)
+    pairs, served through a cache that holds each user's last rows of each feature: a user's rows are taken where
+    its request's begin with those, equal, and sent otherwise; a user twice in one request is neither."""
+    jagged = {f["name"]: f["jagged_by"] for f in manifest["input_schema"]["features"] if f["kind"] == "jagged"}
+    held: dict[tuple[str, int], torch.Tensor] = {}
+    taken = sent = 0
+    for ids, request in script:
+        for name, by in jagged.items():
+            for user, rows in zip(ids, torch.split(request[name], request[by].tolist()), strict=True):
+                before = held.get((name, user)) if ids.count(user) == 1 else None
+                reused = (before is not None and 0 < before.shape[0] <= rows.shape[0]
+                          and torch.equal(rows[:before.shape[0]], before))
+                taken += before.shape[0] if reused else 0
+                sent += rows.shape[0] - (before.shape[0] if reused else 0)
+                if ids.count(user) == 1:
+                    held[(name, user)] = rows
+    return taken, sent

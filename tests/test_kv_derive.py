@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from kv_requests import held_rows_of
 from test_fuse_stu_gate import GR_ATTENTION, on_the_cpu
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from user_models import dlrm_hstu, gr_style, tzrec_style
@@ -884,6 +885,16 @@ def test_the_cpp_runtime_serves_a_derived_program_as_python_bit_for_bit(derived_
                                                                              "bypassed")), done.stdout
     if graphs == "auto":  # on the CPU: no graphs
         assert "exact shapes" not in done.stdout, done.stdout
+        # With held rows (each user's jagged request rows kept; a user twice in a request neither takes nor keeps):
+        # the same answers and counters, and the rows taken and sent that the rule gives.
+        held = _served_alike(derived_package.path, predictor, predictor.kv_cache(), script, cpp_runtime,
+                             tmp_path / "held", "--kv-graphs", graphs, "--kv-held-rows", "on")
+        assert re.findall(r"kv cache: (\d+) hits, (\d+) misses, (\d+) stale, (\d+) evictions, (\d+) bypassed",
+                          held.stdout)[-1] == found[-1], held.stdout
+        requests = [(ids, _package_request(predictor, users)) for ids, users in script]
+        counted = re.findall(r"held rows: (\d+) taken from the device, (\d+) sent", held.stdout)
+        assert tuple(map(int, counted[-1])) == held_rows_of(derived_package.manifest, requests), held.stdout
+        assert int(counted[-1][0]) > 0, held.stdout
         return
     counts = ranker.runner.graphs.counts
     assert counts["replays"] >= 2
@@ -1392,7 +1403,8 @@ def test_the_zoo_model_serves_through_a_derived_delta_program(cpp_runtime: Any, 
         if held == "off":
             assert not counted, done.stdout
         else:
-            assert tuple(map(int, counted[-1])) == _held_rows(result.manifest, script), done.stdout
+            assert tuple(map(int, counted[-1])) == held_rows_of(result.manifest, [([1, 2], r) for r in script])
+            assert int(counted[-1][0]) > 0, done.stdout
     # The same from Python, through the C++ runtime's library.
     from hstu_export.runtimes.native import LIBRARY_NAME, NativePredictor
 
@@ -1403,22 +1415,3 @@ def test_the_zoo_model_serves_through_a_derived_delta_program(cpp_runtime: Any, 
     with pytest.raises(ConfigError, match="held_rows is True or False"):
         NativePredictor(result.path, library=cpp_runtime.path.parent / LIBRARY_NAME).kv_cache(held_rows="on")
 
-
-def _held_rows(manifest: dict[str, Any], script: list[dict[str, torch.Tensor]]) -> tuple[int, int]:
-    """(rows taken from the device, rows sent) of the jagged request features of ``script``'s requests, each of the
-    same users in the same order, served through a cache that holds each user's last rows of each feature: a user's
-    rows are taken where its request's begin with those, equal, and sent otherwise."""
-    jagged = {f["name"]: f["jagged_by"] for f in manifest["input_schema"]["features"] if f["kind"] == "jagged"}
-    held: dict[tuple[str, int], torch.Tensor] = {}
-    taken = sent = 0
-    for request in script:
-        for name, by in jagged.items():
-            for b, rows in enumerate(torch.split(request[name], request[by].tolist())):
-                before = held.get((name, b))
-                reused = (before is not None and 0 < before.shape[0] <= rows.shape[0]
-                          and torch.equal(rows[:before.shape[0]], before))
-                taken += before.shape[0] if reused else 0
-                sent += rows.shape[0] - (before.shape[0] if reused else 0)
-                held[(name, b)] = rows
-    assert taken > 0
-    return taken, sent

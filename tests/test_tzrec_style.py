@@ -433,3 +433,10 @@ def test_exports_with_its_derived_kv_program_served_the_same_by_python_and_cpp(t
         assert set(got) == set(want) and all(torch.equal(got[name], want[name]) for name in want), k
     found = re.findall(r"kv cache: (\d+) hits, (\d+) misses, (\d+) stale", done.stdout)
     assert found and tuple(map(int, found[-1])) == (stats["hits"], stats["misses"], stats["stale"]), done.stdout
+    # Its counts are computed on the device (not sums of request lengths): held rows, which need them before the
+    # request moves, are refused in one line, with nothing written.
+    held = cpp_runtime.run(*args, "--kv-cache", "auto", "--kv-held-rows", "on",  # type: ignore[attr-defined]
+                           "--out", tmp_path / "held")
+    assert held.returncode == 1 and held.stderr.count("\n") == 1 and not (tmp_path / "held").exists(), held.stderr
+    assert "held rows need a derived program whose counts are added up on the host" in held.stderr
+    assert "counts_on_host" not in result.manifest["kv_cache"]
