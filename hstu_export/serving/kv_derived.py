@@ -126,8 +126,8 @@ class DerivedCachedRanker:
             if not all(kept):
                 cache.count("bypassed", kept.count(False))
             outputs = self._run(dense, seq_lengths, stored, cached, tables)
-            stale = outputs.pop("kv_stale").cpu().tolist()
-            again = [b for b in range(batch) if stale[b] and cached[b]]
+            stale = outputs.pop("kv_stale")  # read back (waited for) only where a user has something cached
+            again = [b for b, s in enumerate(stale.cpu().tolist()) if s and cached[b]] if any(cached) else []
             if again:  # their frontier rows changed: recompute them from nothing
                 cache.count("hits", -len(again))
                 cache.count("stale", len(again))

@@ -263,7 +263,7 @@ struct CachedRanker::Impl {
     at::Tensor device;                 // the same on the device (a view of the request's feature)
   };
   Tensors upload_held(const Tensors& request, const std::vector<int64_t>& users, const std::vector<bool>& kept,
-                      std::vector<HeldUpdate>& updates);
+                      std::vector<HeldUpdate>& updates, std::vector<at::Tensor>* also);
   void keep_held(std::vector<HeldUpdate>& updates);
 
   NamedTensors run(const Tensors& request, const std::vector<int64_t>& users, int64_t batch, detail::PhaseClock& clock);
@@ -930,7 +930,8 @@ NamedTensors CachedRanker::Impl::run(const Tensors& request, const std::vector<i
 // the cached rows still decides which users are stale. `updates`: per kept user and jagged feature, what its
 // entry holds once the call succeeds (keep_held).
 Tensors CachedRanker::Impl::upload_held(const Tensors& request, const std::vector<int64_t>& users,
-                                        const std::vector<bool>& kept, std::vector<HeldUpdate>& updates) {
+                                        const std::vector<bool>& kept, std::vector<HeldUpdate>& updates,
+                                        std::vector<at::Tensor>* also) {
   const int64_t batch = static_cast<int64_t>(users.size());
   const auto& features = pkg->features;
   std::vector<at::Tensor> plain;
@@ -1042,7 +1043,10 @@ Tensors CachedRanker::Impl::upload_held(const Tensors& request, const std::vecto
     held_counts.taken += taken;
     held_counts.sent += rows_sent;
   }
+  const size_t sent_count = sent.size();
+  if (also != nullptr) sent.insert(sent.end(), also->begin(), also->end());  // in the same transfer
   detail::to_device(sent, pkg->device);
+  if (also != nullptr) std::move(sent.begin() + static_cast<std::ptrdiff_t>(sent_count), sent.end(), also->begin());
   Tensors out;
   std::map<size_t, const Jagged*> jagged_of;
   for (const auto& j : jagged) jagged_of[j.feature] = &j;
@@ -1124,10 +1128,11 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
   Tensors on_device;
   std::map<std::string, at::Tensor> dense;  // the dense half's inputs by name (a whole-request graph: none)
   clock.sparse_in_dense(whole_request || d.sparse_inside);
-  // The request on the device, then the dense half's inputs; with held rows, once the kept users are known.
-  auto move = [&](const std::vector<int64_t>& kept_users, const std::vector<bool>& kept, std::vector<HeldUpdate>* updates) {
+  // The request on the device, with `also` in the same transfer, then the dense half's inputs; with held rows
+  // (`updates`), only the rows the kept users' entries do not hold.
+  auto move = [&](const std::vector<bool>& kept, std::vector<HeldUpdate>* updates, std::vector<at::Tensor>* also) {
     clock.begin_part();
-    on_device = updates ? upload_held(request, kept_users, kept, *updates) : pkg->plain(request);
+    on_device = updates ? upload_held(request, users, kept, *updates, also) : pkg->plain(request, also);
     clock.end_part(&PhaseTimes::to_device_ms);
     if (d.sparse_inside) {  // the program looks the request up itself: the dense inputs it takes are request features
       for (const auto& spec : pkg->artifacts.at("dense").inputs) {
@@ -1140,7 +1145,10 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
       dense = dense_inputs_of(*pkg, on_device, boundary);
     }
   };
-  if (!hold_rows) move({}, {}, nullptr);
+  // A counts program reads the request on the device; counts added up here let it wait for the page tables, and
+  // go with them.
+  const bool moved_first = !d.host_counts;
+  if (moved_first) move({}, nullptr, nullptr);
   std::vector<at::Tensor> counted;
   if (d.host_counts) {  // sums of request features: added up here, with nothing read back from the device
     auto sum = [&](const detail::DerivedKVSection::HostSum& part) {
@@ -1204,10 +1212,9 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
   }
   if (bypassed > 0) count(&KVCacheStats::bypassed, bypassed);
   std::vector<HeldUpdate> held_updates;
-  if (hold_rows) move(users, kept, &held_updates);
 
-  const c10::Device device = pkg->device;
-  auto call = [&]() {
+  // What the program takes besides the request, from the host's counts, cached prefixes and page tables.
+  auto row_inputs = [&]() {
     int64_t width = 1;
     for (const auto& row : tables) width = std::max<int64_t>(width, static_cast<int64_t>(row.size()));
     at::Tensor table = at::full({batch, width}, scratch, at::kInt);  // the rest of a row: the scratch page
@@ -1227,9 +1234,17 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
       for (int64_t i = end - (lengths.data[b] - stored[b]); i < end; ++i) target_rows.push_back(i);
       start += lengths.data[b];
     }
-    std::vector<at::Tensor> moved = {at::tensor(cached, at::kLong), table, at::tensor(new_rows, at::kLong),
-                                     at::tensor(target_rows, at::kLong)};
-    detail::to_device(moved, device);  // in one transfer
+    return std::vector<at::Tensor>{at::tensor(cached, at::kLong), table, at::tensor(new_rows, at::kLong),
+                                   at::tensor(target_rows, at::kLong)};
+  };
+  std::vector<at::Tensor> rows = row_inputs();
+  if (moved_first) {
+    detail::to_device(rows, pkg->device);  // in one transfer
+  } else {
+    move(kept, hold_rows ? &held_updates : nullptr, &rows);
+  }
+
+  auto call = [&](const std::vector<at::Tensor>& moved) {
     const std::map<std::string, at::Tensor> made = {
         {"kv_cached", moved[0]},     {"kv_k_pages", k},           {"kv_v_pages", v},
         {"kv_x_pages", x},           {"kv_page_table", moved[1]}, {"kv_new_rows", moved[2]},
@@ -1265,11 +1280,13 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
     return outputs;
   };
   clock.lap(&PhaseTimes::before_dense_ms);
-  std::vector<at::Tensor> outputs = call();
-  HostInts stale(outputs.back());  // kv_stale, per user
+  std::vector<at::Tensor> outputs = call(rows);
   std::vector<int64_t> again;
-  for (int64_t b = 0; b < batch; ++b) {
-    if (stale.data[b] != 0 && cached[b] > 0) again.push_back(b);
+  if (std::any_of(cached.begin(), cached.end(), [](int64_t n) { return n > 0; })) {  // else nothing can be stale
+    HostInts stale(outputs.back());  // kv_stale, per user: read back, so waited for
+    for (int64_t b = 0; b < batch; ++b) {
+      if (stale.data[b] != 0 && cached[b] > 0) again.push_back(b);
+    }
   }
   if (!again.empty()) {  // their frontier rows changed: recomputed from nothing
     count(&KVCacheStats::hits, -static_cast<int64_t>(again.size()));
@@ -1278,7 +1295,9 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
       cached[b] = 0;
       tables[b] = reserve(users[b], stored[b], 0);
     }
-    outputs = call();
+    rows = row_inputs();
+    detail::to_device(rows, pkg->device);
+    outputs = call(rows);
   }
   clock.split(&PhaseTimes::dense_launch_ms);
   clock.lap(&PhaseTimes::dense_ms);
