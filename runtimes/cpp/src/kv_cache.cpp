@@ -1228,8 +1228,8 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
     std::vector<int64_t> new_rows, target_rows;
     int64_t start = 0;
     for (int64_t b = 0; b < batch; ++b) {
-      int64_t kept = cached[b] >= 0 && cached[b] <= stored[b] ? cached[b] : 0;
-      for (int64_t i = start + kept; i < start + lengths.data[b]; ++i) new_rows.push_back(i);
+      int64_t prefix = cached[b] >= 0 && cached[b] <= stored[b] ? cached[b] : 0;
+      for (int64_t i = start + prefix; i < start + lengths.data[b]; ++i) new_rows.push_back(i);
       const int64_t end = static_cast<int64_t>(new_rows.size());
       for (int64_t i = end - (lengths.data[b] - stored[b]); i < end; ++i) target_rows.push_back(i);
       start += lengths.data[b];
