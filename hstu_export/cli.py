@@ -414,6 +414,10 @@ def _print_summary(manifest: dict[str, Any], path: Any) -> None:
                      f"worst rel. L2 {w['rel_l2']:.2e}, max abs {w['max_abs']:.2e}")
             for what in checked.get("not_checked", []):
                 line += f"; not checked: {escape(what)}"
+            padding = checked.get("padding")
+            if isinstance(padding, dict):
+                line += (f"; shape buckets: {padding.get('padded')} requests served with a padding user"
+                         if padding.get("passed") else f"; no shape buckets: {escape(str(padding.get('reason')))}")
         table.add_row("kv cache", line)
     for name, ra in parity.get("rank_agreement", {}).items():
         table.add_row("rank agreement", f"{escape(name)}: {_rank_agreement(ra)}")

@@ -241,6 +241,9 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
                 *narrowed_dims("KV-cache counts", program_bounds(counts, counts_bounds), dims)]
     with torch.no_grad():
         returned = list(program(**kwargs))  # the compiled program returns its outputs in this order
+    feature_dims = {name: spec[0] for name, spec in {**inputs.sparse_dynamic_dims, **inputs.dense_dynamic_dims}.items()
+                    if name in inputs.example_features and 0 in spec}
+    rows_of = padding_rows(exported, returned, dims, feature_dims)
     sums = derived.host_counts
     # The counts as sums of request features (the runtimes add them up on the host: no counts program, no read
     # back from the device before the delta program), where every input they read comes from the request.
@@ -264,11 +267,48 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
         "fused": {"gated_attention": derived.gated_fused, "last_layer_on_targets": derived.targets_only,
                   "residual_norms": residual_norms},
         **({"counts_on_host": on_host} if on_host is not None else {}),
+        # Checked by the export's verification, which drops it where a padding user changes the answers.
+        **({"padding": {"rows_of": rows_of}} if rows_of is not None else {}),
         "device_reads": device_reads(exported),
         "inductor_options": options,
         "compile_seconds": round(time.perf_counter() - start, 3),
         **({"narrowed_dims": [d.to_json() for d in narrowed]} if narrowed else {}),
     }
+
+
+def padding_rows(exported: Any, outputs: list[str], dims: dict[str, dict[int, Any]],
+                 feature_dims: dict[str, Any]) -> dict[str, str] | None:
+    """For each output of the exported delta program, the input whose rows its rows follow: a request feature
+    (by graph name), ``kv_cached`` (a row a user) or ``kv_target_rows``, or ``""`` for an output whose shape no
+    user changes; read off the program's symbolic shapes, where an output's first dim is an input's. None where
+    an output's rows follow none of them (a padding user's rows could not be told from the others':
+    ``serving/kv_padding.py``). ``feature_dims``: each request feature's first dim (a DimSpec), by graph name,
+    through which an input that is not one (the sparse half's rows) is matched with the feature it follows."""
+    from hstu_export.serving.kv_padding import UNCHANGED
+
+    graph = exported.graph_module.graph
+    users = set(exported.graph_signature.user_inputs)
+    firsts = {str(n.name): str(n.meta["val"].shape[0]) for n in graph.nodes
+              if n.op == "placeholder" and n.name in users and getattr(n.meta.get("val"), "ndim", 0) > 0}
+    # Request features first: the padding user's rows of each are known; then the cache's own per-user inputs.
+    order = [*(name for name in firsts if name in feature_dims), "kv_cached", TARGET_ROWS]
+    values = [a.meta.get("val") for a in graph.output_node().args[0]]
+    if len(values) != len(outputs):
+        return None
+    rows_of: dict[str, str] = {}
+    for name, value in zip(outputs, values, strict=True):
+        if not isinstance(value, Tensor) or value.ndim == 0 or isinstance(value.shape[0], int):
+            rows_of[name] = UNCHANGED
+            continue
+        first = str(value.shape[0])
+        follows = next((n for n in order if firsts.get(n) == first), None)
+        if follows is None:  # an input of the dense half's: the feature its first dim is declared as
+            spec = next((dims[n][0] for n, f in firsts.items() if f == first and 0 in dims.get(n, {})), None)
+            follows = next((n for n, d in feature_dims.items() if spec is not None and d == spec), None)
+        if follows is None:
+            return None
+        rows_of[name] = follows
+    return rows_of
 
 
 def _batch_dim(counts: torch.fx.GraphModule, inputs: Any) -> DimSpec:
@@ -385,4 +425,35 @@ def verify_derived_kv_cache(predictor: Any, reference: Callable[[dict[str, Tenso
                                  f"says which tokens are candidates"]
     if report["cache"]["hits"] == 0:
         report["passed"] = False  # nothing was served from the cache: the delta path went unchecked
+    if "padding" in section:
+        report["padding"] = verify_padding(predictor, reference, tolerances, seed)
+    return report
+
+
+def verify_padding(predictor: Any, reference: Callable[[dict[str, Tensor]], dict[str, Tensor]],
+                   tolerances: dict[str, float], seed: int) -> dict[str, Any]:
+    """The package's shape buckets checked (``kv_cache.padding``, ``serving/kv_padding.py``): the verification
+    requests, of at most one user fewer than the package's batch, served through a cache whose every call has a
+    padding user, each answer compared with ``reference``. ``passed`` False (the export then drops the
+    padding: the program runs each shape as it is) where an answer differs, or where a request found no padding
+    user within the package's ranges."""
+    from hstu_export.verification.parity import check_parity, mismatch_summary
+
+    section = predictor.manifest["kv_cache"]
+    if predictor.max_batch_size < 2:
+        return {"passed": False, "reason": "a batch of one user leaves no room for a padding user"}
+    ranker = predictor.kv_cache(shape_buckets=True)
+    steps = verification_requests(predictor.input_schema, section["target_inputs"], predictor.max_batch_size - 1,
+                                  seed)
+    users_of = {what: ids for what, ids, _ in steps}
+    current: list[str] = []
+    report = check_parity(lambda batch: ranker(batch, users_of[current[-1]]), reference,
+                          [(what, batch) for what, _, batch in steps], tolerances, on_batch=current.append)
+    report["padded"] = ranker.padded_calls
+    if ranker.padded_calls < len(steps):
+        report["passed"] = False
+        report["reason"] = (f"{len(steps) - ranker.padded_calls} of {len(steps)} requests found no padding user "
+                            f"whose lengths are within the package's ranges")
+    elif not report["passed"]:
+        report["reason"] = f"a padding user changes the answers: {mismatch_summary(report)}"
     return report

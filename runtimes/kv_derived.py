@@ -28,6 +28,7 @@ from hstu_export.runtimes.aoti import PRECHECKED_MODEL
 from hstu_export.runtimes.graph_io import as_output_dict, plain_first_line
 from hstu_export.runtimes.predictor import to_device
 from hstu_export.runtimes.shape_graphs import MAX_COPY_BYTES, ShapeGraphs, copy_limit
+from hstu_export.serving.kv_padding import RequestPadding
 from hstu_export.settings import TORCH_DTYPES
 
 
@@ -40,7 +41,7 @@ class PackageDerived:
     REQUEST_INPUT = "request:"
 
     def __init__(self, predictor: Any, *, cuda_graphs: bool | None = None,
-                 graph_copy_limit: int | str | None = None) -> None:
+                 graph_copy_limit: int | str | None = None, shape_buckets: bool | None = None) -> None:
         from hstu_export.package.manifest import resolve_inside
         from hstu_export.runtimes.aoti import _load_pt2
 
@@ -105,6 +106,14 @@ class PackageDerived:
         # with the sparse half inside is the whole request itself.)
         self.whole_request = bool(use and self._host_counts is not None and split.sparse_model == PRECHECKED_MODEL
                                   and not self._tables)
+        # Shape buckets (None: with the graphs, which they let replay), where the export found a padding user
+        # that leaves the answers as they are (serving/kv_padding.py).
+        padding = RequestPadding.from_manifest(section, predictor)
+        if shape_buckets and padding is None:
+            raise ConfigError(f"{predictor.root}: its manifest records no padding user for the delta program's shape "
+                              f"buckets (kv_cache.padding: the export found none whose answers match the model's, or "
+                              f"it predates them); use shape_buckets=None")
+        self.padding = padding if (self.graphs is not None if shape_buckets is None else shape_buckets) else None
 
     @staticmethod
     def _tables_inside(predictor: Any, inside: Any, split: Any) -> dict[str, Tensor]:

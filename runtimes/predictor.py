@@ -185,7 +185,8 @@ class Predictor:
     predict = __call__
 
     def kv_cache(self, budget_bytes: int | None = None, *, max_time_drift: int = 0,
-                 cuda_graphs: bool | None = None, graph_copy_limit: int | str | None = None) -> Any:
+                 cuda_graphs: bool | None = None, graph_copy_limit: int | str | None = None,
+                 shape_buckets: bool | None = None) -> Any:
         """A :class:`~hstu_export.serving.kv_cache.CachedRanker` over this package's delta program (a package
         exported with ``--kv-cache``): ``ranker(request, user_ids)`` answers as ``predictor(request)``,
         running only each user's tokens past its cached prefix. ``budget_bytes`` (default: room for
@@ -194,13 +195,18 @@ class Predictor:
         bucket (``runtimes/kv_graphs.py``); a derived delta program, one per exact shape seen twice, and only
         when it reads nothing back from the device (``runtimes/shape_graphs.py``): a call whose inputs copied into
         its graph exceed ``graph_copy_limit`` (bytes or a size such as ``"64MiB"``; default 160 MiB) runs as it
-        is."""
+        is. ``shape_buckets`` (a derived program; default: with its graphs) appends a padding user that rounds a
+        request's shapes to a bucket's, where the export verified one (``kv_cache.padding``:
+        ``serving/kv_padding.py``)."""
         from hstu_export.runtimes.kv_delta import PackageDelta
         from hstu_export.serving.kv_cache import CachedRanker, page_bytes
 
         section = self.manifest.get("kv_cache")
         if section is not None and section.get("kind") == "derived":  # a delta program derived from the graph
-            return self._derived_kv_cache(budget_bytes, max_time_drift, cuda_graphs, graph_copy_limit)
+            return self._derived_kv_cache(budget_bytes, max_time_drift, cuda_graphs, graph_copy_limit, shape_buckets)
+        if shape_buckets is not None:
+            raise ConfigError("shape_buckets applies to a derived delta program; the zoo's pads its requests into "
+                              "buckets with its CUDA graphs (cuda_graphs)")
         runner = PackageDelta(self, cuda_graphs=cuda_graphs)
         if budget_bytes is None:
             layout = runner.layout
@@ -212,7 +218,7 @@ class Predictor:
                             max_time_drift=max_time_drift)
 
     def _derived_kv_cache(self, budget_bytes: int | None, max_time_drift: int, cuda_graphs: bool | None,
-                          graph_copy_limit: int | str | None) -> Any:
+                          graph_copy_limit: int | str | None, shape_buckets: bool | None) -> Any:
         from hstu_export.runtimes.kv_derived import PackageDerived
         from hstu_export.serving.kv_cache import page_bytes
         from hstu_export.serving.kv_derived import DerivedCachedRanker
@@ -220,7 +226,8 @@ class Predictor:
         if max_time_drift:
             raise ConfigError("max_time_drift applies to the zoo model's delta program; a derived one reuses a "
                               "user's tokens only while the rows its layers start from are unchanged")
-        runner = PackageDerived(self, cuda_graphs=cuda_graphs, graph_copy_limit=graph_copy_limit)
+        runner = PackageDerived(self, cuda_graphs=cuda_graphs, graph_copy_limit=graph_copy_limit,
+                                shape_buckets=shape_buckets)
         if budget_bytes is None:
             layout, size = runner.layout, runner.page_size
             pages = self.max_batch_size * -(-layout["max_seq_len"] // size) + 1  # and the scratch page

@@ -840,6 +840,110 @@ def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_
     assert counts["replays"] - before == 2, counts  # the repeats: seen, then captured and replayed twice
 
 
+def _history(user: User, items: int) -> User:
+    """``user`` with ``items`` more history items (in the package's ranges), as a grown history is."""
+    more = [(user["uih_item_id"][-1] + 1 + i) % gr_style.ITEMS for i in range(items)]
+    return {**user, "uih_item_id": user["uih_item_id"] + more, "uih_action": user["uih_action"] + [1] * items}
+
+
+_CANDIDATE_ROWS = "candidates_features__cand_item_id__values"
+
+
+@pytest.mark.slow
+def test_a_padding_user_puts_histories_of_other_lengths_in_one_shape_bucket(derived_package: Any) -> None:
+    """The export read off which input each output's rows follow, and served its verification requests with a
+    padding user; a history grown by 1, 2, 1 and 1 items (four shapes without it) runs in one bucket, which the
+    graphs' bookkeeping replays, every answer equal to the package's without the cache."""
+    import hstu_export
+
+    section, parity = derived_package.manifest["kv_cache"], derived_package.parity["kv_cache"]
+    assert section["padding"] == {"rows_of": {"click": _CANDIDATE_ROWS, "watch": _CANDIDATE_ROWS,
+                                              "kv_stale": "uih_features__user_id__lengths"}}
+    assert parity["padding"]["passed"] and parity["padding"]["padded"] == 6, parity["padding"]
+    predictor = hstu_export.load(derived_package.path)
+    a, b = gr_user(1, 3, 2), gr_user(2, 4, 1)
+    script = [([1, 2], [a, b])]
+    for items in [1, 2, 1, 1]:  # 8 to 12 history items: padded to 18 (a step of 6, at least 6 of its own)
+        a = _history(a, items)
+        script.append(([1, 2], [a, b]))
+
+    def served(shape_buckets: bool) -> tuple[dict[str, int], int, int]:
+        ranker = predictor.kv_cache(shape_buckets=shape_buckets)
+        ranker.runner.graphs = graphs = ShapeGraphs(ranker.runner._call, ranker.runner.STATIC_INPUTS, capture=False)
+        for ids, users in script:
+            batch = _package_request(predictor, users)
+            got, want = ranker(batch, ids), predictor(batch)
+            assert set(got) == set(want)
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+        return graphs.counts, ranker.padded_calls, ranker.cache.stats()["hits"]
+
+    counts, padded, hits = served(True)
+    # The prefill's shape, then one bucket for the four grown histories: seen, then replayed three times.
+    assert (counts["replays"], counts["eager"], padded, hits) == (3, 2, 5, 8), counts
+    counts, padded, hits = served(False)
+    assert (counts["replays"], padded, hits) == (0, 0, 8), counts
+
+
+def test_the_padding_user_takes_each_total_to_a_step_within_its_range(derived_package: Any) -> None:
+    """RequestPadding.pad on gr_style's schema (histories of at most 12 items: a step of 6; at most 5 candidates:
+    a step of 5): each total lands on its step, the padding user's rows are the request's first rows, its per-user
+    feature the first user's; the cached count leaves its new rows on a step; a full batch is not padded."""
+    import hstu_export
+
+    predictor = hstu_export.load(derived_package.path)
+    padding = predictor.kv_cache(shape_buckets=True).runner.padding
+    users = [gr_user(1, 3, 2), gr_user(2, 4, 1)]
+    request = predictor.check_request(_package_request(predictor, users))
+    padded = padding.pad(request, 2)
+    got = padded.request
+    items, cands = "uih_features.uih_item_id", "candidates_features.cand_item_id"
+    assert got[f"{items}.lengths"].tolist() == [3, 4, 11]  # 7 + 11 = 18, a multiple of 6 from at least 6
+    assert got["uih_features.uih_action.lengths"].tolist() == [3, 4, 11]  # the same lengths (same_as)
+    assert got[f"{cands}.lengths"].tolist() == [2, 1, 2]  # 3 + 2 = 5
+    assert got["uih_features.user_id.lengths"].tolist() == [1, 1, 1]
+    values = request[f"{items}.values"]
+    assert torch.equal(got[f"{items}.values"], torch.cat([values, values[torch.arange(11) % 7]]))
+    assert torch.equal(got["uih_features.user_id.values"][2:], request["uih_features.user_id.values"][:1])
+    assert padded.pad_rows[_CANDIDATE_ROWS] == 2 and padded.pad_rows["uih_features__user_id__lengths"] == 1
+    assert padding.new_rows_step == 8  # the fewest stored rows of a padding user: 6 items and its user id token
+    # users' (sequence, stored, cached): the padding user's 1 + 11 + 2 tokens, 12 stored; 4 + 6 new rows before it
+    cached = padding.cached([6, 6, 14], [4, 5, 12], [3, 0])
+    assert cached == 7 and (3 + 6 + 14 - cached) % 8 == 0
+    full = [gr_user(k, 3, 2) for k in range(4)]
+    assert padding.pad(predictor.check_request(_package_request(predictor, full)), 4) is None  # no room: max 4
+
+
+def test_the_padding_is_dropped_where_it_changes_the_answers(derived_package: Any, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify_padding fails, naming the request, where the padding user's rows would be served in place of a real
+    user's (its outputs cut from the front); kv_cache(shape_buckets=True) on a package without padding is refused."""
+    import shutil
+
+    from manifests import rewrite_manifest
+
+    import hstu_export
+    from hstu_export.kv_derived_export import verify_padding
+    from hstu_export.serving.kv_padding import RequestPadding
+
+    predictor = hstu_export.load(derived_package.path)
+    tolerances = {"rel_l2": 1e-5, "max_abs": 1e-4}
+    assert verify_padding(predictor, predictor, tolerances, seed=0)["passed"]
+    cut = RequestPadding.unpad
+    monkeypatch.setattr(RequestPadding, "unpad", lambda self, outputs, padded, targets: {
+        name: value[value.shape[0] - got.shape[0]:] for (name, value), got in
+        zip(outputs.items(), cut(self, outputs, padded, targets).values(), strict=True)})
+    report = verify_padding(predictor, predictor, tolerances, seed=0)
+    assert not report["passed"] and report["reason"].startswith("a padding user changes the answers: "), report
+    monkeypatch.undo()
+    package = tmp_path / "no-padding"
+    shutil.copytree(derived_package.path, package)
+    rewrite_manifest(package, lambda m: m["kv_cache"].pop("padding"))
+    with pytest.raises(ConfigError, match="records no padding user"):
+        hstu_export.load(package).kv_cache(shape_buckets=True)
+    assert hstu_export.load(package).kv_cache().runner.padding is None
+
+
 def _served_alike(package: Path, predictor: Any, ranker: Any, script: list[tuple[list[int], list[User]]],
                   cpp_runtime: Any, tmp_path: Path, *options: object) -> Any:
     """``script`` served through ``ranker`` (Python) and through hstu-export-run --kv-cache with ``options`` on
@@ -1051,9 +1155,15 @@ _REFUSED_BY_BOTH = [
     (lambda kv: kv["inputs"].insert(0, "embedding_collection__uih_item_id__values"), _SPARSE_OUTPUT),
 ]
 _REFUSED_IDS = ["unknown-input", "unknown-table", "sparse-output"]
+# Refused by Python only: the C++ runtime does not pad requests.
+_REFUSED_BY_PYTHON = [
+    (lambda kv: kv["padding"]["rows_of"].update(click="no_such_rows"), "kv_cache.padding.rows_of: is not an object"),
+    (lambda kv: kv["padding"]["rows_of"].pop("kv_stale"), "kv_cache.padding.rows_of: is not an object"),
+]
 
 
-@pytest.mark.parametrize("edit, message", _REFUSED_BY_BOTH, ids=_REFUSED_IDS)
+@pytest.mark.parametrize("edit, message", [*_REFUSED_BY_BOTH, *_REFUSED_BY_PYTHON],
+                         ids=[*_REFUSED_IDS, "padding-unknown-rows", "padding-missing-output"])
 def test_a_damaged_derived_section_is_refused_at_load(derived_package: Any, tmp_path: Path, edit: Any,
                                                       message: str) -> None:
     """A delta program input that is no dense input, cache input or request input, a table the sparse half does
@@ -1389,6 +1499,15 @@ def test_the_zoo_model_serves_through_a_derived_delta_program(cpp_runtime: Any, 
             assert (stats["misses"], stats["stale"], stats["hits"]) == (2, 2, 4), stats  # grown: stale; then hits
     stats = ranker.cache.stats()
     assert (stats["stale"], stats["hits"]) == (2 + 1 + 2, 4 + 1), stats  # the changed user, then both shorter
+    # With a padding user (shape buckets, verified at export): the same answers, the same counters.
+    assert parity["padding"]["passed"] and set(result.manifest["kv_cache"]["padding"]["rows_of"]) == set(want) | {
+        "kv_stale"}, parity["padding"]
+    padded = predictor.kv_cache(shape_buckets=True)
+    for request in script:
+        got, want = padded(request, [1, 2]), predictor(request)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+    assert padded.padded_calls == len(script) and padded.cache.stats() == stats
     args: list[object] = [result.path, *(save_tensors(r, tmp_path / f"request{k}") for k, r in enumerate(script))]
     for _ in script:
         args += ["--user-ids", "1,2"]

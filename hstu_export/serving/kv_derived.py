@@ -22,6 +22,7 @@ from hstu_export.errors import ConfigError, RequestError
 from hstu_export.kv_derive import counts_on_host, delta_row_inputs
 from hstu_export.runtimes.predictor import to_device
 from hstu_export.serving.kv_cache import CacheFull, PagedKVCache, user_keys
+from hstu_export.serving.kv_padding import Padded
 
 __all__ = ["DerivedCachedRanker", "DerivedRunner", "EagerDerived"]
 
@@ -88,6 +89,7 @@ class DerivedCachedRanker:
             raise ConfigError(f"the delta program reads pages of {fixed} tokens; use page_size={fixed} "
                               f"(or export again with --kv-page-size {page_size})")
         self.runner = runner
+        self.padded_calls = 0  # calls run with a padding user (shape buckets: serving/kv_padding.py)
         layout = runner.layout
         self.cache = PagedKVCache(layout["num_layers"], layout["num_heads"], layout["attention_dim"],
                                   layout["linear_dim"], budget_bytes=budget_bytes, dtype=runner.dtype,
@@ -96,12 +98,14 @@ class DerivedCachedRanker:
 
     def __call__(self, request: dict[str, Tensor], user_ids: Sequence[Hashable] | Tensor) -> dict[str, Tensor]:
         ids = user_keys(user_ids)
-        dense = self.runner.dense_inputs(request)
-        lengths, targets = self.runner.counts(dense, request)
+        padded = self._padded(request, len(ids))
+        whole = request if padded is None else padded.request
+        dense = self.runner.dense_inputs(whole)
+        lengths, targets = self.runner.counts(dense, whole)
         # One read (none where they were added up on the host): pages are reserved, and the new rows listed, there.
         lengths, targets = torch.stack([lengths.to(torch.int64), targets.to(torch.int64)]).cpu()
         seq_lengths, stored = lengths.tolist(), (lengths - targets).tolist()
-        batch = len(stored)
+        batch = len(stored) - (padded is not None)
         if len(ids) != batch:
             raise RequestError(f"{len(ids)} user ids for a batch of {batch} users")
         seen: dict[Hashable, int] = {}
@@ -125,7 +129,7 @@ class DerivedCachedRanker:
                 cached[b], kept[b] = reuse, True
             if not all(kept):
                 cache.count("bypassed", kept.count(False))
-            outputs = self._run(dense, seq_lengths, stored, cached, tables)
+            outputs = self._run(dense, seq_lengths, stored, cached, tables, padded)
             stale = outputs.pop("kv_stale")  # read back (waited for) only where a user has something cached
             again = [b for b, s in enumerate(stale.cpu().tolist()) if s and cached[b]] if any(cached) else []
             if again:  # their frontier rows changed: recompute them from nothing
@@ -134,21 +138,41 @@ class DerivedCachedRanker:
                 for b in again:
                     cached[b] = 0
                     tables[b] = cache.reserve(ids[b], stored[b], 0)
-                outputs = self._run(dense, seq_lengths, stored, cached, tables)
+                outputs = self._run(dense, seq_lengths, stored, cached, tables, padded)
                 outputs.pop("kv_stale")
             for b, user in enumerate(ids):
                 if kept[b]:
                     cache.commit(user, stored[b], None)
             return outputs
 
+    def _padded(self, request: dict[str, Tensor], users: int) -> Padded | None:
+        """``request`` with a padding user, where the runner pads requests into shape buckets and this one has
+        room for it (checked first: an error names the request as it was sent)."""
+        padding = getattr(self.runner, "padding", None)
+        if padding is None:
+            return None
+        padded = padding.pad(padding.check(request), users)
+        self.padded_calls += padded is not None
+        return padded
+
     def _run(self, dense: dict[str, Tensor], seq_lengths: list[int], stored: list[int], cached: list[int],
-             tables: list[list[int]]) -> dict[str, Tensor]:
+             tables: list[list[int]], padded: Padded | None = None) -> dict[str, Tensor]:
+        """The delta program on the users' cached counts and pages; with ``padded``, the padding user (last in
+        ``seq_lengths`` and ``stored``) is given the cached count that puts the new rows on a step, the scratch
+        page for each of its pages, and a table of a bucket's width; its rows of the outputs are dropped."""
         cache, device = self.cache, self.runner.device
         width = max(1, *(len(t) for t in tables))
-        table = np.full((len(tables), width), cache.scratch_page, dtype=np.int32)
+        if padded is not None:
+            padding = self.runner.padding
+            cached = [*cached, padding.cached(seq_lengths, stored, cached)]
+            width = padding.width(max(width, -(-stored[-1] // cache.page_size)))
+        table = np.full((len(seq_lengths), width), cache.scratch_page, dtype=np.int32)
         for b, pages in enumerate(tables):
             table[b, :len(pages)] = pages
         rows = delta_row_inputs(seq_lengths, stored, cached)
-        return self.runner.delta(dense, to_device(torch.tensor(cached, dtype=torch.int64), device), cache.k, cache.v,
-                                 cache.x, to_device(torch.from_numpy(table), device),
-                                 {name: to_device(value, device) for name, value in rows.items()})
+        outputs = self.runner.delta(dense, to_device(torch.tensor(cached, dtype=torch.int64), device), cache.k,
+                                    cache.v, cache.x, to_device(torch.from_numpy(table), device),
+                                    {name: to_device(value, device) for name, value in rows.items()})
+        if padded is None:
+            return outputs
+        return padding.unpad(outputs, padded, seq_lengths[-1] - stored[-1])
