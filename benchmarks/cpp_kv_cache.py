@@ -32,8 +32,9 @@ subprocess alongside this code's export. ``--ab-kv-program derived`` runs the sa
 code exports, one runtime: the zoo's delta program derived by the compiler (``new``) against the hand-written one
 (``baseline``). ``--ab-held-rows`` serves ``new`` with held rows and adds the derived package without them
 (``held_off``); ``--ab-unseen-shapes`` adds it without CUDA graphs (``unseen``: a request of shapes the derived
-program has not seen, as each request of a history growing by varying amounts is; the written program's graphs are
-per shape bucket). ``--ab-graphs`` runs it between one runtime's request without the cache with whole-request CUDA
+program has not seen and no bucket holds, as each request of a history growing by varying amounts is without
+shape buckets; the written program's graphs are per shape bucket); ``--ab-exact-shapes`` adds it without shape
+buckets (``exact``: ``--kv-shape-buckets off``, a graph per exact shape, which this workload's two shapes replay). ``--ab-graphs`` runs it between one runtime's request without the cache with whole-request CUDA
 graphs (``--graphs auto``, ``new``) and without (``--graphs off``, ``baseline``), the cache timed once, and times
 Python's no-cache paths with and without them in a fresh process. ``--ab-python DIR`` (a whole checkout of another
 commit) times Python's paths of this code and of DIR's, in fresh processes in turns, on one package (the written
@@ -233,7 +234,7 @@ def ab_summary(ab: dict) -> dict:
     out["request_baseline_over_new"] = {name: out[f"baseline_{name}"]["request"] / out[f"new_{name}"]["request"]
                                         for name in ("no_cache", "kv", "no_cache_whole", "kv_whole")
                                         if f"new_{name}" in out and f"baseline_{name}" in out}
-    for label in ("held_off", "unseen"):  # --ab-held-rows, --ab-unseen-shapes: against new, same package
+    for label in ("held_off", "unseen", "exact"):  # --ab-held-rows, --ab-unseen-shapes, --ab-exact-shapes
         if f"{label}_kv_whole" in out and "new_kv_whole" in out:
             out[f"request_{label}_over_new"] = {name: out[f"{label}_{name}"]["request"] / out[f"new_{name}"]["request"]
                                                 for name in ("kv", "kv_whole")}
@@ -366,7 +367,8 @@ def python_ab(ab: PythonAB, dirs: list[Path], ids: str, iters: int, work_dir: Pa
 def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingModel, work: dict, batch: int,  # type: ignore[no-untyped-def]
               iters: int, work_dir: Path, log_dir: Path, baseline: tuple[Path, Path] | None = None,
               ab_only: bool = False, ab_kinds: tuple[str, ...] = ("no_cache", "kv"), ab_graphs: bool = False,
-              ab_python: PythonAB | None = None, ab_held_rows: bool = False, ab_unseen: bool = False) -> dict:
+              ab_python: PythonAB | None = None, ab_held_rows: bool = False, ab_unseen: bool = False,
+              ab_exact: bool = False) -> dict:
     row: dict = {}
     whole = request(model, work, batch, 100 + batch)  # on the host, as from a client
     steps = [prefix_of(whole, work, batch), whole] if work["cached"] < work["history"] else [whole]
@@ -378,13 +380,15 @@ def batch_row(runner: Path, package_root: Path, predictor, model: HstuRankingMod
         # With ab_held_rows, the new package served with held rows (new) and without (held_off), in turns; with
         # ab_unseen, as new but without CUDA graphs (unseen): each request then runs as one of shapes the derived
         # program has not seen does (its graphs are keyed by exact shapes), while the written baseline replays
-        # the graph of its shape bucket.
+        # the graph of its shape bucket; with ab_exact, as new without shape buckets (exact).
         held = ("--kv-held-rows", "on") if ab_held_rows else ()
         setups = {"new": (runner, package_root), "baseline": baseline,
                   **({"held_off": (runner, package_root)} if ab_held_rows else {}),
-                  **({"unseen": (runner, package_root)} if ab_unseen else {})}
+                  **({"unseen": (runner, package_root)} if ab_unseen else {}),
+                  **({"exact": (runner, package_root)} if ab_exact else {})}
         row["same_run_ab"] = same_run_ab(setups, dirs, ab_kv_args, iters, work_dir / f"b{batch}_ab_answers", ab_kinds,
-                                         kv_extra={"new": held, "unseen": (*held, "--kv-graphs", "off")})
+                                         kv_extra={"new": held, "unseen": (*held, "--kv-graphs", "off"),
+                                                   "exact": (*held, "--kv-shape-buckets", "off")})
         row["same_run_ab_p50_of_rounds"] = ab_summary(row["same_run_ab"])
     if ab_graphs:  # whole-request graphs without the cache against none: one runtime, one package
         row["same_run_ab"] = same_run_ab({"new": (runner, package_root), "baseline": (runner, package_root)}, dirs,
@@ -508,6 +512,9 @@ def main() -> None:
                         help="with --ab-kv-program derived: the derived package also served without CUDA graphs "
                              "(unseen), as a request of shapes it has not seen is (a history growing by varying "
                              "amounts), against the written one's bucket graphs")
+    parser.add_argument("--ab-exact-shapes", action="store_true",
+                        help="with --ab-kv-program derived: the derived package also served without shape buckets "
+                             "(exact: --kv-shape-buckets off, a CUDA graph per exact shape)")
     parser.add_argument("--ab-graphs", action="store_true",
                         help="A/B whole-request CUDA graphs without the cache: one runtime and package, --graphs auto "
                              "(new) against --graphs off (baseline), the cache timed once; Python's paths in a fresh "
@@ -541,8 +548,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.ab_pin is not None and args.ab_python is not None:
         parser.error("--ab-pin and --ab-python are two A/Bs: give one")
-    if (args.ab_held_rows or args.ab_unseen_shapes) and not args.ab_kv_program:
-        parser.error("--ab-held-rows and --ab-unseen-shapes serve the derived package: give --ab-kv-program derived")
+    if (args.ab_held_rows or args.ab_unseen_shapes or args.ab_exact_shapes) and not args.ab_kv_program:
+        parser.error("--ab-held-rows, --ab-unseen-shapes and --ab-exact-shapes serve the derived package: give "
+                     "--ab-kv-program derived")
     if args.time_python:  # in a fresh process, as a serving process is: the timings as JSON, last line
         steps = [load_tensors(path) for path in args.requests]
         library = args.out / "build" / LIBRARY_NAME
@@ -645,7 +653,7 @@ def main() -> None:
                                                         ("kv",) if args.ab_kv_program or args.ab_cached_only
                                                         else ("no_cache", "kv"),
                                                         args.ab_graphs, ab_python, args.ab_held_rows,
-                                                        args.ab_unseen_shapes)
+                                                        args.ab_unseen_shapes, args.ab_exact_shapes)
                 except Exception as exc:  # recorded; the rest still runs
                     entry["batches"][batch] = failure(exc)
                 save()

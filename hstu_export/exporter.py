@@ -423,7 +423,8 @@ def export(
 
             with _timed(timings, progress, "kv-cache program"), torch.no_grad(), \
                     running_model(device, "while its delta program was compiled"):
-                kv_section = compile_derived_delta(derived, inputs, settings, staged, artifacts)
+                kv_section = compile_derived_delta(derived, inputs, settings, staged, artifacts,
+                                                   {f.graph_name: f.name for f in schema.features})
             ranges, kv_narrowing = _narrow_to_compiled(kv_section.get("narrowed_dims", []), ranges)
             compiled_narrowing += kv_narrowing
         if result.report_path is not None and settings.graphs_in_package:

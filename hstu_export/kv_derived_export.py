@@ -164,10 +164,11 @@ def _with_sparse_inside(derived: DerivedDelta, inputs: Any, artifacts: Any,
 
 
 def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out_dir: Path,
-                          artifacts: Any) -> dict[str, Any]:
+                          artifacts: Any, feature_names: dict[str, str]) -> dict[str, Any]:
     """Export and compile ``derived`` (:func:`derive_for_export`) into ``out_dir`` (the package being built);
     returns the manifest's ``kv_cache`` section. ``artifacts``: the package's compiled halves (the backend's
-    BackendArtifacts), whose sparse half the program holds inside it where :func:`_with_sparse_inside` can."""
+    BackendArtifacts), whose sparse half the program holds inside it where :func:`_with_sparse_inside` can;
+    ``feature_names``: each request feature's name by its graph name."""
     from hstu_export.capture.opaque import export_builtins
     from hstu_export.runtimes.graph_io import export_ready, plain_first_line
     from hstu_export.runtimes.residual_norms import fuse_residual_norms
@@ -244,6 +245,8 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
     feature_dims = {name: spec[0] for name, spec in {**inputs.sparse_dynamic_dims, **inputs.dense_dynamic_dims}.items()
                     if name in inputs.example_features and 0 in spec}
     rows_of = padding_rows(exported, returned, dims, feature_dims)
+    if rows_of is not None:  # the manifest names request features as requests do
+        rows_of = {name: feature_names.get(follows, follows) for name, follows in rows_of.items()}
     sums = derived.host_counts
     # The counts as sums of request features (the runtimes add them up on the host: no counts program, no read
     # back from the device before the delta program), where every input they read comes from the request.
@@ -279,7 +282,7 @@ def compile_derived_delta(derived: DerivedDelta, inputs: Any, settings: Any, out
 def padding_rows(exported: Any, outputs: list[str], dims: dict[str, dict[int, Any]],
                  feature_dims: dict[str, Any]) -> dict[str, str] | None:
     """For each output of the exported delta program, the input whose rows its rows follow: a request feature
-    (by graph name), ``kv_cached`` (a row a user) or ``kv_target_rows``, or ``""`` for an output whose shape no
+    (by graph name here, by its own name in the manifest), ``kv_cached`` (a row a user) or ``kv_target_rows``, or ``""`` for an output whose shape no
     user changes; read off the program's symbolic shapes, where an output's first dim is an input's. None where
     an output's rows follow none of them (a padding user's rows could not be told from the others':
     ``serving/kv_padding.py``). ``feature_dims``: each request feature's first dim (a DimSpec), by graph name,

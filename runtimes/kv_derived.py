@@ -113,7 +113,14 @@ class PackageDerived:
             raise ConfigError(f"{predictor.root}: its manifest records no padding user for the delta program's shape "
                               f"buckets (kv_cache.padding: the export found none whose answers match the model's, or "
                               f"it predates them); use shape_buckets=None")
-        self.padding = padding if (self.graphs is not None if shape_buckets is None else shape_buckets) else None
+        self._padding, self._shape_buckets = padding, shape_buckets
+
+    @property
+    def padding(self) -> RequestPadding | None:
+        """The padding user's rules where requests are padded (``shape_buckets``; None: while there are graphs,
+        as in C++, whose ``--kv-graphs buckets`` keeps them without CUDA), else None."""
+        on = self.graphs is not None if self._shape_buckets is None else self._shape_buckets
+        return self._padding if on else None
 
     @staticmethod
     def _tables_inside(predictor: Any, inside: Any, split: Any) -> dict[str, Tensor]:

@@ -174,12 +174,13 @@ class NativePredictor:
 
     def kv_cache(self, budget_bytes: int | str | None = None, *, max_time_drift: int = 0,
                  cuda_graphs: bool | None = None, graph_copy_limit: int | str | None = None,
-                 held_rows: bool = False) -> NativeCachedRanker:
+                 held_rows: bool = False, shape_buckets: bool | None = None) -> NativeCachedRanker:
         """The C++ runtime's KV cache over this package (as ``Predictor.kv_cache``): ``budget_bytes`` (bytes or a
         size such as ``"2GiB"``; default: room for the maximum batch at the longest sequence); ``graph_copy_limit``
         as ``Predictor.kv_cache``'s. ``held_rows`` (a derived delta program's cache): each cached user's jagged
         request rows kept on the device, so that a request whose rows begin with them sends only the rest
-        (``KVCacheOptions::held_rows``; off by default: not yet timed on a GPU)."""
+        (``KVCacheOptions::held_rows``; off by default: not yet timed on a GPU). ``shape_buckets`` as
+        ``Predictor.kv_cache``'s (``KVCacheOptions::shape_buckets``)."""
         budget = 0  # the C++ runtime's default
         if budget_bytes is not None:
             budget = parse_size(budget_bytes) if isinstance(budget_bytes, str) else budget_bytes
@@ -193,8 +194,11 @@ class NativePredictor:
         limit = 0 if graph_copy_limit is None else copy_limit(graph_copy_limit)  # 0: the C++ runtime's default
         if not isinstance(held_rows, bool):
             raise ConfigError(f"held_rows is True or False, got {held_rows!r}")
+        if shape_buckets is not None and not isinstance(shape_buckets, bool):
+            raise ConfigError(f"shape_buckets is True, False or None, got {shape_buckets!r}")
+        buckets = "auto" if shape_buckets is None else "on" if shape_buckets else "off"
         return NativeCachedRanker(_call(self._classes.CachedRanker, self._package, budget, max_time_drift, graphs,
-                                        limit, held_rows))
+                                        limit, held_rows, buckets))
 
 
 class NativeCachedRanker:

@@ -201,6 +201,8 @@ class Predictor:
         from hstu_export.runtimes.kv_delta import PackageDelta
         from hstu_export.serving.kv_cache import CachedRanker, page_bytes
 
+        if shape_buckets is not None and not isinstance(shape_buckets, bool):
+            raise ConfigError(f"shape_buckets is True, False or None, got {shape_buckets!r}")
         section = self.manifest.get("kv_cache")
         if section is not None and section.get("kind") == "derived":  # a delta program derived from the graph
             return self._derived_kv_cache(budget_bytes, max_time_drift, cuda_graphs, graph_copy_limit, shape_buckets)

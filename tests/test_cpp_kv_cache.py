@@ -309,9 +309,12 @@ def test_bad_kv_arguments_are_refused_in_one_line(cpp_runtime, kv_package, tmp_p
         ((one, "--kv-cache", "12XB", "--user-ids", "1,2"), "--kv-cache needs a positive integer, got '12XB'"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,x"), "--user-ids needs integers, got 'x'"),
         ((one, "--user-ids", "1,2"),
-         "--user-ids, --max-time-drift, --kv-graphs, --kv-graph-copy-limit and --kv-held-rows go with --kv-cache"),
+         "--user-ids, --max-time-drift, --kv-graphs, --kv-graph-copy-limit, --kv-held-rows and --kv-shape-buckets go "
+         "with --kv-cache"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-held-rows", "always"),
          "--kv-held-rows is on or off, got always"),
+        ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-shape-buckets", "always"),
+         "--kv-shape-buckets is auto, on or off, got always"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-graphs", "always"),
          "--kv-graphs is auto, on, off or buckets, got 'always'"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-graph-copy-limit", "0MiB"),
@@ -326,6 +329,8 @@ def test_bad_kv_arguments_are_refused_in_one_line(cpp_runtime, kv_package, tmp_p
         ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-graphs", "on"), "CUDA graphs need a CUDA package"),
         ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-held-rows", "on"),
          "held rows apply to a derived delta program"),
+        ((one, "--kv-cache", "auto", "--user-ids", "1,2", "--kv-shape-buckets", "on"),
+         "shape buckets on apply to a derived delta program"),
     ]
     for args, message in served:
         done = cpp_runtime.run(root, *args, "--out", tmp_path / "out")

@@ -824,10 +824,11 @@ def test_a_user_model_exports_with_its_derived_delta_program_and_serves_through_
     assert (stats["misses"], stats["hits"], stats["stale"], stats["bypassed"]) == (3, 5, 2, 2), stats
 
     # Its program reads sizes back from the device, so it is never replayed from a CUDA graph; on a program that
-    # reads none, the graphs' bookkeeping (kept without CUDA here) answers as the program does.
+    # reads none, the graphs' bookkeeping (kept without CUDA here) answers as the program does (without shape
+    # buckets: a graph per exact shape).
     with pytest.raises(ConfigError, match="reads 3 value.s. back from the device, so it cannot be replayed"):
         predictor.kv_cache(cuda_graphs=True)
-    ranker = predictor.kv_cache()
+    ranker = predictor.kv_cache(shape_buckets=False)
     assert ranker.runner.graphs is None
     ranker.runner.graphs = ShapeGraphs(ranker.runner._call, ranker.runner.STATIC_INPUTS, capture=False)
     counts, before = ranker.runner.graphs.counts, 0
@@ -846,19 +847,21 @@ def _history(user: User, items: int) -> User:
     return {**user, "uih_item_id": user["uih_item_id"] + more, "uih_action": user["uih_action"] + [1] * items}
 
 
-_CANDIDATE_ROWS = "candidates_features__cand_item_id__values"
+_CANDIDATE_ROWS = "candidates_features.cand_item_id.values"
 
 
 @pytest.mark.slow
-def test_a_padding_user_puts_histories_of_other_lengths_in_one_shape_bucket(derived_package: Any) -> None:
+def test_a_padding_user_puts_histories_of_other_lengths_in_one_shape_bucket(derived_package: Any, cpp_runtime: Any,
+                                                                           tmp_path: Path) -> None:
     """The export read off which input each output's rows follow, and served its verification requests with a
     padding user; a history grown by 1, 2, 1 and 1 items (four shapes without it) runs in one bucket, which the
-    graphs' bookkeeping replays, every answer equal to the package's without the cache."""
+    graphs' bookkeeping replays, every answer equal to the package's without the cache; the C++ runtime pads the
+    same way, bit for bit."""
     import hstu_export
 
     section, parity = derived_package.manifest["kv_cache"], derived_package.parity["kv_cache"]
     assert section["padding"] == {"rows_of": {"click": _CANDIDATE_ROWS, "watch": _CANDIDATE_ROWS,
-                                              "kv_stale": "uih_features__user_id__lengths"}}
+                                              "kv_stale": "uih_features.user_id.lengths"}}
     assert parity["padding"]["passed"] and parity["padding"]["padded"] == 6, parity["padding"]
     predictor = hstu_export.load(derived_package.path)
     a, b = gr_user(1, 3, 2), gr_user(2, 4, 1)
@@ -883,6 +886,14 @@ def test_a_padding_user_puts_histories_of_other_lengths_in_one_shape_bucket(deri
     assert (counts["replays"], counts["eager"], padded, hits) == (3, 2, 5, 8), counts
     counts, padded, hits = served(False)
     assert (counts["replays"], padded, hits) == (0, 0, 8), counts
+    # The C++ runtime pads as Python does (--kv-graphs buckets: its graphs' bookkeeping without CUDA, and with it
+    # the shape buckets): the same answers bit for bit, the same replays; --kv-shape-buckets off, none.
+    for buckets, replays in (("auto", 3), ("off", 0)):
+        ranker = predictor.kv_cache(shape_buckets=buckets == "auto")
+        ranker.runner.graphs = ShapeGraphs(ranker.runner._call, ranker.runner.STATIC_INPUTS, capture=False)
+        done = _served_alike(derived_package.path, predictor, ranker, script, cpp_runtime, tmp_path / buckets,
+                             "--kv-graphs", "buckets", "--kv-shape-buckets", buckets)
+        assert f"exact shapes: {replays} replays, 0 graphs captured" in done.stdout, done.stdout
 
 
 def test_the_padding_user_takes_each_total_to_a_step_within_its_range(derived_package: Any) -> None:
@@ -905,7 +916,7 @@ def test_the_padding_user_takes_each_total_to_a_step_within_its_range(derived_pa
     values = request[f"{items}.values"]
     assert torch.equal(got[f"{items}.values"], torch.cat([values, values[torch.arange(11) % 7]]))
     assert torch.equal(got["uih_features.user_id.values"][2:], request["uih_features.user_id.values"][:1])
-    assert padded.pad_rows[_CANDIDATE_ROWS] == 2 and padded.pad_rows["uih_features__user_id__lengths"] == 1
+    assert padded.pad_rows[_CANDIDATE_ROWS] == 2 and padded.pad_rows["uih_features.user_id.lengths"] == 1
     assert padding.new_rows_step == 8  # the fewest stored rows of a padding user: 6 items and its user id token
     # users' (sequence, stored, cached): the padding user's 1 + 11 + 2 tokens, 12 stored; 4 + 6 new rows before it
     cached = padding.cached([6, 6, 14], [4, 5, 12], [3, 0])
@@ -1018,7 +1029,8 @@ def test_a_whole_request_graph_holds_the_sparse_half_and_answers_the_same(cpp_ru
     """With the counts added up on the host and the compiled sparse half's prechecked model, nothing before the
     delta program reads the device, so the exact-shape graphs hold the whole request: their inputs are the
     request's tensors (the sparse half runs inside), not the rows it looks up. Python's and C++'s bookkeeping
-    (``--kv-graphs buckets``, no CUDA) replay the same calls and answer bit for bit as the cache without graphs."""
+    (``--kv-graphs buckets``, no CUDA) replay the same calls, padded into shape buckets alike, and answer as the cache
+    without graphs (bit for bit between the runtimes; a padding user may change the last bits)."""
     import hstu_export
 
     bundle = _cacheable_bundle(tmp_path / "grc.pt")
@@ -1035,7 +1047,9 @@ def test_a_whole_request_graph_holds_the_sparse_half_and_answers_the_same(cpp_ru
     for ids, users in script:
         batch = _package_request(predictor, users)
         got, want = ranker(batch, ids), plain(batch, ids)
-        assert all(torch.equal(got[name], want[name]) for name in want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+    assert ranker.padded_calls == len(script)  # each has room for a padding user (at most 2 of 4 users)
     looked_up = {t["name"] for t in predictor.manifest["artifacts"]["dense"]["inputs"] if not t.get("feature")}
     buffers = [set(entry.inputs) for entry in runner.graphs._graphs.values()]
     assert looked_up and buffers and all(  # the request is copied in, never the rows looked up
@@ -1154,16 +1168,13 @@ _REFUSED_BY_BOTH = [
     (lambda kv: kv["sparse_inside"]["tables"].update(kv_table_0="no.such.weight"), _UNKNOWN_TABLE),
     (lambda kv: kv["inputs"].insert(0, "embedding_collection__uih_item_id__values"), _SPARSE_OUTPUT),
 ]
-_REFUSED_IDS = ["unknown-input", "unknown-table", "sparse-output"]
-# Refused by Python only: the C++ runtime does not pad requests.
-_REFUSED_BY_PYTHON = [
-    (lambda kv: kv["padding"]["rows_of"].update(click="no_such_rows"), "kv_cache.padding.rows_of: is not an object"),
-    (lambda kv: kv["padding"]["rows_of"].pop("kv_stale"), "kv_cache.padding.rows_of: is not an object"),
-]
+_ROWS_OF = "is not an object naming, for each output, the request feature or cache input whose rows it follows"
+_REFUSED_BY_BOTH += [(lambda kv: kv["padding"]["rows_of"].update(click="no_such_rows"), _ROWS_OF),
+                     (lambda kv: kv["padding"]["rows_of"].pop("kv_stale"), _ROWS_OF)]
+_REFUSED_IDS = ["unknown-input", "unknown-table", "sparse-output", "padding-unknown-rows", "padding-missing-output"]
 
 
-@pytest.mark.parametrize("edit, message", [*_REFUSED_BY_BOTH, *_REFUSED_BY_PYTHON],
-                         ids=[*_REFUSED_IDS, "padding-unknown-rows", "padding-missing-output"])
+@pytest.mark.parametrize("edit, message", _REFUSED_BY_BOTH, ids=_REFUSED_IDS)
 def test_a_damaged_derived_section_is_refused_at_load(derived_package: Any, tmp_path: Path, edit: Any,
                                                       message: str) -> None:
     """A delta program input that is no dense input, cache input or request input, a table the sparse half does
@@ -1503,10 +1514,12 @@ def test_the_zoo_model_serves_through_a_derived_delta_program(cpp_runtime: Any, 
     assert parity["padding"]["passed"] and set(result.manifest["kv_cache"]["padding"]["rows_of"]) == set(want) | {
         "kv_stale"}, parity["padding"]
     padded = predictor.kv_cache(shape_buckets=True)
+    padded_answers = []
     for request in script:
         got, want = padded(request, [1, 2]), predictor(request)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+        padded_answers.append(got)
     assert padded.padded_calls == len(script) and padded.cache.stats() == stats
     args: list[object] = [result.path, *(save_tensors(r, tmp_path / f"request{k}") for k, r in enumerate(script))]
     for _ in script:
@@ -1527,6 +1540,12 @@ def test_the_zoo_model_serves_through_a_derived_delta_program(cpp_runtime: Any, 
         else:
             assert tuple(map(int, counted[-1])) == held_rows_of(result.manifest, [([1, 2], r) for r in script])
             assert int(counted[-1][0]) > 0, done.stdout
+    # With shape buckets on, the C++ runtime pads as Python does: the same answers bit for bit.
+    done = cpp_runtime.run(*args, "--kv-cache", "auto", "--kv-shape-buckets", "on", "--out", tmp_path / "padded")
+    assert done.returncode == 0, done.stderr
+    for k, want in enumerate(padded_answers):
+        got = load_tensors(tmp_path / "padded" / str(k + 1))
+        assert all(torch.equal(got[name], want[name]) for name in want), k
     # The same from Python, through the C++ runtime's library.
     from hstu_export.runtimes.native import LIBRARY_NAME, NativePredictor
 
@@ -1536,4 +1555,8 @@ def test_the_zoo_model_serves_through_a_derived_delta_program(cpp_runtime: Any, 
         assert all(torch.equal(got[name], want[name]) for name in want), k
     with pytest.raises(ConfigError, match="held_rows is True or False"):
         NativePredictor(result.path, library=cpp_runtime.path.parent / LIBRARY_NAME).kv_cache(held_rows="on")
+    native = NativePredictor(result.path, library=cpp_runtime.path.parent / LIBRARY_NAME).kv_cache(shape_buckets=True)
+    for k, (request, want) in enumerate(zip(script, padded_answers, strict=True)):
+        got = native(request, [1, 2])
+        assert all(torch.equal(got[name], want[name]) for name in want), k
 

@@ -21,7 +21,8 @@ rows). Whether an output's rows follow the users, one of the request's jagged fe
 off the compiled program's output shapes at export (the manifest's ``kv_cache.padding.rows_of``), and the export
 serves its verification requests padded and compares them with the model: a package whose answers change with a
 padding user records no ``padding`` and runs each shape as it is. A request with no room for one more user (the
-package's maximum batch) runs as it is, as does one for which no lengths in range land on a step.
+package's maximum batch) runs as it is, as does one for which no lengths in range land on a step. The C++ runtime
+pads by the same rules (``runtimes/cpp/src/kv_padding.cpp``), so that both answer bit for bit.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ UNCHANGED = ""
 
 @dataclass(frozen=True)
 class Padded:
-    """A request with the padding user last: the request, how many users are real, and each input's rows that
-    belong to the padding user (by graph name; the per-user inputs have one)."""
+    """A request with the padding user last: the request, how many users are real, and each feature's rows that
+    belong to the padding user (by name; the per-user features have one)."""
 
     request: dict[str, Tensor]
     users: int
@@ -81,7 +82,7 @@ class RequestPadding:
         if spec is None:
             return None
         rows_of = spec.get("rows_of") if isinstance(spec, dict) else None
-        known = {UNCHANGED, "kv_cached", "kv_page_table", "kv_target_rows", *predictor.input_schema.graph_names}
+        known = {UNCHANGED, "kv_cached", "kv_page_table", "kv_target_rows", *predictor.input_schema.names}
         if (not isinstance(rows_of, dict) or set(rows_of) != set(section.get("outputs", []))
                 or not all(isinstance(v, str) and v in known for v in rows_of.values())):
             raise PackageError(f"{predictor.root}: manifest field kv_cache.padding.rows_of: is not an object naming, "
@@ -115,7 +116,7 @@ class RequestPadding:
             else:
                 n, rows = 1, value[:1]
             out[f.name] = torch.cat([value, rows])
-            pad_rows[f.graph_name] = n
+            pad_rows[f.name] = n
         return Padded(out, users, pad_rows)
 
     def cached(self, seq_lengths: list[int], stored: list[int], cached: list[int]) -> int:

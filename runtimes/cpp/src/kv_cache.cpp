@@ -21,6 +21,7 @@
 #include <unordered_map>
 
 #include "kv_graphs.h"
+#include "kv_padding.h"
 #include "shape_graphs.h"
 #include "package_impl.h"
 
@@ -251,6 +252,8 @@ struct CachedRanker::Impl {
   bool whole_request = false;
   // A derived program holding the sparse half: the tables it takes, by input name (the sparse program's own).
   std::map<std::string, at::Tensor> derived_tables;
+  // A derived program's shape buckets (KVCacheOptions::shape_buckets), or null: each request as it is.
+  std::unique_ptr<detail::RequestPadding> padding;
   // Whether each cached user's jagged request rows are kept on the device (KVCacheOptions::held_rows).
   bool hold_rows = false;
   HeldRowCounts held_counts;  // (the mutex held)
@@ -490,6 +493,17 @@ std::unique_ptr<CachedRanker::Impl> open_derived(const Package::Impl& pkg, const
         /*capture=*/graphs == KVGraphs::kOn, /*max_graphs=*/16,
         options.graph_copy_limit > 0 ? options.graph_copy_limit : detail::kMaxCopyBytes);
   }
+  using Buckets = KVCacheOptions::ShapeBuckets;
+  if (options.shape_buckets == Buckets::kOn && !d.padding) {
+    throw Error(pkg.root + ": its manifest records no padding user for the delta program's shape buckets "
+                "(kv_cache.padding: the export found none whose answers match the model's, or it predates them); "
+                "serve with shape buckets auto");
+  }
+  if (d.padding && (options.shape_buckets == Buckets::kOn ||
+                    (options.shape_buckets == Buckets::kAuto && impl->shape_graphs != nullptr))) {
+    impl->padding = std::make_unique<detail::RequestPadding>(pkg.features, *d.padding, pkg.max_batch_size,
+                                                             (d.max_seq_len + d.page_size - 1) / d.page_size);
+  }
   return impl;
 }
 
@@ -511,6 +525,10 @@ std::shared_ptr<CachedRanker> CachedRanker::open(std::shared_ptr<const Package> 
   if (options.held_rows) {
     throw Error("held rows apply to a derived delta program; " + pkg.root + " has the zoo model's written one "
                 "(export with --kv-program derived, or serve without held rows)");
+  }
+  if (options.shape_buckets == KVCacheOptions::ShapeBuckets::kOn) {
+    throw Error("shape buckets on apply to a derived delta program; " + pkg.root + " has the zoo model's written "
+                "one, which pads its requests into buckets with its CUDA graphs (--kv-graphs)");
   }
   auto impl = std::make_unique<Impl>();
   impl->package = package;
@@ -1125,6 +1143,13 @@ void CachedRanker::Impl::keep_held(std::vector<HeldUpdate>& updates) {
 NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::vector<int64_t>& users, int64_t batch,
                                              detail::PhaseClock& clock) {
   const detail::DerivedKVSection& d = *derived;
+  // With shape buckets, a padding user last (kv_padding.h): `all` users, of whom the first `batch` are real.
+  std::optional<detail::PaddedRequest> padded;
+  if (padding) padded = padding->pad(request, batch);
+  const Tensors& whole = padded ? padded->request : request;
+  const int64_t all = batch + (padded ? 1 : 0);
+  std::vector<int64_t> all_users(users);
+  if (padded) all_users.push_back(-1);  // never looked up: the padding user is not kept
   Tensors on_device;
   std::map<std::string, at::Tensor> dense;  // the dense half's inputs by name (a whole-request graph: none)
   clock.sparse_in_dense(whole_request || d.sparse_inside);
@@ -1132,7 +1157,7 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
   // (`updates`), only the rows the kept users' entries do not hold.
   auto move = [&](const std::vector<bool>& kept, std::vector<HeldUpdate>* updates, std::vector<at::Tensor>* also) {
     clock.begin_part();
-    on_device = updates ? upload_held(request, users, kept, *updates, also) : pkg->plain(request, also);
+    on_device = updates ? upload_held(whole, all_users, kept, *updates, also) : pkg->plain(whole, also);
     clock.end_part(&PhaseTimes::to_device_ms);
     if (d.sparse_inside) {  // the program looks the request up itself: the dense inputs it takes are request features
       for (const auto& spec : pkg->artifacts.at("dense").inputs) {
@@ -1152,12 +1177,12 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
   std::vector<at::Tensor> counted;
   if (d.host_counts) {  // sums of request features: added up here, with nothing read back from the device
     auto sum = [&](const detail::DerivedKVSection::HostSum& part) {
-      at::Tensor total = at::full({batch}, part.constant, at::kLong);
+      at::Tensor total = at::full({all}, part.constant, at::kLong);
       for (const auto& [feature, k] : part.terms) {
-        at::Tensor value = request.at(feature).to(at::kCPU).to(at::kLong).reshape({-1});
-        if (value.numel() != batch) {
+        at::Tensor value = whole.at(feature).to(at::kCPU).to(at::kLong).reshape({-1});
+        if (value.numel() != all) {
           throw Error(feature + " has " + std::to_string(value.numel()) + " values for a batch of " +
-                      std::to_string(batch) + " users");
+                      std::to_string(all) + " users");
         }
         total.add_(value, k);
       }
@@ -1169,13 +1194,13 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
     for (const auto& name : d.counts_inputs) count_inputs.push_back(dense.at(name));
     counted = counts_program->run(count_inputs);
   }
-  if (counted.size() != 2 || counted[0].numel() != batch || counted[1].numel() != batch) {
+  if (counted.size() != 2 || counted[0].numel() != all || counted[1].numel() != all) {
     throw Error(d.counts_file + " did not return a sequence length and a target count for each of the " +
-                std::to_string(batch) + " users");
+                std::to_string(all) + " users");
   }
   HostInts lengths(counted[0]), targets(counted[1]);
-  std::vector<int64_t> stored(batch);
-  for (int64_t b = 0; b < batch; ++b) stored[b] = lengths.data[b] - targets.data[b];
+  std::vector<int64_t> stored(all);
+  for (int64_t b = 0; b < all; ++b) stored[b] = lengths.data[b] - targets.data[b];
   std::unordered_map<int64_t, int> seen;
   for (int64_t user : users) seen[user] += 1;
 
@@ -1213,11 +1238,19 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
   if (bypassed > 0) count(&KVCacheStats::bypassed, bypassed);
   std::vector<HeldUpdate> held_updates;
 
-  // What the program takes besides the request, from the host's counts, cached prefixes and page tables.
+  // What the program takes besides the request, from the host's counts, cached prefixes and page tables. The
+  // padding user's cached count puts the new rows on a step; its pages are the scratch page, the table's width a
+  // bucket's.
+  std::vector<int64_t> lengths_all(lengths.data, lengths.data + all);
   auto row_inputs = [&]() {
     int64_t width = 1;
     for (const auto& row : tables) width = std::max<int64_t>(width, static_cast<int64_t>(row.size()));
-    at::Tensor table = at::full({batch, width}, scratch, at::kInt);  // the rest of a row: the scratch page
+    std::vector<int64_t> cached_all(cached);
+    if (padded) {
+      cached_all.push_back(padding->cached(lengths_all, stored, cached));
+      width = padding->width(std::max(width, (stored.back() + kv.page_size - 1) / kv.page_size));
+    }
+    at::Tensor table = at::full({all, width}, scratch, at::kInt);  // the rest of a row: the scratch page
     for (int64_t b = 0; b < batch; ++b) {
       auto* row = table.data_ptr<int32_t>() + b * width;
       for (size_t i = 0; i < tables[b].size(); ++i) row[i] = static_cast<int32_t>(tables[b][i]);
@@ -1227,21 +1260,23 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
     // kv_target_rows (kv_derive.target_rows_of): each user's targets, its last rows, as indices into those.
     std::vector<int64_t> new_rows, target_rows;
     int64_t start = 0;
-    for (int64_t b = 0; b < batch; ++b) {
-      int64_t prefix = cached[b] >= 0 && cached[b] <= stored[b] ? cached[b] : 0;
+    for (int64_t b = 0; b < all; ++b) {
+      int64_t prefix = cached_all[b] >= 0 && cached_all[b] <= stored[b] ? cached_all[b] : 0;
       for (int64_t i = start + prefix; i < start + lengths.data[b]; ++i) new_rows.push_back(i);
       const int64_t end = static_cast<int64_t>(new_rows.size());
       for (int64_t i = end - (lengths.data[b] - stored[b]); i < end; ++i) target_rows.push_back(i);
       start += lengths.data[b];
     }
-    return std::vector<at::Tensor>{at::tensor(cached, at::kLong), table, at::tensor(new_rows, at::kLong),
+    return std::vector<at::Tensor>{at::tensor(cached_all, at::kLong), table, at::tensor(new_rows, at::kLong),
                                    at::tensor(target_rows, at::kLong)};
   };
   std::vector<at::Tensor> rows = row_inputs();
   if (moved_first) {
     detail::to_device(rows, pkg->device);  // in one transfer
   } else {
-    move(kept, hold_rows ? &held_updates : nullptr, &rows);
+    std::vector<bool> kept_all(kept);
+    if (padded) kept_all.push_back(false);
+    move(kept_all, hold_rows ? &held_updates : nullptr, &rows);
   }
 
   auto call = [&](const std::vector<at::Tensor>& moved) {
@@ -1277,6 +1312,7 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
       throw Error(d.program_file + " returned " + std::to_string(outputs.size()) + " outputs, the manifest names " +
                   std::to_string(d.outputs.size()));
     }
+    if (padded) return padding->unpad(outputs, d.outputs, *padded, lengths_all.back() - stored.back());
     return outputs;
   };
   clock.lap(&PhaseTimes::before_dense_ms);

@@ -93,7 +93,11 @@ constexpr const char* kUsage =
     "                         BYTES (KiB, MiB or GiB allowed; default 160MiB) runs as it is\n"
     "  --kv-held-rows on|off  a derived delta program's cache keeps each user's jagged request rows on the\n"
     "                         device and sends only the rows after an unchanged prefix (default off: not yet\n"
-    "                         timed on a GPU)\n";
+    "                         timed on a GPU)\n"
+    "  --kv-shape-buckets MODE\n"
+    "                         a derived delta program's shape buckets (a padding user that rounds a\n"
+    "                         request's shapes, where the export verified one): auto (default: with its\n"
+    "                         graphs, --kv-graphs on or buckets), on, or off\n";
 
 struct Args {
   std::string package, out, latency_log;
@@ -244,6 +248,12 @@ Args parse(int argc, char** argv) {
       if (mode != "on" && mode != "off") usage_error("--kv-held-rows is on or off, got " + mode);
       args.kv_options.held_rows = mode == "on";
       args.kv_graphs_given = true;
+    } else if (arg == "--kv-shape-buckets") {
+      using Buckets = hstu_export::KVCacheOptions::ShapeBuckets;
+      std::string mode = value();
+      if (mode != "auto" && mode != "on" && mode != "off") usage_error("--kv-shape-buckets is auto, on or off, got " + mode);
+      args.kv_options.shape_buckets = mode == "on" ? Buckets::kOn : mode == "off" ? Buckets::kOff : Buckets::kAuto;
+      args.kv_graphs_given = true;
     } else if (!arg.empty() && arg[0] == '-') {
       usage_error("unknown option " + arg);
     } else {
@@ -255,7 +265,8 @@ Args parse(int argc, char** argv) {
                                       : "expected PACKAGE and one REQUEST_DIR (several only with --kv-cache)");
   }
   if (!args.kv && (!args.user_ids.empty() || args.kv_options.max_time_drift != 0 || args.kv_graphs_given)) {
-    usage_error("--user-ids, --max-time-drift, --kv-graphs, --kv-graph-copy-limit and --kv-held-rows go with --kv-cache");
+    usage_error("--user-ids, --max-time-drift, --kv-graphs, --kv-graph-copy-limit, --kv-held-rows and "
+                "--kv-shape-buckets go with --kv-cache");
   }
   if (args.kv && args.graphs_given) {
     usage_error("--graphs and --graph-copy-limit serve without --kv-cache; the cache's are --kv-graphs and "

@@ -107,9 +107,11 @@ struct NativeRanker : torch::CustomClassHolder {
   std::shared_ptr<hstu_export::CachedRanker> ranker;
 
   NativeRanker(const c10::intrusive_ptr<NativePackage>& package, int64_t budget_bytes, int64_t max_time_drift,
-               const std::string& graphs, int64_t graph_copy_limit, bool held_rows) {
+               const std::string& graphs, int64_t graph_copy_limit, bool held_rows, const std::string& shape_buckets) {
+    using Buckets = hstu_export::KVCacheOptions::ShapeBuckets;
     hstu_export::KVCacheOptions options;
     options.held_rows = held_rows;
+    options.shape_buckets = shape_buckets == "on" ? Buckets::kOn : shape_buckets == "off" ? Buckets::kOff : Buckets::kAuto;
     options.budget_bytes = budget_bytes;
     options.max_time_drift = max_time_drift;
     options.graph_copy_limit = graph_copy_limit;
@@ -149,7 +151,7 @@ TORCH_LIBRARY(hstu_export_native, m) {
       .def("device", &NativePublished::device)
       .def("path", &NativePublished::path);
   m.class_<NativeRanker>("CachedRanker")
-      .def(torch::init<c10::intrusive_ptr<NativePackage>, int64_t, int64_t, std::string, int64_t, bool>())
+      .def(torch::init<c10::intrusive_ptr<NativePackage>, int64_t, int64_t, std::string, int64_t, bool, std::string>())
       .def("run", &NativeRanker::run)
       .def("stats", &NativeRanker::stats);
 }

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -107,6 +108,12 @@ struct KVSection {
   bool fits_counts = false;
 };
 
+// kv_cache.padding: a derived program's shape buckets (kv_padding.h).
+struct PaddingSpec {
+  std::map<std::string, std::string> rows_of;  // output -> request feature or cache input whose rows it follows, or ""
+  std::set<std::string> target_features;       // the lengths features the targets are counted from
+};
+
 // A delta program derived from the model's graph (kv_cache.kind "derived": hstu_export/kv_derive.py) and its
 // counts program, both AOTInductor packages inside the package.
 struct DerivedKVSection {
@@ -140,6 +147,7 @@ struct DerivedKVSection {
     int64_t constant = 0;
   };
   std::optional<std::pair<HostSum, HostSum>> host_counts;
+  std::optional<PaddingSpec> padding;
 };
 
 // A request tensor as compiled code may read it: row-major strides exactly, no autograd history.

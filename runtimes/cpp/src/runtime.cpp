@@ -689,6 +689,36 @@ detail::DerivedKVSection read_derived_kv_section(const Fields& fields, const Val
   std::sort(answers.begin(), answers.end());
   std::sort(names.begin(), names.end());
   if (answers != names) fields.fail(where + ".outputs", "is not the package's outputs [" + joined(impl.output_names) + "] and kv_stale");
+  if (const Value* padding = kv.find("padding"); padding != nullptr && !padding->is_null()) {
+    // Which input each output's rows follow: a request feature, a cache input, or "" (serving/kv_padding.py).
+    const std::string at_rows = where + ".padding.rows_of";
+    const std::string what = "is not an object naming, for each output, the request feature or cache input whose "
+                             "rows it follows (or \"\")";
+    const Value* rows = fields.of_type(*padding, Value::Type::Object, where + ".padding").find("rows_of");
+    if (rows == nullptr || rows->type != Value::Type::Object) fields.fail(at_rows, what);
+    std::set<std::string> known = {"", "kv_cached", "kv_page_table", "kv_target_rows"};
+    for (const auto& f : impl.features) known.insert(f.name);
+    detail::PaddingSpec spec;
+    for (const auto& [output, follows] : rows->object) {
+      if (follows.type != Value::Type::String || !known.count(follows.string)) fields.fail(at_rows, what);
+      spec.rows_of[output] = follows.string;
+    }
+    if (std::set<std::string>(out.outputs.begin(), out.outputs.end()) != [&] {
+          std::set<std::string> keys;
+          for (const auto& [output, follows] : spec.rows_of) keys.insert(output);
+          return keys;
+        }()) {
+      fields.fail(at_rows, what);
+    }
+    if (const Value* targets = kv.find("target_inputs"); targets != nullptr && targets->type == Value::Type::Array) {
+      for (const auto& name : targets->array) {
+        if (name.type != Value::Type::String) fields.fail(where + ".target_inputs", "is not a list of input names");
+        auto spec_of = std::find_if(dense.begin(), dense.end(), [&](const TensorSpec& s) { return s.name == name.string; });
+        if (spec_of != dense.end() && !spec_of->feature.empty()) spec.target_features.insert(spec_of->feature);
+      }
+    }
+    out.padding = std::move(spec);
+  }
   return out;
 }
 

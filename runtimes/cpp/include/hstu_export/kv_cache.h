@@ -51,6 +51,12 @@ struct KVCacheOptions {
   // the host), sends only the rows after them. Needs the counts added up on the host. Off by default: not yet
   // timed on a GPU (docs/KV_CACHE.md, "Held rows").
   bool held_rows = false;
+  // A derived delta program's shape buckets (docs/KV_CACHE.md, "Shape buckets"): a padding user appended to each
+  // request that has room for one, rounding its shapes to a bucket's, where the export verified one
+  // (kv_cache.padding). kAuto: with the program's graphs (kv_graphs on or buckets); kOn without a verified padding
+  // user is an error.
+  enum class ShapeBuckets { kAuto, kOn, kOff };
+  ShapeBuckets shape_buckets = ShapeBuckets::kAuto;
 };
 
 struct KVCacheStats {
