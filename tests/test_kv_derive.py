@@ -894,6 +894,7 @@ def test_a_padding_user_puts_histories_of_other_lengths_in_one_shape_bucket(deri
         done = _served_alike(derived_package.path, predictor, ranker, script, cpp_runtime, tmp_path / buckets,
                              "--kv-graphs", "buckets", "--kv-shape-buckets", buckets)
         assert f"exact shapes: {replays} replays, 0 graphs captured" in done.stdout, done.stdout
+        assert ("; a padding user in 5 calls" in done.stdout) == (buckets == "auto"), done.stdout
 
 
 def test_the_padding_user_takes_each_total_to_a_step_within_its_range(derived_package: Any) -> None:

@@ -9,6 +9,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <cstdio>
 #include <cstring>
@@ -254,6 +255,7 @@ struct CachedRanker::Impl {
   std::map<std::string, at::Tensor> derived_tables;
   // A derived program's shape buckets (KVCacheOptions::shape_buckets), or null: each request as it is.
   std::unique_ptr<detail::RequestPadding> padding;
+  std::atomic<int64_t> padded_calls{0};
   // Whether each cached user's jagged request rows are kept on the device (KVCacheOptions::held_rows).
   bool hold_rows = false;
   HeldRowCounts held_counts;  // (the mutex held)
@@ -583,6 +585,8 @@ KVCacheStats CachedRanker::stats() const {
   out.pages_used = impl_->num_pages - static_cast<int64_t>(impl_->free_pages.size());
   return out;
 }
+
+int64_t CachedRanker::padded_calls() const { return impl_->padding ? impl_->padded_calls.load() : -1; }
 
 int64_t CachedRanker::bytes() const {
   return static_cast<int64_t>(impl_->k.nbytes() + impl_->v.nbytes() + (impl_->x.defined() ? impl_->x.nbytes() : 0));
@@ -1146,6 +1150,7 @@ NamedTensors CachedRanker::Impl::run_derived(const Tensors& request, const std::
   // With shape buckets, a padding user last (kv_padding.h): `all` users, of whom the first `batch` are real.
   std::optional<detail::PaddedRequest> padded;
   if (padding) padded = padding->pad(request, batch);
+  if (padded) padded_calls += 1;
   const Tensors& whole = padded ? padded->request : request;
   const int64_t all = batch + (padded ? 1 : 0);
   std::vector<int64_t> all_users(users);

@@ -30,6 +30,8 @@ struct PaddedRequest {
 class RequestPadding {
  public:
   RequestPadding(const std::vector<Feature>& features, PaddingSpec spec, int64_t max_batch, int64_t max_width);
+  RequestPadding(const RequestPadding&) = delete;  // groups_ points into features_
+  RequestPadding& operator=(const RequestPadding&) = delete;
 
   // `request` (checked, `users` users) with a padding user; none where it has no room for one, a tensor is not on
   // the host, or no lengths in the features' ranges put the totals on steps.

@@ -470,6 +470,7 @@ std::string stats_line(const hstu_export::CachedRanker& ranker) {
                 static_cast<double>(ranker.bytes()) / (1 << 20));
   std::string out = line;
   if (ranker.bucketed()) out += "; " + graphs_line(ranker.derived() ? "exact shapes" : "shape buckets", ranker.graph_counts());
+  if (int64_t padded = ranker.padded_calls(); padded >= 0) out += "; a padding user in " + std::to_string(padded) + " calls";
   if (hstu_export::HeldRowCounts held = ranker.held_rows(); held.on) {
     out += "; held rows: " + std::to_string(held.taken) + " taken from the device, " + std::to_string(held.sent) + " sent";
   }

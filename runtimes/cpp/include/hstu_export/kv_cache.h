@@ -99,6 +99,8 @@ class CachedRanker {
   bool derived() const;
   KVGraphCounts graph_counts() const;
   HeldRowCounts held_rows() const;
+  // Calls run with a padding user (a derived program's shape buckets); -1 where the ranker pads none.
+  int64_t padded_calls() const;
   int64_t bytes() const;      // of the K/V pages
   int64_t page_size() const;  // tokens per page
   const Package& package() const;
