@@ -433,6 +433,24 @@ def test_exports_with_its_derived_kv_program_served_the_same_by_python_and_cpp(t
         assert set(got) == set(want) and all(torch.equal(got[name], want[name]) for name in want), k
     found = re.findall(r"kv cache: (\d+) hits, (\d+) misses, (\d+) stale", done.stdout)
     assert found and tuple(map(int, found[-1])) == (stats["hits"], stats["misses"], stats["stale"]), done.stdout
+    # With a padding user (shape buckets, verified at export; its counts program counts the padding user too):
+    # the same answers, and the C++ runtime's bit for bit.
+    assert parity["padding"]["passed"] and parity["padding"]["padded"] >= 4, parity["padding"]
+    padded = predictor.kv_cache(shape_buckets=True)
+    padded_answers = []
+    for k, batch in enumerate(script):
+        request = flatten_example(predictor.input_schema, (batch,), None, model)
+        got = padded(request, [1, 2, 3])
+        for name, value in expected[k].items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+        padded_answers.append(got)
+    assert padded.padded_calls == len(script)
+    done = cpp_runtime.run(*args, "--kv-cache", "auto", "--kv-shape-buckets", "on",  # type: ignore[attr-defined]
+                           "--out", tmp_path / "padded")
+    assert done.returncode == 0 and f"a padding user in {len(script)} calls" in done.stdout, done.stderr
+    for k, want in enumerate(padded_answers):
+        got = load_tensors(tmp_path / "padded" / str(k + 1))
+        assert all(torch.equal(got[name], want[name]) for name in want), k
     # Its counts are computed on the device (not sums of request lengths): held rows, which need them before the
     # request moves, are refused in one line, with nothing written.
     held = cpp_runtime.run(*args, "--kv-cache", "auto", "--kv-held-rows", "on",  # type: ignore[attr-defined]
