@@ -36,8 +36,12 @@ plain_build() {
   if [ -e "$cuda_include/cuda_runtime_api.h" ] && [ -e "$torch_dir/lib/libtorch_cuda.so" ]; then
     graphs=(-isystem "$cuda_include" -DHSTU_EXPORT_CUDA_GRAPHS)
   fi
-  c++ "${flags[@]}" "${graphs[@]}" -shared -DHSTU_EXPORT_DEFAULT_OP_LIBRARY_DIRS="\"$ops\"" \
-    "$here"/src/runtime.cpp "$here"/src/kv_cache.cpp "$here"/src/kv_graphs.cpp "$here"/src/shape_graphs.cpp "$here"/src/tensor_dir.cpp "$here"/src/tables.cpp "$here"/src/published.cpp "$here"/src/json.cpp "$here"/src/sha256.cpp \
+  # The runtime library's sources as CMakeLists.txt lists them: a new file is added there alone.
+  local sources=()
+  for source in $(sed -n '/^add_library(hstu_export_runtime /,/)/p' "$here/CMakeLists.txt" | grep -o 'src/[A-Za-z0-9_]*\.cpp'); do
+    sources+=("$here/$source")
+  done
+  c++ "${flags[@]}" "${graphs[@]}" -shared -DHSTU_EXPORT_DEFAULT_OP_LIBRARY_DIRS="\"$ops\"" "${sources[@]}" \
     -o "$build/libhstu_export_runtime.so" -Wl,--no-as-needed -L"$torch_dir/lib" $libs -ldl \
     -Wl,-rpath,"$torch_dir/lib"
   c++ "${flags[@]}" "$here/src/main.cpp" -o "$build/hstu-export-run" -Wl,--no-as-needed \
